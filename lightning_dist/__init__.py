@@ -1,0 +1,19 @@
+"""lightning_dist: parallelism strategies for PyTorch Lightning that need no model changes.
+
+Importing the package registers its strategy names with ``lightning.pytorch``'s ``StrategyRegistry``::
+
+    import lightning as L
+    import lightning_dist  # noqa: F401  (registers "fsdp2", ...)
+
+    trainer = L.Trainer(strategy="fsdp2", devices=4)
+"""
+
+from lightning_dist.plugins import DistributedCheckpointIO, FSDP2Precision
+from lightning_dist.strategies import FSDP2Strategy, MeshParallelStrategy
+from lightning_dist.strategies.registry import register_strategies
+
+__version__ = "0.1.0.dev0"
+
+__all__ = ["DistributedCheckpointIO", "FSDP2Precision", "FSDP2Strategy", "MeshParallelStrategy", "__version__"]
+
+register_strategies()

@@ -1,0 +1,49 @@
+"""Global-norm gradient clipping for a mix of DTensor (sharded on any mesh) and plain gradients."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+
+def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
+    """Norm of all gradients as if they were one unsharded vector.
+
+    Gradients are grouped by device mesh; each group's norm is computed with DTensor semantics (shards summed
+    across their mesh dims, replicas counted once) and the groups are combined locally. Plain tensors are
+    treated as replicated on every rank.
+    """
+    norm_type = float(norm_type)
+    groups: dict[object, list[Tensor]] = defaultdict(list)
+    for p in parameters:
+        if p.grad is not None:
+            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            groups[key].append(p.grad)
+    if not groups:
+        return torch.tensor(0.0)
+    group_norms = []
+    for grads in groups.values():
+        norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads])
+        group_norm = torch.linalg.vector_norm(norms, norm_type)
+        if isinstance(group_norm, DTensor):
+            group_norm = group_norm.full_tensor()
+        group_norms.append(group_norm.float())
+    device = group_norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in group_norms]), norm_type)
+
+
+def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
+    """Scale gradients in place so their global norm is at most ``max_norm``; returns the norm before clipping."""
+    parameters = [p for p in parameters if p.grad is not None]
+    total = total_grad_norm(parameters, norm_type)
+    if math.isinf(norm_type) or torch.isfinite(total):
+        clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in parameters:
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            grad.mul_(clip_coef.to(device=grad.device, dtype=grad.dtype))
+    return total

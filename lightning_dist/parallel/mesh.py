@@ -1,0 +1,113 @@
+"""One named N-D device mesh for every strategy.
+
+Axis names, outer to inner: ``pp, dp_replicate, dp_shard, cp, tp``. Every strategy is this mesh with some axes of
+size 1. Three derived groups are named once here and used everywhere:
+
+- ``batch`` = dp_replicate × dp_shard: ranks that see different data (the sampler's replicas).
+- ``fsdp``  = dp_shard × cp: parameters are sharded and gradients reduced over it.
+- ``loss``  = dp_replicate × dp_shard × cp: logged scalars are averaged over it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+MESH_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+DERIVED_GROUPS: dict[str, tuple[str, ...]] = {
+    "batch": ("dp_replicate", "dp_shard"),
+    "fsdp": ("dp_shard", "cp"),
+    "loss": ("dp_replicate", "dp_shard", "cp"),
+}
+
+
+class MeshConfigError(ValueError):
+    """Raised when the requested parallel sizes cannot form a mesh over the available processes."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the five mesh axes. Their product must equal the world size."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise MeshConfigError(f"Mesh axis {f.name!r} must be a positive integer, got {value!r}.")
+
+    @classmethod
+    def resolve(cls, world_size: int, **sizes: int | str | None) -> ParallelDims:
+        """Build dims for ``world_size`` where at most one axis may be ``"auto"`` (it takes what is left).
+
+        Axes not given are 1. Raises :class:`MeshConfigError` naming the sizes when they do not fit.
+        """
+        unknown = set(sizes) - set(MESH_AXES)
+        if unknown:
+            raise MeshConfigError(f"Unknown mesh axes {sorted(unknown)}; the axes are {list(MESH_AXES)}.")
+        auto = [name for name, size in sizes.items() if size in ("auto", None, -1)]
+        if len(auto) > 1:
+            raise MeshConfigError(f"Only one mesh axis can be 'auto', got {auto}.")
+        fixed = {name: size for name, size in sizes.items() if name not in auto}
+        for name, size in fixed.items():
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise MeshConfigError(f"Mesh axis {name!r} must be a positive integer or 'auto', got {size!r}.")
+        product = 1
+        for size in fixed.values():
+            product *= size  # type: ignore[operator]
+        if auto:
+            if world_size % product != 0:
+                raise MeshConfigError(
+                    f"Cannot fit {_describe(fixed)} into {world_size} processes: {world_size} is not divisible by"
+                    f" {product}. Choose sizes whose product divides the number of processes (devices × num_nodes)."
+                )
+            fixed[auto[0]] = world_size // product
+        elif product != world_size:
+            raise MeshConfigError(
+                f"The mesh {_describe(fixed)} has {product} ranks, but {world_size} processes are running"
+                f" (devices × num_nodes). Make the sizes multiply to {world_size}, or set one of them to 'auto'."
+            )
+        return cls(**fixed)  # type: ignore[arg-type]
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def batch(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> int:
+        return self.dp_shard * self.cp
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in MESH_AXES}
+
+    def __str__(self) -> str:
+        parts = [f"{name}={size}" for name, size in self.as_dict().items() if size > 1]
+        return " × ".join(parts) if parts else "single rank"
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """Create the 5-D mesh (size-1 axes included) and the flattened ``batch``, ``fsdp`` and ``loss`` groups.
+
+        Must be called on every rank after the default process group exists.
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, tuple(self.as_dict().values()), mesh_dim_names=MESH_AXES)
+        for name, axes in DERIVED_GROUPS.items():
+            mesh[axes]._flatten(name)
+        return mesh
+
+
+def _describe(sizes: dict[str, object]) -> str:
+    return ", ".join(f"{name}={size}" for name, size in sizes.items()) or "(no axes)"

@@ -1,0 +1,120 @@
+"""Choosing which submodules form the units of sharding, checkpointing and pipelining.
+
+A *block* is a submodule that repeats: the same-class children of an ``nn.ModuleList``/``nn.ModuleDict`` (the
+transformer layers of almost every model). Users can instead name classes or give a regex over qualified names.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections import Counter
+from collections.abc import Iterable
+
+from torch import nn
+
+ModuleSpec = type[nn.Module] | str
+
+
+def find_repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Return ``(qualified_name, module)`` of the outermost repeated blocks, in registration order.
+
+    A container (``ModuleList``/``ModuleDict``) contributes its children of the most common class when that class
+    occurs at least twice and the children hold parameters. Blocks nested inside an already chosen block (experts
+    inside a transformer layer) are not returned.
+    """
+    chosen: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            continue
+        if any(name.startswith(f"{prefix}.") for prefix, _ in chosen):
+            continue
+        children = list(module.named_children())
+        counts = Counter(type(child) for _, child in children)
+        if not counts:
+            continue
+        cls, count = counts.most_common(1)[0]
+        if count < 2:
+            continue
+        for child_name, child in children:
+            if type(child) is cls and any(True for _ in child.parameters()):
+                chosen.append((f"{name}.{child_name}" if name else child_name, child))
+    return chosen
+
+
+def resolve_module_classes(specs: Iterable[ModuleSpec]) -> tuple[set[type[nn.Module]], set[str]]:
+    """Split ``specs`` into imported classes and bare class names.
+
+    Class paths (``"examples.gpt.Block"``) are imported; bare names (``"Block"``) are matched later against the model.
+    Raises ``ValueError`` for a class path that cannot be imported or does not name an ``nn.Module`` subclass.
+    """
+    classes: set[type[nn.Module]] = set()
+    names: set[str] = set()
+    for spec in specs:
+        if isinstance(spec, type):
+            if not issubclass(spec, nn.Module):
+                raise ValueError(f"{spec!r} is not an nn.Module subclass; only module classes can be wrapped.")
+            classes.add(spec)
+        elif isinstance(spec, str) and "." in spec:
+            module_path, _, attr = spec.rpartition(".")
+            try:
+                cls = getattr(importlib.import_module(module_path), attr)
+            except (ImportError, AttributeError) as err:
+                raise ValueError(
+                    f"Could not import the module class {spec!r} ({err}). Give a full class path such as"
+                    " 'my_package.model.TransformerBlock', or just the class name."
+                ) from err
+            if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+                raise ValueError(f"{spec!r} resolves to {cls!r}, which is not an nn.Module subclass.")
+            classes.add(cls)
+        elif isinstance(spec, str):
+            names.add(spec)
+        else:
+            raise ValueError(f"Expected a module class or a class path string, got {spec!r}.")
+    return classes, names
+
+
+def select_modules(
+    model: nn.Module,
+    classes: Iterable[ModuleSpec] | None = None,
+    fqn_regex: str | None = None,
+    *,
+    what: str = "wrap",
+) -> list[tuple[str, nn.Module]]:
+    """Pick the units for ``what`` (used in messages): named classes, an FQN regex, or the repeated blocks.
+
+    The root module itself is never returned. Raises ``ValueError`` when a named class or the regex matches nothing,
+    listing the classes the model does contain.
+    """
+    if classes is None and fqn_regex is None:
+        return find_repeated_blocks(model)
+    selected: list[tuple[str, nn.Module]] = []
+    if classes is not None:
+        class_set, name_set = resolve_module_classes(classes)
+        found = {type(m).__name__ for m in model.modules()}
+        missing = sorted(name_set - found) + sorted(c.__qualname__ for c in class_set if c not in {type(m) for m in model.modules()})
+        if missing:
+            raise ValueError(
+                f"Cannot {what} {missing}: the model has no module of that class. Classes in the model:"
+                f" {sorted(found)}."
+            )
+        selected = [
+            (n, m) for n, m in model.named_modules()
+            if n and (isinstance(m, tuple(class_set)) or type(m).__name__ in name_set)
+        ]
+    if fqn_regex is not None:
+        pattern = re.compile(fqn_regex)
+        by_regex = [(n, m) for n, m in model.named_modules() if n and pattern.fullmatch(n)]
+        if not by_regex:
+            raise ValueError(f"The regex {fqn_regex!r} matches no module name of the model to {what}.")
+        known = {n for n, _ in selected}
+        selected += [(n, m) for n, m in by_regex if n not in known]
+        order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+        selected.sort(key=lambda item: order[item[0]])
+    return selected
+
+
+def summarize(modules: list[tuple[str, nn.Module]]) -> str:
+    """``"12 × Block"``-style summary of selected modules, by class."""
+    counts = Counter(type(m).__name__ for _, m in modules)
+    return ", ".join(f"{n} × {cls}" for cls, n in counts.items()) or "no modules"

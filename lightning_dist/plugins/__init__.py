@@ -1,0 +1,6 @@
+"""Precision and checkpoint-IO plugins matching the lightning_dist strategies."""
+
+from lightning_dist.plugins.checkpoint_io import CheckpointError, DistributedCheckpointIO
+from lightning_dist.plugins.precision import FSDP2Precision
+
+__all__ = ["CheckpointError", "DistributedCheckpointIO", "FSDP2Precision"]

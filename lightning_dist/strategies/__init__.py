@@ -1,0 +1,6 @@
+"""Lightning strategies: adapters from the Trainer's lifecycle to ``lightning_dist.parallel``."""
+
+from lightning_dist.strategies.base import MeshParallelStrategy
+from lightning_dist.strategies.fsdp2 import FSDP2Strategy
+
+__all__ = ["FSDP2Strategy", "MeshParallelStrategy"]

@@ -1,0 +1,422 @@
+"""The shared base of every lightning_dist strategy.
+
+It owns what all six strategies share: the process group and the one N-D mesh, launching, the sampler's view of
+data parallelism, collectives for logging, precision-plugin conversion, meta-device materialization, sharded
+checkpoints and gradient clipping. A concrete strategy says which mesh it wants (:meth:`mesh_sizes`) and how to
+parallelize the model on it (:meth:`parallelize`); pipeline and context parallel use the two extension hooks
+(:meth:`transform_batch`, :attr:`takes_over_backward` with :meth:`run_training_step`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_dist.parallel.fsdp import reshard_all
+from lightning_dist.parallel.mesh import ParallelDims
+from lightning_dist.plugins.checkpoint_io import DistributedCheckpointIO
+from lightning_dist.plugins.precision import FSDP2Precision, to_fsdp2_precision
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+MeshSize = int | Literal["auto"]
+
+
+class MeshParallelStrategy(ParallelStrategy):
+    """Base of all lightning_dist strategies (not registered itself).
+
+    Args:
+        accelerator: Set by the Trainer.
+        parallel_devices: Set by the Trainer from ``devices=``.
+        cluster_environment: Set by the Trainer (torchrun/SLURM environments create processes themselves).
+        checkpoint_io: Defaults to :class:`~lightning_dist.plugins.DistributedCheckpointIO`.
+        precision_plugin: Usually left out; the Trainer's ``precision=`` is converted to
+            :class:`~lightning_dist.plugins.FSDP2Precision`.
+        process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on CUDA unless given.
+        timeout: Timeout for collectives.
+    """
+
+    #: Short name used in log lines ("fsdp2: ...").
+    log_name: str = "lightning_dist"
+
+    def __init__(
+        self,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._dims: ParallelDims | None = None
+        self._device_mesh: DeviceMesh | None = None
+        self.num_nodes = 1
+
+    # ------------------------------------------------------------------ what a concrete strategy provides
+    def mesh_sizes(self) -> dict[str, MeshSize]:
+        """Requested sizes of the mesh axes (``pp, dp_replicate, dp_shard, cp, tp``); one may be ``"auto"``."""
+        raise NotImplementedError
+
+    def validate_mesh(self, dims: ParallelDims) -> None:
+        """Check strategy-specific constraints on the resolved mesh (before any process group is created)."""
+
+    def parallelize(self, model: Module) -> None:
+        """Apply this strategy's parallelism to ``model`` in place (on every rank, after the mesh exists)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ extension hooks (pipeline, context parallel)
+    def transform_batch(self, batch: Any, dataloader_idx: int = 0) -> Any:
+        """Transform a batch after it reached the device (context parallel shards it on the sequence dim)."""
+        return batch
+
+    #: Whether :meth:`run_training_step` runs forward *and* backward itself (pipeline schedules do).
+    takes_over_backward: bool = False
+
+    def run_training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the training step; a strategy that takes over the step (pipeline) overrides this."""
+        return self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
+
+    # ------------------------------------------------------------------ mesh
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """The resolved mesh sizes. Available once the strategy is connected to a Trainer."""
+        if self._dims is None:
+            self._dims = ParallelDims.resolve(self.world_size, **self.mesh_sizes())
+            self.validate_mesh(self._dims)
+        return self._dims
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The 5-D mesh ``(pp, dp_replicate, dp_shard, cp, tp)`` with flattened ``batch``, ``fsdp``, ``loss`` dims."""
+        if self._device_mesh is None:
+            raise RuntimeError("The device mesh exists only after the processes have been initialized (setup).")
+        return self._device_mesh
+
+    # ------------------------------------------------------------------ processes and devices
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Ranks that differ only in pp, cp or tp get the same samples: replicas are the ``batch`` group."""
+        if self._device_mesh is None:
+            return {"num_replicas": self.parallel_dims.batch, "rank": self._batch_rank_from_global()}
+        batch = self._device_mesh["batch"]
+        return {"num_replicas": batch.size(), "rank": batch.get_local_rank()}
+
+    def _batch_rank_from_global(self) -> int:
+        dims = self.parallel_dims
+        inner = dims.cp * dims.tp
+        return (self.global_rank // inner) % dims.batch
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        dims = self.parallel_dims  # validate sizes before creating any process group
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+        self._device_mesh = dims.build_mesh(self.root_device.type)
+        self.log_decision(f"mesh {dims} over {self.world_size} processes ({self._process_group_backend})")
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    # ------------------------------------------------------------------ precision
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> FSDP2Precision:
+        plugin = self._precision_plugin
+        return plugin if isinstance(plugin, FSDP2Precision) else FSDP2Precision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        self._precision_plugin = to_fsdp2_precision(precision_plugin)
+
+    # ------------------------------------------------------------------ model setup
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if not getattr(self, "_parallelized", False):
+            self.model = self.precision_plugin.convert_module(self.model)
+            self.parallelize(self.model)
+            self._parallelized = True
+            _materialize_distributed_module(self.model, self.root_device)
+            self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        # Evaluation after fitting sets the model up again: drop optimizers that refer to the old parameters.
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # With empty_init the model is created on the meta device and materialized after sharding in setup().
+        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
+
+    # ------------------------------------------------------------------ steps
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        return self.transform_batch(batch, dataloader_idx)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self.run_training_step(*args, **kwargs)
+
+    # Evaluation steps run through the model's __call__ so the root's hooks (gathering its parameters) run.
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._forward_redirection(self.model, self.lightning_module, "predict_step", *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        # The closure runs forward/backward; gathered parameters must not outlive it into the update.
+        def closure_then_reshard() -> Any:
+            result = closure()
+            reshard_all(self.model)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_reshard, model, **kwargs)
+
+    def _reshard_after_evaluation(self) -> None:
+        if self.model is not None:
+            reshard_all(self.model)
+
+    @override
+    def on_validation_end(self) -> None:
+        self._reshard_after_evaluation()
+
+    @override
+    def on_test_end(self) -> None:
+        self._reshard_after_evaluation()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._reshard_after_evaluation()
+
+    # ------------------------------------------------------------------ collectives
+    def process_group(self, name: str = "loss") -> dist.ProcessGroup:
+        """The process group of a mesh axis or derived group (``"batch"``, ``"fsdp"``, ``"loss"``, ``"tp"``...)."""
+        return self.device_mesh[name].get_group()
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not dist.is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not dist.is_initialized():
+            return obj
+        container = [obj]
+        dist.broadcast_object_list(container, src)
+        return container[0]
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        """Reduce over ``group``; by default over the ``loss`` group, so TP/PP peers are not counted twice."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if group is None and self._device_mesh is not None:
+            group = self.process_group("loss")
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = DistributedCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        assert self.model is not None
+        return get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=False))
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.model is not None
+        return get_optimizer_state_dict(self.model, optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        path = Path(self.broadcast(str(filepath)))
+        self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        io = self.checkpoint_io
+        if not isinstance(io, DistributedCheckpointIO):
+            raise TypeError(f"{type(self).__name__} needs a DistributedCheckpointIO, got {type(io).__name__}.")
+        path = Path(self.broadcast(str(checkpoint_path)))
+        metadata = io.load_checkpoint(path, weights_only=weights_only)
+        assert self.model is not None and self.lightning_module is not None
+        strict = self.lightning_module.strict_loading
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
+        for idx, optimizer in enumerate(self.optimizers):
+            state[f"optimizer_{idx}"] = get_optimizer_state_dict(self.model, optimizer)
+        io.load_sharded(path, state)
+        set_model_state_dict(self.model, state["state_dict"], options=StateDictOptions(strict=strict))
+        for idx, optimizer in enumerate(self.optimizers):
+            set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{idx}"])
+        return metadata
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in load_checkpoint()
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded in load_checkpoint()
+
+    # ------------------------------------------------------------------ teardown and logging
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    def log_decision(self, message: str) -> None:
+        """One rank-zero INFO line per decision the strategy makes."""
+        rank_zero_info(f"{self.log_name}: {message}")

@@ -1,0 +1,147 @@
+"""FSDP2Strategy: fully sharded data parallelism (``fully_shard``) applied by the strategy, not the user."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.plugins.precision import Precision
+from torch.nn import Module
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_dist.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightning_dist.parallel.fsdp import SHARDING_MODES, FSDPConfig, ShardingMode, apply_fsdp, is_fully_sharded
+from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
+from lightning_dist.parallel.module_selection import select_modules, summarize
+from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
+
+
+class FSDP2Strategy(MeshParallelStrategy):
+    """Fully Sharded Data Parallel (FSDP2) for an unchanged LightningModule.
+
+    The strategy finds the model's repeated blocks (the same-class children of its ``ModuleList``/``ModuleDict``),
+    shards each one as a unit, then shards the root. No ``configure_model`` is needed; if the model's
+    ``configure_model`` already applied ``fully_shard``, that sharding is kept as it is.
+
+    Args:
+        sharding: ``"full"`` (ZeRO-3: parameters re-gathered in backward), ``"grad_op"`` (ZeRO-2-like: parameters
+            stay gathered from forward to backward), ``"no_shard"`` (replicated, DDP-like) or ``"hybrid"`` (HSDP:
+            replicated across ``data_parallel_replicate_size`` groups, sharded inside each).
+        data_parallel_shard_size: Ranks a parameter is sharded over. ``"auto"``: what the other sizes leave.
+        data_parallel_replicate_size: Replica groups for ``"hybrid"``; ``"auto"`` means one per node.
+        reshard_after_forward: Overrides what ``sharding`` implies: ``True``, ``False``, or an int ``k`` that keeps a
+            1/k slice after forward so backward gathers stay within groups of k ranks.
+        wrap_modules: Module classes to shard as units instead of the detected blocks: classes in Python,
+            class-path strings (``"my_pkg.model.Block"``) or bare class names in YAML.
+        wrap_regex: A regex over qualified module names (``"layers\\.\\d+"``) selecting the units, alone or in
+            addition to ``wrap_modules``.
+        activation_checkpointing: Recompute the units' activations in backward (same unit selection).
+        cpu_offload: Keep sharded parameters, gradients and optimizer state in CPU memory.
+    """
+
+    log_name = "fsdp2"
+
+    def __init__(
+        self,
+        sharding: ShardingMode = "full",
+        data_parallel_shard_size: MeshSize = "auto",
+        data_parallel_replicate_size: MeshSize = "auto",
+        reshard_after_forward: bool | int | None = None,
+        wrap_modules: list[type[Module] | str] | set[type[Module]] | None = None,
+        wrap_regex: str | None = None,
+        activation_checkpointing: bool = False,
+        cpu_offload: bool = False,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        if sharding not in SHARDING_MODES:
+            raise ValueError(f"sharding={sharding!r} is not one of {list(SHARDING_MODES)}.")
+        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+            if reshard_after_forward < 2:
+                raise ValueError(
+                    f"reshard_after_forward={reshard_after_forward}: an int must be a group size of at least 2."
+                )
+        if cpu_offload and sharding == "no_shard":
+            raise ValueError("cpu_offload needs sharded parameters; it cannot be combined with sharding='no_shard'.")
+        self.sharding = sharding
+        self.data_parallel_shard_size = data_parallel_shard_size
+        self.data_parallel_replicate_size = data_parallel_replicate_size
+        self.reshard_after_forward = reshard_after_forward
+        self.wrap_modules = list(wrap_modules) if wrap_modules is not None else None
+        self.wrap_regex = wrap_regex
+        self.activation_checkpointing = activation_checkpointing
+        self.cpu_offload = cpu_offload
+
+    @override
+    def mesh_sizes(self) -> dict[str, MeshSize]:
+        if self.sharding == "no_shard":
+            return {"dp_replicate": "auto", "dp_shard": 1}
+        if self.sharding == "hybrid":
+            replicate = self.num_nodes if self.data_parallel_replicate_size == "auto" else self.data_parallel_replicate_size
+            return {"dp_replicate": replicate, "dp_shard": self.data_parallel_shard_size}
+        replicate = 1 if self.data_parallel_replicate_size == "auto" else self.data_parallel_replicate_size
+        return {"dp_replicate": replicate, "dp_shard": self.data_parallel_shard_size}
+
+    @override
+    def validate_mesh(self, dims: ParallelDims) -> None:
+        raf = self.reshard_after_forward
+        if isinstance(raf, int) and not isinstance(raf, bool) and (dims.dp_shard % raf or raf >= dims.dp_shard):
+            raise MeshConfigError(
+                f"reshard_after_forward={raf} must be a divisor of data_parallel_shard_size={dims.dp_shard} smaller"
+                " than it (the size of the groups backward all-gathers stay in)."
+            )
+
+    @property
+    def fsdp_config(self) -> FSDPConfig:
+        raf = self.reshard_after_forward
+        if raf is None:
+            raf = self.sharding in ("full", "hybrid")
+        return FSDPConfig(reshard_after_forward=raf, mp_policy=self.precision_plugin.mp_policy, cpu_offload=self.cpu_offload)
+
+    @override
+    def parallelize(self, model: Module) -> None:
+        if is_fully_sharded(model):
+            self.log_decision("the model's configure_model already applied fully_shard; keeping that sharding")
+            return
+        units = select_modules(model, self.wrap_modules, self.wrap_regex, what="shard")
+        if self.activation_checkpointing:
+            apply_activation_checkpointing(m for _, m in units)
+            self.log_decision(f"activation checkpointing on {summarize(units)}")
+        config = self.fsdp_config
+        mesh = self.device_mesh["dp_replicate", "fsdp"]
+        apply_fsdp(model, mesh, (m for _, m in units), config, root_mp_policy=self.precision_plugin.root_mp_policy)
+        dims = self.parallel_dims
+        where = f"dp_shard={dims.fsdp}" + (f" × dp_replicate={dims.dp_replicate}" if dims.dp_replicate > 1 else "")
+        self.log_decision(
+            f"sharding={self.sharding!r}: sharded {summarize(units)} + root {type(model).__name__} over {where},"
+            f" reshard_after_forward={config.reshard_after_forward}, precision={self.precision_plugin.precision}"
+            + (", cpu_offload" if self.cpu_offload else "")
+        )
+
+    @classmethod
+    def register_strategies(cls, registry: Any) -> None:
+        registry.register("fsdp2", cls, description="FSDP2: fully sharded data parallel (ZeRO-3)")
+        registry.register("fsdp2_grad_op", cls, description="FSDP2, parameters kept gathered until backward (ZeRO-2-like)", sharding="grad_op")
+        registry.register("fsdp2_no_shard", cls, description="FSDP2 without sharding (replicated, DDP-like)", sharding="no_shard")
+        registry.register("fsdp2_hybrid", cls, description="FSDP2 hybrid sharding (HSDP): shard within a node, replicate across nodes", sharding="hybrid")
+        registry.register("fsdp2_cpu_offload", cls, description="FSDP2 with parameters, gradients and optimizer state offloaded to CPU", cpu_offload=True)
+        registry.register("fsdp2_activation_checkpointing", cls, description="FSDP2 with activation checkpointing of every block", activation_checkpointing=True)

@@ -99,7 +99,7 @@ class GPT(L.LightningModule):
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self(batch["input_ids"], batch.get("position_ids"))
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
         return loss, logits
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

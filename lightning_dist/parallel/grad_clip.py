@@ -32,9 +32,11 @@ def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Ten
         group_norm = torch.linalg.vector_norm(norms, norm_type)
         if isinstance(group_norm, DTensor):
             group_norm = group_norm.full_tensor()
-        group_norms.append(group_norm.float())
+        # Accumulate in at least fp32, and in fp64 when the gradients are fp64.
+        group_norms.append(group_norm if group_norm.dtype == torch.float64 else group_norm.float())
     device = group_norms[0].device
-    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in group_norms]), norm_type)
+    dtype = torch.promote_types(torch.float32, max((n.dtype for n in group_norms), key=lambda d: d.itemsize))
+    return torch.linalg.vector_norm(torch.stack([n.to(device, dtype) for n in group_norms]), norm_type)
 
 
 def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:

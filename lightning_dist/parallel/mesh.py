@@ -96,17 +96,33 @@ class ParallelDims:
         parts = [f"{name}={size}" for name, size in self.as_dict().items() if size > 1]
         return " × ".join(parts) if parts else "single rank"
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Create the 5-D mesh (size-1 axes included) and the flattened ``batch``, ``fsdp`` and ``loss`` groups.
-
-        Must be called on every rank after the default process group exists.
-        """
+    def build_mesh(self, device_type: str) -> ParallelMesh:
+        """Create the 5-D mesh (size-1 axes included) and the derived groups. Collective: call on every rank."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device_type, tuple(self.as_dict().values()), mesh_dim_names=MESH_AXES)
-        for name, axes in DERIVED_GROUPS.items():
-            mesh[axes]._flatten(name)
-        return mesh
+        world = init_device_mesh(device_type, tuple(self.as_dict().values()), mesh_dim_names=MESH_AXES)
+        derived = {name: world[axes]._flatten(name) for name, axes in DERIVED_GROUPS.items()}
+        # FSDP's 2-D (replicate, shard) mesh, cut from the flattened loss group rather than sliced from the root
+        # (slicing flattened dims out of the root mesh is deprecated in torch 2.13).
+        data_parallel = derived["loss"]._unflatten(0, (self.dp_replicate, self.fsdp), ("dp_replicate", "fsdp"))
+        return ParallelMesh(self, world, derived, data_parallel)
+
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """The built mesh: ``mesh["tp"]`` for an axis, ``mesh["batch"]`` for a derived group (both 1-D DeviceMeshes)."""
+
+    dims: ParallelDims
+    world: DeviceMesh
+    derived: dict[str, DeviceMesh]
+    data_parallel: DeviceMesh
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        if name in self.derived:
+            return self.derived[name]
+        if name in MESH_AXES:
+            return self.world[name]
+        raise KeyError(f"No mesh axis or group {name!r}; axes: {list(MESH_AXES)}, groups: {list(DERIVED_GROUPS)}.")
 
 
 def _describe(sizes: dict[str, object]) -> str:

@@ -44,7 +44,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_dist.parallel.fsdp import reshard_all
-from lightning_dist.parallel.mesh import ParallelDims
+from lightning_dist.parallel.mesh import ParallelDims, ParallelMesh
 from lightning_dist.plugins.checkpoint_io import DistributedCheckpointIO
 from lightning_dist.plugins.precision import FSDP2Precision, to_fsdp2_precision
 
@@ -91,7 +91,7 @@ class MeshParallelStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._dims: ParallelDims | None = None
-        self._device_mesh: DeviceMesh | None = None
+        self._mesh: ParallelMesh | None = None
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ what a concrete strategy provides
@@ -128,11 +128,16 @@ class MeshParallelStrategy(ParallelStrategy):
         return self._dims
 
     @property
-    def device_mesh(self) -> DeviceMesh:
-        """The 5-D mesh ``(pp, dp_replicate, dp_shard, cp, tp)`` with flattened ``batch``, ``fsdp``, ``loss`` dims."""
-        if self._device_mesh is None:
+    def mesh(self) -> ParallelMesh:
+        """The mesh: ``mesh["dp_shard"]``, ``mesh["tp"]``... for axes; ``mesh["batch"|"fsdp"|"loss"]`` for groups."""
+        if self._mesh is None:
             raise RuntimeError("The device mesh exists only after the processes have been initialized (setup).")
-        return self._device_mesh
+        return self._mesh
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The 5-D DeviceMesh ``(pp, dp_replicate, dp_shard, cp, tp)``, also set as ``LightningModule.device_mesh``."""
+        return self.mesh.world
 
     # ------------------------------------------------------------------ processes and devices
     @property
@@ -157,9 +162,9 @@ class MeshParallelStrategy(ParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Ranks that differ only in pp, cp or tp get the same samples: replicas are the ``batch`` group."""
-        if self._device_mesh is None:
+        if self._mesh is None:
             return {"num_replicas": self.parallel_dims.batch, "rank": self._batch_rank_from_global()}
-        batch = self._device_mesh["batch"]
+        batch = self._mesh["batch"]
         return {"num_replicas": batch.size(), "rank": batch.get_local_rank()}
 
     def _batch_rank_from_global(self) -> int:
@@ -178,6 +183,11 @@ class MeshParallelStrategy(ParallelStrategy):
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        if self.num_processes:
+            # The Trainer calls this while it is being constructed: a mesh that cannot fit fails here, before any
+            # process is launched, instead of in every launched process.
+            self._dims = None
+            _ = self.parallel_dims
 
     @override
     def setup_environment(self) -> None:
@@ -193,10 +203,10 @@ class MeshParallelStrategy(ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
-        self._device_mesh = dims.build_mesh(self.root_device.type)
+        self._mesh = dims.build_mesh(self.root_device.type)
         self.log_decision(f"mesh {dims} over {self.world_size} processes ({self._process_group_backend})")
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        self.lightning_module._device_mesh = self._mesh.world
 
     # ------------------------------------------------------------------ precision
     @property  # type: ignore[override]
@@ -301,7 +311,7 @@ class MeshParallelStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ collectives
     def process_group(self, name: str = "loss") -> dist.ProcessGroup:
         """The process group of a mesh axis or derived group (``"batch"``, ``"fsdp"``, ``"loss"``, ``"tp"``...)."""
-        return self.device_mesh[name].get_group()
+        return self.mesh[name].get_group()
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -327,7 +337,7 @@ class MeshParallelStrategy(ParallelStrategy):
         """Reduce over ``group``; by default over the ``loss`` group, so TP/PP peers are not counted twice."""
         if not isinstance(tensor, Tensor):
             return tensor
-        if group is None and self._device_mesh is not None:
+        if group is None and self._mesh is not None:
             group = self.process_group("loss")
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 

@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 from lightning_dist.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_dist.parallel.fsdp import SHARDING_MODES, FSDPConfig, ShardingMode, apply_fsdp, is_fully_sharded
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
-from lightning_dist.parallel.module_selection import select_modules, summarize
+from lightning_dist.parallel.module_selection import resolve_module_classes, select_modules, summarize
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
 
 
@@ -87,6 +87,8 @@ class FSDP2Strategy(MeshParallelStrategy):
         self.data_parallel_replicate_size = data_parallel_replicate_size
         self.reshard_after_forward = reshard_after_forward
         self.wrap_modules = list(wrap_modules) if wrap_modules is not None else None
+        if self.wrap_modules is not None:
+            resolve_module_classes(self.wrap_modules)  # fail now on a class path that does not import
         self.wrap_regex = wrap_regex
         self.activation_checkpointing = activation_checkpointing
         self.cpu_offload = cpu_offload
@@ -123,16 +125,17 @@ class FSDP2Strategy(MeshParallelStrategy):
             self.log_decision("the model's configure_model already applied fully_shard; keeping that sharding")
             return
         units = select_modules(model, self.wrap_modules, self.wrap_regex, what="shard")
+        unit_summary, root_name = summarize(units), type(model).__name__
         if self.activation_checkpointing:
             apply_activation_checkpointing(m for _, m in units)
-            self.log_decision(f"activation checkpointing on {summarize(units)}")
+            self.log_decision(f"activation checkpointing on {unit_summary}")
         config = self.fsdp_config
-        mesh = self.device_mesh["dp_replicate", "fsdp"]
+        mesh = self.mesh.data_parallel
         apply_fsdp(model, mesh, (m for _, m in units), config, root_mp_policy=self.precision_plugin.root_mp_policy)
         dims = self.parallel_dims
         where = f"dp_shard={dims.fsdp}" + (f" × dp_replicate={dims.dp_replicate}" if dims.dp_replicate > 1 else "")
         self.log_decision(
-            f"sharding={self.sharding!r}: sharded {summarize(units)} + root {type(model).__name__} over {where},"
+            f"sharding={self.sharding!r}: sharded {unit_summary} + root {root_name} over {where},"
             f" reshard_after_forward={config.reshard_after_forward}, precision={self.precision_plugin.precision}"
             + (", cpu_offload" if self.cpu_offload else "")
         )

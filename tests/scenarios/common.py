@@ -1,0 +1,121 @@
+"""Shared pieces of the multi-process scenario scripts: the model setup, recorders and result output.
+
+A scenario script is run as ``python tests/scenarios/<name>.py --devices N --out result.json ...``. With
+``devices > 1`` Lightning's launcher re-executes it once per extra rank; rank 0 writes the JSON result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+
+import lightning_dist  # noqa: E402,F401
+from examples.data import TextDataModule  # noqa: E402
+from examples.gpt import GPT  # noqa: E402
+from lightning_dist.parallel.grad_clip import total_grad_norm  # noqa: E402
+
+SEQ_LEN = 32
+GLOBAL_BATCH = 8  # samples per optimizer micro-step across all data-parallel ranks
+
+
+class StepRecorder(Callback):
+    """Records, per micro-batch, the loss averaged over data-parallel ranks and, per optimizer step, the gradient
+    norm before clipping (computed over full, unsharded gradients)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = outputs["loss"].detach().clone()
+        self.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self.grad_norms.append(float(total_grad_norm(pl_module.parameters())))
+
+
+class OneProcessData(TextDataModule):
+    """The one-process reference's data: the order Lightning's DistributedSampler gives N ranks, seen by one.
+
+    Lightning always shuffles training data through the DistributedSampler it injects; rank r of N takes
+    ``perm[r::N]``, so the union of the N per-rank batches k is ``perm[k·B·N:(k+1)·B·N]`` — exactly what a
+    single-replica sampler with the same seed yields with batch size B·N. (Run with use_distributed_sampler=False.)
+    """
+
+    def train_dataloader(self) -> DataLoader:
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        sampler = DistributedSampler(self.train_set, num_replicas=1, rank=0, shuffle=True, seed=seed)
+        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, drop_last=True)
+
+
+def make_model_and_data(
+    devices: int, dp_size: int | None = None, train_samples: int = 256, **model_kwargs: Any
+) -> tuple[GPT, TextDataModule]:
+    """The example GPT (small) and data whose *global* batch is the same for any number of data-parallel ranks."""
+    dp = dp_size if dp_size is not None else devices
+    L.seed_everything(1234, verbose=False)
+    data_cls = OneProcessData if devices == 1 else TextDataModule
+    data = data_cls(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, train_samples=train_samples, val_samples=32)
+    kwargs = dict(vocab_size=data.vocab_size, seq_len=SEQ_LEN, d_model=32, n_layer=3, n_head=4, lr=1e-2, warmup_steps=2)
+    kwargs.update(model_kwargs)
+    return GPT(**kwargs), data
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded copy of every parameter (collective when parameters are DTensors)."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        out[name] = t.detach().cpu().clone()
+    return out
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--devices", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--scenarios", default="all")
+    parser.add_argument("--workdir", default=None)
+    return parser.parse_args()
+
+
+def is_rank_zero() -> bool:
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("NODE_RANK", "0")) == 0
+
+
+def write_result(path: str, result: dict[str, Any]) -> None:
+    if is_rank_zero():
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f)
+        os.replace(tmp, path)
+
+
+def trainer_kwargs(devices: int, **overrides: Any) -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(
+        accelerator="cpu",
+        use_distributed_sampler=devices > 1,
+        devices=devices,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=2,
+    )
+    kwargs.update(overrides)
+    return kwargs

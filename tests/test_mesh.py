@@ -1,0 +1,43 @@
+"""ParallelDims: resolving sizes and the errors a wrong mesh gives (no processes needed)."""
+
+import pytest
+
+from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
+
+
+def test_auto_axis_takes_what_is_left():
+    dims = ParallelDims.resolve(8, dp_replicate=2, dp_shard="auto", tp=2)
+    assert dims.as_dict() == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 2}
+    assert (dims.batch, dims.fsdp, dims.world_size) == (4, 2, 8)
+    assert str(dims) == "dp_replicate=2 × dp_shard=2 × tp=2"
+
+
+def test_fsdp_group_includes_context_parallel_ranks():
+    dims = ParallelDims.resolve(8, dp_shard=2, cp=2, tp=2)
+    assert dims.fsdp == 4 and dims.batch == 2
+
+
+def test_product_must_equal_world_size():
+    with pytest.raises(MeshConfigError, match=r"has 6 ranks, but 4 processes are running"):
+        ParallelDims.resolve(4, dp_shard=3, tp=2)
+
+
+def test_auto_must_divide():
+    with pytest.raises(MeshConfigError, match=r"4 is not divisible by 3"):
+        ParallelDims.resolve(4, dp_shard="auto", tp=3)
+
+
+@pytest.mark.parametrize("sizes", [{"tp": 0}, {"tp": -2}, {"tp": 1.5}, {"tp": True}])
+def test_sizes_must_be_positive_integers(sizes):
+    with pytest.raises(MeshConfigError, match="positive integer"):
+        ParallelDims.resolve(4, dp_shard="auto", **sizes)
+
+
+def test_one_auto_axis_only():
+    with pytest.raises(MeshConfigError, match="Only one mesh axis"):
+        ParallelDims.resolve(4, dp_shard="auto", tp="auto")
+
+
+def test_unknown_axis():
+    with pytest.raises(MeshConfigError, match="Unknown mesh axes"):
+        ParallelDims.resolve(4, dp=4)

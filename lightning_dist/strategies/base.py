@@ -341,6 +341,15 @@ class MeshParallelStrategy(ParallelStrategy):
             group = self.process_group("loss")
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Every rank of the job takes the same decision (early stopping, checkpointing): reduce over all ranks."""
+        if not dist.is_initialized():
+            return decision
+        flag = torch.tensor(int(decision), device=self.root_device)
+        flag = _sync_ddp_if_available(flag, dist.group.WORLD, reduce_op=ReduceOp.SUM)
+        return bool(flag == self.world_size) if all else bool(flag)
+
     # ------------------------------------------------------------------ checkpoints
     @property
     @override

@@ -108,8 +108,8 @@ def bf16_dtypes(devices: int, workdir: str) -> dict[str, Any]:
         "at_rest_local": sorted({str(p.to_local().dtype) for p in model.parameters()}),
         "grad": sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None}),
         **seen,
-        "reduce_dtypes": sorted({r.dtype for r in counter.records if "reduce_scatter" in r.op}),
-        "all_gather_dtypes": sorted({r.dtype for r in counter.records if "all_gather" in r.op}),
+        "reduce_dtypes": sorted({str(r.dtype) for r in counter.records if "reduce_scatter" in r.op}),
+        "all_gather_dtypes": sorted({str(r.dtype) for r in counter.records if "all_gather" in r.op}),
     }
 
 

@@ -22,9 +22,9 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.distributed.tensor import DTensor
 
 from lightning_dist import FSDP2Precision, FSDP2Strategy
+from lightning_dist.profiling import CommCounter, state_bytes
 
 STEPS = 6
 ACCUMULATE = 2
@@ -48,6 +48,7 @@ def train(devices: int, workdir: str, name: str, precision: str = "64-true", **s
     )
     trainer.fit(model, data)
     bytes_local = state_bytes(model, trainer.optimizers)
+    held = bytes_local["parameters"] + bytes_local["gradients"] + bytes_local["optimizer_state"]
     metrics = trainer.validate(model, data, verbose=False)[0]
     params = full_state(model)
     if is_rank_zero():
@@ -56,26 +57,8 @@ def train(devices: int, workdir: str, name: str, precision: str = "64-true", **s
         "losses": recorder.losses,
         "grad_norms": recorder.grad_norms,
         "val": {k: float(v) for k, v in metrics.items()},
-        "state_bytes_max_rank": max_over_ranks(bytes_local),
+        "state_bytes_max_rank": max_over_ranks(held),
     }
-
-
-def state_bytes(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> int:
-    """Bytes of parameters, gradients and optimizer state held by this rank."""
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if isinstance(t, DTensor) else t
-
-    total = 0
-    for p in model.parameters():
-        total += local(p).numel() * p.element_size()
-        if p.grad is not None:
-            total += local(p.grad).numel() * p.grad.element_size()
-    for opt in optimizers:
-        for state in opt.state.values():
-            for v in state.values():
-                if torch.is_tensor(v):
-                    total += local(v).numel() * v.element_size()
-    return total
 
 
 def max_over_ranks(value: int) -> int:
@@ -88,8 +71,6 @@ def max_over_ranks(value: int) -> int:
 
 def bf16_dtypes(devices: int, workdir: str) -> dict[str, Any]:
     """bf16-mixed: which dtypes parameters have at rest, in forward and in the gradient reduction."""
-    from lightning_dist.profiling import CommCounter
-
     model, data = make_model_and_data(devices)
     seen: dict[str, str] = {}
 

@@ -24,7 +24,9 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q, k, v = (lin(x).view(b, s, self.n_head, self.head_dim).transpose(1, 2) for lin in (self.query, self.key, self.value))
+        q, k, v = (
+            lin(x).view(b, s, self.n_head, self.head_dim).transpose(1, 2) for lin in (self.query, self.key, self.value)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(b, s, self.n_head * self.head_dim))
 
@@ -122,7 +124,7 @@ class GPT(L.LightningModule):
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self(batch["input_ids"]).argmax(-1)
 
-    def configure_optimizers(self):  # noqa: ANN201 (Lightning's return type is a union)
+    def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
         warmup = max(1, self.hparams.warmup_steps)
         total = max(self.trainer.estimated_stepping_batches, warmup + 1) if self._trainer is not None else 1000

@@ -1,6 +1,6 @@
 """Train the example GPT with a lightning_dist strategy.
 
-    python examples/train.py --strategy fsdp2 --devices 2 --max-steps 60
+python examples/train.py --strategy fsdp2 --devices 2 --max-steps 60
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import lightning as L
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import lightning_dist  # noqa: E402,F401  (registers the strategy names)
-from examples.data import TextDataModule  # noqa: E402
-from examples.gpt import GPT  # noqa: E402
+import lightning_dist  # noqa: F401  (registers the strategy names)
+from examples.data import TextDataModule
+from examples.gpt import GPT
 
 
 def main() -> None:

@@ -13,14 +13,26 @@ SCENARIO_DIR = Path(__file__).parent / "scenarios"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_scenarios(script: str, devices: int, workdir: Path, scenarios: list[str], timeout: float = 600) -> dict[str, Any]:
+def run_scenarios(
+    script: str, devices: int, workdir: Path, scenarios: list[str], timeout: float = 600
+) -> dict[str, Any]:
     """Run ``tests/scenarios/<script>`` with ``devices`` processes (Lightning's own launcher starts the extra ranks).
 
     Returns rank 0's JSON result; fails with the processes' output when the run fails.
     """
     out = workdir / f"{Path(script).stem}_d{devices}_{abs(hash(tuple(scenarios))) % 10**8}.json"
-    cmd = [sys.executable, str(SCENARIO_DIR / script), "--devices", str(devices), "--out", str(out),
-           "--workdir", str(workdir), "--scenarios", ",".join(scenarios)]
+    cmd = [
+        sys.executable,
+        str(SCENARIO_DIR / script),
+        "--devices",
+        str(devices),
+        "--out",
+        str(out),
+        "--workdir",
+        str(workdir),
+        "--scenarios",
+        ",".join(scenarios),
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     env.pop("LOCAL_RANK", None)
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)

@@ -13,8 +13,13 @@ from launch import REPO_ROOT
 
 pytestmark = pytest.mark.slow
 
-SHORT_RUN = ["--trainer.max_steps=4", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=2",
-             "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+SHORT_RUN = [
+    "--trainer.max_steps=4",
+    "--trainer.val_check_interval=2",
+    "--trainer.limit_val_batches=2",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -40,8 +45,9 @@ def test_registered_name_from_python():
 
 
 def test_class_path_yaml_in_a_plain_lightning_cli():
-    out = _run([sys.executable, "tests/scenarios/plain_cli.py", "fit", "--config", "configs/fsdp2_class_path.yaml",
-                *SHORT_RUN])
+    out = _run(
+        [sys.executable, "tests/scenarios/plain_cli.py", "fit", "--config", "configs/fsdp2_class_path.yaml", *SHORT_RUN]
+    )
     assert "precision=bf16-mixed" in out and "sharded 4 × Block" in out
 
 

@@ -41,8 +41,13 @@ def test_trainer_resolves_registered_names(name, sharding, cpu_offload):
 
 @pytest.mark.parametrize(
     ("flag", "expected", "param_dtype"),
-    [("32-true", "32-true", None), ("64-true", "64-true", None), ("bf16-mixed", "bf16-mixed", torch.bfloat16),
-     ("bf16-true", "bf16-true", None), ("16-true", "16-true", None)],
+    [
+        ("32-true", "32-true", None),
+        ("64-true", "64-true", None),
+        ("bf16-mixed", "bf16-mixed", torch.bfloat16),
+        ("bf16-true", "bf16-true", None),
+        ("16-true", "16-true", None),
+    ],
 )
 def test_precision_flag_becomes_fsdp2_precision(flag, expected, param_dtype):
     trainer = L.Trainer(strategy="fsdp2", accelerator="cpu", devices=2, precision=flag, logger=False)
@@ -99,7 +104,9 @@ class _HFLike(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(10, 8)
-        self.layers = nn.ModuleList(nn.ModuleDict({"experts": nn.ModuleList(nn.Linear(8, 8) for _ in range(2))}) for _ in range(3))
+        self.layers = nn.ModuleList(
+            nn.ModuleDict({"experts": nn.ModuleList(nn.Linear(8, 8) for _ in range(2))}) for _ in range(3)
+        )
         self.lm_head = nn.Linear(8, 10)
 
 

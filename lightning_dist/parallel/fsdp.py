@@ -49,7 +49,8 @@ def apply_fsdp(
     gathered from forward to the end of backward: its "forward" is the whole ``training_step``, which may call the
     model's ``forward`` again inside it, and backward needs the root's parameters first anyway.
     """
-    for block in blocks:
+    # fully_shard must run bottom-up: a unit nested in another unit (a regex matching both) is sharded first.
+    for block in sorted(blocks, key=_height):
         fully_shard(
             block,
             mesh=mesh,
@@ -64,6 +65,11 @@ def apply_fsdp(
         mp_policy=root_mp_policy or config.mp_policy,
         offload_policy=config.offload_policy,
     )
+
+
+def _height(module: nn.Module) -> int:
+    """Levels of submodules below ``module``: a unit nested in another always has a smaller height."""
+    return 1 + max((_height(child) for child in module.children()), default=0)
 
 
 def reshard_all(model: nn.Module) -> None:

@@ -92,14 +92,17 @@ def select_modules(
     if classes is not None:
         class_set, name_set = resolve_module_classes(classes)
         found = {type(m).__name__ for m in model.modules()}
-        missing = sorted(name_set - found) + sorted(c.__qualname__ for c in class_set if c not in {type(m) for m in model.modules()})
+        missing = sorted(name_set - found) + sorted(
+            c.__qualname__ for c in class_set if c not in {type(m) for m in model.modules()}
+        )
         if missing:
             raise ValueError(
                 f"Cannot {what} {missing}: the model has no module of that class. Classes in the model:"
                 f" {sorted(found)}."
             )
         selected = [
-            (n, m) for n, m in model.named_modules()
+            (n, m)
+            for n, m in model.named_modules()
             if n and (isinstance(m, tuple(class_set)) or type(m).__name__ in name_set)
         ]
     if fqn_regex is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,6 @@ from typing_extensions import override
 
 METADATA_FILENAME = "meta.pt"
 COMPLETE_MARKER = "COMPLETE"
-SHARDED_KEYS = ("state_dict", "optimizer_states")
 
 
 class CheckpointError(RuntimeError):
@@ -52,15 +52,15 @@ class DistributedCheckpointIO(CheckpointIO):
         for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
             sharded[f"optimizer_{idx}"] = optim_state
         tmp = path.parent / f".{path.name}.tmp-{_shared_token()}"
-        if _rank() == 0:
-            tmp.mkdir(parents=True, exist_ok=False)
-        _barrier()
+        _on_rank_zero_then_check(lambda: tmp.mkdir(parents=True, exist_ok=False), f"create {tmp}")
         dcp.save(sharded, checkpoint_id=tmp)
-        if _rank() == 0:
+
+        def finish() -> None:
             torch.save(checkpoint, tmp / METADATA_FILENAME)
             (tmp / COMPLETE_MARKER).write_text("ok\n")
             _publish(tmp, path)
-        _barrier()
+
+        _on_rank_zero_then_check(finish, f"publish the checkpoint at {path}")
 
     @override
     def load_checkpoint(self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
@@ -80,11 +80,6 @@ class DistributedCheckpointIO(CheckpointIO):
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
-
-
-def is_sharded_checkpoint(path: _PATH) -> bool:
-    path = Path(path)
-    return path.is_dir() and (path / METADATA_FILENAME).is_file()
 
 
 def validate_checkpoint_dir(path: _PATH) -> Path:
@@ -117,13 +112,22 @@ def _publish(tmp: Path, path: Path) -> None:
         shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
+def _on_rank_zero_then_check(fn: Callable[[], None], what: str) -> None:
+    """Run ``fn`` on rank 0 and raise on *every* rank if it failed, so no rank waits forever for rank 0."""
+    error: list[str | None] = [None]
+    if _rank() == 0:
+        try:
+            fn()
+        except Exception as err:  # noqa: BLE001 (re-raised on every rank below)
+            error[0] = f"{type(err).__name__}: {err}"
+    if dist.is_initialized():
+        dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise CheckpointError(f"Rank 0 could not {what}: {error[0]}")
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _shared_token() -> str:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Callable, Literal, get_args
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Literal, get_args
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
@@ -19,7 +20,6 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from lightning_dist.parallel.grad_clip import clip_grad_norm_
 
 PrecisionFlag = Literal["32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
@@ -65,10 +65,6 @@ class FSDP2Precision(Precision):
         if self._mixed:
             return MixedPrecisionPolicy(param_dtype=self._dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
         return MixedPrecisionPolicy()
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self._dtype
 
     @override
     def convert_module(self, module: Module) -> Module:
@@ -116,7 +112,7 @@ class FSDP2Precision(Precision):
         return step_output
 
     @override
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         clip_grad_norm_(self.main_params(optimizer), clip_val)
 
     @override
@@ -212,8 +208,3 @@ def _collective_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-@contextmanager
-def _noop() -> Generator[None, None, None]:
-    yield

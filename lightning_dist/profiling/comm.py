@@ -348,9 +348,7 @@ def _functional_handlers() -> dict[str, _Handler]:
         return [_root_to_all("broadcast", t, [_nbytes(t)] * n, a["src"], me)]
 
     def batch_p2p(a: dict[str, Any], me: int, n: int) -> list[_Traffic]:
-        return [
-            _p2p(kind == "isend", t, peer) for kind, peer, t in zip(a["op_list"], a["peer_list"], a["tensors"])
-        ]
+        return [_p2p(kind == "isend", t, peer) for kind, peer, t in zip(a["op_list"], a["peer_list"], a["tensors"])]
 
     return {
         "all_gather_into_tensor": gather,
@@ -379,7 +377,7 @@ def _handler_table() -> dict[Any, tuple[str, _Handler]]:
     """Map ``OpOverloadPacket`` -> (api, handler); built lazily because the op namespaces load with distributed."""
     global _HANDLER_TABLE
     if _HANDLER_TABLE is None:
-        import torch.distributed._functional_collectives  # noqa: F401  (registers the functional ops)
+        import torch.distributed._functional_collectives
 
         table: dict[Any, tuple[str, _Handler]] = {}
         for namespace, api, handlers in (

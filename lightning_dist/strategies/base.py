@@ -15,6 +15,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
@@ -42,7 +43,6 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from lightning_dist.parallel.fsdp import reshard_all
 from lightning_dist.parallel.mesh import ParallelDims, ParallelMesh
 from lightning_dist.plugins.checkpoint_io import DistributedCheckpointIO
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 MeshSize = int | Literal["auto"]
+_PARALLELIZED = "_lightning_dist_parallelized"
 
 
 class MeshParallelStrategy(ParallelStrategy):
@@ -102,8 +103,9 @@ class MeshParallelStrategy(ParallelStrategy):
     def validate_mesh(self, dims: ParallelDims) -> None:
         """Check strategy-specific constraints on the resolved mesh (before any process group is created)."""
 
-    def parallelize(self, model: Module) -> None:
-        """Apply this strategy's parallelism to ``model`` in place (on every rank, after the mesh exists)."""
+    def parallelize(self, model: Module) -> Module:
+        """Apply this strategy's parallelism to ``model`` (on every rank, after the mesh exists); return the module
+        the Trainer should run (a pipeline strategy returns its stage)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ extension hooks (pipeline, context parallel)
@@ -111,11 +113,12 @@ class MeshParallelStrategy(ParallelStrategy):
         """Transform a batch after it reached the device (context parallel shards it on the sequence dim)."""
         return batch
 
-    #: Whether :meth:`run_training_step` runs forward *and* backward itself (pipeline schedules do).
-    takes_over_backward: bool = False
-
     def run_training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the training step; a strategy that takes over the step (pipeline) overrides this."""
+        """Run the training step through the root module's ``__call__`` (so FSDP's root hooks run).
+
+        A strategy that takes over the step (pipeline: forward and backward inside its schedule) overrides this and
+        turns off Lightning's own backward for automatic optimization.
+        """
         return self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
 
     # ------------------------------------------------------------------ mesh
@@ -203,16 +206,18 @@ class MeshParallelStrategy(ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
-        self._mesh = dims.build_mesh(self.root_device.type)
-        self.log_decision(f"mesh {dims} over {self.world_size} processes ({self._process_group_backend})")
+        if self._mesh is None:  # fit → test on one Trainer reuses the mesh (and its process groups)
+            self._mesh = dims.build_mesh(self.root_device.type)
+            self.log_decision(f"mesh {dims} over {self.world_size} processes ({self._process_group_backend})")
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._mesh.world
 
     # ------------------------------------------------------------------ precision
     @property  # type: ignore[override]
     def precision_plugin(self) -> FSDP2Precision:
-        plugin = self._precision_plugin
-        return plugin if isinstance(plugin, FSDP2Precision) else FSDP2Precision()
+        if self._precision_plugin is None:
+            self._precision_plugin = FSDP2Precision()
+        return self._precision_plugin  # type: ignore[return-value]
 
     @precision_plugin.setter
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
@@ -224,12 +229,16 @@ class MeshParallelStrategy(ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        if not getattr(self, "_parallelized", False):
+        if not getattr(self.model, _PARALLELIZED, False):
             self.model = self.precision_plugin.convert_module(self.model)
-            self.parallelize(self.model)
-            self._parallelized = True
+            self.model = self.parallelize(self.model)
+            setattr(self.model, _PARALLELIZED, True)
             _materialize_distributed_module(self.model, self.root_device)
             self.model_to_device()
+        # DTensor/FSDP2 parameters cannot be used under inference_mode (their version counters); Lightning only
+        # falls back to no_grad for its own FSDP strategy and gloo, so say it for every backend.
+        for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+            loop.inference_mode = False
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -360,6 +369,11 @@ class MeshParallelStrategy(ParallelStrategy):
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        if io is not None and not isinstance(io, DistributedCheckpointIO):
+            raise TypeError(
+                f"{type(self).__name__} saves sharded parameters, which {type(io).__name__} cannot write (each rank"
+                " holds only its shards). Use lightning_dist.DistributedCheckpointIO (the default)."
+            )
         self._checkpoint_io = io
 
     @property
@@ -404,18 +418,19 @@ class MeshParallelStrategy(ParallelStrategy):
         )
 
         io = self.checkpoint_io
-        if not isinstance(io, DistributedCheckpointIO):
-            raise TypeError(f"{type(self).__name__} needs a DistributedCheckpointIO, got {type(io).__name__}.")
+        assert isinstance(io, DistributedCheckpointIO)
         path = Path(self.broadcast(str(checkpoint_path)))
         metadata = io.load_checkpoint(path, weights_only=weights_only)
         assert self.model is not None and self.lightning_module is not None
         strict = self.lightning_module.strict_loading
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        optimizers = self.optimizers if fitting else []  # evaluation needs (and may only have) the weights
         state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
-        for idx, optimizer in enumerate(self.optimizers):
+        for idx, optimizer in enumerate(optimizers):
             state[f"optimizer_{idx}"] = get_optimizer_state_dict(self.model, optimizer)
         io.load_sharded(path, state)
         set_model_state_dict(self.model, state["state_dict"], options=StateDictOptions(strict=strict))
-        for idx, optimizer in enumerate(self.optimizers):
+        for idx, optimizer in enumerate(optimizers):
             set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{idx}"])
         return metadata
 

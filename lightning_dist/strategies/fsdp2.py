@@ -5,15 +5,16 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
+from torch.distributed.fsdp import FSDPModule
 from torch.nn import Module
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from lightning_dist.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_dist.parallel.fsdp import SHARDING_MODES, FSDPConfig, ShardingMode, apply_fsdp, is_fully_sharded
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
@@ -98,7 +99,9 @@ class FSDP2Strategy(MeshParallelStrategy):
         if self.sharding == "no_shard":
             return {"dp_replicate": "auto", "dp_shard": 1}
         if self.sharding == "hybrid":
-            replicate = self.num_nodes if self.data_parallel_replicate_size == "auto" else self.data_parallel_replicate_size
+            replicate = (
+                self.num_nodes if self.data_parallel_replicate_size == "auto" else self.data_parallel_replicate_size
+            )
             return {"dp_replicate": replicate, "dp_shard": self.data_parallel_shard_size}
         replicate = 1 if self.data_parallel_replicate_size == "auto" else self.data_parallel_replicate_size
         return {"dp_replicate": replicate, "dp_shard": self.data_parallel_shard_size}
@@ -106,10 +109,10 @@ class FSDP2Strategy(MeshParallelStrategy):
     @override
     def validate_mesh(self, dims: ParallelDims) -> None:
         raf = self.reshard_after_forward
-        if isinstance(raf, int) and not isinstance(raf, bool) and (dims.dp_shard % raf or raf >= dims.dp_shard):
+        if isinstance(raf, int) and not isinstance(raf, bool) and (dims.fsdp % raf or raf >= dims.fsdp):
             raise MeshConfigError(
-                f"reshard_after_forward={raf} must be a divisor of data_parallel_shard_size={dims.dp_shard} smaller"
-                " than it (the size of the groups backward all-gathers stay in)."
+                f"reshard_after_forward={raf} must be a divisor of the sharding group size {dims.fsdp} smaller than"
+                " it (the size of the groups backward all-gathers stay in)."
             )
 
     @property
@@ -117,34 +120,67 @@ class FSDP2Strategy(MeshParallelStrategy):
         raf = self.reshard_after_forward
         if raf is None:
             raf = self.sharding in ("full", "hybrid")
-        return FSDPConfig(reshard_after_forward=raf, mp_policy=self.precision_plugin.mp_policy, cpu_offload=self.cpu_offload)
+        return FSDPConfig(
+            reshard_after_forward=raf, mp_policy=self.precision_plugin.mp_policy, cpu_offload=self.cpu_offload
+        )
 
     @override
-    def parallelize(self, model: Module) -> None:
+    def parallelize(self, model: Module) -> Module:
+        config = self.fsdp_config
         if is_fully_sharded(model):
-            self.log_decision("the model's configure_model already applied fully_shard; keeping that sharding")
-            return
+            if not isinstance(model, FSDPModule):  # blocks only: the root's own parameters would never be reduced
+                apply_fsdp(
+                    model, self.mesh.data_parallel, (), config, root_mp_policy=self.precision_plugin.root_mp_policy
+                )
+            self.log_decision(
+                "the model's configure_model already applied fully_shard; keeping that sharding (its mixed-precision"
+                " policy is the one configure_model chose)"
+            )
+            return model
         units = select_modules(model, self.wrap_modules, self.wrap_regex, what="shard")
         unit_summary, root_name = summarize(units), type(model).__name__
         if self.activation_checkpointing:
             apply_activation_checkpointing(m for _, m in units)
             self.log_decision(f"activation checkpointing on {unit_summary}")
-        config = self.fsdp_config
         mesh = self.mesh.data_parallel
         apply_fsdp(model, mesh, (m for _, m in units), config, root_mp_policy=self.precision_plugin.root_mp_policy)
         dims = self.parallel_dims
-        where = f"dp_shard={dims.fsdp}" + (f" × dp_replicate={dims.dp_replicate}" if dims.dp_replicate > 1 else "")
+        where = f"dp_shard={dims.dp_shard}" + (f" × cp={dims.cp}" if dims.cp > 1 else "")
+        where += f" × dp_replicate={dims.dp_replicate}" if dims.dp_replicate > 1 else ""
         self.log_decision(
             f"sharding={self.sharding!r}: sharded {unit_summary} + root {root_name} over {where},"
             f" reshard_after_forward={config.reshard_after_forward}, precision={self.precision_plugin.precision}"
             + (", cpu_offload" if self.cpu_offload else "")
         )
+        return model
 
     @classmethod
     def register_strategies(cls, registry: Any) -> None:
         registry.register("fsdp2", cls, description="FSDP2: fully sharded data parallel (ZeRO-3)")
-        registry.register("fsdp2_grad_op", cls, description="FSDP2, parameters kept gathered until backward (ZeRO-2-like)", sharding="grad_op")
-        registry.register("fsdp2_no_shard", cls, description="FSDP2 without sharding (replicated, DDP-like)", sharding="no_shard")
-        registry.register("fsdp2_hybrid", cls, description="FSDP2 hybrid sharding (HSDP): shard within a node, replicate across nodes", sharding="hybrid")
-        registry.register("fsdp2_cpu_offload", cls, description="FSDP2 with parameters, gradients and optimizer state offloaded to CPU", cpu_offload=True)
-        registry.register("fsdp2_activation_checkpointing", cls, description="FSDP2 with activation checkpointing of every block", activation_checkpointing=True)
+        registry.register(
+            "fsdp2_grad_op",
+            cls,
+            description="FSDP2, parameters kept gathered until backward (ZeRO-2-like)",
+            sharding="grad_op",
+        )
+        registry.register(
+            "fsdp2_no_shard", cls, description="FSDP2 without sharding (replicated, DDP-like)", sharding="no_shard"
+        )
+        registry.register(
+            "fsdp2_hybrid",
+            cls,
+            description="FSDP2 hybrid sharding (HSDP): shard within a node, replicate across nodes",
+            sharding="hybrid",
+        )
+        registry.register(
+            "fsdp2_cpu_offload",
+            cls,
+            description="FSDP2 with parameters, gradients and optimizer state offloaded to CPU",
+            cpu_offload=True,
+        )
+        registry.register(
+            "fsdp2_activation_checkpointing",
+            cls,
+            description="FSDP2 with activation checkpointing of every block",
+            activation_checkpointing=True,
+        )

@@ -17,16 +17,16 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from lightning.pytorch.callbacks import Callback  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, DistributedSampler
 
-import lightning_dist  # noqa: E402,F401
-from examples.data import TextDataModule  # noqa: E402
-from examples.gpt import GPT  # noqa: E402
-from lightning_dist.parallel.grad_clip import total_grad_norm  # noqa: E402
+import lightning_dist  # noqa: F401
+from examples.data import TextDataModule
+from examples.gpt import GPT
+from lightning_dist.parallel.grad_clip import total_grad_norm
 
 SEQ_LEN = 32
 GLOBAL_BATCH = 8  # samples per optimizer micro-step across all data-parallel ranks
@@ -40,7 +40,9 @@ class StepRecorder(Callback):
         self.losses: list[float] = []
         self.grad_norms: list[float] = []
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         loss = outputs["loss"].detach().clone()
         self.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
 

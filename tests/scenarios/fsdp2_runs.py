@@ -1,13 +1,17 @@
 """FSDP2 scenarios: parity with one process for each sharding mode, precision checks, checkpoint save/resume.
 
-    python tests/scenarios/fsdp2_runs.py --devices 2 --out r.json --workdir DIR --scenarios full,grad_op
-    python tests/scenarios/fsdp2_runs.py --devices 1 --out ref.json --workdir DIR   # the one-process reference
+python tests/scenarios/fsdp2_runs.py --devices 2 --out r.json --workdir DIR --scenarios full,grad_op
+python tests/scenarios/fsdp2_runs.py --devices 1 --out ref.json --workdir DIR   # the one-process reference
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
+import lightning as L
+import torch
+import torch.distributed as dist
 from common import (  # type: ignore[import-not-found]
     StepRecorder,
     full_state,
@@ -17,11 +21,7 @@ from common import (  # type: ignore[import-not-found]
     trainer_kwargs,
     write_result,
 )
-
-import lightning as L
-import torch
-import torch.distributed as dist
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_dist import FSDP2Precision, FSDP2Strategy
 from lightning_dist.profiling import CommCounter, state_bytes
@@ -50,6 +50,8 @@ def train(devices: int, workdir: str, name: str, precision: str = "64-true", **s
     bytes_local = state_bytes(model, trainer.optimizers)
     held = bytes_local["parameters"] + bytes_local["gradients"] + bytes_local["optimizer_state"]
     metrics = trainer.validate(model, data, verbose=False)[0]
+    metrics.update(trainer.test(model, data, verbose=False)[0])
+    predictions = trainer.predict(model, data)
     params = full_state(model)
     if is_rank_zero():
         torch.save(params, f"{workdir}/{name}_d{devices}.pt")
@@ -58,14 +60,21 @@ def train(devices: int, workdir: str, name: str, precision: str = "64-true", **s
         "grad_norms": recorder.grad_norms,
         "val": {k: float(v) for k, v in metrics.items()},
         "state_bytes_max_rank": max_over_ranks(held),
+        "predicted_tokens": sum_over_ranks(sum(p.numel() for p in predictions)),
     }
 
 
 def max_over_ranks(value: int) -> int:
-    if not dist.is_initialized():
-        return value
+    return _all_reduce_int(value, dist.ReduceOp.MAX) if dist.is_initialized() else value
+
+
+def sum_over_ranks(value: int) -> int:
+    return _all_reduce_int(value, dist.ReduceOp.SUM) if dist.is_initialized() else value
+
+
+def _all_reduce_int(value: int, op: dist.ReduceOp) -> int:
     t = torch.tensor([value], dtype=torch.long)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=op)
     return int(t.item())
 
 
@@ -94,12 +103,25 @@ def bf16_dtypes(devices: int, workdir: str) -> dict[str, Any]:
     }
 
 
+class _OverflowOnLastRank(Callback):
+    """Puts an inf into one gradient shard of the last rank only, on the first step."""
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step == 0 and trainer.global_rank == trainer.world_size - 1:
+            grad = next(p.grad for p in pl_module.parameters() if p.grad is not None)
+            grad.to_local().view(-1)[0] = float("inf")
+
+
 def fp16_loss_scaling(devices: int, workdir: str) -> dict[str, Any]:
-    """16-mixed with an absurd initial scale: the first steps overflow and must be skipped on every rank."""
+    """16-mixed: an overflow on one rank must skip the step on every rank, then training goes on."""
     model, data = make_model_and_data(devices)
-    plugin = FSDP2Precision("16-mixed", init_scale=2.0**100)
+    plugin = FSDP2Precision("16-mixed")
     before = full_state(model)
-    trainer = L.Trainer(**trainer_kwargs(devices, strategy=strategy_for(devices), plugins=[plugin]), max_steps=1)
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=strategy_for(devices), plugins=[plugin]),
+        max_steps=1,
+        callbacks=[_OverflowOnLastRank()],
+    )
     trainer.fit(model, data)
     after_skip = full_state(model)
     unchanged = all(torch.equal(before[k], after_skip[k]) for k in before)
@@ -108,12 +130,19 @@ def fp16_loss_scaling(devices: int, workdir: str) -> dict[str, Any]:
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, skipped[0])
         skipped = gathered
-    trainer2 = L.Trainer(**trainer_kwargs(devices, strategy=strategy_for(devices), plugins=[FSDP2Precision("16-mixed")]), max_steps=8)
     recorder = StepRecorder()
-    trainer2.callbacks.append(recorder)
+    trainer2 = L.Trainer(
+        **trainer_kwargs(devices, strategy=strategy_for(devices), plugins=[FSDP2Precision("16-mixed")]),
+        max_steps=8,
+        callbacks=[recorder],
+    )
     trainer2.fit(model, data)
-    return {"skipped_per_rank": skipped, "params_unchanged_after_skip": unchanged, "scale": plugin.scaler.scale_value,
-            "losses": recorder.losses}
+    return {
+        "skipped_per_rank": skipped,
+        "params_unchanged_after_skip": unchanged,
+        "scale": plugin.scaler.scale_value,
+        "losses": recorder.losses,
+    }
 
 
 # Lightning resumes the data position exactly only at epoch boundaries (mid-epoch needs a stateful dataloader, even

@@ -29,7 +29,7 @@ def test_import_registers_the_names_with_descriptions():
 
 @pytest.mark.parametrize(
     ("name", "sharding", "cpu_offload"),
-    [("fsdp2", "full", False), ("fsdp2_grad_op", "grad_op", False), ("fsdp2_cpu_offload", "full", True)],
+    [("fsdp2", "full", False), ("fsdp2_grad_op", "grad_op", False), ("fsdp2_hybrid", "hybrid", False)],
 )
 def test_trainer_resolves_registered_names(name, sharding, cpu_offload):
     trainer = L.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
@@ -76,6 +76,12 @@ def test_wrong_mesh_fails_at_trainer_construction():
         L.Trainer(strategy=FSDP2Strategy(data_parallel_shard_size=3), accelerator="cpu", devices=2)
     with pytest.raises(MeshConfigError, match=r"reshard_after_forward=3 must be a divisor"):
         L.Trainer(strategy=FSDP2Strategy(reshard_after_forward=3), accelerator="cpu", devices=4)
+
+
+def test_cpu_offload_on_the_cpu_accelerator_is_refused_at_construction():
+    assert StrategyRegistry["fsdp2_cpu_offload"]["init_params"] == {"cpu_offload": True}
+    with pytest.raises(ValueError, match=r"cpu_offload=True .* already uses the CPU accelerator"):
+        L.Trainer(strategy="fsdp2_cpu_offload", accelerator="cpu", devices=2)
 
 
 def test_hybrid_defaults_to_one_replica_group_per_node():

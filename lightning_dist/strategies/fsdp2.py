@@ -108,6 +108,11 @@ class FSDP2Strategy(MeshParallelStrategy):
 
     @override
     def validate_mesh(self, dims: ParallelDims) -> None:
+        if self.cpu_offload and self.parallel_devices and self.parallel_devices[0].type == "cpu":
+            raise ValueError(
+                "cpu_offload=True moves sharded state from the accelerator to CPU memory, but this run already uses"
+                " the CPU accelerator. Drop cpu_offload (or the `_cpu_offload` strategy name) on CPU."
+            )
         raf = self.reshard_after_forward
         if isinstance(raf, int) and not isinstance(raf, bool) and (dims.fsdp % raf or raf >= dims.fsdp):
             raise MeshConfigError(

@@ -41,3 +41,9 @@ def test_one_auto_axis_only():
 def test_unknown_axis():
     with pytest.raises(MeshConfigError, match="Unknown mesh axes"):
         ParallelDims.resolve(4, dp=4)
+
+
+def test_batch_rank_matches_the_device_mesh_layout():
+    dims = ParallelDims.resolve(16, pp=2, dp_shard=2, cp=2, tp=2)
+    # rank = ((pp·dp_shard + s)·cp + c)·tp + t: the batch index is s, whatever pp, cp and tp are.
+    assert [dims.batch_rank(r) for r in range(16)] == [0, 0, 0, 0, 1, 1, 1, 1] * 2

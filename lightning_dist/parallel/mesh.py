@@ -89,6 +89,11 @@ class ParallelDims:
     def fsdp(self) -> int:
         return self.dp_shard * self.cp
 
+    def batch_rank(self, global_rank: int) -> int:
+        """This rank's index in the ``batch`` group (the mesh is row-major over ``pp, dp_replicate, dp_shard, cp,
+        tp``, as ``init_device_mesh`` lays it out), so ranks that differ only in pp, cp or tp share it."""
+        return (global_rank // (self.cp * self.tp)) % self.batch
+
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in MESH_AXES}
 

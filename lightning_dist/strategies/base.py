@@ -165,15 +165,8 @@ class MeshParallelStrategy(ParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Ranks that differ only in pp, cp or tp get the same samples: replicas are the ``batch`` group."""
-        if self._mesh is None:
-            return {"num_replicas": self.parallel_dims.batch, "rank": self._batch_rank_from_global()}
-        batch = self._mesh["batch"]
-        return {"num_replicas": batch.size(), "rank": batch.get_local_rank()}
-
-    def _batch_rank_from_global(self) -> int:
         dims = self.parallel_dims
-        inner = dims.cp * dims.tp
-        return (self.global_rank // inner) % dims.batch
+        return {"num_replicas": dims.batch, "rank": dims.batch_rank(self.global_rank)}
 
     @override
     def _configure_launcher(self) -> None:
@@ -195,9 +188,9 @@ class MeshParallelStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        dims = self.parallel_dims  # validate sizes before creating any process group
         reset_seed()
-        self.set_world_ranks()
+        self.set_world_ranks()  # also validates the mesh sizes, before any process group exists
+        dims = self.parallel_dims
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )

@@ -98,12 +98,9 @@ class FSDP2Strategy(MeshParallelStrategy):
     def mesh_sizes(self) -> dict[str, MeshSize]:
         if self.sharding == "no_shard":
             return {"dp_replicate": "auto", "dp_shard": 1}
-        if self.sharding == "hybrid":
-            replicate = (
-                self.num_nodes if self.data_parallel_replicate_size == "auto" else self.data_parallel_replicate_size
-            )
-            return {"dp_replicate": replicate, "dp_shard": self.data_parallel_shard_size}
-        replicate = 1 if self.data_parallel_replicate_size == "auto" else self.data_parallel_replicate_size
+        replicate = self.data_parallel_replicate_size
+        if replicate == "auto":  # hybrid: one replica group per node; otherwise no replication
+            replicate = self.num_nodes if self.sharding == "hybrid" else 1
         return {"dp_replicate": replicate, "dp_shard": self.data_parallel_shard_size}
 
     @override

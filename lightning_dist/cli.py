@@ -1,7 +1,8 @@
-"""The ``lightning-dist`` console script: a LightningCLI with the lightning_dist strategies registered.
+"""The ``lightning-dist`` console script: a LightningCLI with the lightning_dist strategies registered, plus tools.
 
     lightning-dist fit --config configs/fsdp2.yaml
     lightning-dist validate --config configs/fsdp2.yaml --ckpt_path path/to/checkpoint
+    lightning-dist <tool> ...        (the tools in lightning_dist.commands: see ``lightning-dist --help``)
 
 Because the package is imported first, ``trainer.strategy: fsdp2`` (a registered name) works in the YAML as well as
 ``class_path: lightning_dist.FSDP2Strategy``. Like ``python -m``, the current directory is importable, so
@@ -17,10 +18,15 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_dist  # noqa: F401  (registers the strategy names)
+from lightning_dist.commands import TOOLS, run_tool
 
 
 def main(args: list[str] | None = None) -> None:
-    """Run a LightningCLI subcommand (fit, validate, test, predict) with any LightningModule/DataModule."""
+    """Run a tool (``lightning-dist <tool> ...``) or a LightningCLI subcommand (fit, validate, test, predict)."""
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv and argv[0] in TOOLS:
+        run_tool(argv[0], argv[1:])
+        return
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     LightningCLI(
@@ -28,7 +34,8 @@ def main(args: list[str] | None = None) -> None:
         LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
-        args=args,
+        args=argv,
+        parser_kwargs={"epilog": "tools: " + ", ".join(f"{name} ({doc})" for name, (_, doc) in TOOLS.items())},
         save_config_kwargs={"overwrite": True},
     )
 

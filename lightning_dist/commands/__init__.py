@@ -1,0 +1,18 @@
+"""Tools of the ``lightning-dist`` console script besides the LightningCLI subcommands.
+
+Each tool is a module here with a ``main(argv: list[str]) -> None``; add it to :data:`TOOLS` to expose it as
+``lightning-dist <name> ...``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+#: name -> (module under lightning_dist.commands, one-line description)
+TOOLS: dict[str, tuple[str, str]] = {}
+
+
+def run_tool(name: str, argv: list[str]) -> None:
+    """Run the tool ``name`` with its own arguments."""
+    module_name, _ = TOOLS[name]
+    importlib.import_module(f"lightning_dist.commands.{module_name}").main(argv)

@@ -20,6 +20,25 @@ def run_scenarios(
 
     Returns rank 0's JSON result; fails with the processes' output when the run fails.
     """
+    out, cmd, env = _command(script, devices, workdir, scenarios)
+    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not out.exists():
+        raise AssertionError(
+            f"{' '.join(cmd)} exited with {proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}"
+            f"\n--- stderr ---\n{proc.stderr[-10000:]}"
+        )
+    return json.loads(out.read_text())
+
+
+def run_failing_scenario(
+    script: str, devices: int, workdir: Path, scenario: str, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """Run a scenario that is meant to die (fault injection); returns the finished process, whatever its status."""
+    _, cmd, env = _command(script, devices, workdir, [scenario])
+    return subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _command(script: str, devices: int, workdir: Path, scenarios: list[str]) -> tuple[Path, list[str], dict]:
     out = workdir / f"{Path(script).stem}_d{devices}_{abs(hash(tuple(scenarios))) % 10**8}.json"
     cmd = [
         sys.executable,
@@ -35,13 +54,7 @@ def run_scenarios(
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0 or not out.exists():
-        raise AssertionError(
-            f"{' '.join(cmd)} exited with {proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}"
-            f"\n--- stderr ---\n{proc.stderr[-10000:]}"
-        )
-    return json.loads(out.read_text())
+    return out, cmd, env
 
 
 def max_abs_diff(a: list[float], b: list[float]) -> float:

@@ -1,6 +1,15 @@
 """Precision and checkpoint-IO plugins matching the lightning_dist strategies."""
 
-from lightning_dist.plugins.checkpoint_io import CheckpointError, DistributedCheckpointIO
+from lightning_dist.plugins.async_checkpoint_io import AsyncDistributedCheckpointIO
+from lightning_dist.plugins.checkpoint_io import CheckpointError, DistributedCheckpointIO, ParallelCheckpointIO
+from lightning_dist.plugins.full_state_checkpoint_io import FullStateCheckpointIO
 from lightning_dist.plugins.precision import FSDP2Precision
 
-__all__ = ["CheckpointError", "DistributedCheckpointIO", "FSDP2Precision"]
+__all__ = [
+    "AsyncDistributedCheckpointIO",
+    "CheckpointError",
+    "DistributedCheckpointIO",
+    "FSDP2Precision",
+    "FullStateCheckpointIO",
+    "ParallelCheckpointIO",
+]

@@ -1,25 +1,15 @@
-"""Checkpoint IO for sharded (DTensor/FSDP2) models: a torch.distributed.checkpoint (DCP) folder per checkpoint.
+"""Checkpoint IO plugins of the lightning_dist strategies: the shared base and the synchronous sharded one.
 
-Layout (the same as Lightning's ModelParallelStrategy, so its consolidation tool reads it)::
-
-    step=3.ckpt/
-        __0_0.distcp ...   DCP shards: {"state_dict": model, "optimizer_0": ..., ...}, written by every rank
-        .metadata          DCP index
-        meta.pt            everything else Lightning saves (loops, callbacks, hyperparameters, epoch, step)
-        COMPLETE           written last: a folder without it is an unfinished save and is never loaded
-
-Saves are atomic: the folder is written under a temporary name beside the target and renamed into place, so a
-save that dies midway leaves the previous checkpoint at that path untouched.
+Every rank calls ``save_checkpoint`` with the same path. What lands on disk is described in
+:mod:`lightning_dist.checkpoint.layout`; loading is done by the strategy (it needs the model), which reads either
+format whatever plugin is configured, so a checkpoint written with one plugin resumes with another.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -28,18 +18,56 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import CheckpointIO
 from typing_extensions import override
 
-METADATA_FILENAME = "meta.pt"
-COMPLETE_MARKER = "COMPLETE"
+from lightning_dist.checkpoint.layout import (
+    COMPLETE_MARKER,
+    METADATA_FILENAME,
+    CheckpointError,
+    new_token,
+    publish,
+    read_metadata,
+    remove,
+    remove_stale_temporaries,
+    temporary_path,
+    validate_checkpoint,
+)
+
+__all__ = ["CheckpointError", "DistributedCheckpointIO", "ParallelCheckpointIO"]
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, unfinished or does not match the model."""
+class ParallelCheckpointIO(CheckpointIO):
+    """Base of the checkpoint IO plugins a lightning_dist strategy accepts.
+
+    Subclasses say which state they want from the strategy (:attr:`full_state`) and may save asynchronously
+    (:meth:`wait`, :meth:`check`).
+    """
+
+    #: ``False``: the strategy hands over sharded (DTensor) states; ``True``: full states on rank 0.
+    full_state: ClassVar[bool] = False
+
+    @override
+    def load_checkpoint(self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
+        """A single file as a whole; for a sharded folder, everything but the model and optimizer states (only a
+        strategy holding the model can load those)."""
+        path = validate_checkpoint(path)
+        if path.is_dir():
+            return read_metadata(path)
+        return torch.load(path, map_location=map_location or "cpu", weights_only=bool(weights_only))
+
+    @override
+    def remove_checkpoint(self, path: _PATH) -> None:
+        remove(Path(path))
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is on disk; raise if it failed. Collective."""
+
+    def check(self) -> None:
+        """Raise on every rank if a save in flight has failed (called at the start of each training step)."""
 
 
-class DistributedCheckpointIO(CheckpointIO):
-    """Sharded checkpoints through ``torch.distributed.checkpoint``; every rank writes its own shards.
-
-    Both methods are collective: every rank of the job must call them with the same path.
+class DistributedCheckpointIO(ParallelCheckpointIO):
+    """Sharded checkpoints through ``torch.distributed.checkpoint``: every rank writes its own shards, in parallel,
+    into one folder; ``meta.pt`` beside them holds the rest of Lightning's checkpoint. The default of every
+    lightning_dist strategy. Resumes on any number of ranks and under any lightning_dist strategy.
     """
 
     @override
@@ -47,75 +75,50 @@ class DistributedCheckpointIO(CheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options.")
         path = Path(path)
-        checkpoint = dict(checkpoint)
-        sharded = {"state_dict": checkpoint.pop("state_dict")}
-        for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
-            sharded[f"optimizer_{idx}"] = optim_state
-        tmp = path.parent / f".{path.name}.tmp-{_shared_token()}"
-        _on_rank_zero_then_check(lambda: tmp.mkdir(parents=True, exist_ok=False), f"create {tmp}")
-        dcp.save(sharded, checkpoint_id=tmp)
+        sharded, meta = split_sharded(checkpoint)
+        tmp = start_folder(path)
+        dcp.save(sharded, storage_writer=self._storage_writer(tmp))
+        on_rank_zero_then_check(lambda: finish_folder(tmp, path, meta), f"publish the checkpoint at {path}")
 
-        def finish() -> None:
-            torch.save(checkpoint, tmp / METADATA_FILENAME)
-            (tmp / COMPLETE_MARKER).write_text("ok\n")
-            _publish(tmp, path)
-
-        _on_rank_zero_then_check(finish, f"publish the checkpoint at {path}")
-
-    @override
-    def load_checkpoint(self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
-        """Load only the metadata (everything but the sharded model and optimizer states)."""
-        path = validate_checkpoint_dir(path)
-        return torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=bool(weights_only))
-
-    def load_sharded(self, path: _PATH, state: dict[str, Any]) -> None:
-        """Fill ``state`` (``{"state_dict": ..., "optimizer_0": ...}`` of sharded tensors) in place from ``path``."""
-        path = validate_checkpoint_dir(path)
-        dcp.load(state, checkpoint_id=path)
-
-    @override
-    def remove_checkpoint(self, path: _PATH) -> None:
-        path = Path(path)
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
+    def _storage_writer(self, folder: Path) -> dcp.StorageWriter:
+        return dcp.FileSystemWriter(folder)
 
 
-def validate_checkpoint_dir(path: _PATH) -> Path:
-    """Check that ``path`` is a finished sharded checkpoint; raise :class:`CheckpointError` saying what is wrong."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"Checkpoint not found: {str(path)!r} does not exist.")
-    if not path.is_dir():
-        raise CheckpointError(
-            f"{str(path)!r} is a file, but this strategy expects a sharded checkpoint folder (as it saves them)."
-        )
-    if not (path / COMPLETE_MARKER).is_file() or not (path / METADATA_FILENAME).is_file():
-        raise CheckpointError(
-            f"{str(path)!r} is not a complete checkpoint (no {COMPLETE_MARKER!r} marker or {METADATA_FILENAME!r}):"
-            " the save that wrote it did not finish. Resume from an earlier checkpoint."
-        )
-    if not (path / ".metadata").is_file():
-        raise CheckpointError(f"{str(path)!r} has no DCP index file '.metadata'; the folder is corrupt.")
-    return path
+def split_sharded(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split Lightning's checkpoint dict into DCP's sharded part and the metadata that goes to ``meta.pt``."""
+    meta = dict(checkpoint)
+    sharded = {"state_dict": meta.pop("state_dict")}
+    for idx, optim_state in enumerate(meta.pop("optimizer_states", [])):
+        sharded[f"optimizer_{idx}"] = optim_state
+    return sharded, meta
 
 
-def _publish(tmp: Path, path: Path) -> None:
-    """Move the finished ``tmp`` folder to ``path``, replacing what was there only once the new one is complete."""
-    old = None
-    if path.exists():
-        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(path, old)
-    os.replace(tmp, path)
-    if old is not None:
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+def start_folder(path: Path) -> Path:
+    """Create (on rank 0) the temporary folder a sharded save writes into; returns it on every rank. Collective."""
+    tmp = temporary_path(path, shared_token())
+
+    def create() -> None:
+        remove_stale_temporaries(path)
+        tmp.mkdir(parents=True, exist_ok=False)
+
+    on_rank_zero_then_check(create, f"create {tmp}")
+    return tmp
 
 
-def _on_rank_zero_then_check(fn: Callable[[], None], what: str) -> None:
+def finish_folder(tmp: Path, path: Path, meta: dict[str, Any] | bytes) -> None:
+    """Write ``meta.pt`` and the completion marker into ``tmp``, then publish it at ``path`` (rank 0 only)."""
+    if isinstance(meta, bytes):
+        (tmp / METADATA_FILENAME).write_bytes(meta)
+    else:
+        torch.save(meta, tmp / METADATA_FILENAME)
+    (tmp / COMPLETE_MARKER).write_text("ok\n")
+    publish(tmp, path)
+
+
+def on_rank_zero_then_check(fn: Callable[[], None], what: str) -> None:
     """Run ``fn`` on rank 0 and raise on *every* rank if it failed, so no rank waits forever for rank 0."""
     error: list[str | None] = [None]
-    if _rank() == 0:
+    if rank() == 0:
         try:
             fn()
         except Exception as err:  # noqa: BLE001 (re-raised on every rank below)
@@ -126,12 +129,13 @@ def _on_rank_zero_then_check(fn: Callable[[], None], what: str) -> None:
         raise CheckpointError(f"Rank 0 could not {what}: {error[0]}")
 
 
-def _rank() -> int:
+def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _shared_token() -> str:
-    token = [uuid.uuid4().hex[:12]]
+def shared_token() -> str:
+    """A random token, the same on every rank. Collective."""
+    token = [new_token()]
     if dist.is_initialized():
         dist.broadcast_object_list(token, src=0)
     return token[0]

@@ -9,6 +9,7 @@ parallelize the model on it (:meth:`parallelize`); pipeline and context parallel
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -35,7 +36,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -43,10 +44,17 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_dist.checkpoint import model_state as states
+from lightning_dist.checkpoint.layout import is_sharded_checkpoint, read_metadata, validate_checkpoint
 from lightning_dist.parallel.fsdp import reshard_all
 from lightning_dist.parallel.mesh import ParallelDims, ParallelMesh
-from lightning_dist.plugins.checkpoint_io import DistributedCheckpointIO
+from lightning_dist.plugins.checkpoint_io import DistributedCheckpointIO, ParallelCheckpointIO
 from lightning_dist.plugins.precision import FSDP2Precision, to_fsdp2_precision
+from lightning_dist.strategies.data_position import (
+    LIGHTNING_NOT_RESUMABLE_WARNING,
+    skip_trained_batches,
+    training_position,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -62,7 +70,10 @@ class MeshParallelStrategy(ParallelStrategy):
         accelerator: Set by the Trainer.
         parallel_devices: Set by the Trainer from ``devices=``.
         cluster_environment: Set by the Trainer (torchrun/SLURM environments create processes themselves).
-        checkpoint_io: Defaults to :class:`~lightning_dist.plugins.DistributedCheckpointIO`.
+        checkpoint_io: Defaults to :class:`~lightning_dist.plugins.DistributedCheckpointIO` (sharded);
+            :class:`~lightning_dist.plugins.AsyncDistributedCheckpointIO` saves in the background and
+            :class:`~lightning_dist.plugins.FullStateCheckpointIO` writes one consolidated file. Any of them can also
+            be passed as ``Trainer(plugins=[...])``.
         precision_plugin: Usually left out; the Trainer's ``precision=`` is converted to
             :class:`~lightning_dist.plugins.FSDP2Precision`.
         process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on CUDA unless given.
@@ -89,10 +100,12 @@ class MeshParallelStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+        self.checkpoint_io = checkpoint_io  # through the setter, which refuses plugins that cannot write shards
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._dims: ParallelDims | None = None
         self._mesh: ParallelMesh | None = None
+        self._resume_position: dict[str, Any] | None = None
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ what a concrete strategy provides
@@ -264,6 +277,18 @@ class MeshParallelStrategy(ParallelStrategy):
         return self.transform_batch(batch, dataloader_idx)
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        # A mid-epoch checkpoint resumes at the next batch, not at the epoch's first (see data_position.py).
+        if self._resume_position is not None and self.lightning_module.trainer.state.stage == RunningStage.TRAINING:
+            skip_trained_batches(dataloader, self._resume_position)
+            self._resume_position = None
+        return dataloader
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.checkpoint_io.check()  # a background save that failed is raised here, on every rank
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.train_step_context():
             return self.run_training_step(*args, **kwargs)
@@ -355,17 +380,19 @@ class MeshParallelStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
     @property
     @override
-    def checkpoint_io(self) -> CheckpointIO:
+    def checkpoint_io(self) -> ParallelCheckpointIO:
         if self._checkpoint_io is None:
             self._checkpoint_io = DistributedCheckpointIO()
-        return self._checkpoint_io
+        return self._checkpoint_io  # type: ignore[return-value]
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        if io is not None and not isinstance(io, DistributedCheckpointIO):
+        if io is not None and not isinstance(io, ParallelCheckpointIO):
             raise TypeError(
-                f"{type(self).__name__} saves sharded parameters, which {type(io).__name__} cannot write (each rank"
-                " holds only its shards). Use lightning_dist.DistributedCheckpointIO (the default)."
+                f"{type(self).__name__} cannot save through {type(io).__name__}: each rank holds only its shards of"
+                " the model. Use lightning_dist.DistributedCheckpointIO (the default, sharded),"
+                " lightning_dist.AsyncDistributedCheckpointIO (sharded, saved in the background) or"
+                " lightning_dist.FullStateCheckpointIO (one consolidated file)."
             )
         self._checkpoint_io = io
 
@@ -381,50 +408,57 @@ class MeshParallelStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         assert self.model is not None
-        return get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=False))
+        return states.model_state(self.model, full=self.checkpoint_io.full_state)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         assert self.model is not None
-        return get_optimizer_state_dict(self.model, optimizer)
+        return states.optimizer_state(self.model, optimizer, full=self.checkpoint_io.full_state)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         path = Path(self.broadcast(str(filepath)))
+        checkpoint["lightning_dist"] = self._checkpoint_provenance()
+        trainer = self.lightning_module.trainer
+        if trainer.state.fn == TrainerFn.FITTING:
+            checkpoint["lightning_dist"]["data_position"] = training_position(trainer)
         self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def _checkpoint_provenance(self) -> dict[str, Any]:
+        from lightning_dist import __version__
+
+        return {
+            "strategy": type(self).__name__,
+            "world_size": self.world_size,
+            "mesh": self.parallel_dims.as_dict(),
+            "format": "full" if self.checkpoint_io.full_state else "sharded",
+            "version": __version__,
+        }
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        io = self.checkpoint_io
-        assert isinstance(io, DistributedCheckpointIO)
+        """Load a sharded folder or a single-file checkpoint, whichever ``checkpoint_path`` is, saved with any number
+        of ranks and any lightning_dist strategy (or a one-device Lightning run)."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        metadata = io.load_checkpoint(path, weights_only=weights_only)
+        self.checkpoint_io.wait()
         assert self.model is not None and self.lightning_module is not None
         strict = self.lightning_module.strict_loading
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        optimizers = self.optimizers if fitting else []  # evaluation needs (and may only have) the weights
-        state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
-        for idx, optimizer in enumerate(optimizers):
-            state[f"optimizer_{idx}"] = get_optimizer_state_dict(self.model, optimizer)
-        io.load_sharded(path, state)
-        set_model_state_dict(self.model, state["state_dict"], options=StateDictOptions(strict=strict))
-        for idx, optimizer in enumerate(optimizers):
-            set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{idx}"])
+        optimizers = (
+            [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers] if fitting else []
+        )
+        metadata = read_metadata(validate_checkpoint(path))
+        if is_sharded_checkpoint(path):
+            states.load_sharded(path, self.model, optimizers, strict)
+        else:
+            full = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+            states.load_full(full, self.model, optimizers, strict, repr(str(path)))
+        self._resume_position = metadata.get("lightning_dist", {}).get("data_position") if fitting else None
+        if self._resume_position is not None:
+            warnings.filterwarnings("ignore", message=LIGHTNING_NOT_RESUMABLE_WARNING)
         return metadata
 
     @override

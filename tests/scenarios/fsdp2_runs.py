@@ -1,4 +1,4 @@
-"""FSDP2 scenarios: parity with one process for each sharding mode, precision checks, checkpoint save/resume.
+"""FSDP2 scenarios: parity with one process for each sharding mode, and precision checks (checkpoints: checkpoint_runs.py).
 
 python tests/scenarios/fsdp2_runs.py --devices 2 --out r.json --workdir DIR --scenarios full,grad_op
 python tests/scenarios/fsdp2_runs.py --devices 1 --out ref.json --workdir DIR   # the one-process reference
@@ -21,7 +21,7 @@ from common import (  # type: ignore[import-not-found]
     trainer_kwargs,
     write_result,
 )
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 
 from lightning_dist import FSDP2Precision, FSDP2Strategy
 from lightning_dist.profiling import CommCounter, state_bytes
@@ -145,38 +145,6 @@ def fp16_loss_scaling(devices: int, workdir: str) -> dict[str, Any]:
     }
 
 
-# Lightning resumes the data position exactly only at epoch boundaries (mid-epoch needs a stateful dataloader, even
-# on one device), so the checkpoint scenarios use 3-step epochs and save at the end of the first one.
-EPOCH_SAMPLES = 24
-
-
-def checkpoint_save(devices: int, workdir: str) -> dict[str, Any]:
-    """Fit STEPS steps with a checkpoint every 3 steps (sharded DCP folders)."""
-    model, data = make_model_and_data(devices, train_samples=EPOCH_SAMPLES)
-    recorder = StepRecorder()
-    ckpt = ModelCheckpoint(dirpath=f"{workdir}/ckpt_{devices}", every_n_train_steps=3, save_top_k=-1, filename="{step}")
-    trainer = L.Trainer(
-        **trainer_kwargs(devices, strategy=strategy_for(devices), precision="64-true", enable_checkpointing=True),
-        max_steps=STEPS,
-        callbacks=[recorder, ckpt],
-    )
-    trainer.fit(model, data)
-    return {"losses": recorder.losses}
-
-
-def checkpoint_resume(devices: int, workdir: str, saved_with: int) -> dict[str, Any]:
-    """Resume the step-3 checkpoint written with ``saved_with`` ranks and fit to step STEPS."""
-    model, data = make_model_and_data(devices, train_samples=EPOCH_SAMPLES)
-    recorder = StepRecorder()
-    trainer = L.Trainer(
-        **trainer_kwargs(devices, strategy=strategy_for(devices), precision="64-true"),
-        max_steps=STEPS,
-        callbacks=[recorder],
-    )
-    trainer.fit(model, data, ckpt_path=f"{workdir}/ckpt_{saved_with}/step=3.ckpt")
-    return {"losses": recorder.losses, "global_step": trainer.global_step}
-
-
 SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "full": lambda d, w: train(d, w, "full", sharding="full"),
     "grad_op": lambda d, w: train(d, w, "grad_op", sharding="grad_op"),
@@ -187,8 +155,6 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "activation_checkpointing": lambda d, w: train(d, w, "activation_checkpointing", activation_checkpointing=True),
     "bf16_dtypes": bf16_dtypes,
     "fp16_loss_scaling": fp16_loss_scaling,
-    "checkpoint_save": checkpoint_save,
-    "resume_from_2": lambda d, w: checkpoint_resume(d, w, saved_with=2),
 }
 
 

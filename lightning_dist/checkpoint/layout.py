@@ -1,0 +1,137 @@
+"""What a lightning_dist checkpoint looks like on disk, and how it gets there without ever looking complete early.
+
+Two formats:
+
+* sharded (``DistributedCheckpointIO``, ``AsyncDistributedCheckpointIO``): a folder, the same layout as Lightning's
+  ModelParallelStrategy, so its consolidation tool reads it too::
+
+      step=3.ckpt/
+          __0_0.distcp ...   DCP shards {"state_dict": model, "optimizer_0": ...}, written by every rank
+          .metadata          DCP index
+          meta.pt            everything else Lightning saves (loops, callbacks, hyperparameters, epoch, step)
+          COMPLETE           written last: a folder without it is an unfinished save and is never loaded
+
+* full state (``FullStateCheckpointIO``): one ``torch.save`` file, a plain Lightning checkpoint.
+
+Both are written under a hidden temporary name beside the target (``.step=3.ckpt.tmp-<token>``) and renamed into
+place, so a save that dies midway leaves the previous checkpoint at that path untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+METADATA_FILENAME = "meta.pt"
+COMPLETE_MARKER = "COMPLETE"
+DCP_INDEX = ".metadata"
+_TMP_INFIX = ".tmp-"
+_OLD_INFIX = ".old-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, unfinished, corrupt or does not match the model."""
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a sharded (DCP folder) checkpoint rather than a single file."""
+    return Path(path).is_dir()
+
+
+def validate_checkpoint(path: str | os.PathLike) -> Path:
+    """Check that ``path`` is a finished checkpoint (folder or file); raise :class:`CheckpointError` saying what is
+    wrong otherwise. A checkpoint whose publishing was interrupted between its two renames is recovered."""
+    path = Path(path)
+    if not path.exists():
+        recovered = _recover_interrupted_publish(path)
+        if recovered is None:
+            raise CheckpointError(f"Checkpoint not found: {str(path)!r} does not exist.")
+    if path.is_dir():
+        if not (path / COMPLETE_MARKER).is_file() or not (path / METADATA_FILENAME).is_file():
+            raise CheckpointError(
+                f"{str(path)!r} is not a complete checkpoint (no {COMPLETE_MARKER!r} marker or {METADATA_FILENAME!r}):"
+                " the save that wrote it did not finish. Resume from an earlier checkpoint."
+            )
+        if not (path / DCP_INDEX).is_file():
+            raise CheckpointError(f"{str(path)!r} has no DCP index file {DCP_INDEX!r}; the folder is corrupt.")
+    elif path.stat().st_size == 0:
+        raise CheckpointError(f"{str(path)!r} is an empty file; the checkpoint is corrupt.")
+    return path
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """Everything in a (validated) checkpoint except the model and optimizer states: Lightning's loop, callback
+    and hyperparameter entries plus lightning_dist's own. Loads no tensors of a sharded checkpoint."""
+    path = Path(path)
+    if path.is_dir():
+        return torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=False)
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    return {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+
+
+def temporary_path(path: Path, token: str) -> Path:
+    """The hidden name a checkpoint is written under before it is published at ``path``."""
+    return path.parent / f".{path.name}{_TMP_INFIX}{token}"
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def remove_stale_temporaries(path: Path) -> None:
+    """Delete unfinished writes of ``path`` left by a save that crashed (they never look complete)."""
+    for stale in path.parent.glob(f".{path.name}{_TMP_INFIX}*"):
+        remove(stale)
+
+
+def publish(tmp: Path, path: Path) -> None:
+    """Move the finished ``tmp`` (file or folder) to ``path``, replacing what was there.
+
+    A file over a file is one atomic ``os.replace``. Otherwise the previous checkpoint is first renamed aside
+    (``.name.old-*``) and deleted only after the new one is in place; if the process dies between the two renames,
+    :func:`validate_checkpoint` finds the previous checkpoint under its aside name.
+    """
+    if path.exists() and (path.is_dir() or tmp.is_dir()):
+        old = path.parent / f".{path.name}{_OLD_INFIX}{uuid.uuid4().hex[:8]}"
+        os.replace(path, old)
+        os.replace(tmp, path)
+        remove(old)
+    else:
+        os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _recover_interrupted_publish(path: Path) -> Path | None:
+    asides = sorted(path.parent.glob(f".{path.name}{_OLD_INFIX}*"), key=lambda p: p.stat().st_mtime)
+    if not asides:
+        return None
+    try:  # every rank may try this at once; one rename wins
+        os.replace(asides[-1], path)
+    except OSError:
+        pass
+    return path if path.exists() else None
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

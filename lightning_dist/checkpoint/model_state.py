@@ -1,0 +1,123 @@
+"""Moving model and optimizer state between a (sharded) model and checkpoint formats, with fit checks.
+
+Pure PyTorch on top of ``torch.distributed.checkpoint.state_dict``: works for FSDP2, DTensor tensor parallel and
+plain modules alike, on any number of ranks (DCP reshards on load).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Size
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_dist.checkpoint.layout import CheckpointError
+from lightning_dist.checkpoint.model_fit import FitReport, check_fit, compare_shapes
+from lightning_dist.checkpoint.optimizer_format import is_name_keyed, names_to_positions, positions_to_names
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def model_state(model: Module, full: bool) -> dict[str, Any]:
+    """Sharded (DTensor) model state, or the full state on CPU on rank 0 (empty elsewhere). Collective."""
+    return get_model_state_dict(model, options=_FULL if full else StateDictOptions())
+
+
+def optimizer_state(model: Module, optimizer: Optimizer, full: bool) -> dict[str, Any]:
+    """Name-keyed sharded optimizer state, or on rank 0 the full state keyed by position as ``Optimizer.state_dict``
+    does (so a one-device run can resume from it). Collective."""
+    if not full:
+        return get_optimizer_state_dict(model, optimizer)
+    state = get_optimizer_state_dict(model, optimizer, options=_FULL)
+    return names_to_positions(state) if state else state
+
+
+def load_sharded(path: Path, model: Module, optimizers: Sequence[Optimizer], strict: bool) -> None:
+    """Load a DCP checkpoint folder into ``model`` and ``optimizers`` (any saved world size or mesh). Collective."""
+    state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
+    for idx, optimizer in enumerate(optimizers):
+        state[f"optimizer_{idx}"] = get_optimizer_state_dict(model, optimizer)
+    report = compare_shapes(
+        {k: Size(v.shape) for k, v in state["state_dict"].items()}, _checkpoint_shapes(path, "state_dict.")
+    )
+    check_fit(report, strict, repr(str(path)))
+    _require_optimizer_states(path, len(optimizers))
+    try:
+        dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    except Exception as err:
+        raise CheckpointError(f"Could not load the shards of {str(path)!r}: {err}") from err
+    set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
+    for idx, optimizer in enumerate(optimizers):
+        set_optimizer_state_dict(model, optimizer, state[f"optimizer_{idx}"])
+
+
+def load_full(
+    checkpoint: dict[str, Any], model: Module, optimizers: Sequence[Optimizer], strict: bool, where: str
+) -> None:
+    """Load a one-file checkpoint dict (full tensors; present on every rank) into a possibly sharded model."""
+    full = checkpoint["state_dict"]
+    expected = {k: Size(v.shape) for k, v in get_model_state_dict(model).items()}
+    report: FitReport = compare_shapes(
+        expected, {k: Size(v.shape) if hasattr(v, "shape") else None for k, v in full.items()}
+    )
+    check_fit(report, strict, where)
+    # Outside a process group there is nothing to distribute: the full state is the local state.
+    options = StateDictOptions(full_state_dict=dist.is_initialized(), strict=strict)
+    set_model_state_dict(model, full, options=options)
+    states = checkpoint.get("optimizer_states", [])
+    if optimizers and len(states) < len(optimizers):
+        raise CheckpointError(
+            f"The checkpoint {where} holds {len(states)} optimizer state(s) but the model configures"
+            f" {len(optimizers)} optimizer(s); it was saved without them (weights only?). Load it for evaluation,"
+            " or start a new fit from its weights without ckpt_path."
+        )
+    for optimizer, state in zip(optimizers, states):
+        if not is_name_keyed(state):
+            state = positions_to_names(state, parameter_names(model, optimizer))
+        set_optimizer_state_dict(model, optimizer, state, options=options)
+
+
+def parameter_names(model: Module, optimizer: Optimizer) -> list[list[str]]:
+    """The names of the optimizer's parameters, per param group, in order."""
+    names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    try:
+        return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    except KeyError as err:
+        raise CheckpointError("The optimizer holds a parameter that is not part of the model.") from err
+
+
+def _checkpoint_shapes(path: Path, prefix: str) -> dict[str, Size | None]:
+    index = FileSystemReader(path).read_metadata().state_dict_metadata
+    return {
+        key[len(prefix) :]: Size(m.size) if isinstance(m, TensorStorageMetadata) else None
+        for key, m in index.items()
+        if key.startswith(prefix)
+    }
+
+
+def _require_optimizer_states(path: Path, count: int) -> None:
+    if count == 0:
+        return
+    index = FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = {key.split(".", 1)[0] for key in index if key.startswith("optimizer_")}
+    if len(saved) < count:
+        raise CheckpointError(
+            f"The checkpoint {str(path)!r} holds {len(saved)} optimizer state(s) but the model configures {count}"
+            " optimizer(s); it was saved without them (weights only?). Load it for evaluation, or start a new fit"
+            " from its weights without ckpt_path."
+        )

@@ -1,0 +1,52 @@
+"""Optimizer states in two formats: keyed by parameter name (torch.distributed.checkpoint's ``get_optimizer_state_dict``)
+and keyed by parameter position (``torch.optim.Optimizer.state_dict``, what a one-device Lightning checkpoint holds).
+
+Positions count parameters across ``param_groups`` in order, exactly as ``Optimizer.state_dict`` numbers them, so a
+single-file checkpoint written from a sharded run resumes in a one-device Lightning run and the other way round.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+
+def names_to_positions(state: dict[str, Any]) -> dict[str, Any]:
+    """Convert a name-keyed optimizer state to the position-keyed format of ``Optimizer.state_dict``."""
+    position: dict[str, int] = {}
+    groups = []
+    for group in state["param_groups"]:
+        group = dict(group)
+        ids = []
+        for name in group["params"]:
+            position.setdefault(name, len(position))
+            ids.append(position[name])
+        group["params"] = ids
+        groups.append(group)
+    return {"state": {position[name]: value for name, value in state["state"].items()}, "param_groups": groups}
+
+
+def positions_to_names(state: dict[str, Any], names_in_order: list[list[str]]) -> dict[str, Any]:
+    """Convert a position-keyed optimizer state to names, given the parameter names of each param group in order."""
+    flat = [name for group in names_in_order for name in group]
+    if len(state["param_groups"]) != len(names_in_order):
+        raise ValueError(
+            f"The checkpoint's optimizer has {len(state['param_groups'])} param groups, the current one"
+            f" {len(names_in_order)}: it was configured differently."
+        )
+    groups = []
+    for group, names in zip(state["param_groups"], names_in_order):
+        if len(group["params"]) != len(names):
+            raise ValueError(
+                f"A param group of the checkpoint's optimizer has {len(group['params'])} parameters, the current one"
+                f" {len(names)}: it was configured differently."
+            )
+        group = copy.copy(group)
+        group["params"] = [flat[i] for i in group["params"]]
+        groups.append(group)
+    return {"state": {flat[int(i)]: value for i, value in state["state"].items()}, "param_groups": groups}
+
+
+def is_name_keyed(state: dict[str, Any]) -> bool:
+    groups = state.get("param_groups", [])
+    return bool(groups) and bool(groups[0]["params"]) and isinstance(groups[0]["params"][0], str)

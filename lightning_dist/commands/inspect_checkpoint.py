@@ -1,0 +1,24 @@
+"""``lightning-dist inspect CKPT``: step, how it was saved, and every tensor's key, shape, dtype and size."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from lightning_dist.checkpoint.summary import format_summary, summarize_checkpoint
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="lightning-dist inspect",
+        description="Summarize a checkpoint (sharded folder or single file) without loading a model.",
+    )
+    parser.add_argument("checkpoint")
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    parser.add_argument("--all", action="store_true", help="list every tensor (default: the first 50)")
+    args = parser.parse_args(argv)
+    summary = summarize_checkpoint(args.checkpoint)
+    if args.json:
+        print(json.dumps(summary.as_dict(), indent=2))
+    else:
+        print(format_summary(summary, max_rows=None if args.all else 50))

@@ -1,0 +1,41 @@
+"""A consolidated single-file checkpoint written by rank 0: a plain Lightning checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from lightning.fabric.utilities.types import _PATH
+from typing_extensions import override
+
+from lightning_dist.checkpoint.layout import publish, remove_stale_temporaries, temporary_path
+from lightning_dist.plugins.checkpoint_io import ParallelCheckpointIO, on_rank_zero_then_check, shared_token
+
+
+class FullStateCheckpointIO(ParallelCheckpointIO):
+    """Gathers the full (unsharded) model and optimizer states to rank 0, which writes one ``torch.save`` file.
+
+    The file is an ordinary Lightning checkpoint: ``torch.load`` reads it, ``MyModule.load_from_checkpoint(path)``
+    restores the module in a one-process session, and a one-device ``Trainer`` resumes from it (optimizer states are
+    keyed by parameter position, as ``Optimizer.state_dict`` does). lightning_dist strategies resume from it on any
+    number of ranks. Costs: rank 0 holds the whole state in CPU memory while saving; for large models prefer the
+    sharded :class:`~lightning_dist.plugins.DistributedCheckpointIO` and ``lightning-dist consolidate`` later.
+    """
+
+    full_state: ClassVar[bool] = True
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} does not take storage_options.")
+        path = Path(path)
+        tmp = temporary_path(path, shared_token())
+
+        def write() -> None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale_temporaries(path)
+            torch.save(checkpoint, tmp)
+            publish(tmp, path)
+
+        on_rank_zero_then_check(write, f"write the checkpoint {path}")

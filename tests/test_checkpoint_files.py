@@ -1,0 +1,188 @@
+"""Checkpoint files without process launches: layout validation, atomic publishing, fit checks with clear messages,
+optimizer-state formats and the IO plugins' configuration."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+import lightning_dist
+from lightning_dist import AsyncDistributedCheckpointIO, DistributedCheckpointIO, FullStateCheckpointIO
+from lightning_dist.checkpoint import model_state
+from lightning_dist.checkpoint.consolidate import load_full_checkpoint
+from lightning_dist.checkpoint.layout import (
+    COMPLETE_MARKER,
+    CheckpointError,
+    publish,
+    temporary_path,
+    validate_checkpoint,
+)
+from lightning_dist.checkpoint.model_fit import check_fit, compare_shapes
+from lightning_dist.checkpoint.optimizer_format import names_to_positions, positions_to_names
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _trained(model: nn.Module) -> torch.optim.Optimizer:
+    optimizer = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.1}])
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    return optimizer
+
+
+def _save_sharded(tmp_path: Path, name: str = "a.ckpt") -> tuple[Path, nn.Module, torch.optim.Optimizer]:
+    model = _model()
+    optimizer = _trained(model)
+    checkpoint = {
+        "state_dict": model_state.model_state(model, full=False),
+        "optimizer_states": [model_state.optimizer_state(model, optimizer, full=False)],
+        "global_step": 7,
+    }
+    path = tmp_path / name
+    DistributedCheckpointIO().save_checkpoint(checkpoint, path)
+    return path, model, optimizer
+
+
+def test_missing_partial_and_empty_checkpoints_are_named(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        validate_checkpoint(tmp_path / "nope.ckpt")
+    path, _, _ = _save_sharded(tmp_path)
+    validate_checkpoint(path)
+    (path / COMPLETE_MARKER).unlink()
+    with pytest.raises(CheckpointError, match="not a complete checkpoint.*did not finish"):
+        validate_checkpoint(path)
+    (path / COMPLETE_MARKER).write_text("ok\n")
+    (path / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match="no DCP index file"):
+        validate_checkpoint(path)
+    empty = tmp_path / "empty.ckpt"
+    empty.touch()
+    with pytest.raises(CheckpointError, match="empty file"):
+        validate_checkpoint(empty)
+
+
+def test_publish_replaces_only_when_the_new_checkpoint_is_complete(tmp_path):
+    target = tmp_path / "last.ckpt"
+    target.mkdir()
+    (target / "old").write_text("previous")
+    tmp = temporary_path(target, "t1")
+    tmp.mkdir()
+    (tmp / "new").write_text("next")
+    assert target.exists() and (target / "old").exists()  # before publishing, the old one is intact
+    publish(tmp, target)
+    assert (target / "new").exists() and not (target / "old").exists() and not tmp.exists()
+    assert not list(tmp_path.glob(".last.ckpt.*"))
+
+
+def test_a_publish_interrupted_between_its_renames_is_recovered(tmp_path):
+    path, _, _ = _save_sharded(tmp_path, "last.ckpt")
+    aside = tmp_path / ".last.ckpt.old-1234abcd"
+    os.replace(path, aside)  # the state a crash between the two renames leaves
+    assert validate_checkpoint(path) == path
+    assert (path / COMPLETE_MARKER).exists() and not aside.exists()
+
+
+def test_sharded_round_trip_and_consolidation_in_one_process(tmp_path):
+    path, model, optimizer = _save_sharded(tmp_path)
+    fresh = _model()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    fresh_opt = torch.optim.AdamW([{"params": fresh[0].parameters()}, {"params": fresh[2].parameters(), "lr": 0.1}])
+    _trained(fresh)  # give the optimizer state to overwrite
+    model_state.load_sharded(path, fresh, [fresh_opt], strict=True)
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+    assert fresh_opt.param_groups[1]["lr"] == 0.1
+    full = load_full_checkpoint(path)
+    assert full["global_step"] == 7
+    assert full["optimizer_states"][0]["param_groups"][1]["params"] == [2, 3]  # position-keyed, as torch does
+    reference = optimizer.state_dict()
+    for idx, state in reference["state"].items():
+        assert torch.equal(full["optimizer_states"][0]["state"][idx]["exp_avg"], state["exp_avg"])
+
+
+def test_shape_mismatch_names_the_key_and_both_shapes(tmp_path):
+    path, _, _ = _save_sharded(tmp_path)
+    other = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
+    with pytest.raises(CheckpointError, match=r"0\.weight: model \(16, 4\) vs checkpoint \(8, 4\)"):
+        model_state.load_sharded(path, other, [], strict=True)
+
+
+def test_strict_and_non_strict_loading(tmp_path):
+    path, model, _ = _save_sharded(tmp_path)
+    bigger = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3), nn.Linear(3, 2))
+    with pytest.raises(CheckpointError, match=r"missing from the checkpoint: \['3.weight', '3.bias'\].*strict_loading"):
+        model_state.load_sharded(path, bigger, [], strict=True)
+    before = bigger[3].weight.detach().clone()
+    model_state.load_sharded(path, bigger, [], strict=False)  # loads what fits, keeps the rest
+    assert torch.equal(bigger[0].weight, model[0].weight) and torch.equal(bigger[3].weight, before)
+    report = compare_shapes({"a": torch.Size([2])}, {"a": torch.Size([2]), "b": torch.Size([1])})
+    with pytest.raises(CheckpointError, match=r"not in the model: \['b'\]"):
+        check_fit(report, strict=True, where="x")
+    check_fit(report, strict=False, where="x")
+
+
+def test_full_state_into_a_model_checks_shapes_and_converts_optimizer_positions():
+    model = _model()
+    optimizer = _trained(model)
+    checkpoint = {"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()]}
+    fresh = _model()
+    fresh_opt = torch.optim.AdamW([{"params": fresh[0].parameters()}, {"params": fresh[2].parameters(), "lr": 0.1}])
+    _trained(fresh)
+    model_state.load_full(checkpoint, fresh, [fresh_opt], strict=True, where="'mem'")
+    for idx, state in optimizer.state_dict()["state"].items():
+        assert torch.equal(fresh_opt.state_dict()["state"][idx]["exp_avg_sq"], state["exp_avg_sq"])
+    with pytest.raises(CheckpointError, match="holds 0 optimizer state"):
+        model_state.load_full({"state_dict": model.state_dict()}, fresh, [fresh_opt], strict=True, where="'w'")
+
+
+def test_optimizer_positions_round_trip():
+    named = {
+        "state": {"b.w": {"step": 1}, "a.w": {"step": 2}},
+        "param_groups": [{"params": ["b.w"], "lr": 1}, {"params": ["a.w", "c.w"], "lr": 2}],
+    }
+    positions = names_to_positions(named)
+    assert positions["param_groups"][1]["params"] == [1, 2] and positions["state"][1] == {"step": 2}
+    assert positions_to_names(positions, [["b.w"], ["a.w", "c.w"]]) == named
+    with pytest.raises(ValueError, match="configured differently"):
+        positions_to_names(positions, [["b.w", "a.w", "c.w"]])
+
+
+@pytest.mark.parametrize("io_cls", [DistributedCheckpointIO, AsyncDistributedCheckpointIO, FullStateCheckpointIO])
+def test_every_plugin_is_accepted_from_plugins_and_checkpoint_io(io_cls):
+    trainer = L.Trainer(strategy="fsdp2", accelerator="cpu", devices=2, plugins=[io_cls()], logger=False)
+    assert type(trainer.strategy.checkpoint_io) is io_cls
+    strategy = lightning_dist.FSDP2Strategy(checkpoint_io=io_cls())
+    assert type(strategy.checkpoint_io) is io_cls
+
+
+def test_a_plugin_that_cannot_write_shards_is_refused():
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    with pytest.raises(TypeError, match="FullStateCheckpointIO"):
+        lightning_dist.FSDP2Strategy(checkpoint_io=TorchCheckpointIO())
+
+
+def test_yaml_config_selects_a_plugin(tmp_path):
+    from lightning.pytorch.cli import LightningCLI
+
+    config = Path(__file__).parents[1] / "configs" / "fsdp2_async_checkpoints.yaml"
+    cli = LightningCLI(
+        L.LightningModule,
+        L.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        run=False,
+        args=["--config", str(config), "--trainer.devices=2", "--trainer.logger=false"],
+        save_config_callback=None,
+    )
+    assert isinstance(cli.trainer.strategy.checkpoint_io, AsyncDistributedCheckpointIO)

@@ -21,7 +21,7 @@ def run_scenarios(
     Returns rank 0's JSON result; fails with the processes' output when the run fails.
     """
     out, cmd, env = _command(script, devices, workdir, scenarios)
-    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(
             f"{' '.join(cmd)} exited with {proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}"
@@ -35,7 +35,7 @@ def run_failing_scenario(
 ) -> subprocess.CompletedProcess:
     """Run a scenario that is meant to die (fault injection); returns the finished process, whatever its status."""
     _, cmd, env = _command(script, devices, workdir, [scenario])
-    return subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def _command(script: str, devices: int, workdir: Path, scenarios: list[str]) -> tuple[Path, list[str], dict]:

@@ -53,7 +53,7 @@ def resolve_module_classes(specs: Iterable[ModuleSpec]) -> tuple[set[type[nn.Mod
     for spec in specs:
         if isinstance(spec, type):
             if not issubclass(spec, nn.Module):
-                raise ValueError(f"{spec!r} is not an nn.Module subclass; only module classes can be wrapped.")
+                raise TypeError(f"{spec!r} is not an nn.Module subclass; only module classes can be wrapped.")
             classes.add(spec)
         elif isinstance(spec, str) and "." in spec:
             module_path, _, attr = spec.rpartition(".")
@@ -65,7 +65,7 @@ def resolve_module_classes(specs: Iterable[ModuleSpec]) -> tuple[set[type[nn.Mod
                     " 'my_package.model.TransformerBlock', or just the class name."
                 ) from err
             if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-                raise ValueError(f"{spec!r} resolves to {cls!r}, which is not an nn.Module subclass.")
+                raise TypeError(f"{spec!r} resolves to {cls!r}, which is not an nn.Module subclass.")
             classes.add(cls)
         elif isinstance(spec, str):
             names.add(spec)

@@ -85,6 +85,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from typing_extensions import Self
 
 __all__ = [
     "BYTE_FIELDS",
@@ -498,7 +499,7 @@ class CommCounter:
 
     # -- activation -------------------------------------------------------------------------------------------------
 
-    def __enter__(self) -> CommCounter:
+    def __enter__(self) -> Self:
         if self._mode is not None:
             raise RuntimeError("This CommCounter is already active; use a second CommCounter to nest.")
         _handler_table()
@@ -554,7 +555,7 @@ class CommCounter:
             traffic = handler(bound, group.index, group.size)
             async_op = True if api == "functional" else bound.get("async_op")
             self._records.extend(self._to_record(api, t, group, async_op) for t in traffic)
-        except Exception as err:  # never let accounting break the training step
+        except Exception as err:  # noqa: BLE001 (never let accounting break the training step)
             self.dropped += 1
             warnings.warn(f"CommCounter could not account for {func}: {err!r}", RuntimeWarning, stacklevel=2)
 

@@ -76,11 +76,11 @@ class FSDP2Strategy(MeshParallelStrategy):
         )
         if sharding not in SHARDING_MODES:
             raise ValueError(f"sharding={sharding!r} is not one of {list(SHARDING_MODES)}.")
-        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-            if reshard_after_forward < 2:
-                raise ValueError(
-                    f"reshard_after_forward={reshard_after_forward}: an int must be a group size of at least 2."
-                )
+        is_int = isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool)
+        if is_int and reshard_after_forward < 2:
+            raise ValueError(
+                f"reshard_after_forward={reshard_after_forward}: an int must be a group size of at least 2."
+            )
         if cpu_offload and sharding == "no_shard":
             raise ValueError("cpu_offload needs sharded parameters; it cannot be combined with sharding='no_shard'.")
         self.sharding = sharding

@@ -59,7 +59,7 @@ class OneProcessData(TextDataModule):
     """
 
     def train_dataloader(self) -> DataLoader:
-        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        seed = int(os.environ.get("PL_GLOBAL_SEED", "0"))
         sampler = DistributedSampler(self.train_set, num_replicas=1, rank=0, shuffle=True, seed=seed)
         return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, drop_last=True)
 

@@ -8,12 +8,20 @@ Importing the package registers its strategy names with ``lightning.pytorch``'s 
     trainer = L.Trainer(strategy="fsdp2", devices=4)
 """
 
-from lightning_dist.plugins import DistributedCheckpointIO, FSDP2Precision
-from lightning_dist.strategies import FSDP2Strategy, MeshParallelStrategy
+from lightning_dist.plugins import DistributedCheckpointIO, FSDP2Precision, ZeroPPPrecision
+from lightning_dist.strategies import FSDP2Strategy, MeshParallelStrategy, ZeroPPStrategy
 from lightning_dist.strategies.registry import register_strategies
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["DistributedCheckpointIO", "FSDP2Precision", "FSDP2Strategy", "MeshParallelStrategy", "__version__"]
+__all__ = [
+    "DistributedCheckpointIO",
+    "FSDP2Precision",
+    "FSDP2Strategy",
+    "MeshParallelStrategy",
+    "ZeroPPPrecision",
+    "ZeroPPStrategy",
+    "__version__",
+]
 
 register_strategies()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
@@ -190,6 +190,29 @@ def reduce_scatter_nbytes(numel: int, groups: NodeGroups, bits: int, block_size:
         "intra": (groups.ranks_per_node - 1) * packed_nbytes(groups.num_nodes * c, bits, block_size),
         "inter": (groups.num_nodes - 1) * packed_nbytes(c, bits, block_size),
     }
+
+
+def leftover_param_modules(model: nn.Module, units: Iterable[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """The children of ``model`` that hold parameters outside every unit (embeddings, final norm, head).
+
+    Sharding them as units of their own leaves the root without parameters, so hpZ's secondary partition covers
+    every parameter (the root unit of a Lightning run is resharded after the ``training_step`` and re-gathered over the
+    whole group in backward). Children that contain a unit, hold no parameters, or share a parameter with another
+    child (tied embeddings) stay with the root.
+    """
+    unit_set = set(units)
+    owners: dict[int, set[str]] = {}
+    for name, child in model.named_children():
+        for p in child.parameters():
+            owners.setdefault(id(p), set()).add(name)
+    out = []
+    for name, child in model.named_children():
+        params = list(child.parameters())
+        if not params or child in unit_set or any(m in unit_set for m in child.modules()):
+            continue
+        if all(owners[id(p)] == {name} for p in params):
+            out.append((name, child))
+    return out
 
 
 def install_comms(

@@ -7,7 +7,8 @@ quantized gradient reduce-scatter through a two-hop all-to-all (qgZ), as FSDP2 c
   (already dequantized) gathered weights after forward and re-gathers it in backward over the group of k ranks; that
   gather moves those values exactly, so backward uses bit for bit the weights forward used (re-quantizing them
   would change them a second time).
-* hpZ: FSDP2's own ``reshard_after_forward=k`` (see :func:`apply_zeropp`'s caller); nothing to do here.
+* hpZ: FSDP2's own ``reshard_after_forward=k`` (k = ranks per node), set by the strategy; here only
+  :func:`leftover_param_modules`, which finds the embeddings/head to shard as units so hpZ covers them too.
 * qgZ: :class:`QuantizedReduceScatter`. Hop 1 inside the node: quantize, ``all_to_all_single`` over the node's
   ranks, dequantize and sum in fp32 (each rank now holds its node's partial sums for the chunks of every rank with its
   local index); hop 2 across nodes: re-quantize those partial sums, ``all_to_all_single`` over the ranks with the same

@@ -60,6 +60,24 @@ def test_two_declared_nodes_need_no_warning(recwarn):
     assert not [w for w in recwarn if "no-op" in str(w.message)]
 
 
+def test_a_secondary_partition_spanning_nodes_warns():
+    with pytest.warns(UserWarning, match="hpz_partition_size=4 does not divide ranks_per_node=2"):
+        strategy = _trainer(ZeroPPStrategy(ranks_per_node=2, hpz_partition_size=4), devices=8).strategy
+    assert strategy._hpz == 4
+
+
+def test_leftover_modules_become_units_unless_tied():
+    from examples.gpt import GPT
+    from lightning_dist.parallel.zeropp import leftover_param_modules
+
+    model = GPT(n_layer=2)
+    assert [n for n, _ in leftover_param_modules(model, list(model.blocks))] == ["tok_emb", "pos_emb", "ln_f", "head"]
+    model.head.weight = model.tok_emb.weight  # tied: both stay with the root
+    assert [n for n, _ in leftover_param_modules(model, list(model.blocks))] == ["pos_emb", "ln_f"]
+    model.pos_weight = model.pos_emb.weight  # shared with a parameter of the root itself
+    assert [n for n, _ in leftover_param_modules(model, list(model.blocks))] == ["ln_f"]
+
+
 def test_impossible_combinations_fail_at_construction():
     with pytest.raises(ValueError, match="hpZ keeps a secondary partition.*hpz_partition_size=None"):
         ZeroPPStrategy(cpu_offload=True)

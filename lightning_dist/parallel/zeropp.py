@@ -202,7 +202,7 @@ def leftover_param_modules(model: nn.Module, units: Iterable[nn.Module]) -> list
     child (tied embeddings) stay with the root.
     """
     unit_set = set(units)
-    owners: dict[int, set[str]] = {}
+    owners: dict[int, set[str]] = {id(p): {""} for p in model.parameters(recurse=False)}  # the root's own
     for name, child in model.named_children():
         for p in child.parameters():
             owners.setdefault(id(p), set()).add(name)

@@ -178,6 +178,11 @@ class ZeroPPStrategy(FSDP2Strategy):
                 raise MeshConfigError(
                     f"hpz_partition_size={hpz} must divide the sharding group size {group} and be smaller than it."
                 )
+        if hpz is not None and per_node % hpz:
+            rank_zero_warn(
+                f"zeropp: hpz_partition_size={hpz} does not divide ranks_per_node={per_node}: secondary partitions span"
+                " node boundaries, so backward all-gathers cross nodes. Use a divisor of ranks_per_node (or 'auto')."
+            )
         if self.quantized_gradients and nodes == 1 and group > 1:
             rank_zero_warn(
                 f"zeropp: all {group} ranks are on one node: qgZ's cross-node hop is a no-op (the reduce-scatter is"

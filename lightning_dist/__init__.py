@@ -14,8 +14,9 @@ from lightning_dist.plugins import (
     DistributedCheckpointIO,
     FSDP2Precision,
     FullStateCheckpointIO,
+    ZeroPPPrecision,
 )
-from lightning_dist.strategies import FSDP2Strategy, MeshParallelStrategy
+from lightning_dist.strategies import FSDP2Strategy, MeshParallelStrategy, ZeroPPStrategy
 from lightning_dist.strategies.registry import register_strategies
 
 __version__ = "0.1.0.dev0"
@@ -28,6 +29,8 @@ __all__ = [
     "FSDP2Strategy",
     "FullStateCheckpointIO",
     "MeshParallelStrategy",
+    "ZeroPPPrecision",
+    "ZeroPPStrategy",
     "__version__",
 ]
 

@@ -4,6 +4,7 @@ from lightning_dist.plugins.async_checkpoint_io import AsyncDistributedCheckpoin
 from lightning_dist.plugins.checkpoint_io import CheckpointError, DistributedCheckpointIO, ParallelCheckpointIO
 from lightning_dist.plugins.full_state_checkpoint_io import FullStateCheckpointIO
 from lightning_dist.plugins.precision import FSDP2Precision
+from lightning_dist.plugins.zeropp_precision import ZeroPPPrecision
 
 __all__ = [
     "AsyncDistributedCheckpointIO",
@@ -12,4 +13,5 @@ __all__ = [
     "FSDP2Precision",
     "FullStateCheckpointIO",
     "ParallelCheckpointIO",
+    "ZeroPPPrecision",
 ]

@@ -144,17 +144,25 @@ class FSDP2Strategy(MeshParallelStrategy):
         if self.activation_checkpointing:
             apply_activation_checkpointing(m for _, m in units)
             self.log_decision(f"activation checkpointing on {unit_summary}")
+        extra = self.extra_shard_units(model, units)
         mesh = self.mesh.data_parallel
-        apply_fsdp(model, mesh, (m for _, m in units), config, root_mp_policy=self.precision_plugin.root_mp_policy)
+        shard = (m for _, m in [*units, *extra])
+        apply_fsdp(model, mesh, shard, config, root_mp_policy=self.precision_plugin.root_mp_policy)
         dims = self.parallel_dims
         where = f"dp_shard={dims.dp_shard}" + (f" × cp={dims.cp}" if dims.cp > 1 else "")
         where += f" × dp_replicate={dims.dp_replicate}" if dims.dp_replicate > 1 else ""
         self.log_decision(
-            f"sharding={self.sharding!r}: sharded {unit_summary} + root {root_name} over {where},"
+            f"sharding={self.sharding!r}: sharded {unit_summary}"
+            + (f" + {', '.join(name for name, _ in extra)}" if extra else "")
+            + f" + root {root_name} over {where},"
             f" reshard_after_forward={config.reshard_after_forward}, precision={self.precision_plugin.precision}"
             + (", cpu_offload" if self.cpu_offload else "")
         )
         return model
+
+    def extra_shard_units(self, model: Module, units: list[tuple[str, Module]]) -> list[tuple[str, Module]]:
+        """Modules to shard as units of their own besides the blocks (not activation-checkpointed); none here."""
+        return []
 
     @classmethod
     def register_strategies(cls, registry: Any) -> None:

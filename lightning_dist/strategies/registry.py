@@ -7,8 +7,9 @@ from typing import Any
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dist.strategies.fsdp2 import FSDP2Strategy
+from lightning_dist.strategies.zeropp import ZeroPPStrategy
 
-STRATEGY_CLASSES = (FSDP2Strategy,)
+STRATEGY_CLASSES = (FSDP2Strategy, ZeroPPStrategy)
 
 
 def register_strategies() -> None:

@@ -1,0 +1,259 @@
+"""ZeroPPStrategy: ZeRO++ (qwZ, hpZ, qgZ) on FSDP2, for an unchanged LightningModule."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.nn import Module
+from typing_extensions import override
+
+from lightning_dist.parallel.fsdp import FSDPConfig, fsdp_modules
+from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
+from lightning_dist.parallel.quantization import check_bits, check_block_size
+from lightning_dist.parallel.zeropp import (
+    NodeGroups,
+    QuantizedAllGather,
+    QuantizedReduceScatter,
+    install_comms,
+    leftover_param_modules,
+    new_node_groups,
+)
+from lightning_dist.plugins.precision import FSDP2Precision, to_fsdp2_precision
+from lightning_dist.plugins.zeropp_precision import ZeroPPPrecision
+from lightning_dist.strategies.fsdp2 import FSDP2Strategy
+
+
+class ZeroPPStrategy(FSDP2Strategy):
+    """ZeRO++ (arXiv 2306.10209): ZeRO-3 (FSDP2 ``fully_shard``) with three communication cuts.
+
+    * qwZ (``quantized_weights``): the parameter all-gather moves blockwise int8 with an fp32 scale per block
+      (0.5× the bf16 bytes plus the scales); every rank dequantizes every slot, its own included.
+    * hpZ (``hpz_partition_size``): after forward each unit keeps a 1/k slice of its gathered weights, k = ranks per
+      node, so backward all-gathers stay inside the node (FSDP2's ``reshard_after_forward=k``). Every unit is
+      resharded before each optimizer step and after each evaluation loop, so no forward sees stale weights.
+    * qgZ (``quantized_gradients``): the gradient reduce-scatter becomes a quantized all-to-all in two hops (inside
+      the node, then across nodes) with fp32 accumulation between them, int4 packed two per byte by default; each
+      rank ends with the mean of its own shard.
+
+    Checkpoints are plain FSDP2/DCP: a ``zeropp`` checkpoint resumes under ``fsdp2`` and the other way round.
+
+    Args:
+        quantized_weights: qwZ.
+        hpz_partition_size: hpZ: ranks of the secondary partition; ``"auto"`` = ranks per node; ``None`` turns it off.
+            Must divide the sharding group and be smaller than it.
+        quantized_gradients: qgZ.
+        weight_bits: Bits of the quantized all-gather (8 or 4).
+        gradient_bits: Bits of the quantized reduce-scatter (4 or 8).
+        weight_block_size: Elements per weight quantization block (one fp32 scale each).
+        gradient_block_size: Elements per gradient quantization block.
+        ranks_per_node: Ranks on each node; ``None``: the Trainer's ``devices`` (processes per node). Declaring
+            fewer than there are simulates several nodes on one machine.
+        wrap_modules: As for :class:`~lightning_dist.FSDP2Strategy`.
+        wrap_regex: As for :class:`~lightning_dist.FSDP2Strategy`.
+        activation_checkpointing: As for :class:`~lightning_dist.FSDP2Strategy`.
+        cpu_offload: As for :class:`~lightning_dist.FSDP2Strategy`; cannot be combined with hpZ.
+    """
+
+    log_name = "zeropp"
+
+    def __init__(
+        self,
+        quantized_weights: bool = True,
+        hpz_partition_size: int | Literal["auto"] | None = "auto",
+        quantized_gradients: bool = True,
+        weight_bits: int = 8,
+        gradient_bits: int = 4,
+        weight_block_size: int = 256,
+        gradient_block_size: int = 256,
+        ranks_per_node: int | None = None,
+        wrap_modules: list[type[Module] | str] | set[type[Module]] | None = None,
+        wrap_regex: str | None = None,
+        activation_checkpointing: bool = False,
+        cpu_offload: bool = False,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            sharding="full",
+            wrap_modules=wrap_modules,
+            wrap_regex=wrap_regex,
+            activation_checkpointing=activation_checkpointing,
+            cpu_offload=cpu_offload,
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        for name, bits in (("weight_bits", weight_bits), ("gradient_bits", gradient_bits)):
+            try:
+                check_bits(bits)
+            except ValueError as err:
+                raise ValueError(f"{name}: {err}") from None
+        for name, block in (("weight_block_size", weight_block_size), ("gradient_block_size", gradient_block_size)):
+            try:
+                check_block_size(block)
+            except ValueError as err:
+                raise ValueError(f"{name}: {err}") from None
+        hpz = hpz_partition_size
+        if hpz is not None and hpz != "auto" and (isinstance(hpz, bool) or not isinstance(hpz, int) or hpz < 2):
+            raise ValueError(
+                f"hpz_partition_size={hpz!r} must be 'auto' (ranks per node), an int >= 2, or None (hpZ off)."
+            )
+        if hpz is not None and cpu_offload:
+            raise ValueError(
+                "hpZ keeps a secondary partition of the gathered weights on the accelerator between forward and"
+                " backward, which CPU offloading cannot hold. Set hpz_partition_size=None to offload, or drop"
+                " cpu_offload."
+            )
+        if ranks_per_node is not None and (isinstance(ranks_per_node, bool) or ranks_per_node < 1):
+            raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive int or None.")
+        self.quantized_weights = quantized_weights
+        self.hpz_partition_size = hpz
+        self.quantized_gradients = quantized_gradients
+        self.weight_bits = weight_bits
+        self.gradient_bits = gradient_bits
+        self.weight_block_size = weight_block_size
+        self.gradient_block_size = gradient_block_size
+        self.ranks_per_node = ranks_per_node
+        self._hpz: int | None = None  # resolved in validate_mesh
+        self._node_groups: NodeGroups | None = None
+
+    # ------------------------------------------------------------------ precision
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> FSDP2Precision:
+        if self._precision_plugin is None:
+            self._precision_plugin = ZeroPPPrecision()
+        return self._precision_plugin  # type: ignore[return-value]
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        plugin = to_fsdp2_precision(precision_plugin)
+        if plugin is not None and type(plugin) is FSDP2Precision and precision_plugin is not plugin:
+            plugin = ZeroPPPrecision(plugin.precision)  # a generic plugin from the Trainer's precision= flag
+        self._precision_plugin = plugin
+
+    # ------------------------------------------------------------------ topology
+    @property
+    def resolved_ranks_per_node(self) -> int:
+        """Ranks per node: the declared value, else the processes the Trainer starts per node (``devices``)."""
+        return self.ranks_per_node if self.ranks_per_node is not None else max(1, self.num_processes)
+
+    @override
+    def validate_mesh(self, dims: ParallelDims) -> None:
+        super().validate_mesh(dims)
+        group = dims.fsdp
+        per_node = self.resolved_ranks_per_node
+        if group % per_node:
+            raise MeshConfigError(
+                f"ranks_per_node={per_node} does not divide the {group} ranks ZeRO++ shards over; declare a"
+                " ranks_per_node that does (whole nodes)."
+            )
+        nodes = group // per_node
+        hpz = per_node if self.hpz_partition_size == "auto" else self.hpz_partition_size
+        if hpz is not None and (hpz >= group or group % hpz):
+            if self.hpz_partition_size == "auto":
+                rank_zero_warn(
+                    f"zeropp: all {group} ranks are on one node, so hpZ has nothing to keep off the network;"
+                    " backward re-gathers over the whole group as in ZeRO-3 (hpZ is a no-op here)."
+                )
+                hpz = None
+            else:
+                raise MeshConfigError(
+                    f"hpz_partition_size={hpz} must divide the sharding group size {group} and be smaller than it."
+                )
+        if hpz is not None and per_node % hpz:
+            rank_zero_warn(
+                f"zeropp: hpz_partition_size={hpz} does not divide ranks_per_node={per_node}: secondary partitions span"
+                " node boundaries, so backward all-gathers cross nodes. Use a divisor of ranks_per_node (or 'auto')."
+            )
+        if self.quantized_gradients and nodes == 1 and group > 1:
+            rank_zero_warn(
+                f"zeropp: all {group} ranks are on one node: qgZ's cross-node hop is a no-op (the reduce-scatter is"
+                " still quantized inside the node). Declare ranks_per_node to simulate several nodes."
+            )
+        self._hpz = hpz
+
+    @property
+    @override
+    def fsdp_config(self) -> FSDPConfig:
+        config = super().fsdp_config
+        config.reshard_after_forward = self._hpz if self._hpz is not None else True
+        return config
+
+    # ------------------------------------------------------------------ model
+    @override
+    def extra_shard_units(self, model: Module, units: list[tuple[str, Module]]) -> list[tuple[str, Module]]:
+        return leftover_param_modules(model, [m for _, m in units]) if self._hpz else []
+
+    @override
+    def parallelize(self, model: Module) -> Module:
+        _ = self.parallel_dims  # resolves hpZ before fsdp_config is read
+        model = super().parallelize(model)
+        dims = self.parallel_dims
+        all_gather = reduce_scatter = None
+        if self.quantized_weights:
+            all_gather = QuantizedAllGather(dims.fsdp, bits=self.weight_bits, block_size=self.weight_block_size)
+        if self.quantized_gradients:
+            reduce_scatter = QuantizedReduceScatter(
+                self._groups(), bits=self.gradient_bits, block_size=self.gradient_block_size
+            )
+        units = install_comms(fsdp_modules(model), all_gather, reduce_scatter)
+        per_node = self.resolved_ranks_per_node
+        parts = [
+            f"qwZ int{self.weight_bits}/block {self.weight_block_size}" if self.quantized_weights else "qwZ off",
+            f"hpZ over {self._hpz} ranks" if self._hpz else "hpZ off",
+            f"qgZ int{self.gradient_bits}/block {self.gradient_block_size}" if self.quantized_gradients else "qgZ off",
+        ]
+        self.log_decision(
+            f"{', '.join(parts)} on {units} FSDP units; {dims.fsdp // per_node} node(s) × {per_node} ranks"
+        )
+        return model
+
+    def _groups(self) -> NodeGroups:
+        if self._node_groups is None:  # created once, by every rank, in the same order
+            ranks = dist.get_process_group_ranks(self.process_group("fsdp"))
+            self._node_groups = new_node_groups(ranks, self.resolved_ranks_per_node)
+        return self._node_groups
+
+    @classmethod
+    @override
+    def register_strategies(cls, registry: Any) -> None:
+        registry.register("zeropp", cls, description="ZeRO++ on FSDP2: quantized weights (qwZ), hpZ and qgZ")
+        registry.register(
+            "zeropp_qwz",
+            cls,
+            description="ZeRO++ with quantized weight all-gather (qwZ) only",
+            hpz_partition_size=None,
+            quantized_gradients=False,
+        )
+        registry.register(
+            "zeropp_hpz",
+            cls,
+            description="ZeRO++ with the hierarchical (intra-node) secondary weight partition (hpZ) only",
+            quantized_weights=False,
+            quantized_gradients=False,
+        )
+        registry.register(
+            "zeropp_qgz",
+            cls,
+            description="ZeRO++ with the quantized two-hop gradient reduce-scatter (qgZ) only",
+            quantized_weights=False,
+            hpz_partition_size=None,
+        )

@@ -156,7 +156,9 @@ def scenario_imports():
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lightning_dist.cli", *args], capture_output=True, text=True, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_dist.cli", *args], capture_output=True, text=True, check=False
+    )
 
 
 def test_consolidated_checkpoint_reproduces_the_forward_exactly(saved, workdir, scenario_imports):

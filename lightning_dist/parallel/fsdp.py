@@ -42,19 +42,31 @@ def apply_fsdp(
     blocks: Iterable[nn.Module],
     config: FSDPConfig,
     root_mp_policy: MixedPrecisionPolicy | None = None,
-) -> None:
-    """Shard every block as its own communication group, then the root (which takes the remaining parameters).
+) -> list[nn.Module]:
+    """Shard every block as its own communication group, then everything outside the blocks (embeddings, final norm,
+    head) as one group kept gathered from forward to the end of backward, then the root. Returns that group.
 
-    ``mesh`` is 1-D (fully sharded) or 2-D ``(replicate, shard)`` (HSDP). The root always keeps its parameters
-    gathered from forward to the end of backward: its "forward" is the whole ``training_step``, which may call the
-    model's ``forward`` again inside it, and backward needs the root's parameters first anyway.
+    ``mesh`` is 1-D (fully sharded) or 2-D ``(replicate, shard)`` (HSDP). The modules outside the blocks run first
+    and last in forward, so backward needs them again at once. They are not left to the root: the root's "forward"
+    is the whole ``training_step``, which calls the model's ``forward`` inside it, and FSDP2 fully reshards a unit
+    whose forward is nested in itself, so backward would gather those parameters a second time.
     """
     # fully_shard must run bottom-up: a unit nested in another unit (a regex matching both) is sharded first.
-    for block in sorted(blocks, key=_height):
+    blocks = sorted(blocks, key=_height)
+    for block in blocks:
         fully_shard(
             block,
             mesh=mesh,
             reshard_after_forward=config.reshard_after_forward,
+            mp_policy=config.mp_policy,
+            offload_policy=config.offload_policy,
+        )
+    outside = modules_outside(model, blocks)
+    if outside:
+        fully_shard(
+            outside,
+            mesh=mesh,
+            reshard_after_forward=False,
             mp_policy=config.mp_policy,
             offload_policy=config.offload_policy,
         )
@@ -65,6 +77,23 @@ def apply_fsdp(
         mp_policy=root_mp_policy or config.mp_policy,
         offload_policy=config.offload_policy,
     )
+    return outside
+
+
+def modules_outside(model: nn.Module, units: Iterable[nn.Module]) -> list[nn.Module]:
+    """Submodules of ``model`` holding parameters of their own that lie outside every unit, except those sharing a
+    parameter with a unit or with the root itself (such parameters stay with the root)."""
+    units = [*units, *(m for m in model.modules() if isinstance(m, FSDPModule) and m is not model)]  # already sharded
+    inside = {id(m) for unit in units for m in unit.modules()}
+    taken = {id(p) for unit in units for p in unit.parameters()} | {id(p) for p in model.parameters(recurse=False)}
+    return [
+        module
+        for module in model.modules()
+        if module is not model
+        and id(module) not in inside
+        and any(True for _ in module.parameters(recurse=False))
+        and not any(id(p) in taken for p in module.parameters(recurse=False))
+    ]
 
 
 def _height(module: nn.Module) -> int:

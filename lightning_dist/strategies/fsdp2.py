@@ -147,13 +147,15 @@ class FSDP2Strategy(MeshParallelStrategy):
         extra = self.extra_shard_units(model, units)
         mesh = self.mesh.data_parallel
         shard = (m for _, m in [*units, *extra])
-        apply_fsdp(model, mesh, shard, config, root_mp_policy=self.precision_plugin.root_mp_policy)
+        outside = apply_fsdp(model, mesh, shard, config, root_mp_policy=self.precision_plugin.root_mp_policy)
+        names = {id(m): name for name, m in model.named_modules()}
         dims = self.parallel_dims
         where = f"dp_shard={dims.dp_shard}" + (f" × cp={dims.cp}" if dims.cp > 1 else "")
         where += f" × dp_replicate={dims.dp_replicate}" if dims.dp_replicate > 1 else ""
         self.log_decision(
             f"sharding={self.sharding!r}: sharded {unit_summary}"
             + (f" + {', '.join(name for name, _ in extra)}" if extra else "")
+            + (f" + [{', '.join(names[id(m)] for m in outside)}] as one unit" if outside else "")
             + f" + root {root_name} over {where},"
             f" reshard_after_forward={config.reshard_after_forward}, precision={self.precision_plugin.precision}"
             + (", cpu_offload" if self.cpu_offload else "")

@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": device,
             "device_name": device_name,
             "cpu_count": os.cpu_count(),
+            "load_average_at_start": _load_average(),
             "peak_flops": lookup_peak(device_name, compute_dtype(args.precision)) if device == "cuda" else None,
         },
         "config": config,
@@ -172,11 +173,20 @@ def main(argv: list[str] | None = None) -> int:
             results["launch_errors"][str(ws)] = err
         results["runs"] += (res or {}).get("results", [])
     results["meta"]["elapsed_s"] = time.monotonic() - t0
+    results["meta"]["load_average_at_end"] = _load_average()
     out.mkdir(parents=True, exist_ok=True)
     paths = write_report(results, out)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print("\n".join(f"{k}: {v}" for k, v in {**paths, "results": out / "results.json"}.items()))
     return 1 if results["launch_errors"] else 0
+
+
+def _load_average() -> float | None:
+    """The host's 1-minute load average (other processes competing for the cores make time ratios noisy)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
 
 
 def _param_bytes(precision: str) -> int:

@@ -693,6 +693,67 @@ def to_markdown(results: dict[str, Any], analysis: dict[str, list[dict[str, Any]
     return "\n".join(out)
 
 
+README_START = "<!-- benchmarks:start -->"
+README_END = "<!-- benchmarks:end -->"
+
+
+def readme_section(results: dict[str, Any], analysis: dict[str, list[dict[str, Any]]] | None = None) -> str:
+    """The measured tables for README's Performance section (between :data:`README_START` and :data:`README_END`):
+    targets, step-time ratios, state per rank for the largest model, activations, and bytes at the largest N."""
+    analysis = analysis if analysis is not None else analyze(results)
+    meta, cfg = results["meta"], results["config"]
+    largest, ws_max = cfg["sizes"][-1], max(results["world_sizes"])
+    obs = observations(results)
+    lines = [
+        README_START,
+        (
+            f"Measured {meta['started']} with `{meta['command']}` on {meta['device_name']} ({meta['cpu_count']} cores,"
+            f" 1-min load average {meta.get('load_average_at_start', 'not recorded')} at the start — other jobs were"
+            f" sharing the host), `{cfg['precision']}`, {cfg['batch_size']} samples per rank. Full report:"
+            " [benchmarks/results/report.md](benchmarks/results/report.md)."
+        ),
+        "",
+        "**Targets**",
+        "",
+        *targets_summary(analysis, results),
+        "",
+        "**Step time, as ratios** (median of interleaved repeats; N=4 oversubscribes 2 cores)",
+        "",
+        overhead_table([r for r in analysis["overhead"] if r["status"] == "ok"]),
+        "",
+        f"**State per rank** ({largest})",
+        "",
+        memory_table([r for r in analysis["memory"] if r["size"] == largest]),
+        "",
+        f"**Activation memory per rank** (N={ws_max})",
+        "",
+        activation_table([r for r in analysis["activations"] if r["world_size"] == ws_max]),
+        "",
+        (
+            f"**Communication per rank per step** (N={ws_max}, {results['layouts'][str(ws_max)]['num_nodes']} simulated"
+            " nodes)"
+        ),
+        "",
+        comm_table([r for r in analysis["comm"] if r["world_size"] == ws_max]),
+        "",
+    ]
+    if obs:
+        lines += ["**Observations**", "", *[f"- {o}" for o in obs], ""]
+    lines.append(README_END)
+    return "\n".join(lines)
+
+
+def update_readme(results: dict[str, Any], readme: Path) -> bool:
+    """Replace the text between the README markers with :func:`readme_section`; ``False`` if there are no markers."""
+    text = readme.read_text()
+    if README_START not in text or README_END not in text:
+        return False
+    head, rest = text.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    readme.write_text(head + readme_section(results) + tail)
+    return True
+
+
 # ------------------------------------------------------------------------------------------------------ plot
 
 

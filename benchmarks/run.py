@@ -3,7 +3,7 @@
 Usage (from the repository root)::
 
     python -m benchmarks.run --quick                 # a few minutes on 2 CPU cores
-    python -m benchmarks.run                         # full: every size timed, more repeats (~20 min on 2 cores)
+    python -m benchmarks.run                         # full: every size timed, 5 repeats (about 20-30 min on 2 cores)
     python -m benchmarks.run --out DIR --world-sizes 1,2,4 --workloads fsdp2,mp_fsdp
     python -m benchmarks.run --report-only DIR/results.json   # rebuild the report from saved results
 
@@ -31,7 +31,7 @@ from benchmarks.hardware import compute_dtype, lookup_peak
 from benchmarks.launch import launch
 from benchmarks.measure import interleaved_order
 from benchmarks.models import SIZES
-from benchmarks.report import write_report
+from benchmarks.report import update_readme, write_report
 from benchmarks.workloads import TIME_COMPARISONS, WORKLOADS, availability, layout_for, timed_workloads
 
 MODES: dict[str, dict[str, Any]] = {
@@ -40,8 +40,8 @@ MODES: dict[str, dict[str, Any]] = {
         "sizes": ["tiny", "small", "medium"],
         "timing_sizes": ["tiny", "small", "medium"],
         "repeats": 5,
-        "warmup": 3,
-        "steps": 8,
+        "warmup": 2,
+        "steps": 5,
     },
 }
 
@@ -90,6 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=4, help="samples per rank per step (default 4)")
     p.add_argument("--precision", default="32-true", help="Lightning precision flag (default 32-true)")
     p.add_argument("--threads", type=int, default=1, help="OMP/torch threads per rank (default 1)")
+    p.add_argument(
+        "--update-readme", action="store_true", help="also put the measured tables into README.md's Performance section"
+    )
     p.add_argument("--report-only", metavar="RESULTS_JSON", help="only rebuild the report from saved results")
     return p.parse_args(argv)
 
@@ -101,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         results = json.loads(path.read_text())
         paths = write_report(results, path.parent)
         print("\n".join(f"{k}: {v}" for k, v in paths.items()))
+        _maybe_update_readme(args, results)
         return 0
     config = dict(MODES["quick" if args.quick else "full"])
     if args.sizes:
@@ -178,7 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     paths = write_report(results, out)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print("\n".join(f"{k}: {v}" for k, v in {**paths, "results": out / "results.json"}.items()))
+    _maybe_update_readme(args, results)
     return 1 if results["launch_errors"] else 0
+
+
+def _maybe_update_readme(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    if args.update_readme:
+        readme = Path(__file__).resolve().parents[1] / "README.md"
+        ok = update_readme(results, readme)
+        print(f"README.md: {'updated' if ok else 'no benchmarks:start/end markers, not changed'}")
 
 
 def _load_average() -> float | None:

@@ -396,3 +396,21 @@ def test_benchmark_smoke_run(tmp_path: Path) -> None:
         assert "no plot: matplotlib is not installed" in report
     else:
         assert (tmp_path / "scaling.png").stat().st_size > 0
+
+
+def test_readme_section_replaces_only_the_marked_block(tmp_path: Path) -> None:
+    from benchmarks.report import README_END, README_START, readme_section, update_readme
+
+    results = _known_results()
+    section = readme_section(results)
+    assert section.startswith(README_START) and section.endswith(README_END)
+    assert "`fsdp2` / `mp_fsdp` | **1.000**" in section and "python -m benchmarks.run --test" in section
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\nbefore\n{README_START}\nold table\n{README_END}\nafter\n")
+    assert update_readme(results, readme)
+    text = readme.read_text()
+    assert "old table" not in text and text.startswith("# title\n\nbefore\n") and text.endswith("\nafter\n")
+    assert text.count(README_START) == 1 and "`fsdp2` / `mp_fsdp`" in text
+    plain = tmp_path / "PLAIN.md"
+    plain.write_text("no markers\n")
+    assert not update_readme(results, plain) and plain.read_text() == "no markers\n"

@@ -41,8 +41,21 @@ def _unavailable(results: dict[str, Any], *names: str) -> str | None:
     return None
 
 
-def _tp_size(results: dict[str, Any], ws: int) -> int:
-    return results["layouts"][str(ws)]["ranks_per_node"]
+def _tp_size(results: dict[str, Any], run: dict[str, Any]) -> int:
+    """The tensor-parallel group size of a run: the size of the group whose activation all-reduces (forward/backward,
+    more than a scalar) carry the most bytes; the ranks per node when there are none (the hand-written plan's t)."""
+    volume: dict[int, int] = {}
+    for row in run["comm"]:
+        if (
+            row["op"] == "all_reduce"
+            and row["phase"] in ("forward", "backward")
+            and row["tensor_bytes"] > 8 * row["count"]
+        ):
+            size = int(row["group"].split(":", 1)[0])
+            volume[size] = volume.get(size, 0) + row["sent_bytes"]
+    if volume:
+        return max(volume, key=lambda k: volume[k])
+    return results["layouts"][str(run["world_size"])]["ranks_per_node"]
 
 
 # ------------------------------------------------------------------------------------------------------ analysis
@@ -196,7 +209,7 @@ def comm_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
             if nodes > 1:
                 row["theory_cross"] = 2 * dtypes.reduce * params * float(theory.cross_node_fraction(ws, rpn))
         elif family == "tp":
-            t = _tp_size(results, ws)
+            t = _tp_size(results, r)
             act_bytes = 4 if element >= 4 else 2
             kwargs = {
                 "n_layer": size["n_layer"],

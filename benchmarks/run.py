@@ -73,7 +73,7 @@ def build_plan(config: dict[str, Any], ws: int, available: list[str]) -> dict[st
         "items": items,
         "batch_size": config["batch_size"],
         "precision": config["precision"],
-        "timeout": 600,
+        "timeout": 300,
     }
 
 

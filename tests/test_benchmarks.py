@@ -414,3 +414,21 @@ def test_readme_section_replaces_only_the_marked_block(tmp_path: Path) -> None:
     plain = tmp_path / "PLAIN.md"
     plain.write_text("no markers\n")
     assert not update_readme(results, plain) and plain.read_text() == "no markers\n"
+
+
+def test_tensor_parallel_bytes_against_megatron() -> None:
+    results = _known_results()
+    # Model "s": L=2, B=2 per rank, S=4, H=8, fp32: one activation all-reduce over t=4 ranks sends
+    # 2*(3/4)*(2*4*8*4) = 384 bytes; Megatron's 4 per block over 2 blocks: 3072 bytes per step.
+    results["runs"].append(
+        {**results["runs"][0], "workload": "mp_tp",
+         "comm": [_comm("all_reduce", "4:[0,1,2,3]", "forward", 4, 1536),
+                  _comm("all_reduce", "4:[0,1,2,3]", "backward", 8, 3072),
+                  {**_comm("all_reduce", "4:[0,1,2,3]", "forward", 1, 6), "tensor_bytes": 4}]}
+    )  # fmt: skip
+    (row,) = [r for r in analyze(results)["comm"] if r["workload"] == "mp_tp"]
+    assert row["tp_size"] == 4  # read off the measured groups, not the 2 ranks per node
+    assert row["tp_allreduce_sent"] == 1536 + 3072 + 6
+    assert row["theory"]["Megatron 4 all-reduces/block"] == 3072
+    assert row["theory"]["unfused q,k,v: 6/block"] == 4608
+    assert row["ratio_to_theory"] == pytest.approx((4608 + 6) / 3072)

@@ -389,6 +389,8 @@ def overhead_table(rows: list[dict[str, Any]]) -> str:
 
 
 def memory_table(rows: list[dict[str, Any]], size: str | None = None) -> str:
+    rows = [r for r in rows if size is None or r["size"] == size]
+    cuda = any(r["cuda_max_allocated"] is not None for r in rows)
     body = [
         [
             r["size"],
@@ -403,10 +405,10 @@ def memory_table(rows: list[dict[str, Any]], size: str | None = None) -> str:
             f"**{r['ratio_to_ideal']:.3f}**",
             mib(r["peak_rss"], 1),
             mib(r["peak_increase"], 1),
+            *([mib(r["cuda_max_allocated"], 1)] if cuda else []),
             (r.get("target", "") + " " + _met(r)).strip(),
         ]
         for r in rows
-        if size is None or r["size"] == size
     ]
     header = [
         "model",
@@ -421,6 +423,7 @@ def memory_table(rows: list[dict[str, Any]], size: str | None = None) -> str:
         "state / ideal",
         "peak RSS MiB",
         "step peak Δ MiB",
+        *(["CUDA max allocated MiB"] if cuda else []),
         "target",
     ]
     return _table(header, body)
@@ -730,7 +733,12 @@ def readme_section(results: dict[str, Any], analysis: dict[str, list[dict[str, A
         "",
         *targets_summary(analysis, results),
         "",
-        "**Step time, as ratios** (median of interleaved repeats; N=4 oversubscribes 2 cores)",
+        "**Step time, as ratios** (median of interleaved repeats"
+        + (
+            f"; N > {meta['cpu_count']} oversubscribes the {meta['cpu_count']} cores)"
+            if meta["device"] == "cpu" and ws_max > (meta["cpu_count"] or 1)
+            else ")"
+        ),
         "",
         overhead_table([r for r in analysis["overhead"] if r["status"] == "ok"]),
         "",

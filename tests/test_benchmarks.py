@@ -432,3 +432,13 @@ def test_tensor_parallel_bytes_against_megatron() -> None:
     assert row["theory"]["Megatron 4 all-reduces/block"] == 3072
     assert row["theory"]["unfused q,k,v: 6/block"] == 4608
     assert row["ratio_to_theory"] == pytest.approx((4608 + 6) / 3072)
+
+
+def test_memory_table_shows_cuda_peaks_when_measured() -> None:
+    from benchmarks.report import memory_rows, memory_table
+
+    results = _known_results()
+    assert "CUDA max allocated" not in memory_table(memory_rows(results))
+    results["runs"][0]["peak_memory"]["cuda"] = {"max_allocated": 5 * 2**20}
+    table = memory_table(memory_rows(results))
+    assert "CUDA max allocated MiB" in table and "| 5.0 |" in table

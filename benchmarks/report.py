@@ -61,6 +61,15 @@ def _tp_size(results: dict[str, Any], run: dict[str, Any]) -> int:
 # ------------------------------------------------------------------------------------------------------ analysis
 
 
+def _per_repeat(runs: list[dict[str, Any]], name: str, size: str, ws: int, key: str) -> dict[int, float]:
+    """``{repeat: median of the run's per-step values}`` of one workload (``key``: wall or CPU times)."""
+    return {
+        r["repeat"]: statistics.median(r[key])
+        for r in runs
+        if r["workload"] == name and r["size"] == size and r["world_size"] == ws and r.get(key)
+    }
+
+
 def overhead_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Step-time comparison rows: per (size, world size, pair), the ratio of medians of the per-repeat median step
     times and the spread of the per-repeat ratios."""
@@ -74,14 +83,7 @@ def overhead_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                 if missing:
                     rows.append({**row, "status": missing})
                     continue
-                series = {}
-                for name in (ours, base):
-                    by_repeat = {
-                        r["repeat"]: statistics.median(r["step_times"])
-                        for r in runs
-                        if r["workload"] == name and r["size"] == size and r["world_size"] == ws and r["step_times"]
-                    }
-                    series[name] = by_repeat
+                series = {name: _per_repeat(runs, name, size, ws, "step_times") for name in (ours, base)}
                 common = sorted(set(series[ours]) & set(series[base]))
                 if not common:
                     rows.append({**row, "status": "no successful timing runs (see launch errors)"})
@@ -90,6 +92,9 @@ def overhead_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                 b = [series[base][i] for i in common]
                 stats = ratio_stats(a, b)
                 row.update(status="ok", ours_s=spread(a), baseline_s=spread(b), **stats)
+                cpu = {name: _per_repeat(runs, name, size, ws, "step_cpu_times") for name in (ours, base)}
+                if all(i in cpu[ours] and i in cpu[base] for i in common):
+                    row["cpu"] = ratio_stats([cpu[ours][i] for i in common], [cpu[base][i] for i in common])
                 if (ours, base) == ("fsdp2", "mp_fsdp"):
                     row["target"] = f"≤ {TARGET_TIME_RATIO}"
                     row["met"] = stats["ratio_of_medians"] <= TARGET_TIME_RATIO
@@ -362,7 +367,7 @@ def overhead_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         head = [r["size"], r["world_size"], f"`{r['ours']}` / `{r['baseline']}`"]
         if r["status"] != "ok":
-            body.append(head + [r["status"], "", "", "", ""])
+            body.append(head + [r["status"], "", "", "", "", ""])
             continue
         a, b = r["ours_s"], r["baseline_s"]
         body.append(
@@ -372,6 +377,9 @@ def overhead_table(rows: list[dict[str, Any]]) -> str:
                 f"{r['pair_min']:.3f} – {r['pair_max']:.3f} (n={r['n']})",
                 f"{a['median'] * 1e3:.1f} [{a['min'] * 1e3:.1f}, {a['max'] * 1e3:.1f}]",
                 f"{b['median'] * 1e3:.1f} [{b['min'] * 1e3:.1f}, {b['max'] * 1e3:.1f}]",
+                f"{r['cpu']['ratio_of_medians']:.3f} ({r['cpu']['pair_min']:.3f} – {r['cpu']['pair_max']:.3f})"
+                if "cpu" in r
+                else "–",
                 (r.get("target", "") + " " + _met(r)).strip(),
             ]
         )
@@ -383,6 +391,7 @@ def overhead_table(rows: list[dict[str, Any]]) -> str:
         "per-repeat ratio min – max",
         "ours ms median [min, max]",
         "baseline ms median [min, max]",
+        "CPU-time ratio (per-repeat min – max)",
         "target",
     ]
     return _table(header, body)
@@ -637,6 +646,9 @@ def to_markdown(results: dict[str, Any], analysis: dict[str, list[dict[str, Any]
             f"Each configuration ran {cfg['repeats']} times, interleaved (the order rotates every repeat), with"
             f" {cfg['warmup']} warm-up steps excluded and {cfg['steps']} timed steps; a repeat's value is its median step"
             " time, the ratio is median(ours) / median(baseline) over repeats, the spread is that of the per-repeat ratios."
+            " The CPU-time ratio is the same statistic over process CPU seconds per step (every thread of rank 0):"
+            " it leaves out waiting for peers and for a free core, so it is steadier than wall time on a shared or"
+            " oversubscribed host; the target is stated on wall time."
         ),
     ]
     if meta["device"] == "cpu":

@@ -194,6 +194,7 @@ def run_item(item: dict[str, Any], plan: dict[str, Any], layout: Layout) -> dict
         out["parallel"] = parallel or (str(dims) if dims is not None else f"data_parallel={layout.world_size}")
     if item["mode"] == "time":
         out["step_times"] = probe.timer.times
+        out["step_cpu_times"] = probe.timer.cpu_times
     else:
         out.update(probe.result)
     return out

@@ -138,6 +138,7 @@ def test_step_timer_excludes_warmup() -> None:
         timer.start()
         timer.stop()
     assert len(timer.all_times) == 5 and timer.times == timer.all_times[2:]
+    assert len(timer.cpu_times) == 3 and all(t >= 0 for t in timer.cpu_times)
     with pytest.raises(AssertionError):
         timer.stop()
 
@@ -260,9 +261,9 @@ def _known_results() -> dict[str, Any]:
     ]  # fmt: skip
     for repeat, (a, b) in enumerate([(1.0, 1.0), (1.2, 1.0), (0.9, 1.0)]):
         runs.append({"mode": "time", "workload": "fsdp2", "size": "s", "world_size": 4, "repeat": repeat,
-                     "step_times": [a, a, a]})  # fmt: skip
+                     "step_times": [a, a, a], "step_cpu_times": [a / 2] * 3})  # fmt: skip
         runs.append({"mode": "time", "workload": "mp_fsdp", "size": "s", "world_size": 4, "repeat": repeat,
-                     "step_times": [b, 5 * b, b]})  # fmt: skip
+                     "step_times": [b, 5 * b, b], "step_cpu_times": [b / 4] * 3})  # fmt: skip
     workloads = {
         w.name: {"description": w.description, "family": w.family, "available": True, "reason": None} for w in WORKLOADS
     }
@@ -291,6 +292,8 @@ def test_analysis_of_a_known_result_set() -> None:
     assert time_row["ratio_of_medians"] == pytest.approx(1.0)
     assert (time_row["pair_min"], time_row["pair_max"]) == (pytest.approx(0.9), pytest.approx(1.2))
     assert time_row["met"] is True and time_row["n"] == 3
+    assert time_row["cpu"]["ratio_of_medians"] == pytest.approx(2.0)  # CPU seconds: a/2 against b/4
+    assert (time_row["cpu"]["pair_min"], time_row["cpu"]["pair_max"]) == (pytest.approx(1.8), pytest.approx(2.4))
     assert tp_row["status"].startswith("tensor_parallel: not available in this build")
 
     memory = {r["workload"]: r for r in analysis["memory"]}
@@ -321,6 +324,7 @@ def test_markdown_report_states_targets_gaps_and_failures() -> None:
     results = _known_results()
     text = to_markdown(results)
     assert "`fsdp2` / `mp_fsdp` | **1.000**" in text
+    assert "| 2.000 (1.800 – 2.400) |" in text
     assert "≤ 1.05 ✅ met" in text
     assert "tensor_parallel: not available in this build (test)" in text
     assert "`ddp` s N=4 (measure): RuntimeError: boom" in text
@@ -388,7 +392,7 @@ def test_benchmark_smoke_run(tmp_path: Path) -> None:
     assert measured["ddp"]["state"]["parameters"] == params * 4
     timed = [r for r in results["runs"] if r["mode"] == "time"]
     assert {r["workload"] for r in timed} == {"fsdp2", "mp_fsdp", "raw_fsdp", "ddp"}
-    assert all(len(r["step_times"]) == results["config"]["steps"] for r in timed)
+    assert all(len(r["step_times"]) == len(r["step_cpu_times"]) == results["config"]["steps"] for r in timed)
     assert "| tiny | 2 | `fsdp2` / `mp_fsdp` | **" in report
     try:
         import matplotlib  # noqa: F401

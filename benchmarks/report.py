@@ -308,6 +308,15 @@ def observations(results: dict[str, Any]) -> list[str]:
         if root_once and abs(excess - root_once) < 1:
             regather.setdefault(name, []).append(where)
     out = []
+    dropped = [
+        f"`{r['workload']}` {r['size']} N={r['world_size']}: {r['comm_dropped']}"
+        for r in _ok_runs(results, "measure")
+        if r.get("comm_dropped")
+    ]
+    if dropped:
+        out.append(
+            "The comm counter could not account for some collectives (their bytes are missing): " + "; ".join(dropped)
+        )
     if regather:
         out.append(
             "The root module's parameters (embeddings, final norm, head) are all-gathered once more per step than the"

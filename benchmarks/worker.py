@@ -56,7 +56,7 @@ SEED = 1234
 
 
 class Probe:
-    """Measures steps of one run. ``mode="time"``: every step's wall time. ``mode="measure"``: on step
+    """Measures steps of one run. ``mode="time"``: every step's wall and CPU time. ``mode="measure"``: on step
     ``measure_step`` only, communication (comm counter), saved activations, peak memory, then state bytes."""
 
     def __init__(

@@ -734,6 +734,16 @@ README_START = "<!-- benchmarks:start -->"
 README_END = "<!-- benchmarks:end -->"
 
 
+def _load_text(meta: dict[str, Any]) -> str:
+    """``"<start> at the start, <end> at the end"``, flagged when the host was busier than its core count."""
+    start, end = meta.get("load_average_at_start"), meta.get("load_average_at_end")
+    text = f"{start if start is not None else 'not recorded'} at the start, {end if end is not None else 'not recorded'} at the end"
+    loads = [x for x in (start, end) if x is not None]
+    if loads and max(loads) > (meta.get("cpu_count") or 1):
+        text += " — other jobs were sharing the host"
+    return text
+
+
 def readme_section(results: dict[str, Any], analysis: dict[str, list[dict[str, Any]]] | None = None) -> str:
     """The measured tables for README's Performance section (between :data:`README_START` and :data:`README_END`):
     targets, step-time ratios, state per rank for the largest model, activations, and bytes at the largest N."""
@@ -745,8 +755,7 @@ def readme_section(results: dict[str, Any], analysis: dict[str, list[dict[str, A
         README_START,
         (
             f"Measured {meta['started']} with `{meta['command']}` on {meta['device_name']} ({meta['cpu_count']} cores,"
-            f" 1-min load average {meta.get('load_average_at_start', 'not recorded')} at the start — other jobs were"
-            f" sharing the host), `{cfg['precision']}`, {cfg['batch_size']} samples per rank. Full report:"
+            f" 1-min load average {_load_text(meta)}), `{cfg['precision']}`, {cfg['batch_size']} samples per rank. Full report:"
             " [benchmarks/results/report.md](benchmarks/results/report.md)."
         ),
         "",

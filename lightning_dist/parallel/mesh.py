@@ -107,9 +107,13 @@ class ParallelDims:
 
         world = init_device_mesh(device_type, tuple(self.as_dict().values()), mesh_dim_names=MESH_AXES)
         derived = {name: world[axes]._flatten(name) for name, axes in DERIVED_GROUPS.items()}
-        # FSDP's 2-D (replicate, shard) mesh, cut from the flattened loss group rather than sliced from the root
-        # (slicing flattened dims out of the root mesh is deprecated in torch 2.13).
-        data_parallel = derived["loss"]._unflatten(0, (self.dp_replicate, self.fsdp), ("dp_replicate", "fsdp"))
+        # FSDP's mesh: 1-D over the fsdp group, or for HSDP 2-D (replicate, shard), cut from the flattened loss group
+        # rather than sliced from the root (slicing flattened dims out of the root is deprecated in torch 2.13). A 2-D
+        # mesh with replicate=1 would make FSDP2 run its replica all-reduce over one-rank groups every step.
+        if self.dp_replicate == 1:
+            data_parallel = derived["fsdp"]
+        else:
+            data_parallel = derived["loss"]._unflatten(0, (self.dp_replicate, self.fsdp), ("dp_replicate", "fsdp"))
         return ParallelMesh(self, world, derived, data_parallel)
 
 

@@ -9,11 +9,18 @@ Importing the package registers its strategy names with ``lightning.pytorch``'s 
 """
 
 from lightning_dist.plugins import DistributedCheckpointIO, FSDP2Precision
-from lightning_dist.strategies import FSDP2Strategy, MeshParallelStrategy
+from lightning_dist.strategies import FSDP2Strategy, MeshParallelStrategy, TensorParallelStrategy
 from lightning_dist.strategies.registry import register_strategies
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["DistributedCheckpointIO", "FSDP2Precision", "FSDP2Strategy", "MeshParallelStrategy", "__version__"]
+__all__ = [
+    "DistributedCheckpointIO",
+    "FSDP2Precision",
+    "FSDP2Strategy",
+    "MeshParallelStrategy",
+    "TensorParallelStrategy",
+    "__version__",
+]
 
 register_strategies()

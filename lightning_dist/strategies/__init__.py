@@ -2,5 +2,6 @@
 
 from lightning_dist.strategies.base import MeshParallelStrategy
 from lightning_dist.strategies.fsdp2 import FSDP2Strategy
+from lightning_dist.strategies.tensor_parallel import TensorParallelStrategy
 
-__all__ = ["FSDP2Strategy", "MeshParallelStrategy"]
+__all__ = ["FSDP2Strategy", "MeshParallelStrategy", "TensorParallelStrategy"]

@@ -232,12 +232,28 @@ class MeshParallelStrategy(ParallelStrategy):
         # falls back to no_grad for its own FSDP strategy and gloo, so say it for every backend.
         for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
             loop.inference_mode = False
+        self._sync_metrics_over_loss_group()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _sync_metrics_over_loss_group(self) -> None:
+        """torchmetrics ``Metric`` objects sync over WORLD by default, which counts tensor/pipeline peers (which saw
+        the same samples) more than once in sum states: point those without a group of their own at ``loss``."""
+        from torchmetrics import Metric
+
+        if (
+            self.lightning_module is None
+            or self.parallel_dims.world_size == self.parallel_dims.batch * self.parallel_dims.cp
+        ):
+            return
+        group = self.process_group("loss")
+        for metric in self.lightning_module.modules():
+            if isinstance(metric, Metric) and metric.process_group is None:
+                metric.process_group = group
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -342,6 +358,13 @@ class MeshParallelStrategy(ParallelStrategy):
         if group is None and self._mesh is not None:
             group = self.process_group("loss")
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Gather over ``group``; by default over the ``loss`` group (one value per data-parallel replica)."""
+        if group is None and self._mesh is not None:
+            group = self.process_group("loss")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

@@ -7,8 +7,9 @@ from typing import Any
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dist.strategies.fsdp2 import FSDP2Strategy
+from lightning_dist.strategies.tensor_parallel import TensorParallelStrategy
 
-STRATEGY_CLASSES = (FSDP2Strategy,)
+STRATEGY_CLASSES = (FSDP2Strategy, TensorParallelStrategy)
 
 
 def register_strategies() -> None:

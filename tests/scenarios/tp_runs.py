@@ -1,0 +1,208 @@
+"""Tensor-parallel scenarios: parity with one process (GPT and a Llama-like HF-named model), sequence and loss
+parallel, 2D with FSDP2, bf16-mixed, and checkpoints moving between tensor_parallel and fsdp2.
+
+python tests/scenarios/tp_runs.py --devices 2 --out r.json --workdir DIR --scenarios gpt,llama
+python tests/scenarios/tp_runs.py --devices 1 --out ref.json --workdir DIR --scenarios gpt,llama   # reference
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from common import (  # type: ignore[import-not-found]
+    GLOBAL_BATCH,
+    SEQ_LEN,
+    OneProcessData,
+    StepRecorder,
+    full_state,
+    is_rank_zero,
+    make_model_and_data,
+    parse_args,
+    trainer_kwargs,
+    write_result,
+)
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from llama_like import LlamaLike  # type: ignore[import-not-found]
+from torch.distributed.tensor import DTensor, Shard
+
+from examples.data import TextDataModule
+from lightning_dist import FSDP2Strategy, TensorParallelStrategy
+from lightning_dist.profiling import state_bytes
+
+STEPS = 5
+VOCAB = 64
+CLIP = 0.5
+
+
+class GradRecorder(Callback):
+    """Full (unsharded) gradients of every parameter at every optimizer step, before clipping."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        grads = {}
+        for name, p in pl_module.named_parameters():
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            grads[name] = g.detach().cpu().clone()
+        self.steps.append(grads)
+
+
+def model_and_data(kind: str, devices: int, dp: int, train_samples: int = 256) -> tuple[L.LightningModule, Any]:
+    # The data has 63 token ids; the models get 64 so that tp=2 and tp=4 divide the vocabulary.
+    if kind == "gpt":
+        return make_model_and_data(devices, dp_size=dp, train_samples=train_samples, vocab_size=VOCAB)
+    L.seed_everything(1234, verbose=False)
+    data_cls = OneProcessData if devices == 1 else TextDataModule
+    data = data_cls(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, train_samples=train_samples, val_samples=32)
+    return LlamaLike(vocab_size=VOCAB), data
+
+
+def tp_strategy(devices: int, dp: int = 1, **kwargs: Any) -> Any:
+    if devices == 1:
+        return "auto"
+    return TensorParallelStrategy(tensor_parallel_size=devices // dp, data_parallel_size=dp, **kwargs)
+
+
+def train(
+    devices: int, workdir: str, name: str, kind: str, dp: int = 1, precision: str = "64-true", **kwargs: Any
+) -> dict[str, Any]:
+    """Fit STEPS optimizer steps with gradient clipping, validate, save full grads and params (rank 0)."""
+    model, data = model_and_data(kind, devices, dp)
+    recorder, grads = StepRecorder(), GradRecorder()
+    strategy = tp_strategy(devices, dp, **kwargs)
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=strategy, precision=precision),
+        max_steps=STEPS,
+        gradient_clip_val=CLIP,
+        callbacks=[recorder, grads],
+    )
+    trainer.fit(model, data)
+    param_bytes = state_bytes(model)["parameters"]
+    sharded = sum(
+        p.numel() * p.element_size()
+        for p in model.parameters()
+        if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements[-1:])
+    )
+    metrics = trainer.validate(model, data, verbose=False)[0]
+    params = full_state(model)
+    if is_rank_zero():
+        torch.save({"params": params, "grads": grads.steps}, f"{workdir}/{name}_d{devices}.pt")
+    return {
+        "losses": recorder.losses,
+        "grad_norms": recorder.grad_norms,
+        "val": {k: float(v) for k, v in metrics.items()},
+        "param_bytes_max_rank": _max_over_ranks(param_bytes),
+        "tp_sharded_param_bytes": sharded,
+        "param_bytes_total": sum(p.numel() * p.element_size() for p in model.parameters()),
+    }
+
+
+def bf16(devices: int, workdir: str) -> dict[str, Any]:
+    """bf16-mixed under pure TP: dtypes at rest, in compute and of gradients; losses against the one-process run."""
+    model, data = model_and_data("gpt", devices, 1)
+    seen: dict[str, str] = {}
+
+    def record(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        seen["linear_output"] = str(output.dtype)
+
+    model.blocks[0].attn.query.register_forward_hook(record)
+    recorder = StepRecorder()
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=tp_strategy(devices), precision="bf16-mixed"),
+        max_steps=STEPS,
+        callbacks=[recorder],
+    )
+    trainer.fit(model, data)
+    return {
+        "plugin": type(trainer.strategy.precision_plugin).__name__,
+        "at_rest": sorted({str(p.dtype) for p in model.parameters()}),
+        "grad": sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None}),
+        "losses": recorder.losses,
+        **seen,
+    }
+
+
+# Checkpoints resume the data position exactly at epoch boundaries: 3-step epochs, saved at the end of the first.
+EPOCH_SAMPLES = 3 * GLOBAL_BATCH
+CKPT_STEPS = 6
+
+
+def _ckpt_strategy(kind: str, devices: int) -> Any:
+    if devices == 1:
+        return "auto"
+    return TensorParallelStrategy(tensor_parallel_size=devices) if kind == "tp" else FSDP2Strategy()
+
+
+def _dp(kind: str, devices: int) -> int:
+    return 1 if kind == "tp" else devices
+
+
+def checkpoint_save(devices: int, workdir: str, kind: str) -> dict[str, Any]:
+    """Fit CKPT_STEPS steps with a sharded checkpoint every 3 steps under ``kind`` (tp or fsdp2)."""
+    model, data = model_and_data("gpt", devices, _dp(kind, devices), train_samples=EPOCH_SAMPLES)
+    recorder = StepRecorder()
+    ckpt = ModelCheckpoint(dirpath=f"{workdir}/ckpt_{kind}", every_n_train_steps=3, save_top_k=-1, filename="{step}")
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=_ckpt_strategy(kind, devices), precision="64-true"),
+        enable_checkpointing=True,
+        max_steps=CKPT_STEPS,
+        callbacks=[recorder, ckpt],
+    )
+    trainer.fit(model, data)
+    return {"losses": recorder.losses}
+
+
+def checkpoint_resume(devices: int, workdir: str, kind: str, saved_by: str) -> dict[str, Any]:
+    """Resume the step-3 checkpoint written under ``saved_by`` with the ``kind`` strategy and fit to CKPT_STEPS."""
+    model, data = model_and_data("gpt", devices, _dp(kind, devices), train_samples=EPOCH_SAMPLES)
+    recorder = StepRecorder()
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=_ckpt_strategy(kind, devices), precision="64-true"),
+        max_steps=CKPT_STEPS,
+        callbacks=[recorder],
+    )
+    trainer.fit(model, data, ckpt_path=f"{workdir}/ckpt_{saved_by}/step=3.ckpt")
+    return {"losses": recorder.losses, "global_step": trainer.global_step}
+
+
+def _max_over_ranks(value: int) -> int:
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
+    "gpt": lambda d, w: train(d, w, "gpt", "gpt"),
+    "llama": lambda d, w: train(d, w, "llama", "llama"),
+    "gpt_sp": lambda d, w: train(d, w, "gpt_sp", "gpt", sequence_parallel=True),
+    "gpt_lp": lambda d, w: train(d, w, "gpt_lp", "gpt", loss_parallel=True),
+    "llama_sp_lp": lambda d, w: train(d, w, "llama_sp_lp", "llama", sequence_parallel=True, loss_parallel=True),
+    "gpt_2d": lambda d, w: train(d, w, "gpt_2d", "gpt", dp=2),
+    "llama_2d": lambda d, w: train(d, w, "llama_2d", "llama", dp=2),
+    "llama_2d_sp_lp": lambda d, w: train(
+        d, w, "llama_2d_sp_lp", "llama", dp=2, sequence_parallel=True, loss_parallel=True
+    ),
+    "bf16": bf16,
+    "save_tp": lambda d, w: checkpoint_save(d, w, "tp"),
+    "save_fsdp2": lambda d, w: checkpoint_save(d, w, "fsdp2"),
+    "fsdp2_from_tp": lambda d, w: checkpoint_resume(d, w, "fsdp2", saved_by="tp"),
+    "tp_from_fsdp2": lambda d, w: checkpoint_resume(d, w, "tp", saved_by="fsdp2"),
+}
+
+
+def main() -> None:
+    args = parse_args()
+    names = list(SCENARIOS) if args.scenarios == "all" else args.scenarios.split(",")
+    results = {name: SCENARIOS[name](args.devices, args.workdir) for name in names}
+    write_result(args.out, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -146,10 +146,13 @@ def checkpoint_save(devices: int, workdir: str, kind: str) -> dict[str, Any]:
     """Fit CKPT_STEPS steps with a sharded checkpoint every 3 steps under ``kind`` (tp or fsdp2)."""
     model, data = model_and_data("gpt", devices, _dp(kind, devices), train_samples=EPOCH_SAMPLES)
     recorder = StepRecorder()
-    ckpt = ModelCheckpoint(dirpath=f"{workdir}/ckpt_{kind}", every_n_train_steps=3, save_top_k=-1, filename="{step}")
+    ckpt = ModelCheckpoint(
+        dirpath=f"{workdir}/ckpt_{kind}_d{devices}", every_n_train_steps=3, save_top_k=-1, filename="{step}"
+    )
     trainer = L.Trainer(
-        **trainer_kwargs(devices, strategy=_ckpt_strategy(kind, devices), precision="64-true"),
-        enable_checkpointing=True,
+        **trainer_kwargs(
+            devices, strategy=_ckpt_strategy(kind, devices), precision="64-true", enable_checkpointing=True
+        ),
         max_steps=CKPT_STEPS,
         callbacks=[recorder, ckpt],
     )
@@ -166,7 +169,7 @@ def checkpoint_resume(devices: int, workdir: str, kind: str, saved_by: str) -> d
         max_steps=CKPT_STEPS,
         callbacks=[recorder],
     )
-    trainer.fit(model, data, ckpt_path=f"{workdir}/ckpt_{saved_by}/step=3.ckpt")
+    trainer.fit(model, data, ckpt_path=f"{workdir}/ckpt_{saved_by}_d{devices}/step=3.ckpt")
     return {"losses": recorder.losses, "global_step": trainer.global_step}
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 import importlib
 
 #: name -> (module under lightning_dist.commands, one-line description)
-TOOLS: dict[str, tuple[str, str]] = {}
+TOOLS: dict[str, tuple[str, str]] = {
+    "plan": ("plan", "print the tensor-parallel plan of a model as YAML"),
+}
 
 
 def run_tool(name: str, argv: list[str]) -> None:

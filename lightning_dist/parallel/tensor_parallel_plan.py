@@ -147,15 +147,24 @@ class TensorParallelPlan:
                 out.update({m: self.styles[m] for m in members})
         return out
 
+    def unplanned_message(self) -> str | None:
+        """What was left replicated and how to shard it anyway, or ``None`` when everything was planned."""
+        if not self.unplanned:
+            return None
+        items = "".join(f"\n  - {name}: {reason}" for name, reason in self.unplanned.items())
+        return (
+            f"The automatic tensor-parallel plan cannot shard these modules; they stay replicated on every tp rank:"
+            f"{items}\nTo shard them, pass an explicit `plan=` (module name → colwise/rowwise/...), e.g. after"
+            " splitting a fused projection into separate q/k/v Linear layers; `lightning-dist plan --model ...`"
+            " prints the automatic plan to start from."
+        )
+
     def summary(self) -> str:
-        """One compact line: how many modules of each style, and head attributes adjusted."""
+        """One compact line: how many modules of each style and what was left replicated."""
         counts: dict[str, int] = defaultdict(int)
         for spec in self.styles.values():
             counts[spec if isinstance(spec, str) else spec["style"]] += 1
         parts = [f"{n} {style}" for style, n in counts.items()]
-        if self.head_attributes:
-            attrs = sorted({a for d in self.head_attributes.values() for a in d})
-            parts.append(f"head counts {'/'.join(attrs)} of {len(self.head_attributes)} attention modules → local")
         if self.unplanned:
             parts.append(f"left replicated: {', '.join(self.unplanned)}")
         return ", ".join(parts)

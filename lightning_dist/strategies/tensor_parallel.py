@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -12,12 +11,13 @@ from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 from typing_extensions import override
 
 from lightning_dist.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_dist.parallel.fsdp import FSDPConfig, apply_fsdp, is_fully_sharded
-from lightning_dist.parallel.loss_parallel import VocabParallelCrossEntropy, check_local_loss
+from lightning_dist.parallel.loss_parallel import LossParallelError, VocabParallelCrossEntropy, check_local_loss
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
 from lightning_dist.parallel.module_selection import find_repeated_blocks, summarize
 from lightning_dist.parallel.tensor_parallel import (
@@ -136,6 +136,8 @@ class TensorParallelStrategy(MeshParallelStrategy):
         plan = self.tensor_parallel_plan(model)
         changed = apply_tensor_parallel(model, self.mesh["tp"], plan)
         self._tp_plan = plan
+        if (message := plan.unplanned_message()) is not None:
+            rank_zero_warn(message)
         source = "explicit plan" if self.plan else "auto plan"
         extras = [
             name
@@ -147,7 +149,7 @@ class TensorParallelStrategy(MeshParallelStrategy):
         ]
         self.log_decision(
             f"{source} over tp={dims.tp}: {plan.summary()}"
-            + (f"; {', '.join(f'{k} {v}' for k, v in changed.items())}" if changed and len(changed) <= 4 else "")
+            + (f"; {_summarize_changes(changed)}" if changed else "")
             + (f"; {', '.join(extras)}" if extras else "")
             + " (full plan: `lightning-dist plan`)"
         )
@@ -156,6 +158,7 @@ class TensorParallelStrategy(MeshParallelStrategy):
             apply_activation_checkpointing(m for _, m in blocks)
             self.log_decision(f"activation checkpointing on {summarize(blocks)}")
         if dims.fsdp > 1:
+            units, root = summarize(blocks), type(model).__name__  # before fully_shard renames the classes
             config = FSDPConfig(
                 reshard_after_forward=self.reshard_after_forward, mp_policy=self.precision_plugin.mp_policy
             )
@@ -163,7 +166,7 @@ class TensorParallelStrategy(MeshParallelStrategy):
                 model, self.mesh.data_parallel, (m for _, m in blocks), config, self.precision_plugin.root_mp_policy
             )
             self.log_decision(
-                f"2D: FSDP2 over dp_shard={dims.dp_shard} on {summarize(blocks)} + root {type(model).__name__},"
+                f"2D: FSDP2 over dp_shard={dims.dp_shard} on {units} + root {root},"
                 f" precision={self.precision_plugin.precision}"
             )
         else:
@@ -171,17 +174,25 @@ class TensorParallelStrategy(MeshParallelStrategy):
         return model
 
     # ------------------------------------------------------------------ steps
-    def _loss_parallel_context(self) -> Any:
-        if self._tp_plan is not None and self._tp_plan.loss_parallel_head is not None:
-            return VocabParallelCrossEntropy()
-        return nullcontext()
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_parallel_context():
-            output = super().training_step(*args, **kwargs)
-        if self._tp_plan is not None and self._tp_plan.loss_parallel_head is not None:
-            check_local_loss(output)
+        if self._tp_plan is None or self._tp_plan.loss_parallel_head is None:
+            return super().training_step(*args, **kwargs)
+        try:
+            with VocabParallelCrossEntropy():
+                output = super().training_step(*args, **kwargs)
+        except LossParallelError:
+            raise
+        except Exception as err:
+            if "DTensor" not in str(err):
+                raise
+            raise LossParallelError(
+                f"loss_parallel=True: the training step failed on the vocabulary-sharded logits of"
+                f" {self._tp_plan.loss_parallel_head!r} ({type(err).__name__}: {err}). Loss parallel supports"
+                " training steps that only pass the logits (reshaped as needed) to F.cross_entropy. Set"
+                " loss_parallel=False to compute the loss on full logits."
+            ) from err
+        check_local_loss(output)
         return output
 
     @classmethod
@@ -201,3 +212,12 @@ class TensorParallelStrategy(MeshParallelStrategy):
             description="Tensor parallelism with sequence parallel norms",
             sequence_parallel=True,
         )
+
+
+def _summarize_changes(changed: dict[str, str]) -> str:
+    """``"n_head 4 → 2 in 3 modules"`` from ``{"blocks.0.attn.n_head": "4 → 2", ...}``."""
+    counts: dict[str, int] = {}
+    for name, change in changed.items():
+        key = f"{name.rpartition('.')[2]} {change}"
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{key} in {n} module{'s' if n > 1 else ''}" for key, n in counts.items())

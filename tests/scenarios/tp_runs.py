@@ -173,6 +173,45 @@ def checkpoint_resume(devices: int, workdir: str, kind: str, saved_by: str) -> d
     return {"losses": recorder.losses, "global_step": trainer.global_step}
 
 
+class _SyncMetricsOverWorld(Callback):
+    """Undo the strategy's metric group: torchmetrics' default (WORLD) sync, to show what it would count."""
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.val_tokens.process_group = None
+
+
+def metrics_world_control(devices: int, workdir: str) -> dict[str, Any]:
+    """Validation of the Llama-like model with its token-count metric synced over WORLD instead of ``loss``."""
+    model, data = model_and_data("llama", devices, 1)
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=tp_strategy(devices), precision="64-true"),
+        callbacks=[_SyncMetricsOverWorld()],
+    )
+    return {k: float(v) for k, v in trainer.validate(model, data, verbose=False)[0].items()}
+
+
+class _HandWrittenLoss(LlamaLike):
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        logits = self(batch["input_ids"])
+        logp = torch.log_softmax(logits, dim=-1)
+        return -logp.gather(-1, batch["labels"].unsqueeze(-1)).mean()
+
+
+def loss_parallel_unsupported_loss(devices: int, workdir: str) -> dict[str, Any]:
+    """loss_parallel with a loss that is not F.cross_entropy: the error must say so (run last: it fails a fit)."""
+    _, data = model_and_data("llama", devices, 1)
+    model = _HandWrittenLoss(vocab_size=VOCAB)
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=tp_strategy(devices, loss_parallel=True), precision="64-true"),
+        max_steps=1,
+    )
+    try:
+        trainer.fit(model, data)
+    except RuntimeError as err:  # LossParallelError is one
+        return {"error": type(err).__name__, "message": str(err)}
+    return {"error": None}
+
+
 def _max_over_ranks(value: int) -> int:
     if not dist.is_initialized():
         return value
@@ -193,6 +232,8 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
         d, w, "llama_2d_sp_lp", "llama", dp=2, sequence_parallel=True, loss_parallel=True
     ),
     "bf16": bf16,
+    "metrics_world_control": metrics_world_control,
+    "lp_unsupported_loss": loss_parallel_unsupported_loss,
     "save_tp": lambda d, w: checkpoint_save(d, w, "tp"),
     "save_fsdp2": lambda d, w: checkpoint_save(d, w, "fsdp2"),
     "fsdp2_from_tp": lambda d, w: checkpoint_resume(d, w, "fsdp2", saved_by="tp"),

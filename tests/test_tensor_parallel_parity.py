@@ -28,7 +28,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def reference(workdir):
-    return run_scenarios(SCRIPT, 1, workdir, ["gpt", "llama", "bf16", "save_tp"])
+    return run_scenarios(SCRIPT, 1, workdir, ["gpt", "llama", "llama_tied_lp", "bf16", "save_tp"])
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,9 @@ def two_ranks(workdir, reference):
         "gpt_sp",
         "gpt_lp",
         "llama_sp_lp",
+        "llama_tied_lp",
+        "gpt_sp_ac",
+        "meta_init",
         "bf16",
         "save_tp",
         "save_fsdp2",
@@ -65,6 +68,8 @@ PARITY_CASES = [
     (2, "gpt_sp"),
     (2, "gpt_lp"),
     (2, "llama_sp_lp"),
+    (2, "llama_tied_lp"),
+    (2, "gpt_sp_ac"),
     (4, "gpt"),
     (4, "llama"),
     (4, "gpt_2d"),
@@ -75,10 +80,12 @@ PARITY_CASES = [
 
 @pytest.mark.parametrize(("devices", "name"), PARITY_CASES, ids=[f"{n}-d{d}" for d, n in PARITY_CASES])
 def test_fp64_parity_with_one_process(request, workdir, reference, devices, name):
-    base = name.split("_")[0]
+    base = "llama_tied_lp" if name == "llama_tied_lp" else name.split("_")[0]  # the one-process run to match
     ours, ref = _runs(request, devices)[name], reference[base]
     assert len(ours["losses"]) == 5 and len(ours["grad_norms"]) == 5
     assert min(ref["grad_norms"]) > CLIP  # clipping is active on every step
+    if name == "llama_tied_lp":  # one Parameter shared by the embedding and the head, sharded once
+        assert "lm_head.weight" not in torch.load(workdir / f"{name}_d{devices}.pt")["params"]
     assert max_abs_diff(ours["losses"], ref["losses"]) <= FP64_TOL
     assert max_abs_diff(ours["grad_norms"], ref["grad_norms"]) <= FP64_TOL
     ours_state = torch.load(workdir / f"{name}_d{devices}.pt")
@@ -94,8 +101,16 @@ def test_fp64_parity_with_one_process(request, workdir, reference, devices, name
         assert (ours_state["params"][key] - value).abs().max().item() <= FP64_TOL, key
     assert abs(ours["val"]["val_loss"] - ref["val"]["val_loss"]) <= FP64_TOL
     assert ours["val"]["val_acc"] == ref["val"]["val_acc"]
-    if base == "llama":
+    if base.startswith("llama"):
         assert ours["val"]["val_tokens"] == ref["val"]["val_tokens"] == 32 * 2 * 8  # 2 val batches of 8 × 32
+
+
+def test_meta_device_init_is_materialized_after_sharding(two_ranks):
+    run = two_ranks["meta_init"]
+    assert run["devices"] == ["cpu"] and len(run["losses"]) == 3
+    assert all(3.0 < loss < 5.0 for loss in run["losses"])  # ~ln(64) at the start: a sane random init
+    assert run["local_shapes"]["blocks.0.attn.query.weight"] == [16, 32]  # 32 output features over tp=2
+    assert run["local_shapes"]["tok_emb.weight"] == [32, 32]  # 64-token vocabulary over tp=2
 
 
 def test_metrics_synced_over_world_would_double_count_tp_peers(two_ranks, reference):

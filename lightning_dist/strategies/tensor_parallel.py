@@ -12,6 +12,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from typing_extensions import override
 
@@ -133,26 +134,13 @@ class TensorParallelStrategy(MeshParallelStrategy):
                 " data_parallel_size > 1)."
             )
         dims = self.parallel_dims
-        plan = self.tensor_parallel_plan(model)
-        changed = apply_tensor_parallel(model, self.mesh["tp"], plan)
-        self._tp_plan = plan
-        if (message := plan.unplanned_message()) is not None:
-            rank_zero_warn(message)
-        source = "explicit plan" if self.plan else "auto plan"
-        extras = [
-            name
-            for name, on in (
-                ("sequence_parallel", plan.sequence_parallel),
-                ("loss_parallel", bool(plan.loss_parallel_head)),
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            self.log_decision(
+                "the model's configure_model already applied tensor parallelism (it has DTensor parameters);"
+                " keeping it as it is, no plan applied"
             )
-            if on
-        ]
-        self.log_decision(
-            f"{source} over tp={dims.tp}: {plan.summary()}"
-            + (f"; {_summarize_changes(changed)}" if changed else "")
-            + (f"; {', '.join(extras)}" if extras else "")
-            + " (full plan: `lightning-dist plan`)"
-        )
+        else:
+            self._apply_plan(model)
         blocks = find_repeated_blocks(model)
         if self.activation_checkpointing:
             apply_activation_checkpointing(m for _, m in blocks)
@@ -172,6 +160,27 @@ class TensorParallelStrategy(MeshParallelStrategy):
         else:
             self.precision_plugin.use_autocast(self.root_device.type)
         return model
+
+    def _apply_plan(self, model: Module) -> None:
+        plan = self.tensor_parallel_plan(model)
+        changed = apply_tensor_parallel(model, self.mesh["tp"], plan)
+        self._tp_plan = plan
+        if (message := plan.unplanned_message()) is not None:
+            rank_zero_warn(message)
+        extras = [
+            name
+            for name, on in (
+                ("sequence_parallel", plan.sequence_parallel),
+                ("loss_parallel", bool(plan.loss_parallel_head)),
+            )
+            if on
+        ]
+        self.log_decision(
+            f"{'explicit' if self.plan else 'auto'} plan over tp={self.parallel_dims.tp}: {plan.summary()}"
+            + (f"; {_summarize_changes(changed)}" if changed else "")
+            + (f"; {', '.join(extras)}" if extras else "")
+            + " (full plan: `lightning-dist plan`)"
+        )
 
     # ------------------------------------------------------------------ steps
     @override

@@ -127,11 +127,14 @@ class LlamaLike(L.LightningModule):
         num_key_value_heads: int = 4,
         intermediate_size: int = 64,
         lr: float = 1e-2,
+        tie_word_embeddings: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = LlamaModel(vocab_size, hidden_size, num_layers, num_heads, num_key_value_heads, intermediate_size)
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+        if tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
         self.val_accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=vocab_size, average="micro")
         self.val_tokens = torchmetrics.SumMetric()
 

@@ -52,14 +52,16 @@ class GradRecorder(Callback):
         self.steps.append(grads)
 
 
-def model_and_data(kind: str, devices: int, dp: int, train_samples: int = 256) -> tuple[L.LightningModule, Any]:
+def model_and_data(
+    kind: str, devices: int, dp: int, train_samples: int = 256, **model_kwargs: Any
+) -> tuple[L.LightningModule, Any]:
     # The data has 63 token ids; the models get 64 so that tp=2 and tp=4 divide the vocabulary.
     if kind == "gpt":
         return make_model_and_data(devices, dp_size=dp, train_samples=train_samples, vocab_size=VOCAB)
     L.seed_everything(1234, verbose=False)
     data_cls = OneProcessData if devices == 1 else TextDataModule
     data = data_cls(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, train_samples=train_samples, val_samples=32)
-    return LlamaLike(vocab_size=VOCAB), data
+    return LlamaLike(vocab_size=VOCAB, **model_kwargs), data
 
 
 def tp_strategy(devices: int, dp: int = 1, **kwargs: Any) -> Any:
@@ -69,10 +71,17 @@ def tp_strategy(devices: int, dp: int = 1, **kwargs: Any) -> Any:
 
 
 def train(
-    devices: int, workdir: str, name: str, kind: str, dp: int = 1, precision: str = "64-true", **kwargs: Any
+    devices: int,
+    workdir: str,
+    name: str,
+    kind: str,
+    dp: int = 1,
+    precision: str = "64-true",
+    model_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
 ) -> dict[str, Any]:
     """Fit STEPS optimizer steps with gradient clipping, validate, save full grads and params (rank 0)."""
-    model, data = model_and_data(kind, devices, dp)
+    model, data = model_and_data(kind, devices, dp, **(model_kwargs or {}))
     recorder, grads = StepRecorder(), GradRecorder()
     strategy = tp_strategy(devices, dp, **kwargs)
     trainer = L.Trainer(
@@ -173,6 +182,25 @@ def checkpoint_resume(devices: int, workdir: str, kind: str, saved_by: str) -> d
     return {"losses": recorder.losses, "global_step": trainer.global_step}
 
 
+def meta_init(devices: int, workdir: str) -> dict[str, Any]:
+    """The model created on the meta device (``empty_init=True``) and materialized after tensor parallelism."""
+    _, data = model_and_data("gpt", devices, 1)
+    recorder = StepRecorder()
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=tp_strategy(devices, sequence_parallel=True), precision="64-true"),
+        max_steps=3,
+        callbacks=[recorder],
+    )
+    with trainer.init_module(empty_init=True):
+        model, _ = model_and_data("gpt", devices, 1)
+    trainer.fit(model, data)
+    return {
+        "losses": recorder.losses,
+        "devices": sorted({str(p.device) for p in model.parameters()}),
+        "local_shapes": {n: list(p.to_local().shape) for n, p in model.named_parameters() if isinstance(p, DTensor)},
+    }
+
+
 class _SyncMetricsOverWorld(Callback):
     """Undo the strategy's metric group: torchmetrics' default (WORLD) sync, to show what it would count."""
 
@@ -231,6 +259,11 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "llama_2d_sp_lp": lambda d, w: train(
         d, w, "llama_2d_sp_lp", "llama", dp=2, sequence_parallel=True, loss_parallel=True
     ),
+    "llama_tied_lp": lambda d, w: train(
+        d, w, "llama_tied_lp", "llama", model_kwargs={"tie_word_embeddings": True}, loss_parallel=True
+    ),
+    "gpt_sp_ac": lambda d, w: train(d, w, "gpt_sp_ac", "gpt", sequence_parallel=True, activation_checkpointing=True),
+    "meta_init": meta_init,
     "bf16": bf16,
     "metrics_world_control": metrics_world_control,
     "lp_unsupported_loss": loss_parallel_unsupported_loss,

@@ -203,6 +203,13 @@ def test_fused_qkv_and_conv1d_are_named_and_an_empty_plan_is_an_error():
         plan.validate(2)
 
 
+def test_sequence_parallel_needs_the_token_embedding_and_head():
+    model = nn.ModuleDict({"mlp": nn.ModuleDict({"up": nn.Linear(8, 16), "down": nn.Linear(16, 8)})})
+    infer_plan(model).validate(2)
+    with pytest.raises(TensorParallelPlanError, match="sequence_parallel: no token embedding was recognised"):
+        infer_plan(model, sequence_parallel=True).validate(2)
+
+
 def test_explicit_plan_patterns_checks_and_head_attributes():
     model = small_gpt()
     plan = resolve_explicit_plan(model, {"blocks.*.attn.query": "colwise", "blocks.*.attn.key": "colwise"})

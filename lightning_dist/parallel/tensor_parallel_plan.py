@@ -104,9 +104,11 @@ class TensorParallelPlan:
     loss_parallel_head: str | None = None
     sequence_parallel: bool = False
     token_embedding: str | None = None
+    explicit: bool = False
 
     def validate(self, tp: int) -> None:
-        """Raise :class:`TensorParallelPlanError` listing every size tp does not divide."""
+        """Raise :class:`TensorParallelPlanError` listing every size tp does not divide (and, for sequence
+        parallel, modules that would see a slice of the sequence, or a missing token embedding/output head)."""
         problems = [
             f"{c.module}: {c.what} = {c.value} is not divisible by tensor_parallel_size={tp}"
             for c in self.checks
@@ -130,6 +132,16 @@ class TensorParallelPlan:
                 + "\nChoose a tensor_parallel_size that divides these sizes, change the model's sizes (pad the"
                 " vocabulary to a multiple of tp), or pass an explicit `plan=` that leaves these modules out."
             )
+        if self.sequence_parallel and not self.explicit:
+            head = any(style_name(s) == "colwise" and _input_layout(s) == "shard(1)" for s in self.styles.values())
+            if self.token_embedding is None or not head:
+                missing = "token embedding" if self.token_embedding is None else "output head"
+                raise TensorParallelPlanError(
+                    f"sequence_parallel: no {missing} was recognised, so the sequence cannot be split before the"
+                    f" first block{'' if missing == 'token embedding' else ' and gathered after the last'}. Pass an"
+                    " explicit `plan=` (start from `lightning-dist plan ... --sequence-parallel`), or turn"
+                    " sequence_parallel off."
+                )
 
     def compact(self, model: nn.Module) -> dict[str, StyleSpec]:
         """The styles with repeated-block indices folded into ``*`` where every block has the same style."""
@@ -180,6 +192,10 @@ def match_modules(pattern: str, names: list[str]) -> list[str]:
     ]
 
 
+def _input_layout(spec: StyleSpec) -> Any:
+    return None if isinstance(spec, str) else spec.get("input_layouts")
+
+
 def style_name(spec: StyleSpec) -> str:
     return spec if isinstance(spec, str) else str(spec.get("style"))
 
@@ -208,7 +224,7 @@ def resolve_explicit_plan(
     """
     modules = dict(model.named_modules())
     names = [n for n in modules if n]
-    resolved = TensorParallelPlan()
+    resolved = TensorParallelPlan(explicit=True)
     for key, spec in plan.items():
         options = normalize_style(spec, key)
         matched = match_modules(key, names)

@@ -52,6 +52,23 @@ class GradRecorder(Callback):
         self.steps.append(grads)
 
 
+class EncoderLM(LlamaLike):
+    """A causal LM built from ``nn.TransformerEncoderLayer`` (its attention is a fused ``nn.MultiheadAttention``,
+    which the automatic plan leaves replicated; the ``linear1``/``linear2`` MLPs are sharded)."""
+
+    def __init__(self, vocab_size: int = 64, d_model: int = 32, layers: int = 2) -> None:
+        super().__init__(vocab_size=vocab_size)
+        del self.model, self.lm_head
+        self.embed_tokens = torch.nn.Embedding(vocab_size, d_model)
+        layer = torch.nn.TransformerEncoderLayer(d_model, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.lm_head = torch.nn.Linear(d_model, vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(input_ids.shape[1], dtype=self.lm_head.weight.dtype)
+        return self.lm_head(self.encoder(self.embed_tokens(input_ids), mask=mask, is_causal=True))
+
+
 def model_and_data(
     kind: str, devices: int, dp: int, train_samples: int = 256, **model_kwargs: Any
 ) -> tuple[L.LightningModule, Any]:
@@ -61,7 +78,7 @@ def model_and_data(
     L.seed_everything(1234, verbose=False)
     data_cls = OneProcessData if devices == 1 else TextDataModule
     data = data_cls(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, train_samples=train_samples, val_samples=32)
-    return LlamaLike(vocab_size=VOCAB, **model_kwargs), data
+    return (EncoderLM if kind == "encoder" else LlamaLike)(vocab_size=VOCAB, **model_kwargs), data
 
 
 def tp_strategy(devices: int, dp: int = 1, **kwargs: Any) -> Any:
@@ -262,6 +279,7 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "llama_tied_lp": lambda d, w: train(
         d, w, "llama_tied_lp", "llama", model_kwargs={"tie_word_embeddings": True}, loss_parallel=True
     ),
+    "encoder": lambda d, w: train(d, w, "encoder", "encoder"),
     "gpt_sp_ac": lambda d, w: train(d, w, "gpt_sp_ac", "gpt", sequence_parallel=True, activation_checkpointing=True),
     "meta_init": meta_init,
     "bf16": bf16,

@@ -2,7 +2,7 @@
 
 Compared per step over 5 optimizer steps with gradient clipping at 0.5 (active: every pre-clip norm is above it):
 the loss, the pre-clip gradient norm, every gradient gathered with ``full_tensor()``, and at the end every parameter
-and the validation metrics. fp64 tolerance 1e-10 (observed ~1e-14: reduction order only). Models: the example GPT
+and the validation metrics. fp64 tolerance 1e-10 (observed ≤ 1e-12, mostly ~1e-14: reduction order only). Models: the example GPT
 (``n_head`` attribute adjusted per rank, learned positions) and a Llama-like module with Hugging Face naming, GQA
 (8 heads, 4 KV heads), SwiGLU, RMSNorm, rotary embeddings and a token-count SumMetric (which double counts TP peers
 if metrics sync over WORLD: see the control case), also with tied embeddings; and an ``nn.TransformerEncoderLayer``

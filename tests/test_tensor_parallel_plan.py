@@ -227,6 +227,18 @@ def test_explicit_plan_patterns_checks_and_head_attributes():
         resolve_explicit_plan(model, {"blocks.*.mlp.up": "colwise"}).validate(3)
 
 
+def test_explicit_plan_must_provide_the_requested_sequence_and_loss_parallel():
+    model = small_gpt()
+    strategy = TensorParallelStrategy(plan=GPT_PLAN, loss_parallel=True)
+    with pytest.raises(TensorParallelPlanError, match="loss_parallel=True, but the explicit plan keeps no output"):
+        strategy.tensor_parallel_plan(model)
+    strategy = TensorParallelStrategy(plan=GPT_PLAN, sequence_parallel=True)
+    with pytest.raises(TensorParallelPlanError, match="sequence_parallel=True, but the explicit plan has no"):
+        strategy.tensor_parallel_plan(model)
+    lp_plan = {**GPT_PLAN, "head": {"style": "colwise", "output_layouts": "shard(-1)", "use_local_output": False}}
+    assert TensorParallelStrategy(plan=lp_plan, loss_parallel=True).tensor_parallel_plan(model).loss_parallel_head
+
+
 def test_styles_and_layouts_build():
     assert parse_layout("shard(-1)").dim == -1 and parse_layout("Replicate").is_replicate()
     with pytest.raises(TensorParallelPlanError, match="Unknown layout 'shard'"):

@@ -23,6 +23,7 @@ from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
 from lightning_dist.parallel.module_selection import find_repeated_blocks, summarize
 from lightning_dist.parallel.tensor_parallel import (
     TensorParallelPlan,
+    TensorParallelPlanError,
     apply_tensor_parallel,
     normalize_style,
     resolve_plan,
@@ -122,8 +123,20 @@ class TensorParallelStrategy(MeshParallelStrategy):
 
     # ------------------------------------------------------------------ parallelizing
     def tensor_parallel_plan(self, model: Module) -> TensorParallelPlan:
-        """The plan this strategy applies to ``model`` (explicit ``plan=`` or the automatic one), unchecked."""
-        return resolve_plan(model, self.plan, self.sequence_parallel, self.loss_parallel)
+        """The plan this strategy applies to ``model`` (explicit ``plan=`` or the automatic one); sizes are checked
+        against the mesh when it is applied."""
+        plan = resolve_plan(model, self.plan, self.sequence_parallel, self.loss_parallel)
+        if self.plan and self.loss_parallel and plan.loss_parallel_head is None:
+            raise TensorParallelPlanError(
+                "loss_parallel=True, but the explicit plan keeps no output head's logits sharded on the vocabulary."
+                " Give the head {style: colwise, output_layouts: shard(-1), use_local_output: false}."
+            )
+        if self.plan and self.sequence_parallel and not plan.sequence_parallel:
+            raise TensorParallelPlanError(
+                "sequence_parallel=True, but the explicit plan has no sequence_parallel entries. Print the automatic"
+                " plan with `lightning-dist plan --model ... --sequence-parallel` and start from it."
+            )
+        return plan
 
     @override
     def parallelize(self, model: Module) -> Module:

@@ -57,7 +57,7 @@ def two_ranks(workdir, reference):
 
 @pytest.fixture(scope="module")
 def four_ranks(workdir, two_ranks):
-    return run_scenarios(SCRIPT, 4, workdir, ["gpt", "llama", "gpt_2d", "llama_2d", "llama_2d_sp_lp"])
+    return run_scenarios(SCRIPT, 4, workdir, ["gpt", "llama", "gpt_2d", "llama_2d", "llama_2d_sp_lp", "bf16_2d"])
 
 
 def _runs(request, devices):
@@ -135,13 +135,15 @@ def test_per_rank_parameter_bytes(request, reference, devices, model):
     print(f"{model} tp={devices}: per-rank/total = {run['param_bytes_max_rank'] / total:.4f}")
 
 
-def test_bf16_mixed_under_pure_tp(two_ranks, reference):
-    ours, ref = two_ranks["bf16"], reference["bf16"]
+@pytest.mark.parametrize(("devices", "name", "tol"), [(2, "bf16", 2e-3), (4, "bf16_2d", 5e-3)], ids=["tp", "2d"])
+def test_bf16_mixed(request, reference, devices, name, tol):
+    ours, ref = _runs(request, devices)[name], reference["bf16"]
     assert ours["plugin"] == "FSDP2Precision"
     assert ours["at_rest"] == ["torch.float32"] and ours["grad"] == ["torch.float32"]
-    assert ours["linear_output"] == "torch.bfloat16"  # autocast: matmuls in bf16
-    # One process uses Lightning's autocast too; TP only changes where bf16 partial sums are added.
-    assert max_abs_diff(ours["losses"], ref["losses"]) <= 2e-3
+    assert ours["linear_output"] == "torch.bfloat16"  # pure TP: autocast; 2D: FSDP2 casts the parameters
+    # One process runs Lightning's autocast. Pure TP differs only in where bf16 partial sums are added (observed
+    # 2.3e-4); 2D also runs norms in bf16 as FSDP2's policy does (observed 6e-4).
+    assert max_abs_diff(ours["losses"], ref["losses"]) <= tol
 
 
 def test_checkpoints_move_between_tensor_parallel_and_fsdp2(two_ranks, reference):

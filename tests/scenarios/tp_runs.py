@@ -128,9 +128,9 @@ def train(
     }
 
 
-def bf16(devices: int, workdir: str) -> dict[str, Any]:
-    """bf16-mixed under pure TP: dtypes at rest, in compute and of gradients; losses against the one-process run."""
-    model, data = model_and_data("gpt", devices, 1)
+def bf16(devices: int, workdir: str, dp: int = 1) -> dict[str, Any]:
+    """bf16-mixed (pure TP: autocast; 2D: FSDP2's policy): dtypes at rest, in compute and of gradients; losses."""
+    model, data = model_and_data("gpt", devices, dp)
     seen: dict[str, str] = {}
 
     def record(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
@@ -139,7 +139,7 @@ def bf16(devices: int, workdir: str) -> dict[str, Any]:
     model.blocks[0].attn.query.register_forward_hook(record)
     recorder = StepRecorder()
     trainer = L.Trainer(
-        **trainer_kwargs(devices, strategy=tp_strategy(devices), precision="bf16-mixed"),
+        **trainer_kwargs(devices, strategy=tp_strategy(devices, dp), precision="bf16-mixed"),
         max_steps=STEPS,
         callbacks=[recorder],
     )
@@ -283,6 +283,7 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "gpt_sp_ac": lambda d, w: train(d, w, "gpt_sp_ac", "gpt", sequence_parallel=True, activation_checkpointing=True),
     "meta_init": meta_init,
     "bf16": bf16,
+    "bf16_2d": lambda d, w: bf16(d, w, dp=2),
     "metrics_world_control": metrics_world_control,
     "lp_unsupported_loss": loss_parallel_unsupported_loss,
     "save_tp": lambda d, w: checkpoint_save(d, w, "tp"),

@@ -265,6 +265,20 @@ def _max_over_ranks(value: int) -> int:
     return int(t.item())
 
 
+# The automatic GPT plan written out, plus replicated DTensor norms ("replicate" changes layouts, not values).
+EXPLICIT_GPT_PLAN: dict[str, Any] = {
+    "tok_emb": {"style": "rowwise", "input_layouts": "replicate", "output_layouts": "replicate"},
+    "blocks.*.ln*": "replicate",
+    "blocks.*.attn.query": "colwise",
+    "blocks.*.attn.key": "colwise",
+    "blocks.*.attn.value": "colwise",
+    "blocks.*.attn.proj": "rowwise",
+    "blocks.*.mlp.up": "colwise",
+    "blocks.*.mlp.down": "rowwise",
+    "ln_f": "replicate",
+    "head": {"style": "colwise", "output_layouts": "replicate"},
+}
+
 SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "gpt": lambda d, w: train(d, w, "gpt", "gpt"),
     "llama": lambda d, w: train(d, w, "llama", "llama"),
@@ -280,6 +294,7 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
         d, w, "llama_tied_lp", "llama", model_kwargs={"tie_word_embeddings": True}, loss_parallel=True
     ),
     "encoder": lambda d, w: train(d, w, "encoder", "encoder"),
+    "gpt_explicit": lambda d, w: train(d, w, "gpt_explicit", "gpt", plan=EXPLICIT_GPT_PLAN),
     "gpt_sp_ac": lambda d, w: train(d, w, "gpt_sp_ac", "gpt", sequence_parallel=True, activation_checkpointing=True),
     "meta_init": meta_init,
     "bf16": bf16,

@@ -243,6 +243,8 @@ def resolve_explicit_plan(
                 resolved.loss_parallel_head = name
             if options["style"] == "sequence_parallel":
                 resolved.sequence_parallel = True
+    order = {n: i for i, n in enumerate(names)}
+    resolved.styles = dict(sorted(resolved.styles.items(), key=lambda item: order[item[0]]))
     auto = auto if auto is not None else infer_plan(model)
     resolved.token_embedding = auto.token_embedding if auto.token_embedding in resolved.styles else None
     for attn, attrs in auto.head_attributes.items():

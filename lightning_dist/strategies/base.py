@@ -242,18 +242,19 @@ class MeshParallelStrategy(ParallelStrategy):
 
     def _sync_metrics_over_loss_group(self) -> None:
         """torchmetrics ``Metric`` objects sync over WORLD by default, which counts tensor/pipeline peers (which saw
-        the same samples) more than once in sum states: point those without a group of their own at ``loss``."""
+        the same samples) more than once in sum states: metrics without a group or sync function of their own
+        gather over ``loss`` instead."""
         from torchmetrics import Metric
 
-        if (
-            self.lightning_module is None
-            or self.parallel_dims.world_size == self.parallel_dims.batch * self.parallel_dims.cp
-        ):
+        from lightning_dist.strategies.metric_sync import gather_over_data_parallel, use_metric_group
+
+        dims = self.parallel_dims
+        if self.lightning_module is None or dims.world_size == dims.batch * dims.cp:
             return
-        group = self.process_group("loss")
+        use_metric_group(self.process_group("loss"))
         for metric in self.lightning_module.modules():
-            if isinstance(metric, Metric) and metric.process_group is None:
-                metric.process_group = group
+            if isinstance(metric, Metric) and metric.process_group is None and metric.dist_sync_fn is None:
+                metric.dist_sync_fn = gather_over_data_parallel
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

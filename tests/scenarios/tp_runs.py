@@ -7,6 +7,7 @@ python tests/scenarios/tp_runs.py --devices 1 --out ref.json --workdir DIR --sce
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -115,6 +116,8 @@ def train(
         if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements[-1:])
     )
     metrics = trainer.validate(model, data, verbose=False)[0]
+    metric_copy = copy.deepcopy(model.val_accuracy)  # the strategy's metric sync keeps metrics copyable
+    assert metric_copy.dist_sync_fn is model.val_accuracy.dist_sync_fn
     params = full_state(model)
     if is_rank_zero():
         torch.save({"params": params, "grads": grads.steps}, f"{workdir}/{name}_d{devices}.pt")
@@ -222,7 +225,7 @@ class _SyncMetricsOverWorld(Callback):
     """Undo the strategy's metric group: torchmetrics' default (WORLD) sync, to show what it would count."""
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        pl_module.val_tokens.process_group = None
+        pl_module.val_tokens.dist_sync_fn = None
 
 
 def metrics_world_control(devices: int, workdir: str) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from lightning_dist.plugins import (
     FullStateCheckpointIO,
     ZeroPPPrecision,
 )
-from lightning_dist.strategies import FSDP2Strategy, MeshParallelStrategy, ZeroPPStrategy
+from lightning_dist.strategies import FSDP2Strategy, MeshParallelStrategy, TensorParallelStrategy, ZeroPPStrategy
 from lightning_dist.strategies.registry import register_strategies
 
 __version__ = "0.1.0.dev0"
@@ -29,6 +29,7 @@ __all__ = [
     "FSDP2Strategy",
     "FullStateCheckpointIO",
     "MeshParallelStrategy",
+    "TensorParallelStrategy",
     "ZeroPPPrecision",
     "ZeroPPStrategy",
     "__version__",

@@ -51,6 +51,18 @@ class FSDP2Precision(Precision):
         self._dtype = _DTYPES[kind]
         self._mixed = mode == "mixed"
         self.scaler = _LossScaler(init_scale, growth_interval) if precision == "16-mixed" else None
+        self._autocast_device: str | None = None
+
+    def use_autocast(self, device_type: str) -> None:
+        """Compute in the low-precision dtype through ``torch.autocast`` instead of FSDP2's parameter casting.
+
+        For models with no FSDP2 module (pure tensor parallelism) ``mp_policy`` has nothing to act on. Under autocast
+        parameters and gradients stay fp32 as with FSDP2 mixed precision, matmuls run in bf16/fp16, and autocast
+        keeps norms, softmax and losses in fp32 (FSDP2 runs whole blocks in the low-precision dtype). No effect for
+        ``*-true`` precisions.
+        """
+        if self._mixed:
+            self._autocast_device = device_type
 
     @property
     def mp_policy(self) -> MixedPrecisionPolicy:
@@ -82,6 +94,8 @@ class FSDP2Precision(Precision):
 
     @override
     def forward_context(self) -> AbstractContextManager:
+        if self._autocast_device is not None:
+            return torch.autocast(self._autocast_device, dtype=self._dtype)
         return self.tensor_init_context()
 
     @override

@@ -2,6 +2,7 @@
 
 from lightning_dist.strategies.base import MeshParallelStrategy
 from lightning_dist.strategies.fsdp2 import FSDP2Strategy
+from lightning_dist.strategies.tensor_parallel import TensorParallelStrategy
 from lightning_dist.strategies.zeropp import ZeroPPStrategy
 
-__all__ = ["FSDP2Strategy", "MeshParallelStrategy", "ZeroPPStrategy"]
+__all__ = ["FSDP2Strategy", "MeshParallelStrategy", "TensorParallelStrategy", "ZeroPPStrategy"]

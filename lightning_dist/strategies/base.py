@@ -245,12 +245,29 @@ class MeshParallelStrategy(ParallelStrategy):
         # falls back to no_grad for its own FSDP strategy and gloo, so say it for every backend.
         for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
             loop.inference_mode = False
+        self._sync_metrics_over_loss_group()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _sync_metrics_over_loss_group(self) -> None:
+        """torchmetrics ``Metric`` objects sync over WORLD by default, which counts tensor/pipeline peers (which saw
+        the same samples) more than once in sum states: metrics without a group or sync function of their own
+        gather over ``loss`` instead."""
+        from torchmetrics import Metric
+
+        from lightning_dist.strategies.metric_sync import gather_over_data_parallel, use_metric_group
+
+        dims = self.parallel_dims
+        if self.lightning_module is None or dims.world_size == dims.batch * dims.cp:
+            return
+        use_metric_group(self.process_group("loss"))
+        for metric in self.lightning_module.modules():
+            if isinstance(metric, Metric) and metric.process_group is None and metric.dist_sync_fn is None:
+                metric.dist_sync_fn = gather_over_data_parallel
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -367,6 +384,13 @@ class MeshParallelStrategy(ParallelStrategy):
         if group is None and self._mesh is not None:
             group = self.process_group("loss")
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Gather over ``group``; by default over the ``loss`` group (one value per data-parallel replica)."""
+        if group is None and self._mesh is not None:
+            group = self.process_group("loss")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

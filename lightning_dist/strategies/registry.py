@@ -7,9 +7,10 @@ from typing import Any
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dist.strategies.fsdp2 import FSDP2Strategy
+from lightning_dist.strategies.tensor_parallel import TensorParallelStrategy
 from lightning_dist.strategies.zeropp import ZeroPPStrategy
 
-STRATEGY_CLASSES = (FSDP2Strategy, ZeroPPStrategy)
+STRATEGY_CLASSES = (FSDP2Strategy, TensorParallelStrategy, ZeroPPStrategy)
 
 
 def register_strategies() -> None:

@@ -1,0 +1,98 @@
+"""``lightning-dist plan``: print the tensor-parallel plan the strategy would apply to a model, as YAML.
+
+    lightning-dist plan --model examples.gpt.GPT --tensor-parallel-size 2
+    lightning-dist plan --config configs/tensor_parallel.yaml            # model and strategy options from a config
+    lightning-dist plan --model my_pkg.Model --init-args '{"n_layer": 2}' --sequence-parallel --loss-parallel
+
+The output is ready to paste under ``trainer.strategy.init_args.plan`` and edit. The model is built on the meta
+device (no memory, no weights), so this works for large models on a laptop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import sys
+from typing import Any
+
+import torch
+import yaml
+
+from lightning_dist.parallel.tensor_parallel import resolve_plan
+from lightning_dist.parallel.tensor_parallel_plan import TensorParallelPlanError
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-dist plan", description="Print the automatic tensor-parallel plan of a model as YAML."
+    )
+    parser.add_argument("--config", help="a lightning-dist/LightningCLI YAML: model and strategy options from it")
+    parser.add_argument("--model", help="class path of the model (LightningModule or nn.Module)")
+    parser.add_argument("--init-args", default="{}", help="JSON object of the model's constructor arguments")
+    parser.add_argument("--strategy", default="tensor_parallel", help="only tensor_parallel strategies have a plan")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None, help="check the plan against this size")
+    parser.add_argument("--sequence-parallel", action="store_true", default=None)
+    parser.add_argument("--loss-parallel", action="store_true", default=None)
+    return parser
+
+
+def _import(class_path: str) -> Any:
+    module, _, name = class_path.rpartition(".")
+    if not module:
+        raise SystemExit(f"--model must be a class path such as examples.gpt.GPT, got {class_path!r}.")
+    return getattr(importlib.import_module(module), name)
+
+
+def _from_config(path: str) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
+    with open(path) as f:
+        config = yaml.safe_load(f) or {}
+    model = config.get("model") or {}
+    strategy = (config.get("trainer") or {}).get("strategy")
+    options: dict[str, Any] = {}
+    if isinstance(strategy, dict):
+        options = dict(strategy.get("init_args") or {})
+    elif isinstance(strategy, str) and strategy.endswith("sequence_parallel"):
+        options["sequence_parallel"] = True
+    if isinstance(model, str):
+        return model, {}, options
+    return model.get("class_path"), dict(model.get("init_args") or {}), options
+
+
+def main(argv: list[str]) -> None:
+    args = _build_parser().parse_args(argv)
+    if not args.strategy.startswith("tensor_parallel") and "TensorParallel" not in args.strategy:
+        raise SystemExit(f"--strategy {args.strategy}: only the tensor_parallel strategies have a plan to print.")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    class_path, init_args, options = _from_config(args.config) if args.config else (None, {}, {})
+    class_path = args.model or class_path
+    if class_path is None:
+        raise SystemExit("Give --model CLASS_PATH or a --config with a model section.")
+    init_args.update(json.loads(args.init_args))
+    for key in ("sequence_parallel", "loss_parallel", "tensor_parallel_size"):
+        if getattr(args, key) is not None:
+            options[key] = getattr(args, key)
+    with torch.device("meta"):
+        model = _import(class_path)(**init_args)
+    plan = resolve_plan(
+        model, options.get("plan"), bool(options.get("sequence_parallel")), bool(options.get("loss_parallel"))
+    )
+    tp = options.get("tensor_parallel_size")
+    header = f"# tensor-parallel plan of {class_path}: {plan.summary()}"
+    print(header)
+    folded = {re.sub(r"\.\d+(?=\.|$)", ".*", name): attrs for name, attrs in plan.head_attributes.items()}
+    for name, attrs in folded.items():
+        print(f"# {name}: {', '.join(f'{a}={v}' for a, v in attrs.items())} become the per-rank counts (÷ tp)")
+    if (message := plan.unplanned_message()) is not None:
+        print("\n".join(f"# {line}" for line in message.splitlines()))
+    print(yaml.safe_dump({"plan": plan.compact(model)}, sort_keys=False, default_flow_style=None).rstrip())
+    if isinstance(tp, int):
+        try:
+            plan.validate(tp)
+        except TensorParallelPlanError as err:
+            print(f"\n{err}", file=sys.stderr)
+            raise SystemExit(1) from None
+        print(f"# checked: tensor_parallel_size={tp} divides every sharded size")

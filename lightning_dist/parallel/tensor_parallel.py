@@ -1,0 +1,226 @@
+"""Applying a tensor-parallel plan (see :mod:`lightning_dist.parallel.tensor_parallel_plan`) to a model.
+
+``apply_tensor_parallel(model, tp_mesh, plan)`` turns each style into a ``torch.distributed.tensor.parallel`` style
+(plus two small ones of ours), parallelizes the modules, and sets head-count attributes of attention modules to the
+per-rank count so code that reshapes with ``self.n_head`` stays correct. Apply it before FSDP2.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from lightning_dist.parallel.tensor_parallel_plan import (
+    STYLES,
+    TensorParallelPlan,
+    TensorParallelPlanError,
+    infer_plan,
+    normalize_style,
+    resolve_explicit_plan,
+)
+
+__all__ = [
+    "STYLES",
+    "TensorParallelPlan",
+    "TensorParallelPlanError",
+    "apply_tensor_parallel",
+    "build_style",
+    "infer_plan",
+    "parse_layout",
+    "resolve_explicit_plan",
+]
+
+_LAYOUT = re.compile(r"^\s*shard\(\s*(-?\d+)\s*\)\s*$", re.IGNORECASE)
+
+
+def parse_layout(layout: str | Placement | None) -> Placement | None:
+    """``"replicate"`` → ``Replicate()``, ``"shard(1)"`` → ``Shard(1)``; placements and ``None`` pass through."""
+    if layout is None or isinstance(layout, Placement):
+        return layout
+    if isinstance(layout, str) and layout.strip().lower() == "replicate":
+        return Replicate()
+    match = _LAYOUT.match(layout) if isinstance(layout, str) else None
+    if match is None:
+        raise TensorParallelPlanError(f"Unknown layout {layout!r}: use 'replicate' or 'shard(<dim>)'.")
+    return Shard(int(match.group(1)))
+
+
+def build_style(spec: str | dict[str, Any], where: str = "?") -> ParallelStyle:
+    """The torch ``ParallelStyle`` for one plan entry."""
+    options = normalize_style(spec, where)
+    style = options.pop("style")
+    layouts = {k: parse_layout(v) for k, v in options.items() if k.endswith("layouts")}
+    local = options.get("use_local_output")
+    if style in ("colwise", "rowwise"):
+        cls = ColwiseParallel if style == "colwise" else RowwiseParallel
+        return cls(**layouts, use_local_output=True if local is None else bool(local))
+    if style == "sequence_parallel":
+        return SequenceParallel(sequence_dim=int(options.get("sequence_dim", 1)), use_local_output=bool(local))
+    if style == "replicate":
+        return ReplicateParallel()
+    if style == "prepare_input":
+        return PrepareFirstInput(
+            layouts.get("input_layouts") or Replicate(),
+            layouts.get("desired_input_layouts") or Replicate(),
+            use_local_output=bool(local),
+        )
+    return PrepareModuleOutput(
+        output_layouts=layouts.get("output_layouts") or Replicate(),
+        desired_output_layouts=layouts.get("desired_output_layouts") or Replicate(),
+        use_local_output=True if local is None else bool(local),
+    )
+
+
+class PrepareFirstInput(ParallelStyle):
+    """Redistribute a module's first tensor input (positional, or the first tensor keyword argument).
+
+    Unlike torch's ``PrepareModuleInput`` it does not need the number of positional inputs in advance, so it works
+    for attention modules called as ``attn(hidden_states=x, attention_mask=..., position_embeddings=...)``. With
+    ``use_local_output=False`` (the default) the module receives a DTensor: its projections then gather once and
+    backward reduce-scatters once.
+    """
+
+    def __init__(self, input_layout: Placement, desired_layout: Placement, use_local_output: bool = False) -> None:
+        self.input_layout = input_layout
+        self.desired_layout = desired_layout
+        self.use_local_output = use_local_output
+
+    def _convert(self, x: Tensor, mesh: DeviceMesh) -> Tensor:
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (self.input_layout,), run_check=False)
+        if x.placements != (self.desired_layout,):
+            x = x.redistribute(placements=(self.desired_layout,))
+        return x.to_local() if self.use_local_output else x
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            for i, arg in enumerate(args):
+                if isinstance(arg, Tensor):
+                    return (*args[:i], self._convert(arg, device_mesh), *args[i + 1 :]), kwargs
+            for key, value in kwargs.items():
+                if isinstance(value, Tensor):
+                    return args, {**kwargs, key: self._convert(value, device_mesh)}
+            return args, kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+class ReplicateParallel(ParallelStyle):
+    """Parameters become replicated DTensors on the tp mesh; inputs and outputs stay plain tensors."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                dparam = distribute_tensor(param, mesh, [Replicate()], src_data_rank=self.src_data_rank)
+                mod.register_parameter(pname, nn.Parameter(dparam, requires_grad=param.requires_grad))
+
+        def inputs(mod: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
+            return tuple(
+                DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                if isinstance(a, Tensor) and not isinstance(a, DTensor)
+                else a
+                for a in args
+            )
+
+        def outputs(mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        return distribute_module(module, device_mesh, partition, inputs, outputs)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan) -> dict[str, str]:
+    """Parallelize ``model`` in place on the 1-D ``tp_mesh``. Returns the head attributes changed (``"a.n_head":
+    "4 → 2"``).
+
+    Checks the plan against the mesh size first (:meth:`TensorParallelPlan.validate`), so nothing is changed when a
+    size does not divide.
+    """
+    tp = tp_mesh.size()
+    plan.validate(tp)
+    modules = dict(model.named_modules())
+    tied = _tied_parameters(model)
+    # Parents before children: a parent's input hook must see what its parent handed it.
+    for name, spec in plan.styles.items():
+        parallelize_module(modules[name], tp_mesh, build_style(spec, name))
+    _retie(model, tied)
+    changed: dict[str, str] = {}
+    for name, attrs in plan.head_attributes.items():
+        for attr, value in attrs.items():
+            setattr(modules[name], attr, value // tp)
+            changed[f"{name}.{attr}" if name else attr] = f"{value} → {value // tp}"
+    if plan.sequence_parallel and plan.token_embedding is not None:
+        _check_sequence_length(modules[plan.token_embedding], plan.token_embedding, tp)
+    if plan.loss_parallel_head is not None:
+        modules[plan.loss_parallel_head].register_forward_hook(_full_logits_outside_training)
+    return changed
+
+
+def _full_logits_outside_training(module: nn.Module, args: Any, output: Any) -> Any:
+    """Loss parallel keeps training logits vocab-sharded; evaluation and prediction code gets ordinary logits."""
+    if isinstance(output, DTensor) and not (module.training and torch.is_grad_enabled()):
+        return output.full_tensor()
+    return output
+
+
+def _check_sequence_length(embedding: nn.Module, name: str, tp: int) -> None:
+    def check(_: nn.Module, args: tuple) -> None:
+        ids = args[0] if args else None
+        if isinstance(ids, Tensor) and ids.dim() >= 2 and ids.shape[1] % tp:
+            raise TensorParallelPlanError(
+                f"sequence_parallel: the input of {name} has sequence length {ids.shape[1]}, which is not divisible"
+                f" by tensor_parallel_size={tp}. Use sequences whose length is a multiple of {tp} (pad or crop"
+                " them), or turn sequence_parallel off."
+            )
+
+    embedding.register_forward_pre_hook(check)
+
+
+def _tied_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Groups of (module, attribute) that share one Parameter object (tied embeddings and heads)."""
+    by_id: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for pname, param in module.named_parameters(recurse=False):
+            by_id.setdefault(id(param), []).append((module, pname))
+    return [owners for owners in by_id.values() if len(owners) > 1]
+
+
+def _retie(model: nn.Module, tied: list[list[tuple[nn.Module, str]]]) -> None:
+    for owners in tied:
+        first_module, first_name = owners[0]
+        param = getattr(first_module, first_name)
+        for module, pname in owners[1:]:
+            other = getattr(module, pname)
+            if isinstance(param, DTensor) != isinstance(other, DTensor) or (
+                isinstance(param, DTensor) and param.placements != other.placements
+            ):
+                raise TensorParallelPlanError(
+                    f"Tied parameters {type(first_module).__name__}.{first_name} and {type(module).__name__}.{pname}"
+                    " got different tensor-parallel layouts. Give both modules styles that shard the tied weight"
+                    " the same way (e.g. embedding rowwise and head colwise both shard the vocabulary)."
+                )
+            module.register_parameter(pname, param)
+
+
+def resolve_plan(
+    model: nn.Module,
+    explicit: dict[str, Any] | None = None,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+) -> TensorParallelPlan:
+    """The explicit plan when given (keys may hold ``*``), otherwise the inferred one."""
+    auto = infer_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    return resolve_explicit_plan(model, explicit, auto) if explicit else auto

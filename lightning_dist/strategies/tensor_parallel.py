@@ -1,0 +1,245 @@
+"""TensorParallelStrategy: tensor parallelism with a plan the strategy works out, optionally 2D with FSDP2."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.tensor import DTensor
+from torch.nn import Module
+from typing_extensions import override
+
+from lightning_dist.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightning_dist.parallel.fsdp import FSDPConfig, apply_fsdp, is_fully_sharded
+from lightning_dist.parallel.loss_parallel import LossParallelError, VocabParallelCrossEntropy, check_local_loss
+from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
+from lightning_dist.parallel.module_selection import find_repeated_blocks, summarize
+from lightning_dist.parallel.tensor_parallel import (
+    TensorParallelPlan,
+    TensorParallelPlanError,
+    apply_tensor_parallel,
+    normalize_style,
+    resolve_plan,
+)
+from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
+
+PlanSpec = dict[str, str | dict[str, Any]]
+
+
+class TensorParallelStrategy(MeshParallelStrategy):
+    """Tensor parallelism (Megatron-style) for an unchanged LightningModule, optionally 2D with FSDP2.
+
+    The strategy inspects the model and shards attention projections (query/key/value column-wise, output row-wise),
+    MLPs (up/gate column-wise, down row-wise), the token embedding and the output head over the ``tp`` mesh axis;
+    attention modules that keep a head count as an attribute (``n_head``, ``num_key_value_heads``...) get the local
+    count. With ``data_parallel_size > 1`` FSDP2 then shards every block and the root over the data-parallel axis
+    (TP is applied first); all TP peers of a data-parallel rank get the same batch.
+
+    Args:
+        tensor_parallel_size: Ranks a layer is split over (``"auto"``: what the data-parallel size leaves; with both
+            ``"auto"``, the devices of one node when there are several nodes, otherwise half the processes).
+        data_parallel_size: FSDP2 ranks (``1``: pure tensor parallelism).
+        plan: An explicit plan instead of the automatic one: module name (``*`` for one name component) → style
+            (``colwise``, ``rowwise``, ``sequence_parallel``, ``replicate``, ``prepare_input``, ``prepare_output``)
+            or ``{style: ..., input_layouts: ..., output_layouts: ..., use_local_output: ...}``. Print the automatic
+            plan with ``lightning-dist plan`` to start from it.
+        sequence_parallel: Norms (and the residual stream between blocks, dropout included) run on a slice of the
+            sequence dim; the sequence length must be divisible by the TP size.
+        loss_parallel: Keep the output head's logits sharded on the vocabulary in training and compute
+            ``F.cross_entropy`` on the shards (no gather of the full logits). Evaluation gets full logits.
+        activation_checkpointing: Recompute the repeated blocks' activations in backward.
+        reshard_after_forward: For 2D: FSDP2 re-gathers block parameters in backward (``True``) or keeps them.
+    """
+
+    log_name = "tensor_parallel"
+
+    def __init__(
+        self,
+        tensor_parallel_size: MeshSize = "auto",
+        data_parallel_size: MeshSize = 1,
+        plan: PlanSpec | None = None,
+        sequence_parallel: bool = False,
+        loss_parallel: bool = False,
+        activation_checkpointing: bool = False,
+        reshard_after_forward: bool = True,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        for key, spec in (plan or {}).items():
+            normalize_style(spec, key)  # a misspelt style fails at construction
+        self.tensor_parallel_size = tensor_parallel_size
+        self.data_parallel_size = data_parallel_size
+        self.plan = dict(plan) if plan else None
+        self.sequence_parallel = sequence_parallel
+        self.loss_parallel = loss_parallel
+        self.activation_checkpointing = activation_checkpointing
+        self.reshard_after_forward = reshard_after_forward
+        self._tp_plan: TensorParallelPlan | None = None
+
+    @override
+    def mesh_sizes(self) -> dict[str, MeshSize]:
+        tp, dp = self.tensor_parallel_size, self.data_parallel_size
+        if tp == "auto" and dp == "auto":
+            world = self.num_processes * self.num_nodes
+            if self.num_nodes > 1:
+                tp = self.num_processes
+            elif world % 2 == 0 and world >= 4:
+                tp = world // 2
+            else:
+                raise MeshConfigError(
+                    f"tensor_parallel_size and data_parallel_size are both 'auto', but {world} processes cannot be"
+                    " split into 2 data-parallel groups of at least 2. Set tensor_parallel_size."
+                )
+        return {"dp_shard": dp, "tp": tp}
+
+    @override
+    def validate_mesh(self, dims: ParallelDims) -> None:
+        if dims.tp < 2:
+            raise MeshConfigError(
+                f"tensor_parallel_size={dims.tp}: tensor parallelism needs at least 2 ranks per layer ({dims}). Use"
+                " more devices, or the fsdp2 strategy for pure data parallelism."
+            )
+
+    # ------------------------------------------------------------------ parallelizing
+    def tensor_parallel_plan(self, model: Module) -> TensorParallelPlan:
+        """The plan this strategy applies to ``model`` (explicit ``plan=`` or the automatic one); sizes are checked
+        against the mesh when it is applied."""
+        plan = resolve_plan(model, self.plan, self.sequence_parallel, self.loss_parallel)
+        if self.plan and self.loss_parallel and plan.loss_parallel_head is None:
+            raise TensorParallelPlanError(
+                "loss_parallel=True, but the explicit plan keeps no output head's logits sharded on the vocabulary."
+                " Give the head {style: colwise, output_layouts: shard(-1), use_local_output: false}."
+            )
+        if self.plan and self.sequence_parallel and not plan.sequence_parallel:
+            raise TensorParallelPlanError(
+                "sequence_parallel=True, but the explicit plan has no sequence_parallel entries. Print the automatic"
+                " plan with `lightning-dist plan --model ... --sequence-parallel` and start from it."
+            )
+        return plan
+
+    @override
+    def parallelize(self, model: Module) -> Module:
+        if is_fully_sharded(model):
+            raise ValueError(
+                "The model's configure_model already applied fully_shard; tensor parallelism has to be applied before"
+                " FSDP2. Remove fully_shard from configure_model (the strategy applies FSDP2 for"
+                " data_parallel_size > 1)."
+            )
+        dims = self.parallel_dims
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            self.log_decision(
+                "the model's configure_model already applied tensor parallelism (it has DTensor parameters);"
+                " keeping it as it is, no plan applied"
+            )
+        else:
+            self._apply_plan(model)
+        blocks = find_repeated_blocks(model)
+        if self.activation_checkpointing:
+            apply_activation_checkpointing(m for _, m in blocks)
+            self.log_decision(f"activation checkpointing on {summarize(blocks)}")
+        if dims.fsdp > 1:
+            units, root = summarize(blocks), type(model).__name__  # before fully_shard renames the classes
+            config = FSDPConfig(
+                reshard_after_forward=self.reshard_after_forward, mp_policy=self.precision_plugin.mp_policy
+            )
+            apply_fsdp(
+                model, self.mesh.data_parallel, (m for _, m in blocks), config, self.precision_plugin.root_mp_policy
+            )
+            self.log_decision(
+                f"2D: FSDP2 over dp_shard={dims.dp_shard} on {units} + root {root},"
+                f" precision={self.precision_plugin.precision}"
+            )
+        else:
+            self.precision_plugin.use_autocast(self.root_device.type)
+        return model
+
+    def _apply_plan(self, model: Module) -> None:
+        plan = self.tensor_parallel_plan(model)
+        changed = apply_tensor_parallel(model, self.mesh["tp"], plan)
+        self._tp_plan = plan
+        if (message := plan.unplanned_message()) is not None:
+            rank_zero_warn(message)
+        extras = [
+            name
+            for name, on in (
+                ("sequence_parallel", plan.sequence_parallel),
+                ("loss_parallel", bool(plan.loss_parallel_head)),
+            )
+            if on
+        ]
+        self.log_decision(
+            f"{'explicit' if self.plan else 'auto'} plan over tp={self.parallel_dims.tp}: {plan.summary()}"
+            + (f"; {_summarize_changes(changed)}" if changed else "")
+            + (f"; {', '.join(extras)}" if extras else "")
+            + " (full plan: `lightning-dist plan`)"
+        )
+
+    # ------------------------------------------------------------------ steps
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._tp_plan is None or self._tp_plan.loss_parallel_head is None:
+            return super().training_step(*args, **kwargs)
+        try:
+            with VocabParallelCrossEntropy():
+                output = super().training_step(*args, **kwargs)
+        except LossParallelError:
+            raise
+        except Exception as err:
+            if "DTensor" not in str(err):
+                raise
+            raise LossParallelError(
+                f"loss_parallel=True: the training step failed on the vocabulary-sharded logits of"
+                f" {self._tp_plan.loss_parallel_head!r} ({type(err).__name__}: {err}). Loss parallel supports"
+                " training steps that only pass the logits (reshaped as needed) to F.cross_entropy. Set"
+                " loss_parallel=False to compute the loss on full logits."
+            ) from err
+        check_local_loss(output)
+        return output
+
+    @classmethod
+    def register_strategies(cls, registry: Any) -> None:
+        registry.register(
+            "tensor_parallel", cls, description="Tensor parallelism with an automatic plan (all devices on tp)"
+        )
+        registry.register(
+            "tensor_parallel_2d",
+            cls,
+            description="2D: tensor parallelism × FSDP2 over data parallel (TP inside a node by default)",
+            data_parallel_size="auto",
+        )
+        registry.register(
+            "tensor_parallel_sequence_parallel",
+            cls,
+            description="Tensor parallelism with sequence parallel norms",
+            sequence_parallel=True,
+        )
+
+
+def _summarize_changes(changed: dict[str, str]) -> str:
+    """``"n_head 4 → 2 in 3 modules"`` from ``{"blocks.0.attn.n_head": "4 → 2", ...}``."""
+    counts: dict[str, int] = {}
+    for name, change in changed.items():
+        key = f"{name.rpartition('.')[2]} {change}"
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{key} in {n} module{'s' if n > 1 else ''}" for key, n in counts.items())

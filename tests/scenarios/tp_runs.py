@@ -1,0 +1,322 @@
+"""Tensor-parallel scenarios: parity with one process (GPT and a Llama-like HF-named model), sequence and loss
+parallel, 2D with FSDP2, bf16-mixed, and checkpoints moving between tensor_parallel and fsdp2.
+
+python tests/scenarios/tp_runs.py --devices 2 --out r.json --workdir DIR --scenarios gpt,llama
+python tests/scenarios/tp_runs.py --devices 1 --out ref.json --workdir DIR --scenarios gpt,llama   # reference
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from common import (  # type: ignore[import-not-found]
+    GLOBAL_BATCH,
+    SEQ_LEN,
+    OneProcessData,
+    StepRecorder,
+    full_state,
+    is_rank_zero,
+    make_model_and_data,
+    parse_args,
+    trainer_kwargs,
+    write_result,
+)
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from llama_like import LlamaLike  # type: ignore[import-not-found]
+from torch.distributed.tensor import DTensor, Shard
+
+from examples.data import TextDataModule
+from lightning_dist import FSDP2Strategy, TensorParallelStrategy
+from lightning_dist.profiling import state_bytes
+
+STEPS = 5
+VOCAB = 64
+CLIP = 0.5
+
+
+class GradRecorder(Callback):
+    """Full (unsharded) gradients of every parameter at every optimizer step, before clipping."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        grads = {}
+        for name, p in pl_module.named_parameters():
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            grads[name] = g.detach().cpu().clone()
+        self.steps.append(grads)
+
+
+class EncoderLM(LlamaLike):
+    """A causal LM built from ``nn.TransformerEncoderLayer`` (its attention is a fused ``nn.MultiheadAttention``,
+    which the automatic plan leaves replicated; the ``linear1``/``linear2`` MLPs are sharded)."""
+
+    def __init__(self, vocab_size: int = 64, d_model: int = 32, layers: int = 2) -> None:
+        super().__init__(vocab_size=vocab_size)
+        del self.model, self.lm_head
+        self.embed_tokens = torch.nn.Embedding(vocab_size, d_model)
+        layer = torch.nn.TransformerEncoderLayer(d_model, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.lm_head = torch.nn.Linear(d_model, vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(input_ids.shape[1], dtype=self.lm_head.weight.dtype)
+        return self.lm_head(self.encoder(self.embed_tokens(input_ids), mask=mask, is_causal=True))
+
+
+def model_and_data(
+    kind: str, devices: int, dp: int, train_samples: int = 256, **model_kwargs: Any
+) -> tuple[L.LightningModule, Any]:
+    # The data has 63 token ids; the models get 64 so that tp=2 and tp=4 divide the vocabulary.
+    if kind == "gpt":
+        return make_model_and_data(devices, dp_size=dp, train_samples=train_samples, vocab_size=VOCAB)
+    L.seed_everything(1234, verbose=False)
+    data_cls = OneProcessData if devices == 1 else TextDataModule
+    data = data_cls(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, train_samples=train_samples, val_samples=32)
+    return (EncoderLM if kind == "encoder" else LlamaLike)(vocab_size=VOCAB, **model_kwargs), data
+
+
+def tp_strategy(devices: int, dp: int = 1, **kwargs: Any) -> Any:
+    if devices == 1:
+        return "auto"
+    return TensorParallelStrategy(tensor_parallel_size=devices // dp, data_parallel_size=dp, **kwargs)
+
+
+def train(
+    devices: int,
+    workdir: str,
+    name: str,
+    kind: str,
+    dp: int = 1,
+    precision: str = "64-true",
+    model_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """Fit STEPS optimizer steps with gradient clipping, validate, save full grads and params (rank 0)."""
+    model, data = model_and_data(kind, devices, dp, **(model_kwargs or {}))
+    recorder, grads = StepRecorder(), GradRecorder()
+    strategy = tp_strategy(devices, dp, **kwargs)
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=strategy, precision=precision),
+        max_steps=STEPS,
+        gradient_clip_val=CLIP,
+        callbacks=[recorder, grads],
+    )
+    trainer.fit(model, data)
+    param_bytes = state_bytes(model)["parameters"]
+    sharded = sum(
+        p.numel() * p.element_size()
+        for p in model.parameters()
+        if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements[-1:])
+    )
+    metrics = trainer.validate(model, data, verbose=False)[0]
+    metric_copy = copy.deepcopy(model.val_accuracy)  # the strategy's metric sync keeps metrics copyable
+    assert metric_copy.dist_sync_fn is model.val_accuracy.dist_sync_fn
+    params = full_state(model)
+    if is_rank_zero():
+        torch.save({"params": params, "grads": grads.steps}, f"{workdir}/{name}_d{devices}.pt")
+    return {
+        "losses": recorder.losses,
+        "grad_norms": recorder.grad_norms,
+        "val": {k: float(v) for k, v in metrics.items()},
+        "param_bytes_max_rank": _max_over_ranks(param_bytes),
+        "tp_sharded_param_bytes": sharded,
+        "param_bytes_total": sum(p.numel() * p.element_size() for p in model.parameters()),
+    }
+
+
+def bf16(devices: int, workdir: str, dp: int = 1) -> dict[str, Any]:
+    """bf16-mixed (pure TP: autocast; 2D: FSDP2's policy): dtypes at rest, in compute and of gradients; losses."""
+    model, data = model_and_data("gpt", devices, dp)
+    seen: dict[str, str] = {}
+
+    def record(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        seen["linear_output"] = str(output.dtype)
+
+    model.blocks[0].attn.query.register_forward_hook(record)
+    recorder = StepRecorder()
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=tp_strategy(devices, dp), precision="bf16-mixed"),
+        max_steps=STEPS,
+        callbacks=[recorder],
+    )
+    trainer.fit(model, data)
+    return {
+        "plugin": type(trainer.strategy.precision_plugin).__name__,
+        "at_rest": sorted({str(p.dtype) for p in model.parameters()}),
+        "grad": sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None}),
+        "losses": recorder.losses,
+        **seen,
+    }
+
+
+# Checkpoints resume the data position exactly at epoch boundaries: 3-step epochs, saved at the end of the first.
+EPOCH_SAMPLES = 3 * GLOBAL_BATCH
+CKPT_STEPS = 6
+
+
+def _ckpt_strategy(kind: str, devices: int) -> Any:
+    if devices == 1:
+        return "auto"
+    return TensorParallelStrategy(tensor_parallel_size=devices) if kind == "tp" else FSDP2Strategy()
+
+
+def _dp(kind: str, devices: int) -> int:
+    return 1 if kind == "tp" else devices
+
+
+def checkpoint_save(devices: int, workdir: str, kind: str) -> dict[str, Any]:
+    """Fit CKPT_STEPS steps with a sharded checkpoint every 3 steps under ``kind`` (tp or fsdp2)."""
+    model, data = model_and_data("gpt", devices, _dp(kind, devices), train_samples=EPOCH_SAMPLES)
+    recorder = StepRecorder()
+    ckpt = ModelCheckpoint(
+        dirpath=f"{workdir}/ckpt_{kind}_d{devices}", every_n_train_steps=3, save_top_k=-1, filename="{step}"
+    )
+    trainer = L.Trainer(
+        **trainer_kwargs(
+            devices, strategy=_ckpt_strategy(kind, devices), precision="64-true", enable_checkpointing=True
+        ),
+        max_steps=CKPT_STEPS,
+        callbacks=[recorder, ckpt],
+    )
+    trainer.fit(model, data)
+    return {"losses": recorder.losses}
+
+
+def checkpoint_resume(devices: int, workdir: str, kind: str, saved_by: str) -> dict[str, Any]:
+    """Resume the step-3 checkpoint written under ``saved_by`` with the ``kind`` strategy and fit to CKPT_STEPS."""
+    model, data = model_and_data("gpt", devices, _dp(kind, devices), train_samples=EPOCH_SAMPLES)
+    recorder = StepRecorder()
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=_ckpt_strategy(kind, devices), precision="64-true"),
+        max_steps=CKPT_STEPS,
+        callbacks=[recorder],
+    )
+    trainer.fit(model, data, ckpt_path=f"{workdir}/ckpt_{saved_by}_d{devices}/step=3.ckpt")
+    return {"losses": recorder.losses, "global_step": trainer.global_step}
+
+
+def meta_init(devices: int, workdir: str) -> dict[str, Any]:
+    """The model created on the meta device (``empty_init=True``) and materialized after tensor parallelism."""
+    _, data = model_and_data("gpt", devices, 1)
+    recorder = StepRecorder()
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=tp_strategy(devices, sequence_parallel=True), precision="64-true"),
+        max_steps=3,
+        callbacks=[recorder],
+    )
+    with trainer.init_module(empty_init=True):
+        model, _ = model_and_data("gpt", devices, 1)
+    trainer.fit(model, data)
+    return {
+        "losses": recorder.losses,
+        "devices": sorted({str(p.device) for p in model.parameters()}),
+        "local_shapes": {n: list(p.to_local().shape) for n, p in model.named_parameters() if isinstance(p, DTensor)},
+    }
+
+
+class _SyncMetricsOverWorld(Callback):
+    """Undo the strategy's metric group: torchmetrics' default (WORLD) sync, to show what it would count."""
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.val_tokens.dist_sync_fn = None
+
+
+def metrics_world_control(devices: int, workdir: str) -> dict[str, Any]:
+    """Validation of the Llama-like model with its token-count metric synced over WORLD instead of ``loss``."""
+    model, data = model_and_data("llama", devices, 1)
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=tp_strategy(devices), precision="64-true"),
+        callbacks=[_SyncMetricsOverWorld()],
+    )
+    return {k: float(v) for k, v in trainer.validate(model, data, verbose=False)[0].items()}
+
+
+class _HandWrittenLoss(LlamaLike):
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        logits = self(batch["input_ids"])
+        logp = torch.log_softmax(logits, dim=-1)
+        return -logp.gather(-1, batch["labels"].unsqueeze(-1)).mean()
+
+
+def loss_parallel_unsupported_loss(devices: int, workdir: str) -> dict[str, Any]:
+    """loss_parallel with a loss that is not F.cross_entropy: the error must say so (run last: it fails a fit)."""
+    _, data = model_and_data("llama", devices, 1)
+    model = _HandWrittenLoss(vocab_size=VOCAB)
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=tp_strategy(devices, loss_parallel=True), precision="64-true"),
+        max_steps=1,
+    )
+    try:
+        trainer.fit(model, data)
+    except RuntimeError as err:  # LossParallelError is one
+        return {"error": type(err).__name__, "message": str(err)}
+    return {"error": None}
+
+
+def _max_over_ranks(value: int) -> int:
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+# The automatic GPT plan written out, plus replicated DTensor norms ("replicate" changes layouts, not values).
+EXPLICIT_GPT_PLAN: dict[str, Any] = {
+    "tok_emb": {"style": "rowwise", "input_layouts": "replicate", "output_layouts": "replicate"},
+    "blocks.*.ln*": "replicate",
+    "blocks.*.attn.query": "colwise",
+    "blocks.*.attn.key": "colwise",
+    "blocks.*.attn.value": "colwise",
+    "blocks.*.attn.proj": "rowwise",
+    "blocks.*.mlp.up": "colwise",
+    "blocks.*.mlp.down": "rowwise",
+    "ln_f": "replicate",
+    "head": {"style": "colwise", "output_layouts": "replicate"},
+}
+
+SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
+    "gpt": lambda d, w: train(d, w, "gpt", "gpt"),
+    "llama": lambda d, w: train(d, w, "llama", "llama"),
+    "gpt_sp": lambda d, w: train(d, w, "gpt_sp", "gpt", sequence_parallel=True),
+    "gpt_lp": lambda d, w: train(d, w, "gpt_lp", "gpt", loss_parallel=True),
+    "llama_sp_lp": lambda d, w: train(d, w, "llama_sp_lp", "llama", sequence_parallel=True, loss_parallel=True),
+    "gpt_2d": lambda d, w: train(d, w, "gpt_2d", "gpt", dp=2),
+    "llama_2d": lambda d, w: train(d, w, "llama_2d", "llama", dp=2),
+    "llama_2d_sp_lp": lambda d, w: train(
+        d, w, "llama_2d_sp_lp", "llama", dp=2, sequence_parallel=True, loss_parallel=True
+    ),
+    "llama_tied_lp": lambda d, w: train(
+        d, w, "llama_tied_lp", "llama", model_kwargs={"tie_word_embeddings": True}, loss_parallel=True
+    ),
+    "encoder": lambda d, w: train(d, w, "encoder", "encoder"),
+    "gpt_explicit": lambda d, w: train(d, w, "gpt_explicit", "gpt", plan=EXPLICIT_GPT_PLAN),
+    "gpt_sp_ac": lambda d, w: train(d, w, "gpt_sp_ac", "gpt", sequence_parallel=True, activation_checkpointing=True),
+    "meta_init": meta_init,
+    "bf16": bf16,
+    "bf16_2d": lambda d, w: bf16(d, w, dp=2),
+    "metrics_world_control": metrics_world_control,
+    "lp_unsupported_loss": loss_parallel_unsupported_loss,
+    "save_tp": lambda d, w: checkpoint_save(d, w, "tp"),
+    "save_fsdp2": lambda d, w: checkpoint_save(d, w, "fsdp2"),
+    "fsdp2_from_tp": lambda d, w: checkpoint_resume(d, w, "fsdp2", saved_by="tp"),
+    "tp_from_fsdp2": lambda d, w: checkpoint_resume(d, w, "tp", saved_by="fsdp2"),
+}
+
+
+def main() -> None:
+    args = parse_args()
+    names = list(SCENARIOS) if args.scenarios == "all" else args.scenarios.split(",")
+    results = {name: SCENARIOS[name](args.devices, args.workdir) for name in names}
+    write_result(args.out, results)
+
+
+if __name__ == "__main__":
+    main()

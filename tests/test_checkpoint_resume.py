@@ -170,9 +170,17 @@ def scenario_imports():
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
+    """The console script, in a new process (as a user runs it)."""
     return subprocess.run(
         [sys.executable, "-m", "lightning_dist.cli", *args], capture_output=True, text=True, check=False
     )
+
+
+def _tool(*args: str) -> None:
+    """The same entry point in this process (saves a Python start per call)."""
+    from lightning_dist.cli import main
+
+    main(list(args))
 
 
 def test_consolidated_checkpoint_reproduces_the_forward_exactly(saved, workdir, scenario_imports):
@@ -185,16 +193,15 @@ def test_consolidated_checkpoint_reproduces_the_forward_exactly(saved, workdir, 
     model = GPT.load_from_checkpoint(out)
     assert torch.equal(_forward(model), _probe(workdir, "dcp_fp32"))
 
-    proc = _cli("consolidate", "--weights-only", str(sharded), str(workdir / "weights.ckpt"))
-    assert proc.returncode == 0, proc.stderr
+    _tool("consolidate", "--weights-only", str(sharded), str(workdir / "weights.ckpt"))
     weights = torch.load(workdir / "weights.ckpt", weights_only=False)
     assert "optimizer_states" not in weights and "loops" not in weights
     assert torch.equal(_forward(GPT.load_from_checkpoint(workdir / "weights.ckpt")), _probe(workdir, "dcp_fp32"))
 
-    safetensors = pytest.importorskip("safetensors.torch")
-    proc = _cli("consolidate", str(sharded), str(workdir / "model.safetensors"))
-    assert proc.returncode == 0, proc.stderr
-    tensors = safetensors.load_file(str(workdir / "model.safetensors"))
+    from safetensors.torch import load_file  # the `test` extra installs it
+
+    _tool("consolidate", str(sharded), str(workdir / "model.safetensors"))
+    tensors = load_file(str(workdir / "model.safetensors"))
     assert tensors.keys() == checkpoint["state_dict"].keys()
     assert all(torch.equal(tensors[k], v) for k, v in checkpoint["state_dict"].items())
 
@@ -206,7 +213,7 @@ def test_full_state_file_loads_in_one_process(saved, workdir, scenario_imports):
     assert torch.equal(_forward(GPT.load_from_checkpoint(path)), _probe(workdir, "full_fp32"))
 
 
-def test_inspect_reports_how_a_checkpoint_was_saved(saved, workdir):
+def test_inspect_reports_how_a_checkpoint_was_saved(saved, workdir, capsys):
     proc = _cli("inspect", "--json", str(workdir / "dcp_fp32" / f"step={SAVE_STEP}.ckpt"))
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
@@ -215,5 +222,6 @@ def test_inspect_reports_how_a_checkpoint_was_saved(saved, workdir):
     entries = {t["key"]: t for t in summary["tensors"]}
     emb = entries["state_dict.tok_emb.weight"]
     assert emb["dtype"] == "float32" and emb["bytes"] == emb["shape"][0] * emb["shape"][1] * 4
-    proc = _cli("inspect", str(workdir / "crash" / "missing.ckpt"))
-    assert proc.returncode == 2 and "does not exist" in proc.stderr
+    with pytest.raises(SystemExit) as exit_info:
+        _tool("inspect", str(workdir / "crash" / "missing.ckpt"))
+    assert exit_info.value.code == 2 and "does not exist" in capsys.readouterr().err

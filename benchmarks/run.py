@@ -35,7 +35,7 @@ from benchmarks.report import update_readme, write_report
 from benchmarks.workloads import TIME_COMPARISONS, WORKLOADS, availability, layout_for, timed_workloads
 
 MODES: dict[str, dict[str, Any]] = {
-    "quick": {"sizes": ["tiny", "small", "medium"], "timing_sizes": ["small"], "repeats": 3, "warmup": 2, "steps": 4},
+    "quick": {"sizes": ["tiny", "small", "medium"], "timing_sizes": ["small"], "repeats": 5, "warmup": 2, "steps": 4},
     "full": {
         "sizes": ["tiny", "small", "medium"],
         "timing_sizes": ["tiny", "small", "medium"],

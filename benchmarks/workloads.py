@@ -89,8 +89,12 @@ WORKLOADS: tuple[Workload, ...] = (
         "tensor_parallel",
         "registered",
         "tp",
-        "lightning_dist TensorParallelStrategy (automatic plan)",
+        "lightning_dist TensorParallelStrategy (automatic plan; tp = ranks per node, FSDP2 over nodes, as mp_tp)",
         strategy="tensor_parallel",
+        options=lambda layout: {
+            "tensor_parallel_size": layout.ranks_per_node,
+            "data_parallel_size": layout.num_nodes,
+        },
     ),
     Workload(
         "mp_tp",

@@ -382,6 +382,8 @@ class MeshParallelStrategy(ParallelStrategy):
         if not isinstance(tensor, Tensor):
             return tensor
         if group is None and self._mesh is not None:
+            if self.parallel_dims.batch * self.parallel_dims.cp == 1:
+                return tensor  # a one-rank loss group (pure tp/pp): every rank already holds the value
             group = self.process_group("loss")
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 

@@ -186,3 +186,91 @@ def test_yaml_config_selects_a_plugin(tmp_path):
         save_config_callback=None,
     )
     assert isinstance(cli.trainer.strategy.checkpoint_io, AsyncDistributedCheckpointIO)
+
+
+class _FailingWriteIO(AsyncDistributedCheckpointIO):
+    fail = False
+
+    def _storage_writer(self, folder: Path):
+        writer = super()._storage_writer(folder)
+        if self.fail:
+
+            def write_data(plan, planner):
+                raise OSError("disk full (injected)")
+
+            writer.write_data = write_data
+        return writer
+
+
+def test_async_save_keeps_the_old_checkpoint_when_the_new_one_fails(tmp_path):
+    model = _model()
+    io = _FailingWriteIO()
+    io.save_checkpoint({"state_dict": model_state.model_state(model, full=False), "global_step": 1}, tmp_path / "a")
+    io.wait()
+    validate_checkpoint(tmp_path / "a")
+    io.fail = True
+    io.save_checkpoint({"state_dict": model_state.model_state(model, full=False), "global_step": 2}, tmp_path / "b")
+    io.remove_checkpoint(tmp_path / "a")  # what ModelCheckpoint does right after saving a better checkpoint
+    with pytest.raises(CheckpointError, match="disk full.*|previous checkpoint is still in place"):
+        io.teardown()
+    validate_checkpoint(tmp_path / "a")  # the deletion was dropped with the failed save
+    assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.tmp-*/COMPLETE"))
+
+
+def test_async_save_deletes_the_old_checkpoint_once_the_new_one_is_published(tmp_path):
+    model = _model()
+    io = AsyncDistributedCheckpointIO()
+    io.save_checkpoint({"state_dict": model_state.model_state(model, full=False)}, tmp_path / "a")
+    io.save_checkpoint({"state_dict": model_state.model_state(model, full=False)}, tmp_path / "b")
+    io.remove_checkpoint(tmp_path / "a")
+    assert (tmp_path / "a").exists()  # not before "b" is published
+    io.teardown()
+    assert not (tmp_path / "a").exists()
+    validate_checkpoint(tmp_path / "b")
+
+
+def test_async_plugin_refuses_a_last_link():
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    trainer = L.Trainer(
+        strategy="fsdp2",
+        accelerator="cpu",
+        devices=2,
+        plugins=[AsyncDistributedCheckpointIO()],
+        callbacks=[ModelCheckpoint(save_last="link")],
+        logger=False,
+    )
+    with pytest.raises(ValueError, match="save_last='link'.*AsyncDistributedCheckpointIO"):
+        trainer.strategy._check_checkpoint_callbacks(trainer)
+
+
+def test_mid_epoch_skip_accounts_for_another_number_of_replicas():
+    import copy
+
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from lightning_dist.strategies.data_position import skip_trained_batches
+
+    data = list(range(64))
+    position = {"epoch": 0, "batches_processed": 3, "batches_per_epoch": 8, "batch_sizes": [2], "replicas": 4}
+    # saved on 4 replicas × 2 samples: 24 samples consumed; on 2 replicas × 4 samples each rank skips 12
+    loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, num_replicas=2, rank=0, seed=3))
+    assert skip_trained_batches(loader, position, index=0, replicas=2)
+    full_order = list(DistributedSampler(data, num_replicas=1, rank=0, seed=3))
+    assert next(iter(loader)).tolist() == full_order[24:32:2]  # rank 0 of 2 continues at global sample 24
+    assert len(list(loader)) == 8  # the skip happens once
+    copy.deepcopy(loader.batch_sampler.sampler)  # the wrapper stays copyable
+
+
+def test_mid_epoch_skip_warns_where_it_cannot_skip():
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from lightning_dist.strategies.data_position import skip_trained_batches
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(100))
+
+    position = {"epoch": 0, "batches_processed": 2, "batches_per_epoch": 10, "batch_sizes": [2], "replicas": 1}
+    with pytest.warns(UserWarning, match="cannot skip the 2 batches.*IterableDataset"):
+        assert not skip_trained_batches(DataLoader(Stream(), batch_size=2), position, index=0, replicas=1)

@@ -84,9 +84,13 @@ def new_token() -> str:
 
 
 def remove_stale_temporaries(path: Path) -> None:
-    """Delete unfinished writes of ``path`` left by a save that crashed (they never look complete)."""
-    for stale in path.parent.glob(f".{path.name}{_TMP_INFIX}*"):
-        remove(stale)
+    """Delete what a crashed save of ``path`` left: unfinished writes (they never look complete) and, when ``path``
+    itself exists, an older version renamed aside by an interrupted publish."""
+    stale = list(path.parent.glob(f".{path.name}{_TMP_INFIX}*"))
+    if path.exists():
+        stale += path.parent.glob(f".{path.name}{_OLD_INFIX}*")
+    for leftover in stale:
+        remove(leftover)
 
 
 def publish(tmp: Path, path: Path) -> None:
@@ -107,16 +111,25 @@ def publish(tmp: Path, path: Path) -> None:
 
 
 def remove(path: Path) -> None:
+    """Delete a checkpoint file or folder. A folder first loses its completion marker, so a deletion that fails
+    halfway never leaves something that loads as a checkpoint."""
     if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
+        (path / COMPLETE_MARKER).unlink(missing_ok=True)
+        shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
         path.unlink()
 
 
 def _recover_interrupted_publish(path: Path) -> Path | None:
-    asides = sorted(path.parent.glob(f".{path.name}{_OLD_INFIX}*"), key=lambda p: p.stat().st_mtime)
+    asides = []
+    for aside in path.parent.glob(f".{path.name}{_OLD_INFIX}*"):
+        try:
+            asides.append((aside.stat().st_mtime, aside))
+        except OSError:  # another rank recovered it meanwhile
+            continue
     if not asides:
-        return None
+        return path if path.exists() else None
+    asides = [aside for _, aside in sorted(asides)]
     try:  # every rank may try this at once; one rename wins
         os.replace(asides[-1], path)
     except OSError:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Size
@@ -52,9 +53,7 @@ def load_sharded(path: Path, model: Module, optimizers: Sequence[Optimizer], str
     state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
     for idx, optimizer in enumerate(optimizers):
         state[f"optimizer_{idx}"] = get_optimizer_state_dict(model, optimizer)
-    report = compare_shapes(
-        {k: Size(v.shape) for k, v in state["state_dict"].items()}, _checkpoint_shapes(path, "state_dict.")
-    )
+    report = compare_shapes(_tensor_shapes(state["state_dict"]), _checkpoint_shapes(path, "state_dict."))
     check_fit(report, strict, repr(str(path)))
     _require_optimizer_states(path, len(optimizers))
     try:
@@ -71,10 +70,7 @@ def load_full(
 ) -> None:
     """Load a one-file checkpoint dict (full tensors; present on every rank) into a possibly sharded model."""
     full = checkpoint["state_dict"]
-    expected = {k: Size(v.shape) for k, v in get_model_state_dict(model).items()}
-    report: FitReport = compare_shapes(
-        expected, {k: Size(v.shape) if hasattr(v, "shape") else None for k, v in full.items()}
-    )
+    report: FitReport = compare_shapes(_tensor_shapes(get_model_state_dict(model)), _tensor_shapes(full, keep_all=True))
     check_fit(report, strict, where)
     # Outside a process group there is nothing to distribute: the full state is the local state.
     options = StateDictOptions(full_state_dict=dist.is_initialized(), strict=strict)
@@ -88,7 +84,10 @@ def load_full(
         )
     for optimizer, state in zip(optimizers, states):
         if not is_name_keyed(state):
-            state = positions_to_names(state, parameter_names(model, optimizer))
+            try:
+                state = positions_to_names(state, parameter_names(model, optimizer))
+            except ValueError as err:
+                raise CheckpointError(f"The optimizer state in {where} does not fit the optimizer: {err}") from err
         set_optimizer_state_dict(model, optimizer, state, options=options)
 
 
@@ -99,6 +98,17 @@ def parameter_names(model: Module, optimizer: Optimizer) -> list[list[str]]:
         return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
     except KeyError as err:
         raise CheckpointError("The optimizer holds a parameter that is not part of the model.") from err
+
+
+def _tensor_shapes(state: dict[str, Any], keep_all: bool = False) -> dict[str, Size | None]:
+    """Shapes of the tensors in a state dict; other entries (extra state) map to None, or are left out."""
+    shapes: dict[str, Size | None] = {}
+    for key, value in state.items():
+        if torch.is_tensor(value):
+            shapes[key] = Size(value.shape)
+        elif keep_all:
+            shapes[key] = None
+    return shapes
 
 
 def _checkpoint_shapes(path: Path, prefix: str) -> dict[str, Size | None]:

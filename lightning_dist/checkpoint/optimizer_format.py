@@ -48,5 +48,5 @@ def positions_to_names(state: dict[str, Any], names_in_order: list[list[str]]) -
 
 
 def is_name_keyed(state: dict[str, Any]) -> bool:
-    groups = state.get("param_groups", [])
-    return bool(groups) and bool(groups[0]["params"]) and isinstance(groups[0]["params"][0], str)
+    params = [p for group in state.get("param_groups", []) for p in group["params"]]
+    return bool(params) and isinstance(params[0], str)

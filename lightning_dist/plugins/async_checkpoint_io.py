@@ -48,6 +48,7 @@ class AsyncDistributedCheckpointIO(DistributedCheckpointIO):
         self.timeout = timeout
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
+        self._removals: list[Path] = []
         self._save_group: dist.ProcessGroup | None = None
         self._status_group: dist.ProcessGroup | None = None
 
@@ -59,30 +60,39 @@ class AsyncDistributedCheckpointIO(DistributedCheckpointIO):
         self._ensure_groups()
         path = Path(path)
         sharded, meta = split_sharded(checkpoint)
-        meta_bytes = _serialize(meta)  # now: the loops and callbacks keep changing after this returns
         tmp = start_folder(path)
         stager = DefaultStager(StagingOptions(self._pin(), False, False, False))
-        upload = dcp.async_save(
-            sharded, storage_writer=self._storage_writer(tmp), process_group=self._save_group, async_stager=stager
-        )
-        is_rank_zero = rank() == 0
+        error = None
+        try:
+            # Copies, now: training changes the parameters, loops and callbacks as soon as this returns.
+            meta_bytes = _serialize(meta)
+            staged = stager.stage(sharded)
+        except Exception as err:  # noqa: BLE001 (every rank learns of it below, before any rank starts writing)
+            error = f"{type(err).__name__}: {err}"
+        if self._any_error(error):  # collective: called on every rank, failed or not
+            stager.close()
+            if rank() == 0:
+                remove(tmp)
+            self._raise_on_every_rank(error)
+        writer, group, is_rank_zero = self._storage_writer(tmp), self._save_group, rank() == 0
 
-        def finish() -> None:
+        def write() -> None:
             try:
-                upload.result()  # DCP's own collective finish: every rank's shards are written when this returns
+                dcp.save(staged, storage_writer=writer, process_group=group)  # collective over the save group
             finally:
                 stager.close()
             if is_rank_zero:
                 finish_folder(tmp, path, meta_bytes)
 
         assert self._executor is not None
-        self._pending = self._executor.submit(finish)
+        self._pending = self._executor.submit(write)
 
     @override
     def remove_checkpoint(self, path: _PATH) -> None:
-        # Called on rank 0 right after a save returns: delete the old checkpoint only once the new one is published.
-        if self._pending is not None and self._executor is not None:
-            self._executor.submit(remove, Path(path))
+        # Called on rank 0 right after a save returns (ModelCheckpoint replacing an older top-k or `last`): delete
+        # the old checkpoint only once the new one is published, and keep it if the new save fails.
+        if self._pending is not None:
+            self._removals.append(Path(path))
         else:
             remove(Path(path))
 
@@ -90,9 +100,8 @@ class AsyncDistributedCheckpointIO(DistributedCheckpointIO):
     def wait(self) -> None:
         if self._pending is None:
             return
-        pending, self._pending = self._pending, None
-        error = _error_of(pending, block=True)
-        self._raise_on_every_rank(error)
+        error = _error_of(self._pending, block=True)
+        self._settle(self._any_error(error), error)
 
     @override
     def check(self) -> None:
@@ -100,8 +109,14 @@ class AsyncDistributedCheckpointIO(DistributedCheckpointIO):
             return
         done = self._pending.done()
         error = _error_of(self._pending, block=False) if done else None
-        if self._agree(done, error):
-            self._pending = None
+        if not dist.is_initialized():
+            if done:
+                self._settle(error is not None, error)
+            return
+        flags = torch.tensor([0 if done else 1, 1 if error else 0])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._status_group)
+        if not flags[0]:  # every rank's part has finished
+            self._settle(bool(flags[1]), error)
 
     @override
     def teardown(self) -> None:
@@ -112,19 +127,22 @@ class AsyncDistributedCheckpointIO(DistributedCheckpointIO):
                 self._executor.shutdown(wait=True)
                 self._executor = None
 
-    def _agree(self, done: bool, error: str | None) -> bool:
-        """All ranks learn whether every rank's part of the save has finished, and whether any failed."""
-        if not dist.is_initialized():
-            if error:
-                raise CheckpointError(f"The background checkpoint save failed: {error}")
-            return done
-        flags = torch.tensor([0 if done else 1, 1 if error else 0])
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._status_group)
-        any_running, any_failed = bool(flags[0]), bool(flags[1])
-        if any_failed:
-            self._pending = None
+    def _settle(self, failed: bool, error: str | None) -> None:
+        """The save in flight has finished on every rank: run or drop the deferred deletions, raise if it failed."""
+        self._pending = None
+        removals, self._removals = self._removals, []
+        if failed:
             self._raise_on_every_rank(error)
-        return not any_running
+        for path in removals:
+            remove(path)
+
+    def _any_error(self, error: str | None) -> bool:
+        """Whether any rank has an error (collective over the status group)."""
+        if not dist.is_initialized():
+            return error is not None
+        flag = torch.tensor([1 if error else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._status_group)
+        return bool(flag)
 
     def _raise_on_every_rank(self, error: str | None) -> None:
         errors: list[str | None] = [error]
@@ -133,11 +151,9 @@ class AsyncDistributedCheckpointIO(DistributedCheckpointIO):
             dist.all_gather_object(gathered, error, group=self._status_group)
             errors = gathered
         failures = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
-        if failures:
-            raise CheckpointError(
-                "The background checkpoint save failed; the previous checkpoint is still in place. "
-                + "; ".join(failures)
-            )
+        raise CheckpointError(
+            "The background checkpoint save failed; the previous checkpoint is still in place. " + "; ".join(failures)
+        )
 
     def _ensure_groups(self) -> None:
         if self._executor is None:

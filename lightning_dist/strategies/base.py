@@ -106,6 +106,7 @@ class MeshParallelStrategy(ParallelStrategy):
         self._dims: ParallelDims | None = None
         self._mesh: ParallelMesh | None = None
         self._resume_position: dict[str, Any] | None = None
+        self._resume_loader_index = 0
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ what a concrete strategy provides
@@ -246,12 +247,26 @@ class MeshParallelStrategy(ParallelStrategy):
         for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
             loop.inference_mode = False
         self._sync_metrics_over_loss_group()
+        self._check_checkpoint_callbacks(trainer)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _check_checkpoint_callbacks(self, trainer: pl.Trainer) -> None:
+        from lightning_dist.plugins.async_checkpoint_io import AsyncDistributedCheckpointIO
+
+        if not isinstance(self.checkpoint_io, AsyncDistributedCheckpointIO):
+            return
+        for callback in trainer.checkpoint_callbacks:
+            if getattr(callback, "save_last", None) == "link":
+                raise ValueError(
+                    "ModelCheckpoint(save_last='link') cannot be combined with AsyncDistributedCheckpointIO: the link"
+                    " would point at a checkpoint that is still being written (and at nothing if that save fails)."
+                    " Use save_last=True, or the synchronous DistributedCheckpointIO."
+                )
 
     def _sync_metrics_over_loss_group(self) -> None:
         """torchmetrics ``Metric`` objects sync over WORLD by default, which counts tensor/pipeline peers (which saw
@@ -297,9 +312,14 @@ class MeshParallelStrategy(ParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         # A mid-epoch checkpoint resumes at the next batch, not at the epoch's first (see data_position.py).
         if self._resume_position is not None and self.lightning_module.trainer.state.stage == RunningStage.TRAINING:
-            skip_trained_batches(dataloader, self._resume_position)
-            self._resume_position = None
+            index, self._resume_loader_index = self._resume_loader_index, self._resume_loader_index + 1
+            if skip_trained_batches(dataloader, self._resume_position, index, self.parallel_dims.batch):
+                warnings.filterwarnings("ignore", message=LIGHTNING_NOT_RESUMABLE_WARNING)
         return dataloader
+
+    @override
+    def on_train_start(self) -> None:
+        self._resume_position = None  # every training dataloader has been set up by now
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -450,7 +470,7 @@ class MeshParallelStrategy(ParallelStrategy):
         checkpoint["lightning_dist"] = self._checkpoint_provenance()
         trainer = self.lightning_module.trainer
         if trainer.state.fn == TrainerFn.FITTING:
-            checkpoint["lightning_dist"]["data_position"] = training_position(trainer)
+            checkpoint["lightning_dist"]["data_position"] = training_position(trainer, self.parallel_dims.batch)
         self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def _checkpoint_provenance(self) -> dict[str, Any]:
@@ -483,8 +503,7 @@ class MeshParallelStrategy(ParallelStrategy):
             full = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
             states.load_full(full, self.model, optimizers, strict, repr(str(path)))
         self._resume_position = metadata.get("lightning_dist", {}).get("data_position") if fitting else None
-        if self._resume_position is not None:
-            warnings.filterwarnings("ignore", message=LIGHTNING_NOT_RESUMABLE_WARNING)
+        self._resume_loader_index = 0
         return metadata
 
     @override
@@ -499,10 +518,12 @@ class MeshParallelStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
-        self.checkpoint_io.teardown()
+        try:
+            self.checkpoint_io.teardown()  # first: a save still in flight is awaited, and its failure raised
+        finally:
+            self.cluster_environment.teardown()
+            self.precision_plugin.teardown()
+            self.accelerator.teardown()
 
     def log_decision(self, message: str) -> None:
         """One rank-zero INFO line per decision the strategy makes."""

@@ -57,6 +57,20 @@ def _command(script: str, devices: int, workdir: Path, scenarios: list[str]) -> 
     return out, cmd, env
 
 
+def run_training_command(cmd: list[str], root_dir: Path, max_steps: int, timeout: float = 300) -> str:
+    """Run a training command (a script, or the console script) from the repository root as a user would; fail
+    with its output unless it exits cleanly after ``max_steps``. Returns the output."""
+    if "fit" in cmd:  # LightningCLI writes its config.yaml into the root dir: keep it out of the repo
+        cmd = [*cmd, f"--trainer.default_root_dir={root_dir}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run(cmd, check=False, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{output[-8000:]}"
+    assert f"`Trainer.fit` stopped: `max_steps={max_steps}` reached." in output, output[-4000:]
+    return output
+
+
 def max_abs_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b) and len(a) > 0, f"different or empty trajectories: {len(a)} vs {len(b)}"
     return max(abs(x - y) for x, y in zip(a, b))

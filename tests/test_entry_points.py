@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
-from launch import REPO_ROOT
+from launch import run_training_command
 
 pytestmark = pytest.mark.slow
 
@@ -28,15 +27,7 @@ def _root_dir(tmp_path, monkeypatch):
 
 
 def _run(cmd: list[str]) -> str:
-    if "fit" in cmd:  # LightningCLI writes its config.yaml into the root dir: keep it out of the repo
-        cmd = [*cmd, f"--trainer.default_root_dir={os.environ['LD_TEST_ROOT']}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{output[-8000:]}"
-    assert "`Trainer.fit` stopped: `max_steps=4` reached." in output, output[-4000:]
-    return output
+    return run_training_command(cmd, os.environ["LD_TEST_ROOT"], max_steps=4)
 
 
 def test_registered_name_from_python():

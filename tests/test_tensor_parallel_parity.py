@@ -11,13 +11,11 @@ LM whose fused ``nn.MultiheadAttention`` stays replicated while its MLPs are sha
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
-from launch import REPO_ROOT, max_abs_diff, run_scenarios
+from launch import max_abs_diff, run_scenarios, run_training_command
 
 pytestmark = pytest.mark.slow
 
@@ -184,13 +182,7 @@ def test_tensor_parallel_config_trains_through_lightning_dist_fit(tmp_path):
         "--trainer.enable_progress_bar=false",
         "--trainer.enable_model_summary=false",
         "--model.init_args.n_layer=2",
-        f"--trainer.default_root_dir={tmp_path}",
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(cmd, check=False, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-8000:]
-    assert "`Trainer.fit` stopped: `max_steps=2` reached." in out
+    out = run_training_command(cmd, tmp_path, max_steps=2)
     assert "tensor_parallel: auto plan over tp=2:" in out and "n_head 4 → 2 in 2 modules" in out
     assert "sequence_parallel, loss_parallel" in out

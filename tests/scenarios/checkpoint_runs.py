@@ -25,9 +25,8 @@ from common import (  # type: ignore[import-not-found]
     StepRecorder,
     is_rank_zero,
     make_model_and_data,
-    parse_args,
+    run_scenario_script,
     trainer_kwargs,
-    write_result,
 )
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.distributed.checkpoint import FileSystemWriter
@@ -282,12 +281,5 @@ for _s in STRATEGIES:
             )
 
 
-def main() -> None:
-    args = parse_args()
-    names = args.scenarios.split(",")
-    results = {name: SCENARIOS[name](args.devices, args.workdir) for name in names}
-    write_result(args.out, results)
-
-
 if __name__ == "__main__":
-    main()
+    run_scenario_script(SCENARIOS)

@@ -72,7 +72,15 @@ def make_model_and_data(
     L.seed_everything(1234, verbose=False)
     data_cls = OneProcessData if devices == 1 else TextDataModule
     data = data_cls(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, train_samples=train_samples, val_samples=32)
-    kwargs = dict(vocab_size=data.vocab_size, seq_len=SEQ_LEN, d_model=32, n_layer=3, n_head=4, lr=1e-2, warmup_steps=2)
+    kwargs = {
+        "vocab_size": data.vocab_size,
+        "seq_len": SEQ_LEN,
+        "d_model": 32,
+        "n_layer": 3,
+        "n_head": 4,
+        "lr": 1e-2,
+        "warmup_steps": 2,
+    }
     kwargs.update(model_kwargs)
     return GPT(**kwargs), data
 
@@ -108,16 +116,23 @@ def write_result(path: str, result: dict[str, Any]) -> None:
 
 
 def trainer_kwargs(devices: int, **overrides: Any) -> dict[str, Any]:
-    kwargs: dict[str, Any] = dict(
-        accelerator="cpu",
-        use_distributed_sampler=devices > 1,
-        devices=devices,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=2,
-    )
+    kwargs: dict[str, Any] = {
+        "accelerator": "cpu",
+        "use_distributed_sampler": devices > 1,
+        "devices": devices,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 2,
+    }
     kwargs.update(overrides)
     return kwargs
+
+
+def run_scenario_script(scenarios: dict[str, Any]) -> None:
+    """The ``main`` of a scenario script: run the scenarios named on the command line, rank 0 writes the results."""
+    args = parse_args()
+    names = list(scenarios) if args.scenarios == "all" else args.scenarios.split(",")
+    write_result(args.out, {name: scenarios[name](args.devices, args.workdir) for name in names})

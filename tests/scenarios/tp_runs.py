@@ -22,9 +22,8 @@ from common import (  # type: ignore[import-not-found]
     full_state,
     is_rank_zero,
     make_model_and_data,
-    parse_args,
+    run_scenario_script,
     trainer_kwargs,
-    write_result,
 )
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from llama_like import LlamaLike  # type: ignore[import-not-found]
@@ -311,12 +310,5 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
 }
 
 
-def main() -> None:
-    args = parse_args()
-    names = list(SCENARIOS) if args.scenarios == "all" else args.scenarios.split(",")
-    results = {name: SCENARIOS[name](args.devices, args.workdir) for name in names}
-    write_result(args.out, results)
-
-
 if __name__ == "__main__":
-    main()
+    run_scenario_script(SCENARIOS)

@@ -16,9 +16,8 @@ import torch.distributed as dist
 from common import (  # type: ignore[import-not-found]
     StepRecorder,
     make_model_and_data,
-    parse_args,
+    run_scenario_script,
     trainer_kwargs,
-    write_result,
 )
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
@@ -310,12 +309,5 @@ SCENARIOS: dict[str, Callable[[int, str], Any]] = {
 }
 
 
-def main() -> None:
-    args = parse_args()
-    names = list(SCENARIOS) if args.scenarios == "all" else args.scenarios.split(",")
-    results = {name: SCENARIOS[name](args.devices, args.workdir) for name in names}
-    write_result(args.out, results)
-
-
 if __name__ == "__main__":
-    main()
+    run_scenario_script(SCENARIOS)

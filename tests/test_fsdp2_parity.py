@@ -118,3 +118,9 @@ def test_fp16_overflow_skips_the_step_on_every_rank(two_ranks):
     assert r["params_unchanged_after_skip"]
     assert r["scale"] == 2.0**15  # backed off once from the default 2**16
     assert len(r["losses"]) == 8 and all(math.isfinite(loss) for loss in r["losses"])  # then trains on
+
+
+def test_int_reshard_units_share_one_post_forward_mesh(four_ranks):
+    """FSDP2 would build new process groups per unit for reshard_after_forward=2; all blocks share one set."""
+    assert four_ranks["int_reshard"]["post_forward_meshes"] == 1
+    assert four_ranks["full"]["post_forward_meshes"] == 0

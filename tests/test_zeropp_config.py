@@ -80,8 +80,11 @@ def test_leftover_modules_become_units_unless_tied():
 
 def test_impossible_combinations_fail_at_construction():
     with pytest.raises(ValueError, match="hpZ keeps a secondary partition.*hpz_partition_size=None"):
-        ZeroPPStrategy(cpu_offload=True)
+        ZeroPPStrategy(cpu_offload=True, hpz_partition_size=2)
+    ZeroPPStrategy(cpu_offload=True)  # "auto" may resolve to no hpZ (one node): checked once the mesh is known
     ZeroPPStrategy(cpu_offload=True, hpz_partition_size=None)  # offload without hpZ is fine (on an accelerator)
+    with pytest.raises(ValueError, match="ranks_per_node=2.0 must be a positive int"):
+        ZeroPPStrategy(ranks_per_node=2.0)
     with pytest.raises(ValueError, match="weight_bits: bits=6 is not supported"):
         ZeroPPStrategy(weight_bits=6)
     with pytest.raises(ValueError, match="gradient_bits: bits=2 is not supported"):
@@ -98,3 +101,9 @@ def test_impossible_combinations_fail_at_construction():
         _trainer(ZeroPPStrategy(hpz_partition_size=4))
     with pytest.raises(MeshConfigError, match="ranks_per_node=3 does not divide the 4 ranks"):
         _trainer(ZeroPPStrategy(ranks_per_node=3))
+
+
+def test_one_rank_per_node_turns_hpz_off_instead_of_keeping_weights_gathered():
+    with pytest.warns(UserWarning, match="one rank per node.*hpZ is off"):
+        trainer = _trainer(ZeroPPStrategy(ranks_per_node=1))
+    assert trainer.strategy.fsdp_config.reshard_after_forward is True  # ZeRO-3, not an int 1 (= never reshard)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -53,14 +54,15 @@ def apply_fsdp(
     """
     # fully_shard must run bottom-up: a unit nested in another unit (a regex matching both) is sharded first.
     blocks = sorted(blocks, key=_height)
-    for block in blocks:
-        fully_shard(
-            block,
-            mesh=mesh,
-            reshard_after_forward=config.reshard_after_forward,
-            mp_policy=config.mp_policy,
-            offload_policy=config.offload_policy,
-        )
+    with _one_post_forward_mesh_per_size():
+        for block in blocks:
+            fully_shard(
+                block,
+                mesh=mesh,
+                reshard_after_forward=config.reshard_after_forward,
+                mp_policy=config.mp_policy,
+                offload_policy=config.offload_policy,
+            )
     outside = modules_outside(model, blocks)
     if outside:
         fully_shard(
@@ -78,6 +80,37 @@ def apply_fsdp(
         offload_policy=config.offload_policy,
     )
     return outside
+
+
+@contextmanager
+def _one_post_forward_mesh_per_size() -> Iterator[None]:
+    """Let every unit sharded with the same int ``reshard_after_forward`` share one post-forward mesh.
+
+    FSDP2 (torch 2.13) builds a new DeviceMesh, i.e. new process groups, for each unit given an int
+    ``reshard_after_forward`` (pytorch/pytorch#153302); on NCCL every one of them holds communicator memory, once per
+    transformer block. The groups are identical, so they are created once and reused while sharding.
+    """
+    from torch.distributed.fsdp._fully_shard import _fully_shard as impl
+
+    original = getattr(impl, "_get_post_forward_mesh_info", None)
+    if original is None:  # another torch layout: nothing to share
+        yield
+        return
+    cache: dict[tuple[int, int], Any] = {}
+
+    def shared(reshard_after_forward: bool | int, mesh_info: Any) -> Any:
+        if isinstance(reshard_after_forward, bool) or not isinstance(reshard_after_forward, int):
+            return original(reshard_after_forward, mesh_info)
+        key = (id(mesh_info.mesh), reshard_after_forward)
+        if key not in cache:
+            cache[key] = original(reshard_after_forward, mesh_info)
+        return cache[key]
+
+    impl._get_post_forward_mesh_info = shared
+    try:
+        yield
+    finally:
+        impl._get_post_forward_mesh_info = original
 
 
 def modules_outside(model: nn.Module, units: Iterable[nn.Module]) -> list[nn.Module]:

@@ -99,7 +99,7 @@ def unpack(buffer: Tensor, numel: int, bits: int, block_size: int, dtype: torch.
     payload_bytes = blocks * block_size * bits // 8
     payload, scale_bytes = buffer[:, :payload_bytes], buffer[:, payload_bytes:]
     q = unpack_int4(payload) if bits == 4 else payload.contiguous().view(torch.int8)
-    scales = scale_bytes.contiguous().view(torch.float32).view(rows, blocks)
+    scales = scale_bytes.clone().view(torch.float32).view(rows, blocks)  # a copy: aligned for the fp32 view
     return dequantize_blockwise(q.view(rows, blocks, block_size), scales, numel, dtype)
 
 

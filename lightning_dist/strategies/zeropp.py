@@ -31,6 +31,11 @@ from lightning_dist.plugins.precision import FSDP2Precision, to_fsdp2_precision
 from lightning_dist.plugins.zeropp_precision import ZeroPPPrecision
 from lightning_dist.strategies.fsdp2 import FSDP2Strategy
 
+_HPZ_OFFLOAD = (
+    "hpZ keeps a secondary partition of the gathered weights on the accelerator between forward and backward, which"
+    " CPU offloading cannot hold. Set hpz_partition_size=None to offload, or drop cpu_offload."
+)
+
 
 class ZeroPPStrategy(FSDP2Strategy):
     """ZeRO++ (arXiv 2306.10209): ZeRO-3 (FSDP2 ``fully_shard``) with three communication cuts.
@@ -116,13 +121,11 @@ class ZeroPPStrategy(FSDP2Strategy):
             raise ValueError(
                 f"hpz_partition_size={hpz!r} must be 'auto' (ranks per node), an int >= 2, or None (hpZ off)."
             )
-        if hpz is not None and cpu_offload:
-            raise ValueError(
-                "hpZ keeps a secondary partition of the gathered weights on the accelerator between forward and"
-                " backward, which CPU offloading cannot hold. Set hpz_partition_size=None to offload, or drop"
-                " cpu_offload."
-            )
-        if ranks_per_node is not None and (isinstance(ranks_per_node, bool) or ranks_per_node < 1):
+        if isinstance(hpz, int) and cpu_offload:
+            raise ValueError(_HPZ_OFFLOAD)
+        if ranks_per_node is not None and (
+            isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
+        ):
             raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive int or None.")
         self.quantized_weights = quantized_weights
         self.hpz_partition_size = hpz
@@ -167,6 +170,12 @@ class ZeroPPStrategy(FSDP2Strategy):
             )
         nodes = group // per_node
         hpz = per_node if self.hpz_partition_size == "auto" else self.hpz_partition_size
+        if self.hpz_partition_size == "auto" and hpz is not None and hpz < 2 and group > 1:
+            rank_zero_warn(
+                "zeropp: one rank per node, so hpZ has no intra-node partition to keep; backward re-gathers over the"
+                " whole group as in ZeRO-3 (hpZ is off)."
+            )
+            hpz = None
         if hpz is not None and (hpz >= group or group % hpz):
             if self.hpz_partition_size == "auto":
                 rank_zero_warn(
@@ -188,6 +197,8 @@ class ZeroPPStrategy(FSDP2Strategy):
                 f"zeropp: all {group} ranks are on one node: qgZ's cross-node hop is a no-op (the reduce-scatter is"
                 " still quantized inside the node). Declare ranks_per_node to simulate several nodes."
             )
+        if hpz is not None and self.cpu_offload:
+            raise MeshConfigError(_HPZ_OFFLOAD)
         self._hpz = hpz
 
     @property

@@ -60,7 +60,20 @@ def train(devices: int, workdir: str, name: str, precision: str = "64-true", **s
         "val": {k: float(v) for k, v in metrics.items()},
         "state_bytes_max_rank": max_over_ranks(held),
         "predicted_tokens": sum_over_ranks(sum(p.numel() for p in predictions)),
+        "post_forward_meshes": len(_post_forward_meshes(model)),
     }
+
+
+def _post_forward_meshes(model: torch.nn.Module) -> set[int]:
+    """Distinct post-forward meshes of the units that reshard to a smaller group after forward (int reshard)."""
+    from lightning_dist.parallel.fsdp import fsdp_modules
+
+    meshes = set()
+    for module in fsdp_modules(model):
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is not None and group._use_post_forward_mesh:
+            meshes.add(id(group.post_forward_mesh_info.mesh))
+    return meshes
 
 
 def max_over_ranks(value: int) -> int:

@@ -313,3 +313,103 @@ def test_plan_tool_prints_a_plan_that_parses_back(capsys):
     with pytest.raises(SystemExit):
         plan_command.main(["--model", "examples.gpt.GPT", "--tensor-parallel-size", "3"])
     assert "attention heads = 4 is not divisible by tensor_parallel_size=3" in capsys.readouterr().err
+
+
+class QKNormAttention(nn.Module):  # Qwen3 style: RMSNorm over head_dim on the (head-sharded) queries and keys
+    def __init__(self, d: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = heads, d // heads
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(d, d) for _ in range(4))
+        self.q_norm, self.k_norm = nn.RMSNorm(d // heads), nn.RMSNorm(d // heads)
+
+
+def test_attention_parameters_outside_the_sharded_linears_are_refused():
+    model = nn.ModuleDict({"attn": QKNormAttention()})
+    plan = infer_plan(model)
+    assert set(plan.unreduced) == {"attn.q_norm.weight", "attn.k_norm.weight"}
+    with pytest.raises(TensorParallelPlanError, match=r"attn.q_norm.weight: a parameter of QKNormAttention 'attn'"):
+        plan.validate(2)
+    mlp = nn.ModuleDict({"up": nn.Linear(8, 16), "down": nn.Linear(16, 8)})
+    mlp.register_parameter("scale", nn.Parameter(torch.ones(16)))
+    with pytest.raises(
+        TensorParallelPlanError, match=r"(?s)mlp.scale: .*this rank.s MLP hidden units.*explicit `plan=`"
+    ):
+        infer_plan(nn.ModuleDict({"mlp": mlp})).validate(2)
+    explicit = {"attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "colwise", "attn.o_proj": "rowwise"}
+    resolve_explicit_plan(model, explicit).validate(2)  # an explicit plan is the user's responsibility
+
+
+class OddNorm(nn.Module):  # a norm whose class name the plan does not recognise
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+
+def test_sequence_parallel_refuses_parameters_it_does_not_cover():
+    model = small_gpt()
+    model.blocks[0].register_parameter("gamma", nn.Parameter(torch.ones(32)))  # layer scale on the residual stream
+    model.blocks[1].ln1 = OddNorm(32)
+    infer_plan(model).validate(2)  # without sequence parallel the residual stream is whole on every rank
+    plan = infer_plan(model, sequence_parallel=True)
+    assert set(plan.unreduced) == {"blocks.0.gamma", "blocks.1.ln1.weight"}
+    with pytest.raises(TensorParallelPlanError, match=r"blocks.0.gamma: not in a module the plan covers \(Block\)"):
+        plan.validate(2)
+    infer_plan(small_gpt(), sequence_parallel=True).validate(2)
+
+
+class HeadlessAttention(nn.Module):  # no head count and no head_dim to adjust
+    def __init__(self, d: int = 16, kv: int = 8) -> None:
+        super().__init__()
+        self.h = 4
+        self.q, self.k, self.v, self.o = nn.Linear(d, d), nn.Linear(d, kv), nn.Linear(d, kv), nn.Linear(d, d)
+
+
+def test_attention_without_a_head_count_is_left_replicated_and_qkv_widths_are_checked():
+    plan = infer_plan(nn.ModuleDict({"attn": HeadlessAttention(), "mlp": nn.ModuleDict({"up": nn.Linear(16, 32)})}))
+    assert "attn" in plan.unplanned and "no recognised head-count attribute" in plan.unplanned["attn"]
+    assert not any(n.startswith("attn.") for n in plan.styles)
+    model = LlamaLike(num_heads=8, num_key_value_heads=4)
+    model.model.layers[0].self_attn.k_proj = nn.Linear(model.model.layers[0].self_attn.q_proj.in_features, 6)
+    with pytest.raises(TensorParallelPlanError, match=r"self_attn: key projection output features = 6 is not div"):
+        infer_plan(model).validate(4)
+
+
+def test_loss_parallel_checks_targets_and_reduction():
+    from lightning_dist.parallel.loss_parallel import check_targets
+
+    check_targets(torch.tensor([0, 7, -100]), 8, -100)
+    with pytest.raises(LossParallelError, match=r"target 8 is out of bounds for 8 classes"):
+        check_targets(torch.tensor([0, 8]), 8, -100)
+    with pytest.raises(LossParallelError, match=r"target -1 is out of bounds"):
+        check_targets(torch.tensor([-1, 3]), 8, -100)
+    logits, target = torch.zeros(4, 8), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="bogus is not a valid value for reduction"):
+        VocabParallelCrossEntropy._cross_entropy(logits, target, reduction="bogus")  # type: ignore[arg-type]
+
+
+def test_loss_parallel_needs_a_recognised_head_and_explicit_layouts_are_parsed():
+    model = nn.ModuleDict(
+        {
+            "embed_tokens": nn.Embedding(32, 16),
+            "mlp": nn.ModuleDict({"up": nn.Linear(16, 32), "down": nn.Linear(32, 16)}),
+        }
+    )
+    with pytest.raises(
+        TensorParallelPlanError, match="loss_parallel=True, but the automatic plan recognised no output"
+    ):
+        TensorParallelStrategy(loss_parallel=True).tensor_parallel_plan(model)
+    lp_plan = {**GPT_PLAN, "head": {"style": "colwise", "output_layouts": "Shard( -1 )", "use_local_output": False}}
+    assert resolve_explicit_plan(small_gpt(), lp_plan).loss_parallel_head == "head"
+
+
+def test_a_second_trainer_restores_loss_parallel_and_autocast_from_the_model():
+    model = small_gpt()
+    plan = infer_plan(model, loss_parallel=True)
+    model._lightning_dist_parallelized = True  # as left by a first Trainer's setup
+    model._lightning_dist_tp_plan = plan
+    strategy = TensorParallelStrategy(loss_parallel=True)
+    L.Trainer(strategy=strategy, accelerator="cpu", devices=2, precision="bf16-mixed", logger=False)
+    assert strategy._tp_plan is None
+    strategy._restore_parallel_state(model)
+    assert strategy._tp_plan is plan and strategy._tp_plan.loss_parallel_head == "head"
+    assert strategy.precision_plugin._autocast_device == "cpu"

@@ -54,8 +54,30 @@ class _ShardedCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+_REDUCTIONS = ("none", "mean", "sum")
+
+
+def check_reduction(reduction: str) -> None:
+    """Refuse a ``reduction`` that ``F.cross_entropy`` would refuse."""
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{reduction} is not a valid value for reduction (use one of {list(_REDUCTIONS)})")
+
+
+def check_targets(target: Tensor, num_classes: int, ignore_index: int) -> None:
+    """Raise, as ``F.cross_entropy`` does, for a class index outside ``[0, num_classes)`` that is not
+    ``ignore_index`` (the sharded loss would otherwise silently count it as a target logit of 0)."""
+    bad = (target != ignore_index) & ((target < 0) | (target >= num_classes))
+    if bool(bad.any()):
+        value = target[bad].reshape(-1)[0].item()
+        raise LossParallelError(
+            f"loss_parallel: target {value} is out of bounds for {num_classes} classes (targets must be in"
+            f" [0, {num_classes}) or ignore_index={ignore_index})."
+        )
+
+
 def sharded_cross_entropy(logits: DTensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
     """``F.cross_entropy(logits, target)`` for logits sharded on the class dim (dim 1) over a 1-D mesh."""
+    check_reduction(reduction)
     if logits.device_mesh.ndim != 1 or logits.placements != (Shard(1),):
         raise LossParallelError(
             f"loss_parallel: expected logits sharded on the class dimension, got placements {logits.placements} of"
@@ -74,6 +96,7 @@ def sharded_cross_entropy(logits: DTensor, target: Tensor, ignore_index: int = -
     if rows.dtype in (torch.float16, torch.bfloat16):
         rows = rows.float()  # as F.cross_entropy does under autocast
     flat_target = target.reshape(-1)
+    check_targets(flat_target, logits.shape[1], ignore_index)
     losses = _ShardedCrossEntropy.apply(rows, flat_target, vocab_start, ignore_index, mesh.get_group())
     if reduction == "none":
         return losses.reshape(target.shape)
@@ -104,6 +127,7 @@ class VocabParallelCrossEntropy(TorchFunctionMode):
         reduction: str = "mean",
         label_smoothing: float = 0.0,
     ) -> Tensor:
+        check_reduction(reduction)
         if weight is not None or label_smoothing or size_average is not None or reduce is not None:
             raise LossParallelError(
                 "loss_parallel: F.cross_entropy with class weights, label smoothing or the deprecated size_average/"

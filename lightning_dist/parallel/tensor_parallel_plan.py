@@ -95,6 +95,8 @@ class TensorParallelPlan:
         loss_parallel_head: Name of the output head whose logits stay vocab-sharded (loss parallel), if any.
         sequence_parallel: Whether the plan shards the residual stream on the sequence dim.
         token_embedding: Name of the token embedding, if found (its input's sequence length is checked).
+        unreduced: Parameter name → why the automatic plan cannot keep it correct (it would get a different gradient
+            on each tp rank, which nothing reduces); any entry makes :meth:`validate` refuse the plan.
     """
 
     styles: dict[str, StyleSpec] = field(default_factory=dict)
@@ -105,6 +107,7 @@ class TensorParallelPlan:
     sequence_parallel: bool = False
     token_embedding: str | None = None
     explicit: bool = False
+    unreduced: dict[str, str] = field(default_factory=dict)
 
     def validate(self, tp: int) -> None:
         """Raise :class:`TensorParallelPlanError` listing every size tp does not divide (and, for sequence
@@ -131,6 +134,14 @@ class TensorParallelPlan:
                 + "\n  - ".join(dict.fromkeys(problems))
                 + "\nChoose a tensor_parallel_size that divides these sizes, change the model's sizes (pad the"
                 " vocabulary to a multiple of tp), or pass an explicit `plan=` that leaves these modules out."
+            )
+        if self.unreduced and not self.explicit:
+            items = "".join(f"\n  - {n}: {r}" for n, r in self.unreduced.items())
+            raise TensorParallelPlanError(
+                "The automatic tensor-parallel plan cannot shard this model correctly: these parameters would get a"
+                f" different gradient on each tp rank and drift apart:{items}\nPass an explicit `plan=` that covers"
+                " them (e.g. leave their module replicated, or give it styles whose layouts keep its inputs whole);"
+                " `lightning-dist plan --model ...` prints the automatic plan to start from."
             )
         if self.sequence_parallel and not self.explicit:
             head = any(style_name(s) == "colwise" and _input_layout(s) == "shard(1)" for s in self.styles.values())
@@ -192,6 +203,15 @@ def match_modules(pattern: str, names: list[str]) -> list[str]:
     ]
 
 
+def _shard_dim(layout: Any) -> int | None:
+    """The dim of a ``"shard(<dim>)"`` layout (string or ``Shard`` placement); ``None`` for anything else."""
+    if isinstance(layout, str):
+        match = re.fullmatch(r"\s*shard\(\s*(-?\d+)\s*\)\s*", layout, re.IGNORECASE)
+        return int(match.group(1)) if match else None
+    dim = getattr(layout, "dim", None) if type(layout).__name__ == "Shard" else None
+    return dim if isinstance(dim, int) else None
+
+
 def _input_layout(spec: StyleSpec) -> Any:
     return None if isinstance(spec, str) else spec.get("input_layouts")
 
@@ -238,7 +258,7 @@ def resolve_explicit_plan(
         for name in matched:
             resolved.styles[name] = spec
             resolved.checks.extend(_size_checks(name, modules[name], options))
-            sharded_logits = options.get("output_layouts") in ("shard(-1)", "shard(2)")
+            sharded_logits = _shard_dim(options.get("output_layouts")) in (-1, 2)
             if options["style"] == "colwise" and options.get("use_local_output") is False and sharded_logits:
                 resolved.loss_parallel_head = name
             if options["style"] == "sequence_parallel":
@@ -303,6 +323,7 @@ def infer_plan(model: nn.Module, sequence_parallel: bool = False, loss_parallel:
     plan = TensorParallelPlan(sequence_parallel=sequence_parallel)
     grouped: set[str] = set()  # modules whose Linear children a rule claimed
     skipped: list[str] = []  # subtrees not to look into (fused attention)
+    checked: set[str] = set()  # attention/MLP modules whose other parameters were checked
 
     def row_out() -> StyleSpec:  # a fresh dict per entry (shared objects would print as YAML anchors)
         return {"style": "rowwise", "output_layouts": "shard(1)"} if sequence_parallel else "rowwise"
@@ -335,17 +356,28 @@ def infer_plan(model: nn.Module, sequence_parallel: bool = False, loss_parallel:
             if o is None:
                 plan.unplanned[name] = f"attention with {q}/{k}/{v} but no recognised output projection"
                 continue
+            if not _head_count_known(module):
+                plan.unplanned[name] = (
+                    f"attention with no recognised head-count attribute ({', '.join(Q_HEAD_ATTRIBUTES)}) or head_dim:"
+                    " its reshapes could not be adjusted to the per-rank heads"
+                )
+                grouped.add(name)
+                skipped.append(name)
+                continue
+            _check_extra_parameters(plan, name, module, {q, k, v, o}, "attention heads")
             for proj in (q, k, v):
                 plan.styles[_join(name, proj)] = "colwise"
             plan.styles[_join(name, o)] = row_out()
             if sequence_parallel:
                 plan.styles[name] = dict(SEQUENCE_GATHER)
-            _attention_checks(plan, name, module, linears[q], linears[k], linears[o], o)
+            _attention_checks(plan, name, module, linears[q], linears[k], linears[v], linears[o], o)
             grouped.add(name)
+            checked.add(name)
             continue
         ups = [n for n in _UP if n in linears]
         down = _pick({n: m for n, m in linears.items() if n not in ups}, _DOWN)
         if ups and down:
+            _check_extra_parameters(plan, name, module, {*ups, down}, "MLP hidden units")
             for up in ups:
                 plan.styles[_join(name, up)] = "colwise"
                 plan.checks.append(DivisibilityCheck(_join(name, up), "MLP hidden size", linears[up].out_features))
@@ -353,6 +385,7 @@ def infer_plan(model: nn.Module, sequence_parallel: bool = False, loss_parallel:
             if sequence_parallel:
                 plan.styles[name] = dict(SEQUENCE_GATHER)
             grouped.add(name)
+            checked.add(name)
             continue
         if "linear1" in linears and "linear2" in linears:  # nn.TransformerEncoderLayer / DecoderLayer
             if sequence_parallel:
@@ -367,6 +400,7 @@ def infer_plan(model: nn.Module, sequence_parallel: bool = False, loss_parallel:
     _plan_embeddings_and_head(model, plan, grouped, sequence_parallel, loss_parallel)
     if sequence_parallel:
         _plan_norms(model, plan, grouped)
+        _check_sequence_parallel_coverage(model, plan, checked)
     # Keep the model's own order (parents before children), which is also the order printed to users.
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
     plan.styles = dict(sorted(plan.styles.items(), key=lambda item: order[item[0]]))
@@ -379,6 +413,7 @@ def _attention_checks(
     module: nn.Module,
     q: nn.Linear,
     k: nn.Linear,
+    v: nn.Linear,
     o: nn.Linear,
     o_name: str,
 ) -> None:
@@ -401,6 +436,8 @@ def _attention_checks(
         plan.checks.append(DivisibilityCheck(name, "attention heads", n_heads))
     if n_kv is not None and n_kv != n_heads:
         plan.checks.append(DivisibilityCheck(name, "key/value heads (grouped-query attention)", n_kv))
+    for proj, what in ((q, "query"), (k, "key"), (v, "value")):
+        plan.checks.append(DivisibilityCheck(name, f"{what} projection output features", proj.out_features))
     plan.checks.append(DivisibilityCheck(_join(name, o_name), "attention width (input features)", o.in_features))
     if attrs:
         plan.head_attributes[name] = attrs
@@ -457,3 +494,41 @@ def _plan_norms(model: nn.Module, plan: TensorParallelPlan, grouped: set[str]) -
     for name, module in model.named_modules():
         if _is_norm(module) and not any(name.startswith(f"{g}.") for g in grouped if g):
             plan.styles[name] = "sequence_parallel"
+
+
+def _head_count_known(module: nn.Module) -> bool:
+    """Whether the attention keeps its query head count (or head_dim) where the plan can adjust or derive it."""
+    for attr in (*Q_HEAD_ATTRIBUTES, "head_dim"):
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return True
+    return False
+
+
+def _check_extra_parameters(
+    plan: TensorParallelPlan, name: str, module: nn.Module, sharded: set[str], what: str
+) -> None:
+    """Parameters of an attention/MLP module outside its sharded Linear layers (a Qwen3-style q_norm/k_norm, a
+    scale) see only this rank's share of the activations, so their gradients differ between tp ranks."""
+    for pname, _ in module.named_parameters():
+        if pname.split(".")[0] not in sharded:
+            plan.unreduced[_join(name, pname)] = (
+                f"a parameter of {type(module).__name__} {name!r} outside its sharded Linear layers"
+                f" ({', '.join(sorted(sharded))}); it would see only this rank's {what}"
+            )
+
+
+def _check_sequence_parallel_coverage(model: nn.Module, plan: TensorParallelPlan, checked: set[str]) -> None:
+    """With sequence parallel, a parameter of a module the plan does not cover sees only this rank's slice of the
+    sequence (a layer-scale Parameter on a block, a norm class the plan does not recognise)."""
+    covered = set(plan.styles)
+    for pname, _ in model.named_parameters():
+        owner = pname.rpartition(".")[0]
+        inside = [*checked, *plan.unplanned]  # unplanned modules are refused by validate() already
+        if owner in covered or any(owner == g or owner.startswith(f"{g}.") for g in inside):
+            continue
+        plan.unreduced[pname] = (
+            f"not in a module the plan covers ({type(model.get_submodule(owner)).__name__}); with sequence_parallel"
+            " it would see only this rank's slice of the sequence (only norms on the residual stream whose class names"
+            " end in LayerNorm/RMSNorm are handled)"
+        )

@@ -31,6 +31,9 @@ from lightning_dist.parallel.tensor_parallel import (
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
 
 PlanSpec = dict[str, str | dict[str, Any]]
+# The applied plan, kept on the model next to the base strategy's "parallelized" marker: a later Trainer reusing the
+# model skips `parallelize` and restores loss parallel and autocast from it.
+_TP_PLAN = "_lightning_dist_tp_plan"
 
 
 class TensorParallelStrategy(MeshParallelStrategy):
@@ -131,12 +134,32 @@ class TensorParallelStrategy(MeshParallelStrategy):
                 "loss_parallel=True, but the explicit plan keeps no output head's logits sharded on the vocabulary."
                 " Give the head {style: colwise, output_layouts: shard(-1), use_local_output: false}."
             )
+        if self.loss_parallel and plan.loss_parallel_head is None:
+            raise TensorParallelPlanError(
+                "loss_parallel=True, but the automatic plan recognised no output head (an nn.Linear named one of"
+                " lm_head, head, output, embed_out, ...). Pass an explicit `plan=` giving the head {style: colwise,"
+                " output_layouts: shard(-1), use_local_output: false}, or turn loss_parallel off."
+            )
         if self.plan and self.sequence_parallel and not plan.sequence_parallel:
             raise TensorParallelPlanError(
                 "sequence_parallel=True, but the explicit plan has no sequence_parallel entries. Print the automatic"
                 " plan with `lightning-dist plan --model ... --sequence-parallel` and start from it."
             )
         return plan
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        assert self.model is not None
+        self._restore_parallel_state(self.model)
+
+    def _restore_parallel_state(self, model: Module) -> None:
+        """Loss parallel and (pure TP) autocast for a model whose plan was applied here or by an earlier Trainer
+        (which then skipped `parallelize`)."""
+        if self._tp_plan is None:
+            self._tp_plan = getattr(model, _TP_PLAN, None)
+        if self.parallel_dims.fsdp <= 1:
+            self.precision_plugin.use_autocast(self.root_device.type)
 
     @override
     def parallelize(self, model: Module) -> Module:
@@ -178,6 +201,7 @@ class TensorParallelStrategy(MeshParallelStrategy):
         plan = self.tensor_parallel_plan(model)
         changed = apply_tensor_parallel(model, self.mesh["tp"], plan)
         self._tp_plan = plan
+        object.__setattr__(model, _TP_PLAN, plan)
         if (message := plan.unplanned_message()) is not None:
             rank_zero_warn(message)
         extras = [

@@ -146,6 +146,16 @@ def bf16(devices: int, workdir: str, dp: int = 1) -> dict[str, Any]:
         callbacks=[recorder],
     )
     trainer.fit(model, data)
+    first_output = seen.get("linear_output")
+    if dp == 1:  # a second Trainer reuses the parallelized model (no `parallelize`): autocast must still be on
+        seen.clear()
+        again = L.Trainer(
+            **trainer_kwargs(devices, strategy=tp_strategy(devices, dp), precision="bf16-mixed"), max_steps=1
+        )
+        again.fit(model, data)
+        seen["second_fit_linear_output"] = seen.pop("linear_output", None)
+        seen["second_fit_plan_restored"] = getattr(again.strategy, "_tp_plan", None) is not None
+    seen["linear_output"] = first_output
     return {
         "plugin": type(trainer.strategy.precision_plugin).__name__,
         "at_rest": sorted({str(p.dtype) for p in model.parameters()}),

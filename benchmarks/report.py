@@ -576,8 +576,9 @@ def targets_summary(analysis: dict[str, list[dict[str, Any]]], results: dict[str
             + ";"
             + f" worst {worst['ratio_of_medians']:.3f})"
             + (
-                " — see Observations for collectives fsdp2 issues beyond the hand-written baseline, and note the"
-                " host's load average in the header: time ratios on a shared host are noisy"
+                " — see Observations for any collectives fsdp2 issues beyond the hand-written baseline (none when the"
+                " section is empty), and note the load average in the header: time ratios on an oversubscribed host"
+                " are noisy"
                 if missed
                 else ""
             )
@@ -739,8 +740,10 @@ def _load_text(meta: dict[str, Any]) -> str:
     start, end = meta.get("load_average_at_start"), meta.get("load_average_at_end")
     text = f"{start if start is not None else 'not recorded'} at the start, {end if end is not None else 'not recorded'} at the end"
     loads = [x for x in (start, end) if x is not None]
-    if loads and max(loads) > (meta.get("cpu_count") or 1):
+    if start is not None and start > (meta.get("cpu_count") or 1):
         text += " — other jobs were sharing the host"
+    elif loads and max(loads) > (meta.get("cpu_count") or 1):
+        text += " — the benchmark's own processes oversubscribed the cores by the end"
     return text
 
 

@@ -70,7 +70,11 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if path.is_dir():
         return torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=False)
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    return without_states(torch.load(path, map_location="cpu", weights_only=False, mmap=True))
+
+
+def without_states(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A one-file checkpoint without its model and optimizer states."""
     return {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
 
 

@@ -45,7 +45,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dist.checkpoint import model_state as states
-from lightning_dist.checkpoint.layout import is_sharded_checkpoint, read_metadata, validate_checkpoint
+from lightning_dist.checkpoint.layout import (
+    is_sharded_checkpoint,
+    read_metadata,
+    validate_checkpoint,
+    without_states,
+)
 from lightning_dist.parallel.fsdp import reshard_all
 from lightning_dist.parallel.mesh import ParallelDims, ParallelMesh
 from lightning_dist.plugins.checkpoint_io import DistributedCheckpointIO, ParallelCheckpointIO
@@ -496,12 +501,14 @@ class MeshParallelStrategy(ParallelStrategy):
         optimizers = (
             [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers] if fitting else []
         )
-        metadata = read_metadata(validate_checkpoint(path))
+        path = validate_checkpoint(path)
         if is_sharded_checkpoint(path):
+            metadata = read_metadata(path)
             states.load_sharded(path, self.model, optimizers, strict)
         else:
-            full = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+            full = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # read once, used twice
             states.load_full(full, self.model, optimizers, strict, repr(str(path)))
+            metadata = without_states(full)
         self._resume_position = metadata.get("lightning_dist", {}).get("data_position") if fitting else None
         self._resume_loader_index = 0
         return metadata

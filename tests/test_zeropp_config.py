@@ -83,7 +83,7 @@ def test_impossible_combinations_fail_at_construction():
         ZeroPPStrategy(cpu_offload=True, hpz_partition_size=2)
     ZeroPPStrategy(cpu_offload=True)  # "auto" may resolve to no hpZ (one node): checked once the mesh is known
     ZeroPPStrategy(cpu_offload=True, hpz_partition_size=None)  # offload without hpZ is fine (on an accelerator)
-    with pytest.raises(ValueError, match="ranks_per_node=2.0 must be a positive int"):
+    with pytest.raises(ValueError, match="ranks_per_node=2.0 must be an int of at least 1"):
         ZeroPPStrategy(ranks_per_node=2.0)
     with pytest.raises(ValueError, match="weight_bits: bits=6 is not supported"):
         ZeroPPStrategy(weight_bits=6)

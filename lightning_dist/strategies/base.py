@@ -9,6 +9,7 @@ parallelize the model on it (:meth:`parallelize`); pipeline and context parallel
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -33,10 +34,10 @@ from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -60,12 +61,25 @@ from lightning_dist.strategies.data_position import (
     skip_trained_batches,
     training_position,
 )
+from lightning_dist.strategies.preflight import PreflightLauncher, PreflightSubprocessLauncher, check_ckpt_path
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 MeshSize = int | Literal["auto"]
+# Set on a model once parallelized: the strategy settings that did it (see MeshParallelStrategy.parallel_settings).
 _PARALLELIZED = "_lightning_dist_parallelized"
+# Constructor arguments every strategy shares with Lightning's: they do not change how a model is parallelized.
+_BASE_ARGUMENTS = (
+    "self",
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "checkpoint_io",
+    "precision_plugin",
+    "process_group_backend",
+    "timeout",
+)
 
 
 class MeshParallelStrategy(ParallelStrategy):
@@ -126,6 +140,11 @@ class MeshParallelStrategy(ParallelStrategy):
         """Apply this strategy's parallelism to ``model`` (on every rank, after the mesh exists); return the module
         the Trainer should run (a pipeline strategy returns its stage)."""
         raise NotImplementedError
+
+    def check_model(self, model: Module) -> None:
+        """Check ``model`` against this strategy's options before any process is launched (e.g. that the classes to
+        wrap exist, that head counts divide the TP size). Only called for models whose layers all exist already
+        (no ``configure_model``) and that no Trainer has parallelized yet."""
 
     # ------------------------------------------------------------------ extension hooks (pipeline, context parallel)
     def transform_batch(self, batch: Any, dataloader_idx: int = 0) -> Any:
@@ -190,8 +209,12 @@ class MeshParallelStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        if self.cluster_environment.creates_processes_externally:
+            self._launcher = PreflightLauncher(self)
+        else:
+            self._launcher = PreflightSubprocessLauncher(
+                self, self.cluster_environment, self.num_processes, self.num_nodes
+            )
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -241,10 +264,10 @@ class MeshParallelStrategy(ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        if not getattr(self.model, _PARALLELIZED, False):
+        if getattr(self.model, _PARALLELIZED, None) is None:
             self.model = self.precision_plugin.convert_module(self.model)
             self.model = self.parallelize(self.model)
-            setattr(self.model, _PARALLELIZED, True)
+            object.__setattr__(self.model, _PARALLELIZED, self.parallel_settings())
             _materialize_distributed_module(self.model, self.root_device)
             self.model_to_device()
         # DTensor/FSDP2 parameters cannot be used under inference_mode (their version counters); Lightning only
@@ -252,13 +275,62 @@ class MeshParallelStrategy(ParallelStrategy):
         for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
             loop.inference_mode = False
         self._sync_metrics_over_loss_group()
-        self._check_checkpoint_callbacks(trainer)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    # ------------------------------------------------------------------ checks before launch
+    def preflight(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
+        """Everything that can be checked before processes are launched (see :mod:`.preflight`): the checkpoint
+        callbacks, ``ckpt_path``, a model an earlier Trainer already parallelized, and the model against the
+        strategy's options (:meth:`check_model`). ``arguments`` are those of the Trainer entry point."""
+        self._check_checkpoint_callbacks(trainer)
+        check_ckpt_path(arguments.get("ckpt_path"))
+        model = self.lightning_module
+        if model is None:
+            return
+        applied = getattr(model, _PARALLELIZED, None)
+        if applied is not None:
+            self._check_same_parallelism(applied)
+        elif not is_overridden("configure_model", model, pl.LightningModule):
+            self.check_model(model)
+
+    def parallel_settings(self) -> dict[str, str]:
+        """What determines how this strategy parallelizes a model: its class, mesh, precision and own options.
+
+        Recorded on the model when it is parallelized; a later Trainer may reuse the model only with equal settings.
+        """
+        settings = {
+            "strategy": type(self).__name__,
+            "mesh": str(self.parallel_dims),
+            "precision": str(self.precision_plugin.precision),
+        }
+        for name in inspect.signature(type(self).__init__).parameters:
+            if name not in _BASE_ARGUMENTS:
+                settings[name] = repr(getattr(self, name, None))
+        return settings
+
+    def _check_same_parallelism(self, applied: dict[str, str]) -> None:
+        """Refuse a model that an earlier Trainer parallelized differently: its parameters are already sharded, and
+        applying other parallelism on top would train on the old layout (or fail deep inside torch)."""
+        wanted = self.parallel_settings()
+        if applied == wanted:
+            return
+        differences = ", ".join(
+            f"{key}: {applied.get(key, '-')} → {wanted.get(key, '-')}"
+            for key in dict.fromkeys([*applied, *wanted])
+            if applied.get(key) != wanted.get(key)
+        )
+        raise RuntimeError(
+            f"{type(self.lightning_module).__name__} was already parallelized by an earlier Trainer with"
+            f" {applied['strategy']} ({differences}). A sharded model cannot be parallelized again. Give this Trainer a"
+            " fresh, unsharded instance of the model (construct it again, or load one with"
+            " `load_from_checkpoint` from a checkpoint the first Trainer saved), or use the first Trainer's strategy"
+            " settings."
+        )
 
     def _check_checkpoint_callbacks(self, trainer: pl.Trainer) -> None:
         from lightning_dist.plugins.async_checkpoint_io import AsyncDistributedCheckpointIO

@@ -117,6 +117,11 @@ class FSDP2Strategy(MeshParallelStrategy):
                 " it (the size of the groups backward all-gathers stay in)."
             )
 
+    @override
+    def check_model(self, model: Module) -> None:
+        if not is_fully_sharded(model):
+            select_modules(model, self.wrap_modules, self.wrap_regex, what="shard")
+
     @property
     def fsdp_config(self) -> FSDPConfig:
         raf = self.reshard_after_forward

@@ -148,6 +148,12 @@ class TensorParallelStrategy(MeshParallelStrategy):
         return plan
 
     @override
+    def check_model(self, model: Module) -> None:
+        if is_fully_sharded(model) or any(isinstance(p, DTensor) for p in model.parameters()):
+            return  # parallelized by the model's own code: parallelize() decides
+        self.tensor_parallel_plan(model).validate(self.parallel_dims.tp)
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         assert self.model is not None

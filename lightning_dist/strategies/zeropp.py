@@ -19,6 +19,7 @@ from typing_extensions import override
 from lightning_dist.parallel.fsdp import FSDPConfig, fsdp_modules
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
 from lightning_dist.parallel.quantization import check_bits, check_block_size
+from lightning_dist.parallel.validation import check_bool, check_positive_int
 from lightning_dist.parallel.zeropp import (
     NodeGroups,
     QuantizedAllGather,
@@ -123,13 +124,11 @@ class ZeroPPStrategy(FSDP2Strategy):
             )
         if isinstance(hpz, int) and cpu_offload:
             raise ValueError(_HPZ_OFFLOAD)
-        if ranks_per_node is not None and (
-            isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
-        ):
-            raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive int or None.")
-        self.quantized_weights = quantized_weights
+        if ranks_per_node is not None:
+            check_positive_int("ranks_per_node", ranks_per_node)
+        self.quantized_weights = check_bool("quantized_weights", quantized_weights)
         self.hpz_partition_size = hpz
-        self.quantized_gradients = quantized_gradients
+        self.quantized_gradients = check_bool("quantized_gradients", quantized_gradients)
         self.weight_bits = weight_bits
         self.gradient_bits = gradient_bits
         self.weight_block_size = weight_block_size

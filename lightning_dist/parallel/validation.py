@@ -1,0 +1,24 @@
+"""Type checks for user options, shared by every strategy and tool.
+
+Options arrive from Python, YAML and the command line. YAML already turns ``yes``/``no`` into booleans, but Python
+callers can pass ``"no"`` (truthy) or ``1``: a flag that silently reads a string as ``True`` switches a feature on
+that the user meant to switch off, so flags accept real booleans only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """Return ``value`` if it is a bool; raise a ``TypeError`` naming the option otherwise."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be True or False (a bool), not a {type(value).__name__}.")
+    return value
+
+
+def check_positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    """Return ``value`` if it is an int (not a bool) of at least ``minimum``; raise a ``ValueError`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an int of at least {minimum}.")
+    return value

@@ -1,0 +1,115 @@
+"""Mistakes that are known before launch fail before launch: in the calling process, with no rank started.
+
+Each test calls ``trainer.fit``/``validate`` with ``devices=2`` on the CPU. The launcher's process creation is
+replaced by a guard that fails the test, so a check that did not run before launch cannot pass unnoticed (and cannot
+re-run pytest in child processes). A second Trainer on an already parallelized model needs real processes: see
+``test_a_second_trainer_reuses_or_refuses_the_model``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from launch import run_scenarios
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+from examples.gpt import GPT
+from lightning_dist import AsyncDistributedCheckpointIO, CheckpointError, FSDP2Strategy, TensorParallelStrategy
+from lightning_dist.parallel.tensor_parallel_plan import TensorParallelPlanError
+from lightning_dist.strategies.preflight import PreflightLauncher, PreflightSubprocessLauncher
+
+
+@pytest.fixture(autouse=True)
+def no_launch(monkeypatch):
+    def refuse(self: _SubprocessScriptLauncher) -> None:
+        raise AssertionError("processes were launched although the configuration is invalid")
+
+    monkeypatch.setattr(_SubprocessScriptLauncher, "_call_children_scripts", refuse)
+
+
+def _trainer(strategy, **kwargs) -> Trainer:
+    return Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False, max_steps=1, **kwargs)
+
+
+def _gpt(**kwargs) -> GPT:
+    return GPT(**{"vocab_size": 64, "seq_len": 16, "d_model": 32, "n_layer": 2, "n_head": 4, **kwargs})
+
+
+def test_the_strategies_launch_through_the_preflight_launchers(monkeypatch):
+    assert isinstance(_trainer("fsdp2").strategy.launcher, PreflightSubprocessLauncher)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # as under torchrun: the processes exist already
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    assert isinstance(_trainer("fsdp2").strategy.launcher, PreflightLauncher)
+
+
+def test_a_missing_ckpt_path_fails_before_launch(tmp_path):
+    missing = tmp_path / "epoch=3.ckpt"
+    with pytest.raises(CheckpointError, match=f"Checkpoint not found: {str(missing)!r} does not exist"):
+        _trainer("fsdp2").fit(_gpt(), ckpt_path=missing)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        _trainer("fsdp2").validate(_gpt(), ckpt_path=str(missing))
+
+
+def test_an_unfinished_ckpt_path_fails_before_launch(tmp_path):
+    unfinished = tmp_path / "step=3.ckpt"
+    unfinished.mkdir()
+    (unfinished / "__0_0.distcp").write_bytes(b"\0" * 8)
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        _trainer("fsdp2").fit(_gpt(), ckpt_path=unfinished)
+
+
+def test_a_wrap_class_missing_from_the_model_fails_before_launch():
+    with pytest.raises(ValueError, match=r"Cannot shard \['DecoderLayer'\]: the model has no module of that class"):
+        _trainer(FSDP2Strategy(wrap_modules=["DecoderLayer"])).fit(_gpt())
+
+
+def test_a_wrap_regex_matching_nothing_fails_before_launch():
+    with pytest.raises(ValueError, match=r"The regex 'layers\\\\.\\\\d\+' matches no module name"):
+        _trainer(FSDP2Strategy(wrap_regex=r"layers\.\d+")).fit(_gpt())
+
+
+def test_heads_not_divisible_by_tp_fail_before_launch():
+    with pytest.raises(
+        TensorParallelPlanError, match=r"(?s)Cannot shard the model over tensor_parallel_size=2.*= 3 is"
+    ):
+        _trainer(TensorParallelStrategy(tensor_parallel_size=2)).fit(_gpt(d_model=48, n_head=3))
+
+
+def test_a_vocabulary_not_divisible_by_tp_fails_before_launch():
+    with pytest.raises(TensorParallelPlanError, match=r"(?s)tok_emb: vocabulary.* = 63 is not divisible.*pad the"):
+        _trainer(TensorParallelStrategy(tensor_parallel_size=2)).fit(_gpt(vocab_size=63))
+
+
+def test_a_last_link_with_the_async_plugin_fails_before_launch():
+    trainer = _trainer("fsdp2", plugins=[AsyncDistributedCheckpointIO()], callbacks=[ModelCheckpoint(save_last="link")])
+    with pytest.raises(ValueError, match="save_last='link'.*AsyncDistributedCheckpointIO"):
+        trainer.fit(_gpt())
+
+
+def test_models_built_in_configure_model_are_checked_after_launch_only():
+    class Deferred(GPT):
+        def configure_model(self) -> None:  # layers would only exist from here on
+            pass
+
+    strategy = FSDP2Strategy(wrap_modules=["DecoderLayer"])
+    trainer = _trainer(strategy)
+    strategy._lightning_module = Deferred(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=4)
+    strategy.preflight(trainer, {})  # no error: the model is not complete before configure_model ran
+
+
+@pytest.mark.slow
+def test_a_second_trainer_reuses_or_refuses_the_model(tmp_path):
+    """fsdp2 then tensor_parallel, fsdp2 then fsdp2_grad_op: refused on every rank with the same message naming the
+    differences; fsdp2 then fsdp2 (equal settings): the model is reused and trains."""
+    result = run_scenarios("reuse_runs.py", 2, tmp_path, ["fsdp2_then_tp", "fsdp2_then_grad_op", "fsdp2_then_fsdp2"])
+    to_tp = result["fsdp2_then_tp"]["errors"]
+    assert to_tp[0] == to_tp[1] and to_tp[0] is not None
+    assert "GPT was already parallelized by an earlier Trainer with FSDP2Strategy" in to_tp[0]
+    assert "strategy: FSDP2Strategy → TensorParallelStrategy" in to_tp[0]
+    assert "Give this Trainer a fresh, unsharded instance of the model" in to_tp[0]
+    to_grad_op = result["fsdp2_then_grad_op"]["errors"]
+    assert to_grad_op[0] == to_grad_op[1] and "sharding: 'full' → 'grad_op'" in to_grad_op[0]
+    assert result["fsdp2_then_fsdp2"]["errors"] == [None, None]

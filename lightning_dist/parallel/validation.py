@@ -7,6 +7,7 @@ that the user meant to switch off, so flags accept real booleans only.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 
@@ -22,3 +23,16 @@ def check_positive_int(name: str, value: Any, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an int of at least {minimum}.")
     return value
+
+
+def check_regex(name: str, pattern: str | None) -> str | None:
+    """Return ``pattern`` if it is ``None`` or compiles as a regular expression; raise a ``ValueError`` otherwise."""
+    if pattern is None:
+        return None
+    if not isinstance(pattern, str):
+        raise TypeError(f"{name}={pattern!r} must be a regular expression string.")
+    try:
+        re.compile(pattern)
+    except re.error as err:
+        raise ValueError(f"{name}={pattern!r} is not a valid regular expression: {err}.") from None
+    return pattern

@@ -11,6 +11,7 @@ from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn import Module
 from typing_extensions import override
@@ -19,6 +20,7 @@ from lightning_dist.parallel.activation_checkpointing import apply_activation_ch
 from lightning_dist.parallel.fsdp import SHARDING_MODES, FSDPConfig, ShardingMode, apply_fsdp, is_fully_sharded
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
 from lightning_dist.parallel.module_selection import resolve_module_classes, select_modules, summarize
+from lightning_dist.parallel.validation import check_bool, check_regex
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
 
 
@@ -90,9 +92,9 @@ class FSDP2Strategy(MeshParallelStrategy):
         self.wrap_modules = list(wrap_modules) if wrap_modules is not None else None
         if self.wrap_modules is not None:
             resolve_module_classes(self.wrap_modules)  # fail now on a class path that does not import
-        self.wrap_regex = wrap_regex
-        self.activation_checkpointing = activation_checkpointing
-        self.cpu_offload = cpu_offload
+        self.wrap_regex = check_regex("wrap_regex", wrap_regex)
+        self.activation_checkpointing = check_bool("activation_checkpointing", activation_checkpointing)
+        self.cpu_offload = check_bool("cpu_offload", cpu_offload)
 
     @override
     def mesh_sizes(self) -> dict[str, MeshSize]:
@@ -109,6 +111,13 @@ class FSDP2Strategy(MeshParallelStrategy):
             raise ValueError(
                 "cpu_offload=True moves sharded state from the accelerator to CPU memory, but this run already uses"
                 " the CPU accelerator. Drop cpu_offload (or the `_cpu_offload` strategy name) on CPU."
+            )
+        if self.sharding != "no_shard" and dims.fsdp == 1 and dims.world_size > 1:
+            rank_zero_warn(
+                f"sharding={self.sharding!r}, but data_parallel_replicate_size={dims.dp_replicate} leaves one rank per"
+                " sharding group: every parameter is replicated, nothing is sharded. Lower"
+                " data_parallel_replicate_size (it must divide the world size; shard size = world size / it), or use"
+                " sharding='no_shard' if replication is what you want."
             )
         raf = self.reshard_after_forward
         if isinstance(raf, int) and not isinstance(raf, bool) and (dims.fsdp % raf or raf >= dims.fsdp):

@@ -25,9 +25,10 @@ from lightning_dist.parallel.tensor_parallel import (
     TensorParallelPlan,
     TensorParallelPlanError,
     apply_tensor_parallel,
-    normalize_style,
+    build_style,
     resolve_plan,
 )
+from lightning_dist.parallel.validation import check_bool
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
 
 PlanSpec = dict[str, str | dict[str, Any]]
@@ -90,14 +91,17 @@ class TensorParallelStrategy(MeshParallelStrategy):
             timeout=timeout,
         )
         for key, spec in (plan or {}).items():
-            normalize_style(spec, key)  # a misspelt style fails at construction
+            try:  # a misspelt style or layout fails at construction, before any launch
+                build_style(spec, key)
+            except TensorParallelPlanError as err:
+                raise TensorParallelPlanError(str(err) if str(err).startswith("plan[") else f"plan[{key!r}]: {err}")
         self.tensor_parallel_size = tensor_parallel_size
         self.data_parallel_size = data_parallel_size
         self.plan = dict(plan) if plan else None
-        self.sequence_parallel = sequence_parallel
-        self.loss_parallel = loss_parallel
-        self.activation_checkpointing = activation_checkpointing
-        self.reshard_after_forward = reshard_after_forward
+        self.sequence_parallel = check_bool("sequence_parallel", sequence_parallel)
+        self.loss_parallel = check_bool("loss_parallel", loss_parallel)
+        self.activation_checkpointing = check_bool("activation_checkpointing", activation_checkpointing)
+        self.reshard_after_forward = check_bool("reshard_after_forward", reshard_after_forward)
         self._tp_plan: TensorParallelPlan | None = None
 
     @override

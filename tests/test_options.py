@@ -1,0 +1,57 @@
+"""Options are type-checked where they are given: a mistyped or contradictory option fails (or warns) at
+construction, from Python and from YAML, instead of silently meaning something else."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+from jsonargparse import ArgumentParser
+
+from lightning_dist import FSDP2Strategy, TensorParallelStrategy, ZeroPPStrategy
+from lightning_dist.parallel.tensor_parallel_plan import TensorParallelPlanError
+
+BOOL_OPTIONS = [
+    (FSDP2Strategy, "activation_checkpointing"),
+    (FSDP2Strategy, "cpu_offload"),
+    (TensorParallelStrategy, "sequence_parallel"),
+    (TensorParallelStrategy, "loss_parallel"),
+    (TensorParallelStrategy, "activation_checkpointing"),
+    (TensorParallelStrategy, "reshard_after_forward"),
+    (ZeroPPStrategy, "quantized_weights"),
+    (ZeroPPStrategy, "quantized_gradients"),
+    (ZeroPPStrategy, "activation_checkpointing"),
+]
+
+
+@pytest.mark.parametrize(("cls", "option"), BOOL_OPTIONS)
+@pytest.mark.parametrize("value", ["no", "False", 1, 0, None])
+def test_bool_options_refuse_anything_but_a_bool(cls, option, value):
+    with pytest.raises(TypeError, match=f"{option}={value!r} must be True or False"):
+        cls(**{option: value})
+
+
+@pytest.mark.parametrize(("cls", "option"), BOOL_OPTIONS)
+def test_bool_options_from_yaml(cls, option):
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(cls, "strategy")
+    parsed = parser.parse_string(f"strategy:\n  {option}: false\n")
+    assert getattr(parser.instantiate_classes(parsed).strategy, option) is False
+    with pytest.raises(Exception, match=f"strategy.{option}"):
+        parser.parse_string(f"strategy:\n  {option}: 1\n")
+
+
+def test_a_wrap_regex_that_does_not_compile_fails_at_construction():
+    with pytest.raises(ValueError, match=r"wrap_regex=.blocks.\(. is not a valid regular expression: missing \)"):
+        FSDP2Strategy(wrap_regex="blocks.(")
+    with pytest.raises(ValueError, match=r"wrap_regex='\['"):
+        ZeroPPStrategy(wrap_regex="[")
+
+
+def test_a_bad_plan_layout_fails_at_construction_naming_the_entry():
+    with pytest.raises(TensorParallelPlanError, match=r"plan\['blocks\.\*\.mlp\.up'\]: Unknown layout 'shard\(x\)'"):
+        TensorParallelStrategy(plan={"blocks.*.mlp.up": {"style": "colwise", "output_layouts": "shard(x)"}})
+
+
+def test_full_sharding_that_shards_nothing_warns_which_size_to_change():
+    with pytest.warns(UserWarning, match="data_parallel_replicate_size=2 leaves one rank per sharding group"):
+        L.Trainer(strategy=FSDP2Strategy(data_parallel_replicate_size=2), accelerator="cpu", devices=2, logger=False)

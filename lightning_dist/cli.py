@@ -16,9 +16,37 @@ import sys
 
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
+from typing_extensions import override
 
 import lightning_dist  # noqa: F401  (registers the strategy names)
 from lightning_dist.commands import TOOLS, run_tool
+from lightning_dist.plugins.precision import unsupported_precision_message
+from lightning_dist.strategies.base import MeshParallelStrategy
+
+
+class DistCLI(LightningCLI):
+    """LightningCLI that checks the Trainer's precision against a lightning_dist strategy before building anything.
+
+    Lightning builds a Transformer Engine plugin (and fails asking to install transformer_engine) before a strategy
+    sees the flag; here the user is told that the strategies do not support it at all.
+    """
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        trainer = (config or {}).get("trainer") or {}
+        precision, strategy = trainer.get("precision"), trainer.get("strategy")
+        if str(precision).startswith("transformer-engine") and _is_ours(strategy):
+            raise SystemExit(f"trainer.precision: {unsupported_precision_message(precision)}")
+
+
+def _is_ours(strategy: object) -> bool:
+    """Whether a ``trainer.strategy`` config value (name, class path entry or instance) is a lightning_dist one."""
+    if isinstance(strategy, str):
+        return strategy in StrategyRegistry and issubclass(StrategyRegistry[strategy]["strategy"], MeshParallelStrategy)
+    class_path = strategy.get("class_path", "") if hasattr(strategy, "get") else ""
+    return str(class_path).startswith("lightning_dist") or isinstance(strategy, MeshParallelStrategy)
 
 
 def main(args: list[str] | None = None) -> None:
@@ -29,12 +57,12 @@ def main(args: list[str] | None = None) -> None:
         return
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    LightningCLI(
+    DistCLI(
         LightningModule,
         LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
-        args=argv,
+        args=args,  # None: LightningCLI reads sys.argv itself (passing both makes it warn)
         parser_kwargs={"epilog": "tools: " + ", ".join(f"{name} ({doc})" for name, (_, doc) in TOOLS.items())},
         save_config_kwargs={"overwrite": True},
     )

@@ -8,7 +8,7 @@ import shutil
 import sys
 
 import pytest
-from launch import run_training_command
+from launch import REPO_ROOT, run_training_command
 
 pytestmark = pytest.mark.slow
 
@@ -49,3 +49,13 @@ def test_lightning_dist_console_script_with_a_strategy_name():
     assert script is not None, "the console script is installed by `pip install -e .`"
     out = _run([script, "fit", "--config", "configs/fsdp2.yaml", *SHORT_RUN])
     assert "fsdp2: mesh dp_shard=2 over 2 processes" in out
+    assert "LightningCLI's args parameter" not in out  # the CLI reads sys.argv itself: no warning about both
+
+
+def test_console_script_refuses_transformer_engine_before_building_the_trainer(capsys):
+    from lightning_dist import cli
+
+    with pytest.raises(
+        SystemExit, match="precision='transformer-engine' is not supported.*installing transformer_engine"
+    ):
+        cli.main(["fit", "--config", str(REPO_ROOT / "configs/fsdp2.yaml"), "--trainer.precision=transformer-engine"])

@@ -313,6 +313,9 @@ def test_plan_tool_prints_a_plan_that_parses_back(capsys):
     with pytest.raises(SystemExit):
         plan_command.main(["--model", "examples.gpt.GPT", "--tensor-parallel-size", "3"])
     assert "attention heads = 4 is not divisible by tensor_parallel_size=3" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plan_command.main(["--model", "examples.gpt.GPT", "--tensor-parallel-size", "0"])
+    assert "--tensor-parallel-size: '0' is not a positive int" in capsys.readouterr().err
 
 
 class QKNormAttention(nn.Module):  # Qwen3 style: RMSNorm over head_dim on the (head-sharded) queries and keys

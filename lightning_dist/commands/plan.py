@@ -23,6 +23,7 @@ import yaml
 
 from lightning_dist.parallel.tensor_parallel import resolve_plan
 from lightning_dist.parallel.tensor_parallel_plan import TensorParallelPlanError
+from lightning_dist.parallel.validation import check_positive_int
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -33,10 +34,19 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="class path of the model (LightningModule or nn.Module)")
     parser.add_argument("--init-args", default="{}", help="JSON object of the model's constructor arguments")
     parser.add_argument("--strategy", default="tensor_parallel", help="only tensor_parallel strategies have a plan")
-    parser.add_argument("--tensor-parallel-size", type=int, default=None, help="check the plan against this size")
+    parser.add_argument(
+        "--tensor-parallel-size", type=_positive_int, default=None, help="check the plan against this size"
+    )
     parser.add_argument("--sequence-parallel", action="store_true", default=None)
     parser.add_argument("--loss-parallel", action="store_true", default=None)
     return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        return check_positive_int("tensor_parallel_size", int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive int (the ranks a layer is split over)") from None
 
 
 def _import(class_path: str) -> Any:
@@ -81,6 +91,11 @@ def main(argv: list[str]) -> None:
         model, options.get("plan"), bool(options.get("sequence_parallel")), bool(options.get("loss_parallel"))
     )
     tp = options.get("tensor_parallel_size")
+    if tp is not None and tp != "auto":
+        try:
+            check_positive_int("tensor_parallel_size", tp)
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
     header = f"# tensor-parallel plan of {class_path}: {plan.summary()}"
     print(header)
     folded = {re.sub(r"\.\d+(?=\.|$)", ".*", name): attrs for name, attrs in plan.head_attributes.items()}

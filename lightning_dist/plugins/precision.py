@@ -140,10 +140,16 @@ class FSDP2Precision(Precision):
 
 
 def unsupported_precision_message(precision: object) -> str:
-    return (
+    message = (
         f"precision={precision!r} is not supported by lightning_dist strategies. Supported:"
         f" {', '.join(SUPPORTED_PRECISION)}."
     )
+    if str(precision).startswith("transformer-engine"):
+        message += (
+            " FP8 training through Transformer Engine is not implemented by lightning_dist: installing"
+            " transformer_engine does not change this. Use precision='bf16-mixed'."
+        )
+    return message
 
 
 def to_fsdp2_precision(plugin: Precision | None) -> FSDP2Precision | None:
@@ -160,6 +166,8 @@ def to_fsdp2_precision(plugin: Precision | None) -> FSDP2Precision | None:
         if flag in SUPPORTED_PRECISION:
             return FSDP2Precision(flag)  # type: ignore[arg-type]
         raise ValueError(unsupported_precision_message(flag))
+    if str(getattr(plugin, "precision", "")).startswith("transformer-engine"):
+        raise ValueError(unsupported_precision_message(plugin.precision))
     raise ValueError(
         f"The precision plugin {type(plugin).__name__} (precision={getattr(plugin, 'precision', '?')!r}) cannot be"
         f" used with lightning_dist strategies. Pass `precision=` with one of: {', '.join(SUPPORTED_PRECISION)},"

@@ -46,7 +46,21 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
-def build_plan(config: dict[str, Any], ws: int, available: list[str]) -> dict[str, Any]:
+def choose_device(accelerator: str, world_sizes: list[int]) -> str:
+    """``"cuda"`` or ``"cpu"``; refuses (before anything starts) a CUDA run with more ranks than visible GPUs."""
+    if accelerator not in ("auto", "cpu", "cuda"):
+        raise SystemExit(f"--accelerator {accelerator!r}: choose auto, cpu or cuda.")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = "cuda" if accelerator == "cuda" or (accelerator == "auto" and gpus > 0) else "cpu"
+    if device == "cuda" and max(world_sizes) > gpus:
+        raise SystemExit(
+            f"--world-sizes {','.join(map(str, world_sizes))}: a CUDA run needs one GPU per rank, and {gpus} GPU(s)"
+            f" are visible. Use --world-sizes up to {gpus}, or --accelerator cpu for the CPU (gloo) benchmark."
+        )
+    return device
+
+
+def build_plan(config: dict[str, Any], ws: int, available: list[str], device: str = "cpu") -> dict[str, Any]:
     """Every item one launch of world size ``ws`` runs: measurements first, then interleaved timing repeats."""
     items: list[dict[str, Any]] = [
         {"mode": "measure", "workload": name, "size": size, "warmup": 1, "steps": 1}
@@ -67,8 +81,9 @@ def build_plan(config: dict[str, Any], ws: int, available: list[str]) -> dict[st
                 }
                 for name in interleaved_order(timed, repeat)
             ]
-    layout = layout_for(ws)
+    layout = layout_for(ws, device)
     return {
+        "device": device,
         "layout": layout.to_dict(),
         "items": items,
         "batch_size": config["batch_size"],
@@ -90,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=4, help="samples per rank per step (default 4)")
     p.add_argument("--precision", default="32-true", help="Lightning precision flag (default 32-true)")
     p.add_argument("--threads", type=int, default=1, help="OMP/torch threads per rank (default 1)")
+    p.add_argument(
+        "--accelerator", default="auto", help="auto (CUDA when a GPU is visible), cpu or cuda (one GPU per rank)"
+    )
     p.add_argument(
         "--update-readme", action="store_true", help="also put the measured tables into README.md's Performance section"
     )
@@ -134,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"benchmarks: {name}: {info['reason']}")
     config["comparisons"] = [list(p) for p in TIME_COMPARISONS if all(n in workloads for n in p)]
     world_sizes = [int(x) for x in args.world_sizes.split(",")]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = choose_device(args.accelerator, world_sizes)
     device_name = torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
     out = Path(args.out)
     started = datetime.now(timezone.utc)
@@ -160,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             for s in config["sizes"]
         },
         "world_sizes": world_sizes,
-        "layouts": {str(ws): layout_for(ws).to_dict() for ws in world_sizes},
+        "layouts": {str(ws): layout_for(ws, device).to_dict() for ws in world_sizes},
         "workloads": workloads,
         "comparisons": config["comparisons"],
         "launch_errors": {},
@@ -168,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     t0 = time.monotonic()
     for ws in world_sizes:
-        plan = build_plan(config, ws, available)
+        plan = build_plan(config, ws, available, device)
         print(f"benchmarks: world size {ws}: {len(plan['items'])} runs ...", flush=True)
         t = time.monotonic()
         res, err = launch(plan, out / "work", timeout=120 + 60 * len(plan["items"]), threads=args.threads)

@@ -148,8 +148,9 @@ def _strategy(workload: Workload, layout: Layout) -> tuple[Any, type[GPT], str]:
     raise ValueError(f"unknown workload kind {workload.kind!r}")
 
 
-def _device() -> torch.device:
-    if torch.cuda.is_available():
+def _device(plan: dict[str, Any]) -> torch.device:
+    """The device the launcher chose for the run (``benchmarks.run.choose_device``): one GPU per rank, or the CPU."""
+    if plan.get("device", "cpu") == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
@@ -157,7 +158,7 @@ def _device() -> torch.device:
 def run_item(item: dict[str, Any], plan: dict[str, Any], layout: Layout) -> dict[str, Any]:
     workload = BY_NAME[item["workload"]]
     size = SIZES[item["size"]]
-    device = _device()
+    device = _device(plan)
     batch_size = plan["batch_size"]
     steps = item["warmup"] + item["steps"]
     topology = NodeTopology(layout.ranks_per_node) if layout.num_nodes > 1 else NodeTopology()
@@ -208,7 +209,7 @@ def main() -> None:
     plan = json.loads(Path(args.plan).read_text())
     layout = Layout(plan["layout"]["world_size"], plan["layout"]["num_nodes"])
     warnings.filterwarnings("ignore")
-    device = _device()
+    device = _device(plan)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=plan["timeout"]))

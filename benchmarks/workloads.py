@@ -32,9 +32,12 @@ class Layout:
         return {"world_size": self.world_size, "num_nodes": self.num_nodes, "ranks_per_node": self.ranks_per_node}
 
 
-def layout_for(world_size: int) -> Layout:
-    """World size 4 runs as 2 simulated nodes × 2 ranks (ZeRO++'s cross-node figures need more than one node);
-    smaller worlds are one node."""
+def layout_for(world_size: int, device: str = "cpu") -> Layout:
+    """On CPU, world size 4 runs as 2 simulated nodes × 2 ranks (ZeRO++'s cross-node figures need more than one
+    node); smaller worlds are one node. On CUDA every rank needs a GPU of its own (``cuda:LOCAL_RANK``), so the run is
+    one node: simulated nodes would put two ranks on one GPU."""
+    if device == "cuda":
+        return Layout(world_size, num_nodes=1)
     return Layout(world_size, num_nodes=2 if world_size >= 4 and world_size % 2 == 0 else 1)
 
 

@@ -10,6 +10,7 @@ import os
 import sys
 
 import lightning as L
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -22,13 +23,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategy", default="fsdp2", help="a registered strategy name, e.g. fsdp2, fsdp2_grad_op")
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--accelerator", default="auto")
+    parser.add_argument("--accelerator", default="auto", help="auto (GPUs when there are enough), cpu or gpu")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--max-steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=8, help="per data-parallel rank")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
+    if args.accelerator == "auto":
+        # One process per device: with fewer GPUs than --devices, train on the CPU rather than fail.
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        args.accelerator = "gpu" if gpus >= args.devices else "cpu"
     L.seed_everything(args.seed)
     data = TextDataModule(batch_size=args.batch_size)
     model = GPT(vocab_size=data.vocab_size, seq_len=data.seq_len)

@@ -34,6 +34,7 @@ from benchmarks.measure import (
 )
 from benchmarks.models import SIZES, ModelSize, gpt_parameter_count
 from benchmarks.report import analyze, plot, to_markdown, write_report
+from benchmarks.run import choose_device
 from benchmarks.workloads import BY_NAME, TIME_COMPARISONS, WORKLOADS, Workload, availability, layout_for
 from examples.gpt import GPT
 from lightning_dist.profiling import CommRecord
@@ -232,6 +233,15 @@ def test_workload_registry_and_availability() -> None:
     assert "not available in this build" in availability(missing)
     assert layout_for(4).num_nodes == 2 and layout_for(4).ranks_per_node == 2
     assert layout_for(2).num_nodes == 1 and layout_for(1).ranks_per_node == 1
+    assert layout_for(4, "cuda").num_nodes == 1  # on CUDA every rank needs its own GPU: no simulated nodes
+
+
+def test_a_cuda_benchmark_with_more_ranks_than_gpus_is_refused_up_front():
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(SystemExit, match=f"needs one GPU per rank, and {gpus} GPU\\(s\\) are visible"):
+        choose_device("cuda", [1, gpus + 1])
+    assert choose_device("cpu", [gpus + 4]) == "cpu"
+    assert choose_device("auto", [1]) == ("cuda" if gpus else "cpu")
 
 
 # ---------------------------------------------------------------------------------------------------------- report
@@ -360,7 +370,7 @@ def test_report_without_matplotlib(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
 @pytest.mark.slow
 def test_benchmark_smoke_run(tmp_path: Path) -> None:
     """The real suite on the tiny GPT over 2 ranks: bytes and state match the closed-form theory exactly."""
-    cmd = [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(tmp_path), "--world-sizes", "2",
+    cmd = [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(tmp_path), "--world-sizes", "2", "--accelerator", "cpu",
            "--sizes", "tiny", "--repeats", "1", "--warmup", "1", "--steps", "2", "--workloads", "fsdp2,mp_fsdp,raw_fsdp,ddp"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -31,7 +31,10 @@ def _run(cmd: list[str]) -> str:
 
 
 def test_registered_name_from_python():
-    out = _run([sys.executable, "examples/train.py", "--strategy", "fsdp2", "--devices", "2", "--max-steps", "4"])
+    out = _run(
+        [sys.executable, "examples/train.py", "--strategy", "fsdp2", "--devices", "2", "--accelerator", "cpu"]
+        + ["--max-steps", "4"]
+    )
     assert (
         "fsdp2: sharding='full': sharded 4 × Block + [tok_emb, pos_emb, ln_f, head] as one unit + root GPT over" in out
     )

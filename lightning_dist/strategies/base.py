@@ -9,6 +9,8 @@ parallelize the model on it (:meth:`parallelize`); pipeline and context parallel
 
 from __future__ import annotations
 
+import atexit
+import functools
 import inspect
 import warnings
 from collections.abc import Generator, Mapping
@@ -241,6 +243,7 @@ class MeshParallelStrategy(ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
+        _destroy_process_groups_at_exit()
         if self._mesh is None:  # fit → test on one Trainer reuses the mesh (and its process groups)
             self._mesh = dims.build_mesh(self.root_device.type)
             self.log_decision(f"mesh {dims} over {self.world_size} processes ({self._process_group_backend})")
@@ -607,3 +610,20 @@ class MeshParallelStrategy(ParallelStrategy):
     def log_decision(self, message: str) -> None:
         """One rank-zero INFO line per decision the strategy makes."""
         rank_zero_info(f"{self.log_name}: {message}")
+
+
+@functools.cache
+def _destroy_process_groups_at_exit() -> None:
+    """Destroy every process group when the interpreter exits (registered once per process).
+
+    Groups left alive at exit are torn down by C++ destructors while their worker threads may still be joinable,
+    which can abort an otherwise finished run ("terminate called without an active exception", a non-zero exit code
+    that schedulers read as a failed job). Teardown keeps them alive on purpose: ``fit`` then ``test`` on one Trainer
+    reuses the mesh. Background checkpoint writers are joined in ``teardown`` before this runs.
+    """
+
+    def destroy() -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    atexit.register(destroy)

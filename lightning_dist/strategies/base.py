@@ -56,6 +56,7 @@ from lightning_dist.checkpoint.layout import (
 )
 from lightning_dist.parallel.fsdp import reshard_all
 from lightning_dist.parallel.mesh import ParallelDims, ParallelMesh
+from lightning_dist.parallel.placement import place_model
 from lightning_dist.plugins.checkpoint_io import DistributedCheckpointIO, ParallelCheckpointIO
 from lightning_dist.plugins.precision import FSDP2Precision, to_fsdp2_precision
 from lightning_dist.strategies.data_position import (
@@ -271,7 +272,10 @@ class MeshParallelStrategy(ParallelStrategy):
             self.model = self.precision_plugin.convert_module(self.model)
             self.model = self.parallelize(self.model)
             object.__setattr__(self.model, _PARALLELIZED, self.parallel_settings())
-            _materialize_distributed_module(self.model, self.root_device)
+            # Meta-initialized (empty_init) state is created where it will live: the CPU under offload.
+            _materialize_distributed_module(
+                self.model, torch.device("cpu") if self.offloads_parameters else self.root_device
+            )
             self.model_to_device()
         # DTensor/FSDP2 parameters cannot be used under inference_mode (their version counters); Lightning only
         # falls back to no_grad for its own FSDP strategy and gloo, so say it for every backend.
@@ -282,8 +286,8 @@ class MeshParallelStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        if trainer.state.fn == TrainerFn.FITTING and not self.offloads_parameters:
+            _optimizers_to_device(self.optimizers, self.root_device)  # offloaded optimizer state stays on the CPU
 
     # ------------------------------------------------------------------ checks before launch
     def preflight(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
@@ -370,10 +374,15 @@ class MeshParallelStrategy(ParallelStrategy):
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
 
+    @property
+    def offloads_parameters(self) -> bool:
+        """Whether sharded parameters, gradients and optimizer state live in CPU memory (FSDP2 CPU offload)."""
+        return False
+
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        self.model.to(self.root_device)
+        place_model(self.model, self.root_device, self.offloads_parameters)
 
     @contextmanager
     @override

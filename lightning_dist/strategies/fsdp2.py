@@ -126,6 +126,11 @@ class FSDP2Strategy(MeshParallelStrategy):
                 " it (the size of the groups backward all-gathers stay in)."
             )
 
+    @property
+    @override
+    def offloads_parameters(self) -> bool:
+        return self.cpu_offload
+
     @override
     def check_model(self, model: Module) -> None:
         if not is_fully_sharded(model):

@@ -1,0 +1,37 @@
+"""Where a parallelized model's state lives: materializing meta tensors and moving state to the training device.
+
+Without offload everything goes to the training device. With FSDP2 CPU offload (``CPUOffloadPolicy``) the sharded
+parameters, their gradients and the optimizer state stay in (pinned) CPU memory and the optimizer step runs on the
+CPU; FSDP2 copies a unit's parameters to the device only for its forward and backward, and refuses to start if a
+sharded parameter is anywhere but the CPU. Buffers are not sharded or offloaded: they go to the device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_CPU = torch.device("cpu")
+
+
+def planned_devices(model: nn.Module, device: torch.device, offload_parameters: bool) -> dict[str, torch.device]:
+    """The device each parameter and buffer of ``model`` (by qualified name) must end up on."""
+    param_device = _CPU if offload_parameters else device
+    plan = {name: param_device for name, _ in model.named_parameters()}
+    plan.update({name: device for name, _ in model.named_buffers()})
+    return plan
+
+
+def place_model(model: nn.Module, device: torch.device, offload_parameters: bool) -> None:
+    """Move every parameter and buffer of a (materialized) model to its :func:`planned_devices` device.
+
+    Under offload only buffers move: FSDP2 has already put its sharded parameters in CPU memory, and moving them
+    with ``model.to(device)`` is what made it refuse to start.
+    """
+    if not offload_parameters:
+        model.to(device)
+        return
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)

@@ -55,6 +55,7 @@ from lightning_dist.checkpoint.layout import (
     without_states,
 )
 from lightning_dist.parallel.fsdp import reshard_all
+from lightning_dist.parallel.gradient_sync import AccumulationSync, deferred_gradient_sync
 from lightning_dist.parallel.mesh import ParallelDims, ParallelMesh
 from lightning_dist.parallel.placement import place_model
 from lightning_dist.plugins.checkpoint_io import DistributedCheckpointIO, ParallelCheckpointIO
@@ -434,6 +435,19 @@ class MeshParallelStrategy(ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
             return self._forward_redirection(self.model, self.lightning_module, "predict_step", *args, **kwargs)
+
+    @property
+    def accumulation_sync_mode(self) -> AccumulationSync:
+        """When gradients are communicated during gradient accumulation (see :mod:`.parallel.gradient_sync`)."""
+        return "every"
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        # Lightning enters this around every micro-batch but the last of an accumulation window.
+        assert self.model is not None
+        with deferred_gradient_sync(self.model, self.accumulation_sync_mode):
+            yield
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

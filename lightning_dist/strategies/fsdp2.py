@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from lightning_dist.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_dist.parallel.fsdp import SHARDING_MODES, FSDPConfig, ShardingMode, apply_fsdp, is_fully_sharded
+from lightning_dist.parallel.gradient_sync import ACCUMULATION_SYNC_MODES, AccumulationSync
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
 from lightning_dist.parallel.module_selection import resolve_module_classes, select_modules, summarize
 from lightning_dist.parallel.validation import check_bool, check_regex
@@ -45,6 +46,10 @@ class FSDP2Strategy(MeshParallelStrategy):
             addition to ``wrap_modules``.
         activation_checkpointing: Recompute the units' activations in backward (same unit selection).
         cpu_offload: Keep sharded parameters, gradients and optimizer state in CPU memory.
+        accumulation_sync: With ``accumulate_grad_batches=k``: ``"every"`` reduces gradients after each micro-batch
+            (sharded gradient memory, k reduce-scatters per step); ``"last"`` only after the last (1/k of the bytes,
+            full unsharded gradients held in between, as in DDP); ``"replicas_last"`` (``"hybrid"`` only)
+            reduce-scatters every micro-batch but all-reduces across replica groups only after the last.
     """
 
     log_name = "fsdp2"
@@ -59,6 +64,7 @@ class FSDP2Strategy(MeshParallelStrategy):
         wrap_regex: str | None = None,
         activation_checkpointing: bool = False,
         cpu_offload: bool = False,
+        accumulation_sync: AccumulationSync = "every",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -95,6 +101,9 @@ class FSDP2Strategy(MeshParallelStrategy):
         self.wrap_regex = check_regex("wrap_regex", wrap_regex)
         self.activation_checkpointing = check_bool("activation_checkpointing", activation_checkpointing)
         self.cpu_offload = check_bool("cpu_offload", cpu_offload)
+        if accumulation_sync not in ACCUMULATION_SYNC_MODES:
+            raise ValueError(f"accumulation_sync={accumulation_sync!r} is not one of {list(ACCUMULATION_SYNC_MODES)}.")
+        self.accumulation_sync = accumulation_sync
 
     @override
     def mesh_sizes(self) -> dict[str, MeshSize]:
@@ -119,12 +128,22 @@ class FSDP2Strategy(MeshParallelStrategy):
                 " data_parallel_replicate_size (it must divide the world size; shard size = world size / it), or use"
                 " sharding='no_shard' if replication is what you want."
             )
+        if self.accumulation_sync == "replicas_last" and dims.dp_replicate == 1:
+            raise MeshConfigError(
+                "accumulation_sync='replicas_last' defers the all-reduce across replica groups, but this mesh has none"
+                f" ({dims}). Use sharding='hybrid' (HSDP), or accumulation_sync='last' or 'every'."
+            )
         raf = self.reshard_after_forward
         if isinstance(raf, int) and not isinstance(raf, bool) and (dims.fsdp % raf or raf >= dims.fsdp):
             raise MeshConfigError(
                 f"reshard_after_forward={raf} must be a divisor of the sharding group size {dims.fsdp} smaller than"
                 " it (the size of the groups backward all-gathers stay in)."
             )
+
+    @property
+    @override
+    def accumulation_sync_mode(self) -> AccumulationSync:
+        return self.accumulation_sync
 
     @property
     @override

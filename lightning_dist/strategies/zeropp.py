@@ -17,6 +17,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_dist.parallel.fsdp import FSDPConfig, fsdp_modules
+from lightning_dist.parallel.gradient_sync import AccumulationSync
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
 from lightning_dist.parallel.quantization import check_bits, check_block_size
 from lightning_dist.parallel.validation import check_bool, check_positive_int
@@ -67,6 +68,8 @@ class ZeroPPStrategy(FSDP2Strategy):
         wrap_regex: As for :class:`~lightning_dist.FSDP2Strategy`.
         activation_checkpointing: As for :class:`~lightning_dist.FSDP2Strategy`.
         cpu_offload: As for :class:`~lightning_dist.FSDP2Strategy`; cannot be combined with hpZ.
+        accumulation_sync: As for :class:`~lightning_dist.FSDP2Strategy` (``"last"`` skips the quantized
+            reduce-scatter on all but the last micro-batch).
     """
 
     log_name = "zeropp"
@@ -85,6 +88,7 @@ class ZeroPPStrategy(FSDP2Strategy):
         wrap_regex: str | None = None,
         activation_checkpointing: bool = False,
         cpu_offload: bool = False,
+        accumulation_sync: AccumulationSync = "every",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -99,6 +103,7 @@ class ZeroPPStrategy(FSDP2Strategy):
             wrap_regex=wrap_regex,
             activation_checkpointing=activation_checkpointing,
             cpu_offload=cpu_offload,
+            accumulation_sync=accumulation_sync,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,

@@ -8,6 +8,7 @@ Importing the package registers its strategy names with ``lightning.pytorch``'s 
     trainer = L.Trainer(strategy="fsdp2", devices=4)
 """
 
+from lightning_dist.compat import warn_if_untested_torch
 from lightning_dist.plugins import (
     AsyncDistributedCheckpointIO,
     CheckpointError,
@@ -36,3 +37,4 @@ __all__ = [
 ]
 
 register_strategies()
+warn_if_untested_torch()

@@ -8,9 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from lightning_dist.checkpoint.layout import (
     METADATA_FILENAME,
@@ -22,6 +19,7 @@ from lightning_dist.checkpoint.layout import (
     validate_checkpoint,
 )
 from lightning_dist.checkpoint.optimizer_format import is_name_keyed, names_to_positions
+from lightning_dist.compat import load_dcp_without_process_group
 
 #: Keys a weights-only export keeps: enough for ``LightningModule.load_from_checkpoint``.
 WEIGHTS_ONLY_KEYS = ("state_dict", "hyper_parameters", "hparams_name", "pytorch-lightning_version", "lightning_dist")
@@ -34,11 +32,8 @@ def load_full_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if not is_sharded_checkpoint(path):
         return torch.load(path, map_location="cpu", weights_only=False)
     checkpoint = torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=False)
-    sharded: dict[str, Any] = {}
     try:
-        _load_state_dict(
-            sharded, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True
-        )
+        sharded = load_dcp_without_process_group(path)
     except Exception as err:
         raise CheckpointError(f"Could not read the shards of {str(path)!r}: {err}") from err
     checkpoint["state_dict"] = sharded.pop("state_dict")

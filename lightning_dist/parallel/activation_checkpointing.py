@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from torch import nn
-from torch.distributed._composable import checkpoint
+
+from lightning_dist.compat import composable_checkpoint
 
 
 def apply_activation_checkpointing(blocks: Iterable[nn.Module]) -> int:
@@ -16,6 +17,6 @@ def apply_activation_checkpointing(blocks: Iterable[nn.Module]) -> int:
     """
     count = 0
     for block in blocks:
-        checkpoint(block)
+        composable_checkpoint(block)
         count += 1
     return count

@@ -11,6 +11,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from lightning_dist.compat import fully_shard_module
+
 ShardingMode = Literal["full", "grad_op", "no_shard", "hybrid"]
 SHARDING_MODES: tuple[str, ...] = ("full", "grad_op", "no_shard", "hybrid")
 
@@ -90,8 +92,7 @@ def _one_post_forward_mesh_per_size() -> Iterator[None]:
     ``reshard_after_forward`` (pytorch/pytorch#153302); on NCCL every one of them holds communicator memory, once per
     transformer block. The groups are identical, so they are created once and reused while sharding.
     """
-    from torch.distributed.fsdp._fully_shard import _fully_shard as impl
-
+    impl = fully_shard_module()
     original = getattr(impl, "_get_post_forward_mesh_info", None)
     if original is None:  # another torch layout: nothing to share
         yield

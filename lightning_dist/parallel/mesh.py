@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+from lightning_dist.compat import flatten_mesh, unflatten_mesh
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -106,14 +108,15 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         world = init_device_mesh(device_type, tuple(self.as_dict().values()), mesh_dim_names=MESH_AXES)
-        derived = {name: world[axes]._flatten(name) for name, axes in DERIVED_GROUPS.items()}
+        derived = {name: flatten_mesh(world[axes], name) for name, axes in DERIVED_GROUPS.items()}
         # FSDP's mesh: 1-D over the fsdp group, or for HSDP 2-D (replicate, shard), cut from the flattened loss group
         # rather than sliced from the root (slicing flattened dims out of the root is deprecated in torch 2.13). A 2-D
         # mesh with replicate=1 would make FSDP2 run its replica all-reduce over one-rank groups every step.
         if self.dp_replicate == 1:
             data_parallel = derived["fsdp"]
         else:
-            data_parallel = derived["loss"]._unflatten(0, (self.dp_replicate, self.fsdp), ("dp_replicate", "fsdp"))
+            sizes, names = (self.dp_replicate, self.fsdp), ("dp_replicate", "fsdp")
+            data_parallel = unflatten_mesh(derived["loss"], 0, sizes, names)
         return ParallelMesh(self, world, derived, data_parallel)
 
 

@@ -28,7 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from lightning_dist.compat import fsdp_collective_protocols
+
+AllGather, ReduceScatter = fsdp_collective_protocols()
 
 from lightning_dist.parallel.quantization import check_bits, check_block_size, pack, packed_nbytes, unpack
 

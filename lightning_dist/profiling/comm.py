@@ -84,8 +84,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from typing_extensions import Self
+
+from lightning_dist.compat import (
+    TorchDispatchMode,
+    current_dispatch_mode,
+    load_functional_collectives,
+    resolve_process_group,
+)
 
 __all__ = [
     "BYTE_FIELDS",
@@ -378,7 +384,7 @@ def _handler_table() -> dict[Any, tuple[str, _Handler]]:
     """Map ``OpOverloadPacket`` -> (api, handler); built lazily because the op namespaces load with distributed."""
     global _HANDLER_TABLE
     if _HANDLER_TABLE is None:
-        import torch.distributed._functional_collectives
+        load_functional_collectives()
 
         table: dict[Any, tuple[str, _Handler]] = {}
         for namespace, api, handlers in (
@@ -417,11 +423,9 @@ class _Group:
 
 def _resolve_group(bound: Mapping[str, Any]) -> _Group:
     """Find the process group of a c10d op (``process_group``) or functional op (``group_name``)."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     group = bound.get("process_group", bound.get("group_name"))
     if isinstance(group, str):
-        group = _resolve_process_group(group)
+        group = resolve_process_group(group)
     elif isinstance(group, torch.ScriptObject):
         group = dist.ProcessGroup.unbox(group)
     try:
@@ -512,7 +516,7 @@ class CommCounter:
         mode = self._mode
         if mode is None:
             raise RuntimeError("CommCounter.__exit__ called without a matching __enter__.")
-        if _get_current_dispatch_mode() is not mode:
+        if current_dispatch_mode() is not mode:
             raise RuntimeError(
                 "CommCounter exited out of order: another dispatch mode (or counter) entered inside it is still "
                 "active. Exit nested counters/modes first."

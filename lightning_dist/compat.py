@@ -1,0 +1,106 @@
+"""Every private torch API lightning_dist relies on, in one place, with the torch versions it was tested against.
+
+Public torch APIs are used directly everywhere else. What is here may change in any torch release: when a new one
+breaks something, this file is where it gets fixed, and :data:`TESTED_TORCH` is where the new version is added once
+the suite passes on it. Importing the package warns once on a torch newer than the newest tested one.
+"""
+
+from __future__ import annotations
+
+import warnings
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode  # base of profiling's CommCounter
+
+# Minor versions of torch the whole suite has passed on (CPU/gloo; CUDA where stated in the README).
+TESTED_TORCH: tuple[tuple[int, int], ...] = ((2, 13), (2, 14))
+
+
+def torch_minor_version(version: str = torch.__version__) -> tuple[int, int]:
+    """``"2.14.1+cu130"`` → ``(2, 14)``."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def untested_torch_message(version: str = torch.__version__) -> str | None:
+    """A warning text when ``version`` is newer than every tested torch, else ``None``."""
+    if torch_minor_version(version) <= max(TESTED_TORCH):
+        return None
+    newest = ".".join(map(str, max(TESTED_TORCH)))
+    return (
+        f"lightning_dist was tested with torch up to {newest}; torch {version} may have changed the private APIs it"
+        " uses (all listed in lightning_dist/compat.py). Please report anything that breaks."
+    )
+
+
+def warn_if_untested_torch() -> None:
+    if (message := untested_torch_message()) is not None:
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+# ---------------------------------------------------------------------------------------------------- DeviceMesh
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """One 1-D mesh over all dims of ``mesh`` (``DeviceMesh._flatten``)."""
+    return mesh._flatten(name)
+
+
+def unflatten_mesh(mesh: Any, dim: int, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """Split dim ``dim`` of ``mesh`` into named dims of ``sizes`` (``DeviceMesh._unflatten``)."""
+    return mesh._unflatten(dim, sizes, names)
+
+
+# ---------------------------------------------------------------------------------------------------- FSDP2
+def fsdp_collective_protocols() -> tuple[type, type]:
+    """The ``AllGather`` and ``ReduceScatter`` protocols of FSDP2's custom collectives."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    return AllGather, ReduceScatter
+
+
+def fully_shard_module() -> ModuleType:
+    """The module implementing ``fully_shard`` (holds ``_get_post_forward_mesh_info``)."""
+    from torch.distributed.fsdp._fully_shard import _fully_shard
+
+    return _fully_shard
+
+
+# ---------------------------------------------------------------------------------------------------- activation checkpointing
+def composable_checkpoint(module: torch.nn.Module) -> torch.nn.Module:
+    """Hook-based activation checkpointing that keeps parameter names (``torch.distributed._composable``)."""
+    from torch.distributed._composable import checkpoint
+
+    return checkpoint(module)
+
+
+# ---------------------------------------------------------------------------------------------------- DCP
+def load_dcp_without_process_group(path: Any) -> dict[str, Any]:
+    """Every tensor of a DCP checkpoint folder, in full, in this process (no process group needed)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return state
+
+
+# ---------------------------------------------------------------------------------------------------- c10d and dispatch
+def resolve_process_group(name: str) -> Any:
+    """The ``ProcessGroup`` a functional collective names by string."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def current_dispatch_mode() -> Any:
+    """The innermost active ``TorchDispatchMode`` (or ``None``)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode()
+
+
+def load_functional_collectives() -> None:
+    """Import the module that registers ``torch.ops._c10d_functional`` (DTensor's collectives)."""
+    import torch.distributed._functional_collectives  # noqa: F401

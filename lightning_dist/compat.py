@@ -12,7 +12,24 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode  # base of profiling's CommCounter
+from torch.utils._python_dispatch import TorchDispatchMode  # base of profiling's CommCounter
+
+__all__ = [
+    "TESTED_TORCH",
+    "TorchDispatchMode",
+    "composable_checkpoint",
+    "current_dispatch_mode",
+    "flatten_mesh",
+    "fsdp_collective_protocols",
+    "fully_shard_module",
+    "load_dcp_without_process_group",
+    "load_functional_collectives",
+    "resolve_process_group",
+    "torch_minor_version",
+    "unflatten_mesh",
+    "untested_torch_message",
+    "warn_if_untested_torch",
+]
 
 # Minor versions of torch the whole suite has passed on (CPU/gloo; CUDA where stated in the README).
 TESTED_TORCH: tuple[tuple[int, int], ...] = ((2, 13), (2, 14))

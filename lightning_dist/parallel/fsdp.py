@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -74,6 +76,7 @@ def apply_fsdp(
             mp_policy=config.mp_policy,
             offload_policy=config.offload_policy,
         )
+        _ignore_view_output_warning(outside)
     fully_shard(
         model,
         mesh=mesh,
@@ -112,6 +115,20 @@ def _one_post_forward_mesh_per_size() -> Iterator[None]:
         yield
     finally:
         impl._get_post_forward_mesh_info = original
+
+
+def _ignore_view_output_warning(unit: list[nn.Module]) -> None:
+    """Silence FSDP2's "returned a view tensor" warning for the unit of modules outside the blocks, only.
+
+    ``nn.Linear`` on a 3-D input returns a view, so this unit (embeddings, norms, head) triggers the warning on every
+    forward, in every process (e.g. for ``nn.Transformer`` models). It warns that an in-place op on the view would
+    drop the pre-backward all-gather; this unit is never resharded between forward and backward
+    (``reshard_after_forward=False``), so there is nothing to re-gather. Other units keep the warning.
+    """
+    classes = ", ".join(type(m).__name__ for m in unit)
+    warnings.filterwarnings(
+        "ignore", message=re.escape(f"FSDP2-wrapped module ({classes}) returned a view tensor"), category=UserWarning
+    )
 
 
 def modules_outside(model: nn.Module, units: Iterable[nn.Module]) -> list[nn.Module]:

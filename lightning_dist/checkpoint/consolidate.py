@@ -3,6 +3,7 @@ out as one file (``torch.save`` or safetensors) for export."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -12,15 +13,20 @@ import torch
 from lightning_dist.checkpoint.layout import (
     METADATA_FILENAME,
     CheckpointError,
+    check_replaceable,
+    foreign_content,
     is_sharded_checkpoint,
     new_token,
     publish,
     temporary_path,
     validate_checkpoint,
+    with_provenance,
 )
 from lightning_dist.checkpoint.optimizer_format import is_name_keyed, names_to_positions
 from lightning_dist.compat import load_dcp_without_process_group
 
+#: Key of the safetensors header metadata that marks our exports (so a later export may replace them).
+SAFETENSORS_MARKER = "lightning_dist"
 #: Keys a weights-only export keeps: enough for ``LightningModule.load_from_checkpoint``.
 WEIGHTS_ONLY_KEYS = ("state_dict", "hyper_parameters", "hparams_name", "pytorch-lightning_version", "lightning_dist")
 
@@ -30,7 +36,11 @@ def load_full_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     position-keyed ``optimizer_states``), whether it is a sharded folder or a single file. Needs no process group."""
     path = validate_checkpoint(path)
     if not is_sharded_checkpoint(path):
-        return torch.load(path, map_location="cpu", weights_only=False)
+        try:
+            content = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as err:
+            raise CheckpointError(f"{str(path)!r} cannot be read as a torch checkpoint: {err}") from err
+        return _as_lightning_checkpoint(content, path)
     checkpoint = torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=False)
     try:
         sharded = load_dcp_without_process_group(path)
@@ -39,6 +49,18 @@ def load_full_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     checkpoint["state_dict"] = sharded.pop("state_dict")
     optimizers = sorted((k for k in sharded if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     checkpoint["optimizer_states"] = [_position_keyed(sharded[k]) for k in optimizers]
+    return _as_lightning_checkpoint(checkpoint, path)
+
+
+def _as_lightning_checkpoint(checkpoint: Any, path: Path) -> dict[str, Any]:
+    """``checkpoint`` if it is a Lightning checkpoint dict (a ``state_dict`` of tensors), else a clear error."""
+    state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            f"{str(path)!r} is not a Lightning checkpoint: it holds a {type(checkpoint).__name__}"
+            + (f" with the keys {sorted(map(str, checkpoint))[:8]}" if isinstance(checkpoint, dict) else "")
+            + ", but no 'state_dict' of model weights."
+        )
     return checkpoint
 
 
@@ -48,11 +70,13 @@ def weights_only(checkpoint: dict[str, Any]) -> dict[str, Any]:
 
 
 def save_torch(checkpoint: dict[str, Any], out: str | os.PathLike) -> Path:
-    """``torch.save`` ``checkpoint`` to ``out`` atomically (temporary file, then rename)."""
+    """``torch.save`` ``checkpoint`` to ``out`` atomically (temporary file, then rename). ``out`` may replace only an
+    earlier export or checkpoint of ours (:func:`~lightning_dist.checkpoint.layout.check_replaceable`)."""
     out = Path(out)
+    check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_path(out, new_token())
-    torch.save(checkpoint, tmp)
+    torch.save(with_provenance(checkpoint), tmp)
     publish(tmp, out)
     return out
 
@@ -67,12 +91,33 @@ def save_safetensors(checkpoint: dict[str, Any], out: str | os.PathLike) -> Path
         ) from err
     tensors = {k: v.detach().contiguous().clone() for k, v in checkpoint["state_dict"].items() if torch.is_tensor(v)}
     metadata = {k: str(checkpoint[k]) for k in ("epoch", "global_step", "pytorch-lightning_version") if k in checkpoint}
+    metadata[SAFETENSORS_MARKER] = "consolidated"
     out = Path(out)
+    if (out.exists() or out.is_symlink()) and not is_own_safetensors(out):
+        raise CheckpointError(
+            f"Refusing to write {str(out)!r}: {foreign_content(out) or 'it is not a lightning_dist export'}."
+            " Exports replace only an earlier safetensors export of lightning_dist. Choose another path."
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_path(out, new_token())
     save_file(tensors, str(tmp), metadata=metadata)
     publish(tmp, out)
     return out
+
+
+def is_own_safetensors(path: Path) -> bool:
+    """Whether ``path`` is a safetensors file this module wrote (its header metadata carries our marker)."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        with path.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size < 100 * 2**20:
+                return False
+            header = json.loads(f.read(size))
+    except (OSError, ValueError):
+        return False
+    return isinstance(header, dict) and (header.get("__metadata__") or {}).get(SAFETENSORS_MARKER) == "consolidated"
 
 
 def _position_keyed(optimizer_state: dict[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,17 @@ Two formats:
 
 Both are written under a hidden temporary name beside the target (``.step=3.ckpt.tmp-<token>``) and renamed into
 place, so a save that dies midway leaves the previous checkpoint at that path untouched.
+
+A save replaces only what is provably one of our own complete checkpoints (:func:`check_replaceable`): a folder
+with the ``COMPLETE`` marker whose ``meta.pt`` carries our ``lightning_dist`` entry, or a single file whose
+checkpoint dict carries it. Anything else at the target (a user's folder or file, a checkpoint of another tool, a
+link) makes the save fail before anything is written.
+
+Lightning's own ``ModelParallelStrategy`` (and ``FSDPStrategy`` with sharded state) writes the same folder layout
+without the ``COMPLETE`` marker: the DCP shards and their ``.metadata`` index first, ``meta.pt`` last. It writes in
+place, so such a folder is complete when both ``.metadata`` and ``meta.pt`` are there. Ours are never unfinished at
+their final name (they are renamed into place) and their ``meta.pt`` carries our entry, so a folder with both files,
+no marker and a ``meta.pt`` without our entry is taken to be Lightning's.
 """
 
 from __future__ import annotations
@@ -29,6 +40,9 @@ import torch
 
 METADATA_FILENAME = "meta.pt"
 COMPLETE_MARKER = "COMPLETE"
+#: The entry of every checkpoint we write (strategy, world size, mesh, data position...): how a save recognises a
+#: checkpoint of ours it may replace.
+PROVENANCE_KEY = "lightning_dist"
 DCP_INDEX = ".metadata"
 _TMP_INFIX = ".tmp-"
 _OLD_INFIX = ".old-"
@@ -52,6 +66,8 @@ def validate_checkpoint(path: str | os.PathLike) -> Path:
         if recovered is None:
             raise CheckpointError(f"Checkpoint not found: {str(path)!r} does not exist.")
     if path.is_dir():
+        if is_lightning_sharded_checkpoint(path):
+            return path
         if not (path / COMPLETE_MARKER).is_file() or not (path / METADATA_FILENAME).is_file():
             raise CheckpointError(
                 f"{str(path)!r} is not a complete checkpoint (no {COMPLETE_MARKER!r} marker or {METADATA_FILENAME!r}):"
@@ -62,6 +78,73 @@ def validate_checkpoint(path: str | os.PathLike) -> Path:
     elif path.stat().st_size == 0:
         raise CheckpointError(f"{str(path)!r} is an empty file; the checkpoint is corrupt.")
     return path
+
+
+def is_lightning_sharded_checkpoint(path: Path) -> bool:
+    """A complete sharded checkpoint written by Lightning's ``ModelParallelStrategy`` or ``FSDPStrategy`` (no
+    ``COMPLETE`` marker; ``meta.pt``, without our provenance entry, is written after the DCP index)."""
+    return (
+        path.is_dir()
+        and not (path / COMPLETE_MARKER).exists()
+        and (path / DCP_INDEX).is_file()
+        and (path / METADATA_FILENAME).is_file()
+        and not _is_ours(path / METADATA_FILENAME)
+    )
+
+
+def check_replaceable(path: str | os.PathLike) -> None:
+    """Raise :class:`CheckpointError`, before anything is written, unless ``path`` is free or holds one of our own
+    complete checkpoints (a re-save of the same name, such as ``last.ckpt``)."""
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        return
+    problem = foreign_content(path)
+    if problem is not None:
+        raise CheckpointError(
+            f"Refusing to write a checkpoint to {str(path)!r}: {problem}. A save replaces only a complete"
+            " lightning_dist checkpoint of the same name. Choose another path, or move what is there away yourself."
+        )
+
+
+def foreign_content(path: Path) -> str | None:
+    """``None`` if ``path`` holds one of our own complete checkpoints, else what is there (for messages)."""
+    if path.is_symlink():
+        return f"it is a symbolic link (to {os.readlink(path)!r})"
+    if path.is_dir():
+        if is_lightning_sharded_checkpoint(path):
+            return "it is a sharded checkpoint written by another tool (Lightning's ModelParallelStrategy?)"
+        if (path / COMPLETE_MARKER).is_file() and _is_ours(path / METADATA_FILENAME):
+            return None
+        entries = sorted(p.name for p in path.iterdir())
+        if not entries:
+            return "it is an empty directory"
+        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        return f"it is a directory that is not a lightning_dist checkpoint ({len(entries)} entries: {shown})"
+    if path.is_file():
+        return None if _is_ours(path) else f"it is a file that is not a lightning_dist checkpoint ({_size(path)})"
+    return "it is neither a file nor a directory"
+
+
+def _is_ours(file: Path) -> bool:
+    """Whether ``file`` is a ``torch.save`` dict carrying our provenance entry (tensors are not read: mmap)."""
+    try:
+        content = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
+    except Exception:  # noqa: BLE001 (any unreadable file is simply not ours)
+        return False
+    return isinstance(content, dict) and isinstance(content.get(PROVENANCE_KEY), dict)
+
+
+def _size(path: Path) -> str:
+    size = path.stat().st_size
+    return f"{size} bytes" if size < 1024 else f"{size / 1024:.1f} KiB" if size < 2**20 else f"{size / 2**20:.1f} MiB"
+
+
+def with_provenance(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint`` with our provenance entry (the strategy fills it in; an IO plugin used directly adds an empty
+    one), so a later save recognises the result as ours."""
+    if not isinstance(checkpoint.get(PROVENANCE_KEY), dict):
+        checkpoint = {**checkpoint, PROVENANCE_KEY: {}}
+    return checkpoint
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
@@ -116,12 +199,24 @@ def publish(tmp: Path, path: Path) -> None:
 
 def remove(path: Path) -> None:
     """Delete a checkpoint file or folder. A folder first loses its completion marker, so a deletion that fails
-    halfway never leaves something that loads as a checkpoint."""
+    halfway never leaves something that loads as a checkpoint. Callers make sure ``path`` is ours
+    (:func:`remove_own_checkpoint`) or one of our temporaries."""
     if path.is_dir() and not path.is_symlink():
         (path / COMPLETE_MARKER).unlink(missing_ok=True)
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
         path.unlink()
+
+
+def remove_own_checkpoint(path: Path) -> bool:
+    """Delete ``path`` if it is one of our own complete checkpoints; leave anything else alone. Returns whether it
+    was deleted (a missing path counts as deleted)."""
+    if not path.exists() and not path.is_symlink():
+        return True
+    if foreign_content(path) is not None:
+        return False
+    remove(path)
+    return True
 
 
 def _recover_interrupted_publish(path: Path) -> Path | None:

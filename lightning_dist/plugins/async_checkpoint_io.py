@@ -21,6 +21,7 @@ from lightning_dist.plugins.checkpoint_io import (
     DistributedCheckpointIO,
     finish_folder,
     rank,
+    remove_checkpoint_if_ours,
     split_sharded,
     start_folder,
 )
@@ -94,7 +95,7 @@ class AsyncDistributedCheckpointIO(DistributedCheckpointIO):
         if self._pending is not None:
             self._removals.append(Path(path))
         else:
-            remove(Path(path))
+            remove_checkpoint_if_ours(Path(path))
 
     @override
     def wait(self) -> None:
@@ -134,7 +135,7 @@ class AsyncDistributedCheckpointIO(DistributedCheckpointIO):
         if failed:
             self._raise_on_every_rank(error)
         for path in removals:
-            remove(path)
+            remove_checkpoint_if_ours(path)
 
     def _any_error(self, error: str | None) -> bool:
         """Whether any rank has an error (collective over the status group)."""

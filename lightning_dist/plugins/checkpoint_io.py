@@ -16,19 +16,23 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_dist.checkpoint.layout import (
     COMPLETE_MARKER,
     METADATA_FILENAME,
     CheckpointError,
+    check_replaceable,
+    foreign_content,
     new_token,
     publish,
     read_metadata,
-    remove,
+    remove_own_checkpoint,
     remove_stale_temporaries,
     temporary_path,
     validate_checkpoint,
+    with_provenance,
 )
 
 __all__ = ["CheckpointError", "DistributedCheckpointIO", "ParallelCheckpointIO"]
@@ -55,7 +59,7 @@ class ParallelCheckpointIO(CheckpointIO):
 
     @override
     def remove_checkpoint(self, path: _PATH) -> None:
-        remove(Path(path))
+        remove_checkpoint_if_ours(Path(path))
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is on disk; raise if it failed. Collective."""
@@ -86,7 +90,7 @@ class DistributedCheckpointIO(ParallelCheckpointIO):
 
 def split_sharded(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split Lightning's checkpoint dict into DCP's sharded part and the metadata that goes to ``meta.pt``."""
-    meta = dict(checkpoint)
+    meta = dict(with_provenance(checkpoint))
     sharded = {"state_dict": meta.pop("state_dict")}
     for idx, optim_state in enumerate(meta.pop("optimizer_states", [])):
         sharded[f"optimizer_{idx}"] = optim_state
@@ -98,6 +102,7 @@ def start_folder(path: Path) -> Path:
     tmp = temporary_path(path, shared_token())
 
     def create() -> None:
+        check_replaceable(path)
         remove_stale_temporaries(path)
         tmp.mkdir(parents=True, exist_ok=False)
 
@@ -115,18 +120,33 @@ def finish_folder(tmp: Path, path: Path, meta: dict[str, Any] | bytes) -> None:
     publish(tmp, path)
 
 
+def remove_checkpoint_if_ours(path: Path) -> None:
+    """ModelCheckpoint dropping an older top-k or ``last``: delete it only if it is one of our own checkpoints."""
+    if not remove_own_checkpoint(path):
+        rank_zero_warn(
+            f"Not deleting {str(path)!r} (ModelCheckpoint asked to, replacing it): {foreign_content(path)}, and"
+            " lightning_dist deletes only its own checkpoints."
+        )
+
+
 def on_rank_zero_then_check(fn: Callable[[], None], what: str) -> None:
-    """Run ``fn`` on rank 0 and raise on *every* rank if it failed, so no rank waits forever for rank 0."""
+    """Run ``fn`` on rank 0 and raise on *every* rank if it failed, so no rank waits forever for rank 0.
+
+    A :class:`CheckpointError` (a refusal that explains itself) is raised with its own message; anything else says
+    what rank 0 was doing.
+    """
     error: list[str | None] = [None]
     if rank() == 0:
         try:
             fn()
+        except CheckpointError as err:
+            error[0] = str(err)
         except Exception as err:  # noqa: BLE001 (re-raised on every rank below)
-            error[0] = f"{type(err).__name__}: {err}"
+            error[0] = f"Rank 0 could not {what}: {type(err).__name__}: {err}"
     if dist.is_initialized():
         dist.broadcast_object_list(error, src=0)
     if error[0] is not None:
-        raise CheckpointError(f"Rank 0 could not {what}: {error[0]}")
+        raise CheckpointError(error[0])
 
 
 def rank() -> int:

@@ -9,7 +9,13 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
-from lightning_dist.checkpoint.layout import publish, remove_stale_temporaries, temporary_path
+from lightning_dist.checkpoint.layout import (
+    check_replaceable,
+    publish,
+    remove_stale_temporaries,
+    temporary_path,
+    with_provenance,
+)
 from lightning_dist.plugins.checkpoint_io import ParallelCheckpointIO, on_rank_zero_then_check, shared_token
 
 
@@ -33,9 +39,10 @@ class FullStateCheckpointIO(ParallelCheckpointIO):
         tmp = temporary_path(path, shared_token())
 
         def write() -> None:
+            check_replaceable(path)
             path.parent.mkdir(parents=True, exist_ok=True)
             remove_stale_temporaries(path)
-            torch.save(checkpoint, tmp)
+            torch.save(with_provenance(checkpoint), tmp)
             publish(tmp, path)
 
         on_rank_zero_then_check(write, f"write the checkpoint {path}")

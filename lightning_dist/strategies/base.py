@@ -49,6 +49,7 @@ from typing_extensions import override
 
 from lightning_dist.checkpoint import model_state as states
 from lightning_dist.checkpoint.layout import (
+    PROVENANCE_KEY,
     is_sharded_checkpoint,
     read_metadata,
     validate_checkpoint,
@@ -570,10 +571,10 @@ class MeshParallelStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         path = Path(self.broadcast(str(filepath)))
-        checkpoint["lightning_dist"] = self._checkpoint_provenance()
+        checkpoint[PROVENANCE_KEY] = self._checkpoint_provenance()
         trainer = self.lightning_module.trainer
         if trainer.state.fn == TrainerFn.FITTING:
-            checkpoint["lightning_dist"]["data_position"] = training_position(trainer, self.parallel_dims.batch)
+            checkpoint[PROVENANCE_KEY]["data_position"] = training_position(trainer, self.parallel_dims.batch)
         self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def _checkpoint_provenance(self) -> dict[str, Any]:
@@ -607,7 +608,7 @@ class MeshParallelStrategy(ParallelStrategy):
             full = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # read once, used twice
             states.load_full(full, self.model, optimizers, strict, repr(str(path)))
             metadata = without_states(full)
-        self._resume_position = metadata.get("lightning_dist", {}).get("data_position") if fitting else None
+        self._resume_position = metadata.get(PROVENANCE_KEY, {}).get("data_position") if fitting else None
         self._resume_loader_index = 0
         return metadata
 

@@ -119,7 +119,8 @@ def foreign_content(path: Path) -> str | None:
         if not entries:
             return "it is an empty directory"
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
-        return f"it is a directory that is not a lightning_dist checkpoint ({len(entries)} entries: {shown})"
+        count = f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}"
+        return f"it is a directory that is not a lightning_dist checkpoint ({count}: {shown})"
     if path.is_file():
         return None if _is_ours(path) else f"it is a file that is not a lightning_dist checkpoint ({_size(path)})"
     return "it is neither a file nor a directory"

@@ -59,6 +59,11 @@ from lightning_dist.parallel.fsdp import reshard_all
 from lightning_dist.parallel.gradient_sync import AccumulationSync, deferred_gradient_sync
 from lightning_dist.parallel.mesh import ParallelDims, ParallelMesh
 from lightning_dist.parallel.placement import place_model
+from lightning_dist.parallel.replicated_state import (
+    average_gradients,
+    broadcast_replicated_state,
+    tp_replicated_parameters,
+)
 from lightning_dist.plugins.checkpoint_io import DistributedCheckpointIO, ParallelCheckpointIO
 from lightning_dist.plugins.precision import FSDP2Precision, to_fsdp2_precision
 from lightning_dist.strategies.data_position import (
@@ -131,6 +136,7 @@ class MeshParallelStrategy(ParallelStrategy):
         self._mesh: ParallelMesh | None = None
         self._resume_position: dict[str, Any] | None = None
         self._resume_loader_index = 0
+        self._tp_replicated: list[torch.nn.Parameter] = []
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ what a concrete strategy provides
@@ -279,6 +285,8 @@ class MeshParallelStrategy(ParallelStrategy):
                 self.model, torch.device("cpu") if self.offloads_parameters else self.root_device
             )
             self.model_to_device()
+            self._make_replicas_equal()
+        self._tp_replicated = tp_replicated_parameters(self.model, self.mesh)
         # DTensor/FSDP2 parameters cannot be used under inference_mode (their version counters); Lightning only
         # falls back to no_grad for its own FSDP strategy and gloo, so say it for every backend.
         for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
@@ -340,6 +348,15 @@ class MeshParallelStrategy(ParallelStrategy):
             " `load_from_checkpoint` from a checkpoint the first Trainer saved), or use the first Trainer's strategy"
             " settings."
         )
+
+    def _make_replicas_equal(self) -> None:
+        """Copy every replicated parameter and buffer from the first rank of each axis it is replicated over, as DDP
+        does at setup: without a seed each rank initialized its own values."""
+        assert self.model is not None
+        count = broadcast_replicated_state(self.model, self.mesh)
+        if count:
+            axes = [a for a in ("dp_replicate", "cp", "tp") if getattr(self.parallel_dims, a) > 1]
+            self.log_decision(f"{count} replicated tensors made equal across {' × '.join(axes)} (from the first rank)")
 
     def _check_checkpoint_callbacks(self, trainer: pl.Trainer) -> None:
         from lightning_dist.plugins.async_checkpoint_io import AsyncDistributedCheckpointIO
@@ -456,6 +473,8 @@ class MeshParallelStrategy(ParallelStrategy):
         def closure_then_reshard() -> Any:
             result = closure()
             reshard_all(self.model)
+            if self._tp_replicated:  # before clipping and the update: the copies must see identical gradients
+                average_gradients(self._tp_replicated, self.process_group("tp"))
             return result
 
         return super().optimizer_step(optimizer, closure_then_reshard, model, **kwargs)

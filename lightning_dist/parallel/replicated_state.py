@@ -1,0 +1,131 @@
+"""Keeping state that several ranks hold a copy of bitwise identical on all of them.
+
+Tensor parallelism leaves some parameters whole on every tp rank (position embeddings, norms, biases of row-wise
+layers); HSDP keeps one copy of each shard per replica group. Nothing in torch makes those copies equal: DDP
+broadcasts at setup, ``parallelize_module`` and ``fully_shard`` do not. Without a seed each rank initializes its own
+values, and even with one, tp peers compute their copy's gradient from all-reduced activations whose rounding can
+differ, so the copies drift apart step by step.
+
+:func:`broadcast_replicated_state` copies every parameter and buffer from the first rank of each mesh axis it is
+replicated over, once, after the model is parallelized. :func:`average_replicated_gradients` averages the
+gradients of parameters replicated over ``tp`` before each optimizer step, so the copies stay identical. (Gradients
+over the data-parallel axes are reduced by FSDP2 itself; pipeline stages hold different parameters.)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial, Shard
+
+from lightning_dist.parallel.mesh import DERIVED_GROUPS, MESH_AXES, ParallelMesh
+
+# Axes a copy can be replicated over. Not pp: every stage holds different parameters.
+_REPLICA_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
+_UNKNOWN = "?"
+
+
+def sharded_axes(tensor: Tensor) -> set[str]:
+    """The world mesh axes ``tensor`` is split over (sharded or partial); empty for a plain tensor."""
+    if not isinstance(tensor, DTensor):
+        return set()
+    names = tensor.device_mesh.mesh_dim_names or ()
+    axes: set[str] = set()
+    for name, placement in zip(names, tensor.placements):
+        if not isinstance(placement, (Shard, Partial)):
+            continue
+        if name in DERIVED_GROUPS:
+            axes.update(DERIVED_GROUPS[name])
+        elif name in MESH_AXES:
+            axes.add(name)
+        else:
+            axes.add(_UNKNOWN)
+    return axes
+
+
+def replica_axes(tensor: Tensor, mesh: ParallelMesh) -> list[str]:
+    """The axes (of size > 1) over which every rank holds the same part of ``tensor``.
+
+    A tensor on a mesh whose dims lightning_dist did not name is left alone (``[]``): its layout is not ours to
+    judge.
+    """
+    split = sharded_axes(tensor)
+    if _UNKNOWN in split:
+        return []
+    sizes = mesh.dims.as_dict()
+    return [axis for axis in _REPLICA_AXES if sizes[axis] > 1 and axis not in split]
+
+
+def broadcast_replicated_state(model: nn.Module, mesh: ParallelMesh) -> int:
+    """Make every replicated parameter and buffer equal to the copy of the first rank of each replica axis.
+
+    Collective over the whole mesh; returns the number of tensors that had at least one replica axis.
+    """
+    by_axis: dict[str, list[Tensor]] = defaultdict(list)
+    count = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        axes = replica_axes(tensor, mesh)
+        count += bool(axes)
+        for axis in axes:
+            by_axis[axis].append(_local(tensor))
+    with torch.no_grad():
+        for axis in _REPLICA_AXES:  # a fixed order: every rank issues the same collectives
+            if axis in by_axis:
+                _broadcast_flat(by_axis[axis], mesh[axis].get_group())
+    return count
+
+
+def tp_replicated_parameters(model: nn.Module, mesh: ParallelMesh) -> list[nn.Parameter]:
+    """The parameters every tp rank holds a whole copy of (of the same shard, under FSDP2): their gradients must
+    be averaged over tp (:func:`average_gradients`)."""
+    if mesh.dims.tp == 1:
+        return []
+    return [p for p in model.parameters() if p.requires_grad and "tp" in replica_axes(p, mesh)]
+
+
+def average_gradients(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup) -> int:
+    """Average the gradients of ``parameters`` over ``group`` in one all-reduce per dtype; returns the bytes reduced.
+
+    Call after the last backward of a step, before clipping and the optimizer step. Every rank receives the same
+    reduced values (and divides them identically), so copies that were equal stay bitwise equal.
+    """
+    grads = [_local(p.grad) for p in parameters if p.grad is not None]
+    size = dist.get_world_size(group)
+    reduced = 0
+    with torch.no_grad():
+        for flat, members in _flat_by_dtype(grads):
+            dist.all_reduce(flat, group=group)
+            flat.div_(size)
+            _scatter_back(flat, members)
+            reduced += flat.nbytes
+    return reduced
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _broadcast_flat(tensors: list[Tensor], group: dist.ProcessGroup) -> None:
+    for flat, members in _flat_by_dtype(tensors):
+        dist.broadcast(flat, group=group, group_src=0)
+        _scatter_back(flat, members)
+
+
+def _flat_by_dtype(tensors: list[Tensor]) -> list[tuple[Tensor, list[Tensor]]]:
+    """One contiguous buffer per (dtype, device), so a group costs one collective per dtype, not one per tensor."""
+    groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = defaultdict(list)
+    for tensor in tensors:
+        if tensor.numel():
+            groups[(tensor.dtype, tensor.device)].append(tensor)
+    return [(torch.cat([t.reshape(-1) for t in members]), members) for members in groups.values()]
+
+
+def _scatter_back(flat: Tensor, members: list[Tensor]) -> None:
+    offset = 0
+    for tensor in members:
+        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()

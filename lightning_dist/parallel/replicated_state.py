@@ -20,7 +20,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_dist.parallel.mesh import DERIVED_GROUPS, MESH_AXES, ParallelMesh
 
@@ -36,7 +36,7 @@ def sharded_axes(tensor: Tensor) -> set[str]:
     names = tensor.device_mesh.mesh_dim_names or ()
     axes: set[str] = set()
     for name, placement in zip(names, tensor.placements):
-        if not isinstance(placement, (Shard, Partial)):
+        if isinstance(placement, Replicate):  # anything else splits (Shard, FSDP's _StridedShard, Partial)
             continue
         if name in DERIVED_GROUPS:
             axes.update(DERIVED_GROUPS[name])

@@ -56,8 +56,10 @@ def apply_fsdp(
     is the whole ``training_step``, which calls the model's ``forward`` inside it, and FSDP2 fully reshards a unit
     whose forward is nested in itself, so backward would gather those parameters a second time.
     """
-    # fully_shard must run bottom-up: a unit nested in another unit (a regex matching both) is sharded first.
-    blocks = sorted(blocks, key=_height)
+    blocks = list(blocks)
+    # A module shared by several blocks becomes a unit of its own; fully_shard must run bottom-up (a unit nested in
+    # another unit, a regex matching both, or a shared module, is sharded first) so the enclosing units skip it.
+    blocks = sorted([*shared_submodules(model, blocks), *blocks], key=_height)
     with _one_post_forward_mesh_per_size():
         for block in blocks:
             fully_shard(
@@ -129,6 +131,41 @@ def _ignore_view_output_warning(unit: list[nn.Module]) -> None:
     warnings.filterwarnings(
         "ignore", message=re.escape(f"FSDP2-wrapped module ({classes}) returned a view tensor"), category=UserWarning
     )
+
+
+def shared_submodules(model: nn.Module, units: Iterable[nn.Module]) -> list[nn.Module]:
+    """Modules holding parameters that lie inside more than one of ``units`` (one ``nn.Linear`` used by two
+    blocks). Each must be sharded as a unit of its own, before the units containing it.
+
+    Raises ``ValueError`` for a single parameter registered in modules of different units (not a shared module):
+    FSDP2 cannot shard one parameter in two units.
+    """
+    units = list(units)
+    unit_ids = {id(u) for u in units}
+    containing: dict[int, set[int]] = {}
+    modules: dict[int, nn.Module] = {}
+    owners: dict[int, dict[int, nn.Module]] = {}  # parameter -> unit -> owning module
+    for index, unit in enumerate(units):
+        for module in unit.modules():
+            if not any(True for _ in module.parameters(recurse=False)):
+                continue
+            containing.setdefault(id(module), set()).add(index)
+            modules[id(module)] = module
+            for param in module.parameters(recurse=False):
+                owners.setdefault(id(param), {})[index] = module
+    shared = [modules[i] for i, where in containing.items() if len(where) > 1 and i not in unit_ids]
+    shared_ids = {id(m) for m in shared}
+    for by_unit in owners.values():
+        owning = {id(m) for m in by_unit.values()}
+        if len(owning) > 1 and not owning <= shared_ids | unit_ids:
+            names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+            where = " and ".join(sorted(names.get(id(m), type(m).__name__) for m in by_unit.values()))
+            raise ValueError(
+                f"One parameter is registered in {where}, which belong to different FSDP units: FSDP2 cannot shard a"
+                " parameter in two units. Share the whole module instead (e.g. `blocks[1].mlp.up = blocks[0].mlp.up`),"
+                " or choose units (wrap_modules / wrap_regex) that contain both places."
+            )
+    return shared
 
 
 def modules_outside(model: nn.Module, units: Iterable[nn.Module]) -> list[nn.Module]:

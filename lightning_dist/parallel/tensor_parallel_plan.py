@@ -364,7 +364,15 @@ def infer_plan(model: nn.Module, sequence_parallel: bool = False, loss_parallel:
                 grouped.add(name)
                 skipped.append(name)
                 continue
-            _check_extra_parameters(plan, name, module, {q, k, v, o}, "attention heads")
+            _check_extra_parameters(
+                plan,
+                name,
+                module,
+                {q, k, v, o},
+                "attention heads",
+                _attention_sizes(module, linears, q, k, v),
+                width=linears[q].in_features,
+            )
             for proj in (q, k, v):
                 plan.styles[_join(name, proj)] = "colwise"
             plan.styles[_join(name, o)] = row_out()
@@ -377,7 +385,10 @@ def infer_plan(model: nn.Module, sequence_parallel: bool = False, loss_parallel:
         ups = [n for n in _UP if n in linears]
         down = _pick({n: m for n, m in linears.items() if n not in ups}, _DOWN)
         if ups and down:
-            _check_extra_parameters(plan, name, module, {*ups, down}, "MLP hidden units")
+            hidden = {linears[up].out_features for up in ups}
+            _check_extra_parameters(
+                plan, name, module, {*ups, down}, "MLP hidden units", hidden, width=linears[ups[0]].in_features
+            )
             for up in ups:
                 plan.styles[_join(name, up)] = "colwise"
                 plan.checks.append(DivisibilityCheck(_join(name, up), "MLP hidden size", linears[up].out_features))
@@ -401,10 +412,40 @@ def infer_plan(model: nn.Module, sequence_parallel: bool = False, loss_parallel:
     if sequence_parallel:
         _plan_norms(model, plan, grouped)
         _check_sequence_parallel_coverage(model, plan, checked)
+    _one_name_per_module(model, plan)
     # Keep the model's own order (parents before children), which is also the order printed to users.
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
     plan.styles = dict(sorted(plan.styles.items(), key=lambda item: order[item[0]]))
     return plan
+
+
+def _one_name_per_module(model: nn.Module, plan: TensorParallelPlan) -> None:
+    """A module shared by several blocks (one ``nn.Linear`` in two MLPs) is planned, sharded and has its head counts
+    divided once, under the name ``named_modules`` gives it first."""
+    canonical = {id(module): name for name, module in model.named_modules()}
+
+    def first_name(name: str) -> str:
+        return canonical[id(model.get_submodule(name))] if name else name
+
+    styles: dict[str, StyleSpec] = {}
+    for name, spec in plan.styles.items():
+        styles.setdefault(first_name(name), spec)
+    plan.styles = styles
+    heads: dict[str, dict[str, int]] = {}
+    for name, attrs in plan.head_attributes.items():
+        heads.setdefault(first_name(name), attrs)
+    plan.head_attributes = heads
+
+
+def _attention_sizes(module: nn.Module, linears: dict[str, nn.Linear], q: str, k: str, v: str) -> set[int]:
+    """Sizes of the activations tensor parallelism splits in an attention module: projection widths, head_dim and
+    head counts."""
+    sizes = {linears[p].out_features for p in (q, k, v)}
+    for attr in (*Q_HEAD_ATTRIBUTES, *KV_HEAD_ATTRIBUTES, "head_dim"):
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            sizes.add(value)
+    return sizes
 
 
 def _attention_checks(
@@ -506,15 +547,32 @@ def _head_count_known(module: nn.Module) -> bool:
 
 
 def _check_extra_parameters(
-    plan: TensorParallelPlan, name: str, module: nn.Module, sharded: set[str], what: str
+    plan: TensorParallelPlan,
+    name: str,
+    module: nn.Module,
+    sharded: set[str],
+    what: str,
+    sharded_sizes: set[int],
+    width: int,
 ) -> None:
-    """Parameters of an attention/MLP module outside its sharded Linear layers (a Qwen3-style q_norm/k_norm, a
-    scale) see only this rank's share of the activations, so their gradients differ between tp ranks."""
-    for pname, _ in module.named_parameters():
-        if pname.split(".")[0] not in sharded:
+    """Refuse trainable parameters of an attention/MLP module, outside its sharded Linear layers, that act on the
+    sharded activations (a Qwen3-style q_norm/k_norm over head_dim, a scale over the MLP hidden units): each rank
+    would compute their gradient from its share of heads or hidden units only, and nothing reduces it.
+
+    Whether a parameter acts on the sharded activations is read from its shape: a dim equal to a sharded size
+    (hidden units, projection widths, head_dim, head counts) and not to the model width. Parameters over the model
+    width (a norm or an ``nn.MultiheadAttention`` beside ``fc1``/``fc2`` in a block) see the whole, replicated
+    activations on every rank; frozen parameters get no gradient. Both are fine.
+    """
+    ambiguous = sharded_sizes - {width}
+    for pname, param in module.named_parameters():
+        if pname.split(".")[0] in sharded or not param.requires_grad:
+            continue
+        # a scalar may scale the sharded activations as well as the whole ones: refused as ambiguous
+        if param.numel() == 1 or width in sharded_sizes and width in param.shape or ambiguous.intersection(param.shape):
             plan.unreduced[_join(name, pname)] = (
                 f"a parameter of {type(module).__name__} {name!r} outside its sharded Linear layers"
-                f" ({', '.join(sorted(sharded))}); it would see only this rank's {what}"
+                f" ({', '.join(sorted(sharded))}), of shape {tuple(param.shape)}; it would see only this rank's {what}"
             )
 
 

@@ -17,7 +17,14 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_dist.parallel.activation_checkpointing import apply_activation_checkpointing
-from lightning_dist.parallel.fsdp import SHARDING_MODES, FSDPConfig, ShardingMode, apply_fsdp, is_fully_sharded
+from lightning_dist.parallel.fsdp import (
+    SHARDING_MODES,
+    FSDPConfig,
+    ShardingMode,
+    apply_fsdp,
+    is_fully_sharded,
+    shared_submodules,
+)
 from lightning_dist.parallel.gradient_sync import ACCUMULATION_SYNC_MODES, AccumulationSync
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
 from lightning_dist.parallel.module_selection import resolve_module_classes, select_modules, summarize
@@ -153,7 +160,8 @@ class FSDP2Strategy(MeshParallelStrategy):
     @override
     def check_model(self, model: Module) -> None:
         if not is_fully_sharded(model):
-            select_modules(model, self.wrap_modules, self.wrap_regex, what="shard")
+            units = select_modules(model, self.wrap_modules, self.wrap_regex, what="shard")
+            shared_submodules(model, [m for _, m in [*units, *self.extra_shard_units(model, units)]])
 
     @property
     def fsdp_config(self) -> FSDPConfig:
@@ -183,16 +191,19 @@ class FSDP2Strategy(MeshParallelStrategy):
             apply_activation_checkpointing(m for _, m in units)
             self.log_decision(f"activation checkpointing on {unit_summary}")
         extra = self.extra_shard_units(model, units)
-        mesh = self.mesh.data_parallel
-        shard = (m for _, m in [*units, *extra])
-        outside = apply_fsdp(model, mesh, shard, config, root_mp_policy=self.precision_plugin.root_mp_policy)
+        shard = [m for _, m in [*units, *extra]]
         names = {id(m): name for name, m in model.named_modules()}
+        shared = [names[id(m)] for m in shared_submodules(model, shard)]  # before fully_shard renames classes
+        outside = apply_fsdp(
+            model, self.mesh.data_parallel, shard, config, root_mp_policy=self.precision_plugin.root_mp_policy
+        )
         dims = self.parallel_dims
         where = f"dp_shard={dims.dp_shard}" + (f" × cp={dims.cp}" if dims.cp > 1 else "")
         where += f" × dp_replicate={dims.dp_replicate}" if dims.dp_replicate > 1 else ""
         self.log_decision(
             f"sharding={self.sharding!r}: sharded {unit_summary}"
             + (f" + {', '.join(name for name, _ in extra)}" if extra else "")
+            + (f" + shared {', '.join(shared)} as units of their own" if shared else "")
             + (f" + [{', '.join(names[id(m)] for m in outside)}] as one unit" if outside else "")
             + f" + root {root_name} over {where},"
             f" reshard_after_forward={config.reshard_after_forward}, precision={self.precision_plugin.precision}"

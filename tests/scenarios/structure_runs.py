@@ -1,0 +1,143 @@
+"""Model structures the automatic plans used to refuse or crash on, trained under tensor_parallel (and fsdp2 where
+the structure concerns sharding): ``fc1``/``fc2`` beside a norm or an ``nn.MultiheadAttention`` in one block, frozen
+Qwen3-style q/k norms, and one ``nn.Linear`` shared by two blocks.
+
+python tests/scenarios/structure_runs.py --devices 2 --out r.json --workdir DIR --scenarios norm_mlp_tp,...
+python tests/scenarios/structure_runs.py --devices 1 --out ref.json --workdir DIR   # the one-process references
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from common import (  # type: ignore[import-not-found]
+    StepRecorder,
+    full_state,
+    is_rank_zero,
+    make_model_and_data,
+    run_scenario_script,
+    trainer_kwargs,
+)
+from torch import nn
+
+from examples.gpt import GPT, CausalSelfAttention
+from lightning_dist import FSDP2Strategy, TensorParallelStrategy
+
+STEPS = 4
+D_MODEL, HEADS = 32, 4
+
+
+class NormMLPBlock(nn.Module):
+    """fc1/fc2 directly in the block, beside its norms and attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D_MODEL), nn.LayerNorm(D_MODEL)
+        self.attn = CausalSelfAttention(D_MODEL, HEADS)
+        self.fc1, self.fc2 = nn.Linear(D_MODEL, 4 * D_MODEL), nn.Linear(4 * D_MODEL, D_MODEL)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class MultiheadAttentionBlock(nn.Module):
+    """A hand-written block around ``nn.MultiheadAttention`` (left replicated) with fc1/fc2 (sharded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D_MODEL), nn.LayerNorm(D_MODEL)
+        self.mha = nn.MultiheadAttention(D_MODEL, HEADS, batch_first=True)
+        self.fc1, self.fc2 = nn.Linear(D_MODEL, 4 * D_MODEL), nn.Linear(4 * D_MODEL, D_MODEL)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device), 1)
+        x = x + self.mha(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class FrozenQKNormAttention(nn.Module):
+    """Qwen3-style RMSNorm over head_dim on queries and keys, frozen (so its gradient cannot differ per rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = HEADS, D_MODEL // HEADS
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(D_MODEL, D_MODEL) for _ in range(4))
+        self.q_norm, self.k_norm = nn.RMSNorm(self.head_dim), nn.RMSNorm(self.head_dim)
+        self.q_norm.requires_grad_(False)
+        self.k_norm.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, s, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, s, self.num_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
+
+class QKNormBlock(NormMLPBlock):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = FrozenQKNormAttention()
+
+
+BLOCKS: dict[str, Callable[[], nn.Module]] = {
+    "norm_mlp": NormMLPBlock,
+    "mha": MultiheadAttentionBlock,
+    "frozen_qk_norm": QKNormBlock,
+}
+
+
+def _model(devices: int, kind: str) -> tuple[GPT, L.LightningDataModule]:
+    model, data = make_model_and_data(devices, dp_size=1 if devices > 1 else None, vocab_size=64, n_layer=2)
+    torch.manual_seed(7)
+    if kind == "shared_linear":
+        model.blocks[1].mlp.up = model.blocks[0].mlp.up
+    else:
+        model.blocks = nn.ModuleList(BLOCKS[kind]() for _ in range(2))
+    return model.double(), data
+
+
+def train(devices: int, workdir: str, kind: str, strategy: str) -> dict[str, Any]:
+    model, data = _model(devices, kind)
+    if devices == 1:
+        chosen: Any = "auto"
+    elif strategy == "tp":
+        chosen = TensorParallelStrategy(tensor_parallel_size=devices)
+    else:
+        chosen = FSDP2Strategy()
+        _, data = make_model_and_data(devices, vocab_size=64, n_layer=2)  # fsdp2: the batch is split over 2 ranks
+    recorder = StepRecorder()
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=chosen, precision="64-true"),
+        max_steps=STEPS,
+        gradient_clip_val=0.5,
+        callbacks=[recorder],
+    )
+    trainer.fit(model, data)
+    params = full_state(model)
+    if is_rank_zero():
+        torch.save(params, f"{workdir}/{kind}_{strategy}_d{devices}.pt")
+    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms}
+
+
+CASES = [
+    ("norm_mlp", "tp"),
+    ("mha", "tp"),
+    ("frozen_qk_norm", "tp"),
+    ("shared_linear", "tp"),
+    ("shared_linear", "fsdp2"),
+]
+SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
+    f"{kind}_{strategy}": partial(train, kind=kind, strategy=strategy) for kind, strategy in CASES
+}
+
+if __name__ == "__main__":
+    run_scenario_script(SCENARIOS)

@@ -1,0 +1,64 @@
+"""Structures the automatic plans refused or crashed on now train exactly like one process (fp64, 2 ranks):
+``fc1``/``fc2`` beside a norm or ``nn.MultiheadAttention`` in a block, frozen q/k norms over head_dim, and one
+``nn.Linear`` shared by two blocks (tensor_parallel and fsdp2). What would really diverge is still refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from launch import max_abs_diff, run_scenarios
+from torch import nn
+
+from lightning_dist.parallel.fsdp import shared_submodules
+from lightning_dist.parallel.tensor_parallel_plan import TensorParallelPlanError, infer_plan
+
+FP64_TOL = 1e-10
+CASES = ["norm_mlp_tp", "mha_tp", "frozen_qk_norm_tp", "shared_linear_tp", "shared_linear_fsdp2"]
+
+
+@pytest.mark.slow
+def test_structures_train_like_one_process(tmp_path):
+    ours = run_scenarios("structure_runs.py", 2, tmp_path, CASES)
+    reference = run_scenarios("structure_runs.py", 1, tmp_path, CASES)
+    for case in CASES:
+        assert max_abs_diff(ours[case]["losses"], reference[case]["losses"]) < FP64_TOL, case
+        assert max_abs_diff(ours[case]["grad_norms"], reference[case]["grad_norms"]) < FP64_TOL, case
+        mine, ref = torch.load(tmp_path / f"{case}_d2.pt"), torch.load(tmp_path / f"{case}_d1.pt")
+        assert mine.keys() == ref.keys(), case
+        assert max((mine[k] - ref[k]).abs().max().item() for k in ref) < FP64_TOL, case
+
+
+def _block(extra: nn.Module | None = None, name: str = "norm") -> nn.Module:
+    block = nn.Module()
+    block.fc1, block.fc2 = nn.Linear(8, 32), nn.Linear(32, 8)
+    if extra is not None:
+        block.add_module(name, extra)
+    return nn.ModuleDict({"block": block})
+
+
+def test_parameters_over_the_model_width_or_frozen_are_not_refused():
+    infer_plan(_block(nn.LayerNorm(8))).validate(2)
+    infer_plan(_block(nn.MultiheadAttention(8, 2), "mha")).validate(2)
+    frozen = nn.LayerNorm(32)
+    frozen.requires_grad_(False)
+    infer_plan(_block(frozen)).validate(2)
+
+
+def test_parameters_over_the_sharded_hidden_units_are_still_refused():
+    with pytest.raises(TensorParallelPlanError, match=r"block.norm.weight: .*of shape \(32,\).*MLP hidden units"):
+        infer_plan(_block(nn.LayerNorm(32))).validate(2)  # a norm between fc1 and fc2 (NormFormer style)
+    scalar = nn.Module()
+    scalar.register_parameter("scale", nn.Parameter(torch.ones(1)))
+    with pytest.raises(TensorParallelPlanError, match=r"block.norm.scale"):
+        infer_plan(_block(scalar)).validate(2)
+
+
+def test_a_parameter_shared_by_modules_of_two_units_is_refused_with_a_fix():
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4)) for _ in range(2))
+    assert shared_submodules(blocks, list(blocks)) == []
+    blocks[1][0] = blocks[0][0]  # the whole module shared: its own unit
+    assert shared_submodules(blocks, list(blocks)) == [blocks[0][0]]
+    other = nn.ModuleList(nn.Sequential(nn.Linear(4, 4)) for _ in range(2))
+    other[1][0].weight = other[0][0].weight  # one Parameter in two different modules
+    with pytest.raises(ValueError, match=r"registered in 0.0 and 1.0, which belong to different FSDP units"):
+        shared_submodules(other, list(other))

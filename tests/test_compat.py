@@ -10,7 +10,9 @@ from lightning_dist.compat import TESTED_TORCH, torch_minor_version, untested_to
 
 PACKAGE = Path(lightning_dist.__file__).parent
 # `torch.x._private` or `from torch.x import _private` in code (docstrings may name them).
-PRIVATE = re.compile(r"^\s*(from\s+torch[\w.]*\._\w+|from\s+torch[\w.]*\s+import\s+.*\b_[a-z]\w*|import\s+torch[\w.]*\._)")
+PRIVATE = re.compile(
+    r"^\s*(from\s+torch[\w.]*\._\w+|from\s+torch[\w.]*\s+import\s+.*\b_[a-z]\w*|import\s+torch[\w.]*\._)"
+)
 PRIVATE_CALL = re.compile(r"\._(flatten|unflatten)\(|\b_get_current_dispatch_mode\b|\b_resolve_process_group\b")
 
 

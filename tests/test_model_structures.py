@@ -1,5 +1,5 @@
-"""Structures the automatic plans refused or crashed on now train exactly like one process (fp64, 2 ranks):
-``fc1``/``fc2`` beside a norm or ``nn.MultiheadAttention`` in a block, frozen q/k norms over head_dim, and one
+"""Structures and idioms the strategies refused or crashed on now train exactly like one process (fp64, 2 ranks):
+Lightning's ``gradient_clip_algorithm="value"``, ``fc1``/``fc2`` beside a norm or ``nn.MultiheadAttention`` in a block, frozen q/k norms over head_dim, and one
 ``nn.Linear`` shared by two blocks (tensor_parallel and fsdp2). What would really diverge is still refused."""
 
 from __future__ import annotations
@@ -13,7 +13,15 @@ from lightning_dist.parallel.fsdp import shared_submodules
 from lightning_dist.parallel.tensor_parallel_plan import TensorParallelPlanError, infer_plan
 
 FP64_TOL = 1e-10
-CASES = ["norm_mlp_tp", "mha_tp", "frozen_qk_norm_tp", "shared_linear_tp", "shared_linear_fsdp2"]
+CASES = [
+    "gpt_clip_by_value_tp",
+    "gpt_clip_by_value_fsdp2",
+    "norm_mlp_tp",
+    "mha_tp",
+    "frozen_qk_norm_tp",
+    "shared_linear_tp",
+    "shared_linear_fsdp2",
+]
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 
 def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
@@ -49,3 +49,21 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: fl
             grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             grad.mul_(clip_coef.to(device=grad.device, dtype=grad.dtype))
     return total
+
+
+def clip_grad_value_(parameters: Iterable[Tensor], clip_value: float) -> None:
+    """Clamp every gradient element to ``[-clip_value, clip_value]``, DTensor gradients included.
+
+    Elementwise, so clamping each rank's local shard is exact; a partial (not yet summed) gradient is summed first,
+    since clamping its addends would not clamp the sum. (``torch.nn.utils.clip_grad_value_`` fails on a mix of
+    plain and DTensor gradients.)
+    """
+    for p in parameters:
+        if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor) and any(placement.is_partial() for placement in p.grad.placements):
+            p.grad = p.grad.redistribute(
+                placements=[Replicate() if pl.is_partial() else pl for pl in p.grad.placements]
+            )
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        grad.clamp_(-clip_value, clip_value)

@@ -20,7 +20,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dist.parallel.grad_clip import clip_grad_norm_
+from lightning_dist.parallel.grad_clip import clip_grad_norm_, clip_grad_value_
 
 PrecisionFlag = Literal["32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
 SUPPORTED_PRECISION: tuple[str, ...] = get_args(PrecisionFlag)
@@ -128,6 +128,10 @@ class FSDP2Precision(Precision):
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         clip_grad_norm_(self.main_params(optimizer), clip_val)
+
+    @override
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: float) -> None:
+        clip_grad_value_(self.main_params(optimizer), clip_val)
 
     @override
     def state_dict(self) -> dict[str, Any]:

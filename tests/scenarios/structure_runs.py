@@ -1,6 +1,6 @@
-"""Model structures the automatic plans used to refuse or crash on, trained under tensor_parallel (and fsdp2 where
-the structure concerns sharding): ``fc1``/``fc2`` beside a norm or an ``nn.MultiheadAttention`` in one block, frozen
-Qwen3-style q/k norms, and one ``nn.Linear`` shared by two blocks.
+"""Model structures and idioms the strategies used to refuse or crash on, trained under tensor_parallel (and fsdp2
+where sharding is concerned): gradient clipping by value, ``fc1``/``fc2`` beside a norm or an
+``nn.MultiheadAttention`` in one block, frozen Qwen3-style q/k norms, and one ``nn.Linear`` shared by two blocks.
 
 python tests/scenarios/structure_runs.py --devices 2 --out r.json --workdir DIR --scenarios norm_mlp_tp,...
 python tests/scenarios/structure_runs.py --devices 1 --out ref.json --workdir DIR   # the one-process references
@@ -100,12 +100,16 @@ def _model(devices: int, kind: str) -> tuple[GPT, L.LightningDataModule]:
     torch.manual_seed(7)
     if kind == "shared_linear":
         model.blocks[1].mlp.up = model.blocks[0].mlp.up
-    else:
+    elif kind != "gpt":
         model.blocks = nn.ModuleList(BLOCKS[kind]() for _ in range(2))
     return model.double(), data
 
 
 def train(devices: int, workdir: str, kind: str, strategy: str) -> dict[str, Any]:
+    clip: dict[str, Any] = {"gradient_clip_val": 0.5}
+    name = f"{kind}_{strategy}"
+    if kind == "gpt_clip_by_value":  # Lightning's gradient_clip_algorithm="value": small enough to clamp
+        kind, clip = "gpt", {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}
     model, data = _model(devices, kind)
     if devices == 1:
         chosen: Any = "auto"
@@ -118,17 +122,19 @@ def train(devices: int, workdir: str, kind: str, strategy: str) -> dict[str, Any
     trainer = L.Trainer(
         **trainer_kwargs(devices, strategy=chosen, precision="64-true"),
         max_steps=STEPS,
-        gradient_clip_val=0.5,
         callbacks=[recorder],
+        **clip,
     )
     trainer.fit(model, data)
     params = full_state(model)
     if is_rank_zero():
-        torch.save(params, f"{workdir}/{kind}_{strategy}_d{devices}.pt")
+        torch.save(params, f"{workdir}/{name}_d{devices}.pt")
     return {"losses": recorder.losses, "grad_norms": recorder.grad_norms}
 
 
 CASES = [
+    ("gpt_clip_by_value", "tp"),
+    ("gpt_clip_by_value", "fsdp2"),
     ("norm_mlp", "tp"),
     ("mha", "tp"),
     ("frozen_qk_norm", "tp"),

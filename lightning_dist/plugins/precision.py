@@ -20,6 +20,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_dist.parallel.dtensor_values import FullTensorValues
 from lightning_dist.parallel.grad_clip import clip_grad_norm_, clip_grad_value_
 
 PrecisionFlag = Literal["32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
@@ -124,6 +125,13 @@ class FSDP2Precision(Precision):
         step_output = None if found_inf else optimizer.step(**kwargs)
         self.scaler.update(found_inf)
         return step_output
+
+    @override
+    def _after_closure(self, model: pl.LightningModule, optimizer: Optimizable) -> None:
+        # The user's on_before_optimizer_step hooks run here: Lightning's grad_norm() helper builds a tensor of
+        # per-parameter norms, which are DTensors under sharding (see parallel/dtensor_values.py).
+        with FullTensorValues():
+            super()._after_closure(model, optimizer)
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:

@@ -43,6 +43,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -521,9 +522,15 @@ class MeshParallelStrategy(ParallelStrategy):
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
-        """Reduce over ``group``; by default over the ``loss`` group, so TP/PP peers are not counted twice."""
+        """Reduce over ``group``; by default over the ``loss`` group, so TP/PP peers are not counted twice.
+
+        A DTensor (``self.log("w", param.norm(), sync_dist=True)`` on a sharded parameter) is first made whole, so the
+        value is the one DDP logs.
+        """
         if not isinstance(tensor, Tensor):
             return tensor
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
         if group is None and self._mesh is not None:
             if self.parallel_dims.batch * self.parallel_dims.cp == 1:
                 return tensor  # a one-rank loss group (pure tp/pp): every rank already holds the value
@@ -532,7 +539,10 @@ class MeshParallelStrategy(ParallelStrategy):
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        """Gather over ``group``; by default over the ``loss`` group (one value per data-parallel replica)."""
+        """Gather over ``group``; by default over the ``loss`` group (one value per data-parallel replica). DTensors
+        are gathered by their full values."""
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
         if group is None and self._mesh is not None:
             group = self.process_group("loss")
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)

@@ -98,6 +98,7 @@ def average_gradients(parameters: Iterable[nn.Parameter], group: dist.ProcessGro
     reduced = 0
     with torch.no_grad():
         for flat, members in _flat_by_dtype(grads):
+            flat = _on_collective_device(flat, group)
             dist.all_reduce(flat, group=group)
             flat.div_(size)
             _scatter_back(flat, members)
@@ -111,8 +112,16 @@ def _local(tensor: Tensor) -> Tensor:
 
 def _broadcast_flat(tensors: list[Tensor], group: dist.ProcessGroup) -> None:
     for flat, members in _flat_by_dtype(tensors):
+        flat = _on_collective_device(flat, group)
         dist.broadcast(flat, group=group, group_src=0)
         _scatter_back(flat, members)
+
+
+def _on_collective_device(flat: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """NCCL moves only GPU tensors: CPU-offloaded state travels through the current GPU."""
+    if flat.device.type == "cpu" and dist.get_backend(group) == "nccl":
+        return flat.to(torch.device("cuda", torch.cuda.current_device()))
+    return flat
 
 
 def _flat_by_dtype(tensors: list[Tensor]) -> list[tuple[Tensor, list[Tensor]]]:

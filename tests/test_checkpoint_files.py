@@ -24,6 +24,7 @@ from lightning_dist.checkpoint.layout import (
 )
 from lightning_dist.checkpoint.model_fit import check_fit, compare_shapes
 from lightning_dist.checkpoint.optimizer_format import names_to_positions, positions_to_names
+from lightning_dist.strategies.preflight import check_checkpoint_callbacks
 
 
 def _model() -> nn.Module:
@@ -241,7 +242,7 @@ def test_async_plugin_refuses_a_last_link():
         logger=False,
     )
     with pytest.raises(ValueError, match="save_last='link'.*AsyncDistributedCheckpointIO"):
-        trainer.strategy._check_checkpoint_callbacks(trainer)
+        check_checkpoint_callbacks(trainer)
 
 
 def test_mid_epoch_skip_accounts_for_another_number_of_replicas():

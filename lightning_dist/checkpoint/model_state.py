@@ -27,7 +27,13 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_dist.checkpoint.layout import CheckpointError
+from lightning_dist.checkpoint.layout import (
+    CheckpointError,
+    is_sharded_checkpoint,
+    read_metadata,
+    validate_checkpoint,
+    without_states,
+)
 from lightning_dist.checkpoint.model_fit import FitReport, check_fit, compare_shapes
 from lightning_dist.checkpoint.optimizer_format import is_name_keyed, names_to_positions, positions_to_names
 
@@ -46,6 +52,21 @@ def optimizer_state(model: Module, optimizer: Optimizer, full: bool) -> dict[str
         return get_optimizer_state_dict(model, optimizer)
     state = get_optimizer_state_dict(model, optimizer, options=_FULL)
     return names_to_positions(state) if state else state
+
+
+def load_checkpoint_into(
+    path: str | Path, model: Module, optimizers: Sequence[Optimizer], strict: bool
+) -> dict[str, Any]:
+    """Load a validated checkpoint of either format into ``model`` (and ``optimizers``, if any), saved with any number
+    of ranks; returns everything else it holds (Lightning's loops, callbacks, our provenance). Collective for a
+    sharded folder."""
+    path = validate_checkpoint(path)
+    if is_sharded_checkpoint(path):
+        load_sharded(path, model, optimizers, strict)
+        return read_metadata(path)
+    full = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # read once, used twice
+    load_full(full, model, optimizers, strict, repr(str(path)))
+    return without_states(full)
 
 
 def load_sharded(path: Path, model: Module, optimizers: Sequence[Optimizer], strict: bool) -> None:

@@ -1,10 +1,11 @@
 """The shared base of every lightning_dist strategy.
 
-It owns what all six strategies share: the process group and the one N-D mesh, launching, the sampler's view of
-data parallelism, collectives for logging, precision-plugin conversion, meta-device materialization, sharded
-checkpoints and gradient clipping. A concrete strategy says which mesh it wants (:meth:`mesh_sizes`) and how to
-parallelize the model on it (:meth:`parallelize`); pipeline and context parallel use the two extension hooks
-(:meth:`transform_batch`, :attr:`takes_over_backward` with :meth:`run_training_step`).
+It owns what all six strategies share: the process group and the one N-D mesh, launching (with the checks of
+:mod:`.preflight` first), the sampler's view of data parallelism, collectives for logging, precision-plugin
+conversion, meta-device materialization and placement, equal replicated copies across ranks, gradient accumulation,
+sharded checkpoints and gradient clipping. A concrete strategy says which mesh it wants (:meth:`mesh_sizes`), what
+it can check before launch (:meth:`check_model`) and how to parallelize the model on the mesh (:meth:`parallelize`).
+Pipeline and context parallel will use the extension hooks :meth:`transform_batch` and :meth:`run_training_step`.
 """
 
 from __future__ import annotations
@@ -49,13 +50,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dist.checkpoint import model_state as states
-from lightning_dist.checkpoint.layout import (
-    PROVENANCE_KEY,
-    is_sharded_checkpoint,
-    read_metadata,
-    validate_checkpoint,
-    without_states,
-)
+from lightning_dist.checkpoint.layout import PROVENANCE_KEY
 from lightning_dist.parallel.fsdp import reshard_all
 from lightning_dist.parallel.gradient_sync import AccumulationSync, deferred_gradient_sync
 from lightning_dist.parallel.mesh import ParallelDims, ParallelMesh
@@ -72,7 +67,12 @@ from lightning_dist.strategies.data_position import (
     skip_trained_batches,
     training_position,
 )
-from lightning_dist.strategies.preflight import PreflightLauncher, PreflightSubprocessLauncher, check_ckpt_path
+from lightning_dist.strategies.preflight import (
+    PreflightLauncher,
+    PreflightSubprocessLauncher,
+    check_checkpoint_callbacks,
+    check_ckpt_path,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -305,7 +305,7 @@ class MeshParallelStrategy(ParallelStrategy):
         """Everything that can be checked before processes are launched (see :mod:`.preflight`): the checkpoint
         callbacks, ``ckpt_path``, a model an earlier Trainer already parallelized, and the model against the
         strategy's options (:meth:`check_model`). ``arguments`` are those of the Trainer entry point."""
-        self._check_checkpoint_callbacks(trainer)
+        check_checkpoint_callbacks(trainer)
         check_ckpt_path(arguments.get("ckpt_path"))
         model = self.lightning_module
         if model is None:
@@ -358,19 +358,6 @@ class MeshParallelStrategy(ParallelStrategy):
         if count:
             axes = [a for a in ("dp_replicate", "cp", "tp") if getattr(self.parallel_dims, a) > 1]
             self.log_decision(f"{count} replicated tensors made equal across {' × '.join(axes)} (from the first rank)")
-
-    def _check_checkpoint_callbacks(self, trainer: pl.Trainer) -> None:
-        from lightning_dist.plugins.async_checkpoint_io import AsyncDistributedCheckpointIO
-
-        if not isinstance(self.checkpoint_io, AsyncDistributedCheckpointIO):
-            return
-        for callback in trainer.checkpoint_callbacks:
-            if getattr(callback, "save_last", None) == "link":
-                raise ValueError(
-                    "ModelCheckpoint(save_last='link') cannot be combined with AsyncDistributedCheckpointIO: the link"
-                    " would point at a checkpoint that is still being written (and at nothing if that save fails)."
-                    " Use save_last=True, or the synchronous DistributedCheckpointIO."
-                )
 
     def _sync_metrics_over_loss_group(self) -> None:
         """torchmetrics ``Metric`` objects sync over WORLD by default, which counts tensor/pipeline peers (which saw
@@ -629,14 +616,7 @@ class MeshParallelStrategy(ParallelStrategy):
         optimizers = (
             [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers] if fitting else []
         )
-        path = validate_checkpoint(path)
-        if is_sharded_checkpoint(path):
-            metadata = read_metadata(path)
-            states.load_sharded(path, self.model, optimizers, strict)
-        else:
-            full = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # read once, used twice
-            states.load_full(full, self.model, optimizers, strict, repr(str(path)))
-            metadata = without_states(full)
+        metadata = states.load_checkpoint_into(path, self.model, optimizers, strict)
         self._resume_position = metadata.get(PROVENANCE_KEY, {}).get("data_position") if fitting else None
         self._resume_loader_index = 0
         return metadata

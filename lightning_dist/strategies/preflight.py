@@ -43,6 +43,22 @@ def check_ckpt_path(ckpt_path: Any) -> None:
     validate_checkpoint(Path(text))
 
 
+def check_checkpoint_callbacks(trainer: pl.Trainer) -> None:
+    """Refuse ``ModelCheckpoint(save_last="link")`` with the async plugin: the link would point at a checkpoint still
+    being written, and at nothing if that save fails."""
+    from lightning_dist.plugins.async_checkpoint_io import AsyncDistributedCheckpointIO
+
+    if not isinstance(trainer.strategy.checkpoint_io, AsyncDistributedCheckpointIO):
+        return
+    for callback in trainer.checkpoint_callbacks:
+        if getattr(callback, "save_last", None) == "link":
+            raise ValueError(
+                "ModelCheckpoint(save_last='link') cannot be combined with AsyncDistributedCheckpointIO: the link"
+                " would point at a checkpoint that is still being written (and at nothing if that save fails)."
+                " Use save_last=True, or the synchronous DistributedCheckpointIO."
+            )
+
+
 def bound_arguments(function: Callable, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The arguments of a Trainer entry point (``_fit_impl``...) by name."""
     try:

@@ -403,16 +403,3 @@ def test_loss_parallel_needs_a_recognised_head_and_explicit_layouts_are_parsed()
         TensorParallelStrategy(loss_parallel=True).tensor_parallel_plan(model)
     lp_plan = {**GPT_PLAN, "head": {"style": "colwise", "output_layouts": "Shard( -1 )", "use_local_output": False}}
     assert resolve_explicit_plan(small_gpt(), lp_plan).loss_parallel_head == "head"
-
-
-def test_a_second_trainer_restores_loss_parallel_and_autocast_from_the_model():
-    model = small_gpt()
-    plan = infer_plan(model, loss_parallel=True)
-    model._lightning_dist_parallelized = True  # as left by a first Trainer's setup
-    model._lightning_dist_tp_plan = plan
-    strategy = TensorParallelStrategy(loss_parallel=True)
-    L.Trainer(strategy=strategy, accelerator="cpu", devices=2, precision="bf16-mixed", logger=False)
-    assert strategy._tp_plan is None
-    strategy._restore_parallel_state(model)
-    assert strategy._tp_plan is plan and strategy._tp_plan.loss_parallel_head == "head"
-    assert strategy.precision_plugin._autocast_device == "cpu"

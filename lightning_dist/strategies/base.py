@@ -51,7 +51,7 @@ from typing_extensions import override
 
 from lightning_dist.checkpoint import model_state as states
 from lightning_dist.checkpoint.layout import PROVENANCE_KEY
-from lightning_dist.parallel.fsdp import reshard_all
+from lightning_dist.parallel.fsdp import is_fully_sharded, reshard_all
 from lightning_dist.parallel.gradient_sync import AccumulationSync, deferred_gradient_sync
 from lightning_dist.parallel.mesh import ParallelDims, ParallelMesh
 from lightning_dist.parallel.placement import place_model
@@ -287,6 +287,8 @@ class MeshParallelStrategy(ParallelStrategy):
             )
             self.model_to_device()
             self._make_replicas_equal()
+        if not is_fully_sharded(self.model):  # no FSDP2 policy to cast parameters: mixed precision is autocast
+            self.precision_plugin.use_autocast(self.root_device.type)
         self._tp_replicated = tp_replicated_parameters(self.model, self.mesh)
         # DTensor/FSDP2 parameters cannot be used under inference_mode (their version counters); Lightning only
         # falls back to no_grad for its own FSDP strategy and gloo, so say it for every backend.

@@ -16,7 +16,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_dist.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_dist.parallel.fsdp import (
     SHARDING_MODES,
     FSDPConfig,
@@ -27,7 +26,8 @@ from lightning_dist.parallel.fsdp import (
 )
 from lightning_dist.parallel.gradient_sync import ACCUMULATION_SYNC_MODES, AccumulationSync
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
-from lightning_dist.parallel.module_selection import resolve_module_classes, select_modules, summarize
+from lightning_dist.parallel.module_selection import resolve_module_classes, select_modules
+from lightning_dist.parallel.parallelize import ParallelizeConfig, ParallelizeRecord, parallelize
 from lightning_dist.parallel.validation import check_bool, check_regex
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
 
@@ -174,42 +174,49 @@ class FSDP2Strategy(MeshParallelStrategy):
 
     @override
     def parallelize(self, model: Module) -> Module:
-        config = self.fsdp_config
         if is_fully_sharded(model):
             if not isinstance(model, FSDPModule):  # blocks only: the root's own parameters would never be reduced
-                apply_fsdp(
-                    model, self.mesh.data_parallel, (), config, root_mp_policy=self.precision_plugin.root_mp_policy
-                )
+                root_policy = self.precision_plugin.root_mp_policy
+                apply_fsdp(model, self.mesh.data_parallel, (), self.fsdp_config, root_mp_policy=root_policy)
             self.log_decision(
                 "the model's configure_model already applied fully_shard; keeping that sharding (its mixed-precision"
                 " policy is the one configure_model chose)"
             )
             return model
-        units = select_modules(model, self.wrap_modules, self.wrap_regex, what="shard")
-        unit_summary, root_name = summarize(units), type(model).__name__
-        if self.activation_checkpointing:
-            apply_activation_checkpointing(m for _, m in units)
-            self.log_decision(f"activation checkpointing on {unit_summary}")
-        extra = self.extra_shard_units(model, units)
-        shard = [m for _, m in [*units, *extra]]
-        names = {id(m): name for name, m in model.named_modules()}
-        shared = [names[id(m)] for m in shared_submodules(model, shard)]  # before fully_shard renames classes
-        outside = apply_fsdp(
-            model, self.mesh.data_parallel, shard, config, root_mp_policy=self.precision_plugin.root_mp_policy
-        )
-        dims = self.parallel_dims
+        config = self.parallelize_config(model)
+        root_name = type(model).__name__  # before fully_shard renames the class
+        record = parallelize(model, self.mesh, config)
+        if record.checkpointed:
+            self.log_decision(f"activation checkpointing on {record.checkpointed}")
+        dims, fsdp = self.parallel_dims, config.fsdp
+        assert fsdp is not None
         where = f"dp_shard={dims.dp_shard}" + (f" × cp={dims.cp}" if dims.cp > 1 else "")
         where += f" × dp_replicate={dims.dp_replicate}" if dims.dp_replicate > 1 else ""
         self.log_decision(
-            f"sharding={self.sharding!r}: sharded {unit_summary}"
-            + (f" + {', '.join(name for name, _ in extra)}" if extra else "")
-            + (f" + shared {', '.join(shared)} as units of their own" if shared else "")
-            + (f" + [{', '.join(names[id(m)] for m in outside)}] as one unit" if outside else "")
+            f"sharding={self.sharding!r}: sharded {record.units}"
+            + (f" + {', '.join(name for name, _ in config.extra_units)}" if config.extra_units else "")
+            + (f" + shared {', '.join(record.shared)} as units of their own" if record.shared else "")
+            + (f" + [{', '.join(record.outside)}] as one unit" if record.outside else "")
             + f" + root {root_name} over {where},"
-            f" reshard_after_forward={config.reshard_after_forward}, precision={self.precision_plugin.precision}"
+            f" reshard_after_forward={fsdp.reshard_after_forward}, precision={self.precision_plugin.precision}"
             + (", cpu_offload" if self.cpu_offload else "")
         )
+        self.log_parallelized(record)
         return model
+
+    def parallelize_config(self, model: Module) -> ParallelizeConfig:
+        """This strategy's options as one :class:`~lightning_dist.parallel.parallelize.ParallelizeConfig`."""
+        units = select_modules(model, self.wrap_modules, self.wrap_regex, what="shard")
+        return ParallelizeConfig(
+            units=units,
+            activation_checkpointing=self.activation_checkpointing,
+            fsdp=self.fsdp_config,
+            root_mp_policy=self.precision_plugin.root_mp_policy,
+            extra_units=self.extra_shard_units(model, units),
+        )
+
+    def log_parallelized(self, record: ParallelizeRecord) -> None:
+        """Log what a subclass adds to the record (ZeRO++ comms); nothing here."""
 
     def extra_shard_units(self, model: Module, units: list[tuple[str, Module]]) -> list[tuple[str, Module]]:
         """Modules to shard as units of their own besides the blocks (not activation-checkpointed); none here."""

@@ -16,15 +16,14 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_dist.parallel.activation_checkpointing import apply_activation_checkpointing
-from lightning_dist.parallel.fsdp import FSDPConfig, apply_fsdp, is_fully_sharded
+from lightning_dist.parallel.fsdp import FSDPConfig, is_fully_sharded
 from lightning_dist.parallel.loss_parallel import LossParallelError, VocabParallelCrossEntropy, check_local_loss
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
-from lightning_dist.parallel.module_selection import find_repeated_blocks, summarize
+from lightning_dist.parallel.module_selection import find_repeated_blocks
+from lightning_dist.parallel.parallelize import ParallelizeConfig, parallelize
 from lightning_dist.parallel.tensor_parallel import (
     TensorParallelPlan,
     TensorParallelPlanError,
-    apply_tensor_parallel,
     build_style,
     resolve_plan,
 )
@@ -160,16 +159,8 @@ class TensorParallelStrategy(MeshParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
-        assert self.model is not None
-        self._restore_parallel_state(self.model)
-
-    def _restore_parallel_state(self, model: Module) -> None:
-        """Loss parallel and (pure TP) autocast for a model whose plan was applied here or by an earlier Trainer
-        (which then skipped `parallelize`)."""
-        if self._tp_plan is None:
-            self._tp_plan = getattr(model, _TP_PLAN, None)
-        if self.parallel_dims.fsdp <= 1:
-            self.precision_plugin.use_autocast(self.root_device.type)
+        if self._tp_plan is None:  # a model an earlier Trainer parallelized: loss parallel needs its plan
+            self._tp_plan = getattr(self.model, _TP_PLAN, None)
 
     @override
     def parallelize(self, model: Module) -> Module:
@@ -180,36 +171,40 @@ class TensorParallelStrategy(MeshParallelStrategy):
                 " data_parallel_size > 1)."
             )
         dims = self.parallel_dims
+        plan = None
         if any(isinstance(p, DTensor) for p in model.parameters()):
             self.log_decision(
                 "the model's configure_model already applied tensor parallelism (it has DTensor parameters);"
                 " keeping it as it is, no plan applied"
             )
         else:
-            self._apply_plan(model)
-        blocks = find_repeated_blocks(model)
-        if self.activation_checkpointing:
-            apply_activation_checkpointing(m for _, m in blocks)
-            self.log_decision(f"activation checkpointing on {summarize(blocks)}")
+            plan = self.tensor_parallel_plan(model)
+        blocks, root = find_repeated_blocks(model), type(model).__name__
+        fsdp = None
         if dims.fsdp > 1:
-            units, root = summarize(blocks), type(model).__name__  # before fully_shard renames the classes
-            config = FSDPConfig(
+            fsdp = FSDPConfig(
                 reshard_after_forward=self.reshard_after_forward, mp_policy=self.precision_plugin.mp_policy
             )
-            apply_fsdp(
-                model, self.mesh.data_parallel, (m for _, m in blocks), config, self.precision_plugin.root_mp_policy
-            )
+        config = ParallelizeConfig(
+            units=blocks,
+            tp_plan=plan,
+            activation_checkpointing=self.activation_checkpointing,
+            fsdp=fsdp,
+            root_mp_policy=self.precision_plugin.root_mp_policy,
+        )
+        record = parallelize(model, self.mesh, config)
+        if plan is not None:
+            self._log_plan(model, plan, record.tp_changes)
+        if record.checkpointed:
+            self.log_decision(f"activation checkpointing on {record.checkpointed}")
+        if record.units is not None:
             self.log_decision(
-                f"2D: FSDP2 over dp_shard={dims.dp_shard} on {units} + root {root},"
+                f"2D: FSDP2 over dp_shard={dims.dp_shard} on {record.units} + root {root},"
                 f" precision={self.precision_plugin.precision}"
             )
-        else:
-            self.precision_plugin.use_autocast(self.root_device.type)
         return model
 
-    def _apply_plan(self, model: Module) -> None:
-        plan = self.tensor_parallel_plan(model)
-        changed = apply_tensor_parallel(model, self.mesh["tp"], plan)
+    def _log_plan(self, model: Module, plan: TensorParallelPlan, changed: dict[str, str]) -> None:
         self._tp_plan = plan
         object.__setattr__(model, _TP_PLAN, plan)
         if (message := plan.unplanned_message()) is not None:

@@ -16,16 +16,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_dist.parallel.fsdp import FSDPConfig, fsdp_modules
+from lightning_dist.parallel.fsdp import FSDPConfig
 from lightning_dist.parallel.gradient_sync import AccumulationSync
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
+from lightning_dist.parallel.parallelize import ParallelizeConfig, ParallelizeRecord
 from lightning_dist.parallel.quantization import check_bits, check_block_size
 from lightning_dist.parallel.validation import check_bool, check_positive_int
 from lightning_dist.parallel.zeropp import (
     NodeGroups,
     QuantizedAllGather,
     QuantizedReduceScatter,
-    install_comms,
     leftover_param_modules,
     new_node_groups,
 )
@@ -218,18 +218,20 @@ class ZeroPPStrategy(FSDP2Strategy):
         return leftover_param_modules(model, [m for _, m in units]) if self._hpz else []
 
     @override
-    def parallelize(self, model: Module) -> Module:
+    def parallelize_config(self, model: Module) -> ParallelizeConfig:
         _ = self.parallel_dims  # resolves hpZ before fsdp_config is read
-        model = super().parallelize(model)
+        config = super().parallelize_config(model)
         dims = self.parallel_dims
-        all_gather = reduce_scatter = None
         if self.quantized_weights:
-            all_gather = QuantizedAllGather(dims.fsdp, bits=self.weight_bits, block_size=self.weight_block_size)
+            config.all_gather = QuantizedAllGather(dims.fsdp, bits=self.weight_bits, block_size=self.weight_block_size)
         if self.quantized_gradients:
-            reduce_scatter = QuantizedReduceScatter(
+            config.reduce_scatter = QuantizedReduceScatter(
                 self._groups(), bits=self.gradient_bits, block_size=self.gradient_block_size
             )
-        units = install_comms(fsdp_modules(model), all_gather, reduce_scatter)
+        return config
+
+    @override
+    def log_parallelized(self, record: ParallelizeRecord) -> None:
         per_node = self.resolved_ranks_per_node
         parts = [
             f"qwZ int{self.weight_bits}/block {self.weight_block_size}" if self.quantized_weights else "qwZ off",
@@ -237,9 +239,8 @@ class ZeroPPStrategy(FSDP2Strategy):
             f"qgZ int{self.gradient_bits}/block {self.gradient_block_size}" if self.quantized_gradients else "qgZ off",
         ]
         self.log_decision(
-            f"{', '.join(parts)} on {units} FSDP units; {dims.fsdp // per_node} node(s) × {per_node} ranks"
+            f"{', '.join(parts)} on {record.fsdp_modules} FSDP units; {self.parallel_dims.fsdp // per_node} node(s) × {per_node} ranks"
         )
-        return model
 
     def _groups(self) -> NodeGroups:
         if self._node_groups is None:  # created once, by every rank, in the same order

@@ -1,0 +1,106 @@
+"""One function that applies every parallelism to a model: ``parallelize(model, mesh, config) -> record``.
+
+The order is torchtitan's, and each step runs only where its option or mesh axis is on:
+
+1. tensor parallelism (a resolved plan over the ``tp`` axis);
+2. the attention swap of context parallelism (an extension point; no strategy sets it yet);
+3. activation checkpointing of the units;
+4. FSDP2 (or HSDP) over the data-parallel mesh: shared modules, then the units, then the modules outside them as
+   one unit, then the root; with custom collectives (ZeRO++) installed on every unit.
+
+Strategies are presets: they map their options onto one :class:`ParallelizeConfig` and log from the returned
+:class:`ParallelizeRecord`. Pure PyTorch, no Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from lightning_dist.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightning_dist.parallel.fsdp import FSDPConfig, apply_fsdp, fsdp_modules, shared_submodules
+from lightning_dist.parallel.mesh import ParallelMesh
+from lightning_dist.parallel.module_selection import summarize
+from lightning_dist.parallel.tensor_parallel import TensorParallelPlan, apply_tensor_parallel
+from lightning_dist.parallel.zeropp import install_comms
+
+Unit = tuple[str, nn.Module]
+
+
+@dataclass
+class ParallelizeConfig:
+    """What :func:`parallelize` applies.
+
+    Attributes:
+        units: The repeated blocks (name, module): activation-checkpointed and sharded as FSDP units.
+        tp_plan: A resolved tensor-parallel plan, applied over the ``tp`` axis; ``None``: no tensor parallelism.
+        attention_swap: Called with the model after tensor parallelism (context parallel's attention dispatch).
+        activation_checkpointing: Recompute the units' activations in backward.
+        fsdp: How to shard; ``None``: no FSDP2.
+        root_mp_policy: The root module's mixed-precision policy (default: ``fsdp.mp_policy``).
+        extra_units: Modules sharded as units of their own besides the blocks, not checkpointed (ZeRO++ hpZ).
+        all_gather: A custom FSDP2 all-gather for every unit (ZeRO++ qwZ).
+        reduce_scatter: A custom FSDP2 reduce-scatter for every unit (ZeRO++ qgZ).
+    """
+
+    units: list[Unit] = field(default_factory=list)
+    tp_plan: TensorParallelPlan | None = None
+    attention_swap: Callable[[nn.Module], Any] | None = None
+    activation_checkpointing: bool = False
+    fsdp: FSDPConfig | None = None
+    root_mp_policy: MixedPrecisionPolicy | None = None
+    extra_units: list[Unit] = field(default_factory=list)
+    all_gather: Any = None
+    reduce_scatter: Any = None
+
+
+@dataclass
+class ParallelizeRecord:
+    """What :func:`parallelize` did, for log lines and tests.
+
+    Attributes:
+        tp_changes: Head-count attributes set to the per-rank count (``"blocks.0.attn.n_head": "4 → 2"``).
+        checkpointed: Summary of the activation-checkpointed units (``"4 × Block"``), or ``None``.
+        units: Summary of the FSDP units (``"4 × Block"``), or ``None`` without FSDP.
+        shared: Names of modules shared by several units, sharded as units of their own.
+        outside: Names of the modules outside the units, sharded together as one unit.
+        fsdp_modules: Modules ``fully_shard`` was applied to (the root included).
+        comms_units: FSDP modules that got the custom collectives.
+    """
+
+    tp_changes: dict[str, str] = field(default_factory=dict)
+    checkpointed: str | None = None
+    units: str | None = None
+    shared: list[str] = field(default_factory=list)
+    outside: list[str] = field(default_factory=list)
+    fsdp_modules: int = 0
+    comms_units: int = 0
+
+
+def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelizeConfig) -> ParallelizeRecord:
+    """Apply ``config`` to ``model`` in place, on every rank (collective where sharding communicates)."""
+    record = ParallelizeRecord()
+    names = {id(m): n for n, m in model.named_modules()}  # before fully_shard renames the classes
+    if config.tp_plan is not None:
+        record.tp_changes = apply_tensor_parallel(model, mesh["tp"], config.tp_plan)
+    if config.attention_swap is not None:
+        config.attention_swap(model)
+    if config.activation_checkpointing:
+        apply_activation_checkpointing(m for _, m in config.units)
+        record.checkpointed = summarize(config.units)
+    if config.fsdp is None:
+        return record
+    record.units = summarize(config.units)
+    shard = [m for _, m in [*config.units, *config.extra_units]]
+    record.shared = [names[id(m)] for m in shared_submodules(model, shard)]
+    outside = apply_fsdp(model, mesh.data_parallel, shard, config.fsdp, root_mp_policy=config.root_mp_policy)
+    record.outside = [names[id(m)] for m in outside]
+    sharded = fsdp_modules(model)
+    record.fsdp_modules = len(sharded)
+    if config.all_gather is not None or config.reduce_scatter is not None:
+        record.comms_units = install_comms(sharded, config.all_gather, config.reduce_scatter)
+    return record

@@ -7,18 +7,39 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
 
-def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
+def total_grad_norm(
+    parameters: Iterable[Tensor], norm_type: float = 2.0, stage_group: dist.ProcessGroup | None = None
+) -> Tensor:
     """Norm of all gradients as if they were one unsharded vector.
 
     Gradients are grouped by device mesh; each group's norm is computed with DTensor semantics (shards summed
     across their mesh dims, replicas counted once) and the groups are combined locally. Plain tensors are
-    treated as replicated on every rank.
+    treated as replicated on every rank. With ``stage_group`` (pipeline stages holding different parameters), the
+    stages' norms are combined too, so every stage clips by the same coefficient.
     """
-    norm_type = float(norm_type)
+    local = _local_total_norm(parameters, float(norm_type))
+    if stage_group is None:
+        return local
+    return _combine_over(local, float(norm_type), stage_group)
+
+
+def _combine_over(norm: Tensor, norm_type: float, group: dist.ProcessGroup) -> Tensor:
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else norm.device
+    value = norm.to(device)
+    if math.isinf(norm_type):
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        return value
+    value = value.pow(norm_type)
+    dist.all_reduce(value, group=group)
+    return value.pow(1.0 / norm_type)
+
+
+def _local_total_norm(parameters: Iterable[Tensor], norm_type: float) -> Tensor:
     groups: dict[object, list[Tensor]] = defaultdict(list)
     for p in parameters:
         if p.grad is not None:
@@ -39,10 +60,16 @@ def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Ten
     return torch.linalg.vector_norm(torch.stack([n.to(device, dtype) for n in group_norms]), norm_type)
 
 
-def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
-    """Scale gradients in place so their global norm is at most ``max_norm``; returns the norm before clipping."""
+def clip_grad_norm_(
+    parameters: Iterable[Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    stage_group: dist.ProcessGroup | None = None,
+) -> Tensor:
+    """Scale gradients in place so their global norm (over ``stage_group`` too, see :func:`total_grad_norm`) is at
+    most ``max_norm``; returns the norm before clipping."""
     parameters = [p for p in parameters if p.grad is not None]
-    total = total_grad_norm(parameters, norm_type)
+    total = total_grad_norm(parameters, norm_type, stage_group)
     if math.isinf(norm_type) or torch.isfinite(total):
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in parameters:

@@ -53,6 +53,8 @@ class FSDP2Precision(Precision):
         self._mixed = mode == "mixed"
         self.scaler = _LossScaler(init_scale, growth_interval) if precision == "16-mixed" else None
         self._autocast_device: str | None = None
+        #: Set by the strategy when pipeline stages hold different parameters (gradient norms sum over them).
+        self.stage_group: dist.ProcessGroup | None = None
 
     def use_autocast(self, device_type: str) -> None:
         """Compute in the low-precision dtype through ``torch.autocast`` instead of FSDP2's parameter casting.
@@ -135,7 +137,7 @@ class FSDP2Precision(Precision):
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        clip_grad_norm_(self.main_params(optimizer), clip_val)
+        clip_grad_norm_(self.main_params(optimizer), clip_val, stage_group=self.stage_group)
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: float) -> None:

@@ -15,7 +15,7 @@ import functools
 import inspect
 import warnings
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -138,6 +138,7 @@ class MeshParallelStrategy(ParallelStrategy):
         self._resume_position: dict[str, Any] | None = None
         self._resume_loader_index = 0
         self._tp_replicated: list[torch.nn.Parameter] = []
+        self._train_context: ExitStack | None = None
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ what a concrete strategy provides
@@ -290,6 +291,8 @@ class MeshParallelStrategy(ParallelStrategy):
         if not is_fully_sharded(self.model):  # no FSDP2 policy to cast parameters: mixed precision is autocast
             self.precision_plugin.use_autocast(self.root_device.type)
         self._tp_replicated = tp_replicated_parameters(self.model, self.mesh)
+        # Each pipeline stage holds different parameters: the norm to clip by sums over the stages.
+        self.precision_plugin.stage_group = self.process_group("pp") if self.parallel_dims.pp > 1 else None
         # DTensor/FSDP2 parameters cannot be used under inference_mode (their version counters); Lightning only
         # falls back to no_grad for its own FSDP strategy and gloo, so say it for every backend.
         for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
@@ -423,26 +426,62 @@ class MeshParallelStrategy(ParallelStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.checkpoint_io.check()  # a background save that failed is raised here, on every rank
 
+    # The step protocol: train_context() spans a training step's forward and backward; run_training_step,
+    # run_backward and run_eval_step are where a strategy takes a step over (pipeline: its schedule).
+    def train_context(self) -> ExitStack:
+        """Contexts that must stay active from a training step's forward to the end of its backward: activation
+        checkpointing recomputes forward inside backward (loss parallel's cross-entropy, context parallel's attention
+        dispatch). Subclasses add theirs to the stack ``super().train_context()`` returns. (Precision's autocast
+        is entered around the forward only, as torch recommends.)"""
+        return ExitStack()
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.train_step_context():
-            return self.run_training_step(*args, **kwargs)
+        self._close_train_context()  # the previous step's, if its backward was skipped (training_step gave None)
+        self._train_context = self.train_context()
+        try:
+            with self.precision_plugin.train_step_context():
+                return self.run_training_step(*args, **kwargs)
+        except BaseException:
+            self._close_train_context()
+            raise
 
-    # Evaluation steps run through the model's __call__ so the root's hooks (gathering its parameters) run.
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        try:
+            return self.run_backward(closure_loss, optimizer, *args, **kwargs)
+        finally:
+            self._close_train_context()
+
+    def run_backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """The backward of a training step, inside :meth:`train_context`: Lightning's (precision plugin, loss scaling).
+        A strategy whose schedule already ran backward (pipeline) overrides this."""
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _close_train_context(self) -> None:
+        context, self._train_context = self._train_context, None
+        if context is not None:
+            context.close()
+
+    def run_eval_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``validation_step``/``test_step``/``predict_step`` through the root module's ``__call__`` (so FSDP's
+        root hooks gather its parameters). A strategy that evaluates differently (pipeline) overrides this."""
+        return self._forward_redirection(self.model, self.lightning_module, step, *args, **kwargs)
+
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
-            return self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
+            return self.run_eval_step("validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
-            return self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
+            return self.run_eval_step("test_step", *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
-            return self._forward_redirection(self.model, self.lightning_module, "predict_step", *args, **kwargs)
+            return self.run_eval_step("predict_step", *args, **kwargs)
 
     @property
     def accumulation_sync_mode(self) -> AccumulationSync:
@@ -521,10 +560,24 @@ class MeshParallelStrategy(ParallelStrategy):
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()
         if group is None and self._mesh is not None:
-            if self.parallel_dims.batch * self.parallel_dims.cp == 1:
-                return tensor  # a one-rank loss group (pure tp/pp): every rank already holds the value
+            dims = self.parallel_dims
+            if dims.pp > 1:
+                tensor = self._from_loss_stage(tensor)
+            if dims.batch * dims.cp == 1:
+                return tensor  # a one-rank loss group (tensor/pipeline peers only): every rank holds the value now
             group = self.process_group("loss")
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    @property
+    def loss_stage(self) -> int:
+        """The pipeline stage whose ranks hold the true loss and logged values (the last); the others' are
+        placeholders, replaced by :meth:`reduce` with the loss stage's before they are averaged."""
+        return self.parallel_dims.pp - 1
+
+    def _from_loss_stage(self, tensor: Tensor) -> Tensor:
+        value = tensor.detach().clone().contiguous()
+        dist.broadcast(value, group=self.process_group("pp"), group_src=self.loss_stage)
+        return value
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
@@ -635,6 +688,7 @@ class MeshParallelStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
+        self._close_train_context()
         try:
             self.checkpoint_io.teardown()  # first: a save still in flight is awaited, and its failure raised
         finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from datetime import timedelta
 from typing import Any
 
@@ -226,12 +227,18 @@ class TensorParallelStrategy(MeshParallelStrategy):
 
     # ------------------------------------------------------------------ steps
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+    def train_context(self) -> ExitStack:
+        stack = super().train_context()
+        if self._tp_plan is not None and self._tp_plan.loss_parallel_head is not None:
+            stack.enter_context(VocabParallelCrossEntropy())
+        return stack
+
+    @override
+    def run_training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._tp_plan is None or self._tp_plan.loss_parallel_head is None:
-            return super().training_step(*args, **kwargs)
+            return super().run_training_step(*args, **kwargs)
         try:
-            with VocabParallelCrossEntropy():
-                output = super().training_step(*args, **kwargs)
+            output = super().run_training_step(*args, **kwargs)
         except LossParallelError:
             raise
         except Exception as err:

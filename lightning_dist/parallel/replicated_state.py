@@ -93,7 +93,18 @@ def average_gradients(parameters: Iterable[nn.Parameter], group: dist.ProcessGro
     Call after the last backward of a step, before clipping and the optimizer step. Every rank receives the same
     reduced values (and divides them identically), so copies that were equal stay bitwise equal.
     """
-    grads = [_local(p.grad) for p in parameters if p.grad is not None]
+    grads = []
+    for p in parameters:
+        if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
+            # a partial sum (sequence-parallel norms): summing it makes it whole and equal on every rank already;
+            # averaging addends would halve it
+            p.grad = p.grad.redistribute(
+                placements=[Replicate() if pl.is_partial() else pl for pl in p.grad.placements]
+            )
+            continue
+        grads.append(_local(p.grad))
     size = dist.get_world_size(group)
     reduced = 0
     with torch.no_grad():

@@ -88,9 +88,16 @@ def clip_grad_value_(parameters: Iterable[Tensor], clip_value: float) -> None:
     for p in parameters:
         if p.grad is None:
             continue
-        if isinstance(p.grad, DTensor) and any(placement.is_partial() for placement in p.grad.placements):
-            p.grad = p.grad.redistribute(
-                placements=[Replicate() if pl.is_partial() else pl for pl in p.grad.placements]
-            )
+        sum_partial_gradient(p)
         grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         grad.clamp_(-clip_value, clip_value)
+
+
+def sum_partial_gradient(param: Tensor) -> bool:
+    """Make a partial (not yet summed over its mesh) DTensor gradient whole, in place; returns whether it was
+    partial. The summed gradient is the same on every rank of that mesh."""
+    grad = param.grad
+    if not isinstance(grad, DTensor) or not any(pl.is_partial() for pl in grad.placements):
+        return False
+    param.grad = grad.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in grad.placements])
+    return True

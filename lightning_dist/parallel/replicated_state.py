@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from lightning_dist.parallel.grad_clip import sum_partial_gradient
 from lightning_dist.parallel.mesh import DERIVED_GROUPS, MESH_AXES, ParallelMesh
 
 # Axes a copy can be replicated over. Not pp: every stage holds different parameters.
@@ -93,18 +94,9 @@ def average_gradients(parameters: Iterable[nn.Parameter], group: dist.ProcessGro
     Call after the last backward of a step, before clipping and the optimizer step. Every rank receives the same
     reduced values (and divides them identically), so copies that were equal stay bitwise equal.
     """
-    grads = []
-    for p in parameters:
-        if p.grad is None:
-            continue
-        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
-            # a partial sum (sequence-parallel norms): summing it makes it whole and equal on every rank already;
-            # averaging addends would halve it
-            p.grad = p.grad.redistribute(
-                placements=[Replicate() if pl.is_partial() else pl for pl in p.grad.placements]
-            )
-            continue
-        grads.append(_local(p.grad))
+    # A partial gradient (sequence-parallel norms) is summed instead: that makes it whole and equal on every rank
+    # already, while averaging its addends would divide it.
+    grads = [_local(p.grad) for p in parameters if p.grad is not None and not sum_partial_gradient(p)]
     size = dist.get_world_size(group)
     reduced = 0
     with torch.no_grad():

@@ -22,6 +22,7 @@ __all__ = [
     "flatten_mesh",
     "fsdp_collective_protocols",
     "fully_shard_module",
+    "gather_full_state",
     "load_dcp_without_process_group",
     "load_functional_collectives",
     "resolve_process_group",
@@ -101,6 +102,14 @@ def load_dcp_without_process_group(path: Any) -> dict[str, Any]:
     state: dict[str, Any] = {}
     _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     return state
+
+
+def gather_full_state(state: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Every DTensor of ``state`` gathered in full onto the CPU of global rank ``rank`` (empty on the others).
+    Collective over the tensors' meshes; ``get_model_state_dict``'s public options only gather onto rank 0."""
+    from torch.distributed._state_dict_utils import _gather_state_dict
+
+    return _gather_state_dict(state, cpu_offload=True, ranks_only=(rank,))
 
 
 # ---------------------------------------------------------------------------------------------------- c10d and dispatch

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from torch import Size
@@ -21,15 +21,24 @@ class FitReport:
     mismatched: list[tuple[str, Size, Size]] = field(default_factory=list)  # key, model shape, checkpoint shape
 
 
-def compare_shapes(model_shapes: Mapping[str, Size], checkpoint_shapes: Mapping[str, Size | None]) -> FitReport:
-    """Compare global shapes; a ``None`` checkpoint shape is a non-tensor entry (not compared)."""
+def compare_shapes(
+    model_shapes: Mapping[str, Size],
+    checkpoint_shapes: Mapping[str, Size | None],
+    all_model_keys: Collection[str] | None = None,
+) -> FitReport:
+    """Compare global shapes; a ``None`` checkpoint shape is a non-tensor entry (not compared).
+
+    ``all_model_keys``: the keys of the whole model when this rank holds only part of it (a pipeline stage): a
+    checkpoint key is unexpected only if no part holds it.
+    """
     report = FitReport()
     for key, shape in model_shapes.items():
         if key not in checkpoint_shapes:
             report.missing.append(key)
         elif checkpoint_shapes[key] is not None and Size(checkpoint_shapes[key]) != Size(shape):
             report.mismatched.append((key, Size(shape), Size(checkpoint_shapes[key])))
-    report.unexpected = [key for key in checkpoint_shapes if key not in model_shapes]
+    known = model_shapes if all_model_keys is None else all_model_keys
+    report.unexpected = [key for key in checkpoint_shapes if key not in known]
     return report
 
 

@@ -7,6 +7,7 @@ plain modules alike, on any number of ranks (DCP reshards on load).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,46 +36,109 @@ from lightning_dist.checkpoint.layout import (
     without_states,
 )
 from lightning_dist.checkpoint.model_fit import FitReport, check_fit, compare_shapes
-from lightning_dist.checkpoint.optimizer_format import is_name_keyed, names_to_positions, positions_to_names
+from lightning_dist.checkpoint.optimizer_format import (
+    is_name_keyed,
+    names_to_positions,
+    only_names,
+    positions_to_names,
+)
+from lightning_dist.compat import gather_full_state
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def model_state(model: Module, full: bool) -> dict[str, Any]:
-    """Sharded (DTensor) model state, or the full state on CPU on rank 0 (empty elsewhere). Collective."""
-    return get_model_state_dict(model, options=_FULL if full else StateDictOptions())
+@dataclass(frozen=True)
+class StageLayout:
+    """Where pipeline stages live: each rank holds only its stages' parameters, under their original names.
+
+    Attributes:
+        group: The pipeline group of this rank (one rank per stage, all with the same data/tensor-parallel index).
+        leader: The global rank that gathers its stage's full state (the stage's first rank).
+    """
+
+    group: dist.ProcessGroup
+    leader: int
 
 
-def optimizer_state(model: Module, optimizer: Optimizer, full: bool) -> dict[str, Any]:
+def model_state(model: Module, full: bool, stages: StageLayout | None = None) -> dict[str, Any]:
+    """Sharded (DTensor) model state, or the full state on CPU on rank 0 (empty elsewhere): with pipeline
+    ``stages``, gathered from every stage. Collective."""
+    if not full:
+        return get_model_state_dict(model)
+    if stages is None:
+        return get_model_state_dict(model, options=_FULL)
+    return _merge_stages(gather_full_state(get_model_state_dict(model), stages.leader), stages)
+
+
+def optimizer_state(
+    model: Module, optimizer: Optimizer, full: bool, stages: StageLayout | None = None
+) -> dict[str, Any]:
     """Name-keyed sharded optimizer state, or on rank 0 the full state keyed by position as ``Optimizer.state_dict``
-    does (so a one-device run can resume from it). Collective."""
+    does (so a one-device run can resume from it). With pipeline ``stages`` the full state stays keyed by name
+    (positions of one stage's optimizer mean nothing to another's): lightning_dist loads either. Collective."""
     if not full:
         return get_optimizer_state_dict(model, optimizer)
-    state = get_optimizer_state_dict(model, optimizer, options=_FULL)
-    return names_to_positions(state) if state else state
+    if stages is None:
+        state = get_optimizer_state_dict(model, optimizer, options=_FULL)
+        return names_to_positions(state) if state else state
+    local = gather_full_state(get_optimizer_state_dict(model, optimizer), stages.leader)
+    return _merge_stages(local, stages)
+
+
+def _merge_stages(local: dict[str, Any], stages: StageLayout) -> dict[str, Any]:
+    """Rank 0 receives every stage leader's state (each holds different keys) and merges them; others get ``{}``."""
+    parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(local, parts, dst=0)  # over every rank: non-leaders send an empty dict
+    if parts is None:
+        return {}
+    merged: dict[str, Any] = {}
+    for part in parts:
+        _merge_into(merged, part or {})
+    return merged
+
+
+def _merge_into(merged: dict[str, Any], part: dict[str, Any]) -> None:
+    """Model states are flat; optimizer states hold ``state`` (by name) and ``param_groups`` (parameter names
+    concatenated group by group)."""
+    for key, value in part.items():
+        if key == "param_groups" and key in merged:
+            for group, more in zip(merged[key], value):
+                group["params"] = [*group["params"], *more["params"]]
+        elif isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key].update(value)
+        else:
+            merged.setdefault(key, value)
 
 
 def load_checkpoint_into(
-    path: str | Path, model: Module, optimizers: Sequence[Optimizer], strict: bool
+    path: str | Path,
+    model: Module,
+    optimizers: Sequence[Optimizer],
+    strict: bool,
+    stages: StageLayout | None = None,
 ) -> dict[str, Any]:
     """Load a validated checkpoint of either format into ``model`` (and ``optimizers``, if any), saved with any number
-    of ranks; returns everything else it holds (Lightning's loops, callbacks, our provenance). Collective for a
-    sharded folder."""
+    of ranks; returns everything else it holds (Lightning's loops, callbacks, our provenance). With pipeline
+    ``stages``, each rank loads its stages' keys and a strict load checks the keys of all stages together.
+    Collective for a sharded folder."""
     path = validate_checkpoint(path)
     if is_sharded_checkpoint(path):
-        load_sharded(path, model, optimizers, strict)
+        load_sharded(path, model, optimizers, strict, stages)
         return read_metadata(path)
     full = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # read once, used twice
-    load_full(full, model, optimizers, strict, repr(str(path)))
+    load_full(full, model, optimizers, strict, repr(str(path)), stages)
     return without_states(full)
 
 
-def load_sharded(path: Path, model: Module, optimizers: Sequence[Optimizer], strict: bool) -> None:
+def load_sharded(
+    path: Path, model: Module, optimizers: Sequence[Optimizer], strict: bool, stages: StageLayout | None = None
+) -> None:
     """Load a DCP checkpoint folder into ``model`` and ``optimizers`` (any saved world size or mesh). Collective."""
     state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
     for idx, optimizer in enumerate(optimizers):
         state[f"optimizer_{idx}"] = get_optimizer_state_dict(model, optimizer)
-    report = compare_shapes(_tensor_shapes(state["state_dict"]), _checkpoint_shapes(path, "state_dict."))
+    shapes = _tensor_shapes(state["state_dict"])
+    report = compare_shapes(shapes, _checkpoint_shapes(path, "state_dict."), _keys_of_all_stages(shapes, stages))
     check_fit(report, strict, repr(str(path)))
     _require_optimizer_states(path, len(optimizers))
     try:
@@ -87,11 +151,20 @@ def load_sharded(path: Path, model: Module, optimizers: Sequence[Optimizer], str
 
 
 def load_full(
-    checkpoint: dict[str, Any], model: Module, optimizers: Sequence[Optimizer], strict: bool, where: str
+    checkpoint: dict[str, Any],
+    model: Module,
+    optimizers: Sequence[Optimizer],
+    strict: bool,
+    where: str,
+    stages: StageLayout | None = None,
 ) -> None:
     """Load a one-file checkpoint dict (full tensors; present on every rank) into a possibly sharded model."""
     full = checkpoint["state_dict"]
-    report: FitReport = compare_shapes(_tensor_shapes(get_model_state_dict(model)), _tensor_shapes(full, keep_all=True))
+    shapes = _tensor_shapes(get_model_state_dict(model))
+    all_keys = _keys_of_all_stages(shapes, stages)
+    report: FitReport = compare_shapes(shapes, _tensor_shapes(full, keep_all=True), all_keys)
+    if stages is not None:  # each rank sets its own stages' keys only
+        full = {key: value for key, value in full.items() if key in shapes}
     check_fit(report, strict, where)
     # Outside a process group there is nothing to distribute: the full state is the local state.
     options = StateDictOptions(full_state_dict=dist.is_initialized(), strict=strict)
@@ -109,6 +182,8 @@ def load_full(
                 state = positions_to_names(state, parameter_names(model, optimizer))
             except ValueError as err:
                 raise CheckpointError(f"The optimizer state in {where} does not fit the optimizer: {err}") from err
+        if stages is not None:
+            state = only_names(state, {name for group in parameter_names(model, optimizer) for name in group})
         set_optimizer_state_dict(model, optimizer, state, options=options)
 
 
@@ -119,6 +194,15 @@ def parameter_names(model: Module, optimizer: Optimizer) -> list[list[str]]:
         return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
     except KeyError as err:
         raise CheckpointError("The optimizer holds a parameter that is not part of the model.") from err
+
+
+def _keys_of_all_stages(shapes: dict[str, Size | None], stages: StageLayout | None) -> set[str] | None:
+    """The model keys of every pipeline stage together (``None`` without stages: this rank's keys are all)."""
+    if stages is None:
+        return None
+    per_stage: list[Any] = [None] * dist.get_world_size(stages.group)
+    dist.all_gather_object(per_stage, sorted(shapes), group=stages.group)
+    return {key for keys in per_stage for key in keys}
 
 
 def _tensor_shapes(state: dict[str, Any], keep_all: bool = False) -> dict[str, Size | None]:

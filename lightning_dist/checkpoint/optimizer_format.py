@@ -50,3 +50,9 @@ def positions_to_names(state: dict[str, Any], names_in_order: list[list[str]]) -
 def is_name_keyed(state: dict[str, Any]) -> bool:
     params = [p for group in state.get("param_groups", []) for p in group["params"]]
     return bool(params) and isinstance(params[0], str)
+
+
+def only_names(state: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """The part of a name-keyed optimizer state that concerns ``names`` (one pipeline stage's parameters)."""
+    groups = [{**group, "params": [n for n in group["params"] if n in names]} for group in state["param_groups"]]
+    return {"state": {n: v for n, v in state["state"].items() if n in names}, "param_groups": groups}

@@ -9,6 +9,8 @@ softmax minus the one-hot target.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -146,3 +148,21 @@ def check_local_loss(output: Any) -> None:
             " vocabulary-sharded logits (it is still a DTensor). Loss parallel supports models whose loss is"
             " F.cross_entropy of the output head's logits." + _HINT
         )
+
+
+@contextmanager
+def explain_loss_parallel_failure(head: str) -> Iterator[None]:
+    """Turn a DTensor error inside a loss-parallel training step into a :class:`LossParallelError` that says what
+    loss parallel supports and how to turn it off."""
+    try:
+        yield
+    except LossParallelError:
+        raise
+    except Exception as err:
+        if "DTensor" not in str(err):
+            raise
+        raise LossParallelError(
+            f"loss_parallel=True: the training step failed on the vocabulary-sharded logits of {head!r}"
+            f" ({type(err).__name__}: {err}). Loss parallel supports training steps that only pass the logits"
+            " (reshaped as needed) to F.cross_entropy. Set loss_parallel=False to compute the loss on full logits."
+        ) from err

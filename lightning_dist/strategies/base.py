@@ -1,23 +1,30 @@
-"""The shared base of every lightning_dist strategy.
+"""The shared base of every lightning_dist strategy: how the Trainer reaches :mod:`lightning_dist.parallel`.
 
-It owns what all six strategies share: the process group and the one N-D mesh, launching (with the checks of
-:mod:`.preflight` first), the sampler's view of data parallelism, collectives for logging, precision-plugin
-conversion, meta-device materialization and placement, equal replicated copies across ranks, gradient accumulation,
-sharded checkpoints and gradient clipping. A concrete strategy says which mesh it wants (:meth:`mesh_sizes`), what
-it can check before launch (:meth:`check_model`) and how to parallelize the model on the mesh (:meth:`parallelize`).
-Pipeline and context parallel will use the extension hooks :meth:`transform_batch` and :meth:`run_training_step`.
+A concrete strategy says which mesh it wants (:meth:`MeshParallelStrategy.mesh_sizes`), what it can check before
+launch (:meth:`~MeshParallelStrategy.check_model`) and how to parallelize the model on the mesh
+(:meth:`~MeshParallelStrategy.parallelize`, usually one call of :func:`lightning_dist.parallel.parallelize`). The base
+owns the rest: processes (gloo on CPU, NCCL on CUDA; none spawned when torchrun or SLURM started them), the checks of
+:mod:`.preflight` before launch, the N-D mesh, the sampler's view of data parallelism, precision-plugin conversion,
+meta-device materialization and placement after sharding, equal replicated copies, and global-norm clipping (in the
+precision plugin). Three mixins hold the rest, one job each: :class:`.step_protocol.StepProtocol` (training,
+evaluation and optimizer steps, and where a strategy takes them over), :class:`.collectives.MeshCollectives`
+(reductions over the right mesh group) and :class:`.checkpointing.ShardedCheckpointing` (saving and loading).
+
+Model parts: :attr:`MeshParallelStrategy.model_parts` are the modules this rank runs, one for every strategy but
+the pipeline, which has one per stage held on this rank. A pipeline cuts its stages out of the LightningModule in
+place: modules of other stages are replaced by parameterless placeholders, so the LightningModule holds exactly
+the local parameters under their original names. ``configure_optimizers`` (``self.parameters()``), state dicts
+and checkpoints therefore see this rank's parameters only, and the parts share their modules with it.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
-import inspect
 import warnings
-from collections.abc import Generator, Mapping
-from contextlib import ExitStack, contextmanager, nullcontext
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
@@ -25,76 +32,50 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH, ReduceOp
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor
-from torch.distributed.tensor import DTensor
 from torch.nn import Module
-from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dist.checkpoint import model_state as states
-from lightning_dist.checkpoint.layout import PROVENANCE_KEY
-from lightning_dist.parallel.fsdp import is_fully_sharded, reshard_all
-from lightning_dist.parallel.gradient_sync import AccumulationSync, deferred_gradient_sync
+from lightning_dist.parallel.fsdp import is_fully_sharded
 from lightning_dist.parallel.mesh import ParallelDims, ParallelMesh
 from lightning_dist.parallel.placement import place_model
-from lightning_dist.parallel.replicated_state import (
-    average_gradients,
-    broadcast_replicated_state,
-    tp_replicated_parameters,
-)
-from lightning_dist.plugins.checkpoint_io import DistributedCheckpointIO, ParallelCheckpointIO
+from lightning_dist.parallel.replicated_state import broadcast_replicated_state, tp_replicated_parameters
 from lightning_dist.plugins.precision import FSDP2Precision, to_fsdp2_precision
-from lightning_dist.strategies.data_position import (
-    LIGHTNING_NOT_RESUMABLE_WARNING,
-    skip_trained_batches,
-    training_position,
-)
+from lightning_dist.strategies.checkpointing import ShardedCheckpointing
+from lightning_dist.strategies.collectives import MeshCollectives
+from lightning_dist.strategies.data_position import LIGHTNING_NOT_RESUMABLE_WARNING, skip_trained_batches
 from lightning_dist.strategies.preflight import (
+    PARALLELIZED,
     PreflightLauncher,
     PreflightSubprocessLauncher,
     check_checkpoint_callbacks,
     check_ckpt_path,
+    check_same_parallelism,
+    parallel_settings,
 )
+from lightning_dist.strategies.step_protocol import StepProtocol
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 MeshSize = int | Literal["auto"]
-# Set on a model once parallelized: the strategy settings that did it (see MeshParallelStrategy.parallel_settings).
-_PARALLELIZED = "_lightning_dist_parallelized"
-# Constructor arguments every strategy shares with Lightning's: they do not change how a model is parallelized.
-_BASE_ARGUMENTS = (
-    "self",
-    "accelerator",
-    "parallel_devices",
-    "cluster_environment",
-    "checkpoint_io",
-    "precision_plugin",
-    "process_group_backend",
-    "timeout",
-)
 
 
-class MeshParallelStrategy(ParallelStrategy):
+class MeshParallelStrategy(ShardedCheckpointing, MeshCollectives, StepProtocol, ParallelStrategy):
     """Base of all lightning_dist strategies (not registered itself).
+
+    Subclasses take their own options first and pass every other keyword (these) on with ``**kwargs``; jsonargparse
+    follows the forwarding, so each of them is also an option in YAML.
 
     Args:
         accelerator: Set by the Trainer.
@@ -135,10 +116,10 @@ class MeshParallelStrategy(ParallelStrategy):
         self._timeout = timeout
         self._dims: ParallelDims | None = None
         self._mesh: ParallelMesh | None = None
+        self._model_parts: list[Module] | None = None
         self._resume_position: dict[str, Any] | None = None
         self._resume_loader_index = 0
         self._tp_replicated: list[torch.nn.Parameter] = []
-        self._train_context: ExitStack | None = None
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ what a concrete strategy provides
@@ -150,8 +131,8 @@ class MeshParallelStrategy(ParallelStrategy):
         """Check strategy-specific constraints on the resolved mesh (before any process group is created)."""
 
     def parallelize(self, model: Module) -> Module:
-        """Apply this strategy's parallelism to ``model`` (on every rank, after the mesh exists); return the module
-        the Trainer should run (a pipeline strategy returns its stage)."""
+        """Apply this strategy's parallelism to ``model`` in place (on every rank, after the mesh exists) and return
+        it. A pipeline strategy also sets :attr:`model_parts` to the stages it kept on this rank."""
         raise NotImplementedError
 
     def check_model(self, model: Module) -> None:
@@ -159,18 +140,17 @@ class MeshParallelStrategy(ParallelStrategy):
         wrap exist, that head counts divide the TP size). Only called for models whose layers all exist already
         (no ``configure_model``) and that no Trainer has parallelized yet."""
 
-    # ------------------------------------------------------------------ extension hooks (pipeline, context parallel)
-    def transform_batch(self, batch: Any, dataloader_idx: int = 0) -> Any:
-        """Transform a batch after it reached the device (context parallel shards it on the sequence dim)."""
-        return batch
+    @property
+    def model_parts(self) -> list[Module]:
+        """The modules this rank runs: the model itself, or a pipeline's stages on this rank (see the module
+        docstring for how they relate to the LightningModule)."""
+        if self._model_parts is not None:
+            return self._model_parts
+        return [self.model] if self.model is not None else []
 
-    def run_training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the training step through the root module's ``__call__`` (so FSDP's root hooks run).
-
-        A strategy that takes over the step (pipeline: forward and backward inside its schedule) overrides this and
-        turns off Lightning's own backward for automatic optimization.
-        """
-        return self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
+    @model_parts.setter
+    def model_parts(self, parts: list[Module]) -> None:
+        self._model_parts = list(parts)
 
     # ------------------------------------------------------------------ mesh
     @property
@@ -278,10 +258,10 @@ class MeshParallelStrategy(ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        if getattr(self.model, _PARALLELIZED, None) is None:
+        if getattr(self.model, PARALLELIZED, None) is None:
             self.model = self.precision_plugin.convert_module(self.model)
             self.model = self.parallelize(self.model)
-            object.__setattr__(self.model, _PARALLELIZED, self.parallel_settings())
+            object.__setattr__(self.model, PARALLELIZED, parallel_settings(self))
             # Meta-initialized (empty_init) state is created where it will live: the CPU under offload.
             _materialize_distributed_module(
                 self.model, torch.device("cpu") if self.offloads_parameters else self.root_device
@@ -315,45 +295,11 @@ class MeshParallelStrategy(ParallelStrategy):
         model = self.lightning_module
         if model is None:
             return
-        applied = getattr(model, _PARALLELIZED, None)
+        applied = getattr(model, PARALLELIZED, None)
         if applied is not None:
-            self._check_same_parallelism(applied)
+            check_same_parallelism(self, applied)
         elif not is_overridden("configure_model", model, pl.LightningModule):
             self.check_model(model)
-
-    def parallel_settings(self) -> dict[str, str]:
-        """What determines how this strategy parallelizes a model: its class, mesh, precision and own options.
-
-        Recorded on the model when it is parallelized; a later Trainer may reuse the model only with equal settings.
-        """
-        settings = {
-            "strategy": type(self).__name__,
-            "mesh": str(self.parallel_dims),
-            "precision": str(self.precision_plugin.precision),
-        }
-        for name in inspect.signature(type(self).__init__).parameters:
-            if name not in _BASE_ARGUMENTS:
-                settings[name] = repr(getattr(self, name, None))
-        return settings
-
-    def _check_same_parallelism(self, applied: dict[str, str]) -> None:
-        """Refuse a model that an earlier Trainer parallelized differently: its parameters are already sharded, and
-        applying other parallelism on top would train on the old layout (or fail deep inside torch)."""
-        wanted = self.parallel_settings()
-        if applied == wanted:
-            return
-        differences = ", ".join(
-            f"{key}: {applied.get(key, '-')} → {wanted.get(key, '-')}"
-            for key in dict.fromkeys([*applied, *wanted])
-            if applied.get(key) != wanted.get(key)
-        )
-        raise RuntimeError(
-            f"{type(self.lightning_module).__name__} was already parallelized by an earlier Trainer with"
-            f" {applied['strategy']} ({differences}). A sharded model cannot be parallelized again. Give this Trainer a"
-            " fresh, unsharded instance of the model (construct it again, or load one with"
-            " `load_from_checkpoint` from a checkpoint the first Trainer saved), or use the first Trainer's strategy"
-            " settings."
-        )
 
     def _make_replicas_equal(self) -> None:
         """Copy every replicated parameter and buffer from the first rank of each axis it is replicated over, as DDP
@@ -403,12 +349,6 @@ class MeshParallelStrategy(ParallelStrategy):
         with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
             yield
 
-    # ------------------------------------------------------------------ steps
-    @override
-    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        batch = super().batch_to_device(batch, device, dataloader_idx)
-        return self.transform_batch(batch, dataloader_idx)
-
     @override
     def process_dataloader(self, dataloader: object) -> object:
         # A mid-epoch checkpoint resumes at the next batch, not at the epoch's first (see data_position.py).
@@ -425,264 +365,6 @@ class MeshParallelStrategy(ParallelStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.checkpoint_io.check()  # a background save that failed is raised here, on every rank
-
-    # The step protocol: train_context() spans a training step's forward and backward; run_training_step,
-    # run_backward and run_eval_step are where a strategy takes a step over (pipeline: its schedule).
-    def train_context(self) -> ExitStack:
-        """Contexts that must stay active from a training step's forward to the end of its backward: activation
-        checkpointing recomputes forward inside backward (loss parallel's cross-entropy, context parallel's attention
-        dispatch). Subclasses add theirs to the stack ``super().train_context()`` returns. (Precision's autocast
-        is entered around the forward only, as torch recommends.)"""
-        return ExitStack()
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._close_train_context()  # the previous step's, if its backward was skipped (training_step gave None)
-        self._train_context = self.train_context()
-        try:
-            with self.precision_plugin.train_step_context():
-                return self.run_training_step(*args, **kwargs)
-        except BaseException:
-            self._close_train_context()
-            raise
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        try:
-            return self.run_backward(closure_loss, optimizer, *args, **kwargs)
-        finally:
-            self._close_train_context()
-
-    def run_backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        """The backward of a training step, inside :meth:`train_context`: Lightning's (precision plugin, loss scaling).
-        A strategy whose schedule already ran backward (pipeline) overrides this."""
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    def _close_train_context(self) -> None:
-        context, self._train_context = self._train_context, None
-        if context is not None:
-            context.close()
-
-    def run_eval_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
-        """Run ``validation_step``/``test_step``/``predict_step`` through the root module's ``__call__`` (so FSDP's
-        root hooks gather its parameters). A strategy that evaluates differently (pipeline) overrides this."""
-        return self._forward_redirection(self.model, self.lightning_module, step, *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self.run_eval_step("validation_step", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self.run_eval_step("test_step", *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self.run_eval_step("predict_step", *args, **kwargs)
-
-    @property
-    def accumulation_sync_mode(self) -> AccumulationSync:
-        """When gradients are communicated during gradient accumulation (see :mod:`.parallel.gradient_sync`)."""
-        return "every"
-
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        # Lightning enters this around every micro-batch but the last of an accumulation window.
-        assert self.model is not None
-        with deferred_gradient_sync(self.model, self.accumulation_sync_mode):
-            yield
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        # The closure runs forward/backward; gathered parameters must not outlive it into the update.
-        def closure_then_reshard() -> Any:
-            result = closure()
-            reshard_all(self.model)
-            if self._tp_replicated:  # before clipping and the update: the copies must see identical gradients
-                average_gradients(self._tp_replicated, self.process_group("tp"))
-            return result
-
-        return super().optimizer_step(optimizer, closure_then_reshard, model, **kwargs)
-
-    def _reshard_after_evaluation(self) -> None:
-        if self.model is not None:
-            reshard_all(self.model)
-
-    @override
-    def on_validation_end(self) -> None:
-        self._reshard_after_evaluation()
-
-    @override
-    def on_test_end(self) -> None:
-        self._reshard_after_evaluation()
-
-    @override
-    def on_predict_end(self) -> None:
-        self._reshard_after_evaluation()
-
-    # ------------------------------------------------------------------ collectives
-    def process_group(self, name: str = "loss") -> dist.ProcessGroup:
-        """The process group of a mesh axis or derived group (``"batch"``, ``"fsdp"``, ``"loss"``, ``"tp"``...)."""
-        return self.mesh[name].get_group()
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if not dist.is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not dist.is_initialized():
-            return obj
-        container = [obj]
-        dist.broadcast_object_list(container, src)
-        return container[0]
-
-    @override
-    def reduce(
-        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
-    ) -> Tensor | Any:
-        """Reduce over ``group``; by default over the ``loss`` group, so TP/PP peers are not counted twice.
-
-        A DTensor (``self.log("w", param.norm(), sync_dist=True)`` on a sharded parameter) is first made whole, so the
-        value is the one DDP logs.
-        """
-        if not isinstance(tensor, Tensor):
-            return tensor
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()
-        if group is None and self._mesh is not None:
-            dims = self.parallel_dims
-            if dims.pp > 1:
-                tensor = self._from_loss_stage(tensor)
-            if dims.batch * dims.cp == 1:
-                return tensor  # a one-rank loss group (tensor/pipeline peers only): every rank holds the value now
-            group = self.process_group("loss")
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-
-    @property
-    def loss_stage(self) -> int:
-        """The pipeline stage whose ranks hold the true loss and logged values (the last); the others' are
-        placeholders, replaced by :meth:`reduce` with the loss stage's before they are averaged."""
-        return self.parallel_dims.pp - 1
-
-    def _from_loss_stage(self, tensor: Tensor) -> Tensor:
-        value = tensor.detach().clone().contiguous()
-        dist.broadcast(value, group=self.process_group("pp"), group_src=self.loss_stage)
-        return value
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        """Gather over ``group``; by default over the ``loss`` group (one value per data-parallel replica). DTensors
-        are gathered by their full values."""
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()
-        if group is None and self._mesh is not None:
-            group = self.process_group("loss")
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        """Every rank of the job takes the same decision (early stopping, checkpointing): reduce over all ranks."""
-        if not dist.is_initialized():
-            return decision
-        flag = torch.tensor(int(decision), device=self.root_device)
-        flag = _sync_ddp_if_available(flag, dist.group.WORLD, reduce_op=ReduceOp.SUM)
-        return bool(flag == self.world_size) if all else bool(flag)
-
-    # ------------------------------------------------------------------ checkpoints
-    @property
-    @override
-    def checkpoint_io(self) -> ParallelCheckpointIO:
-        if self._checkpoint_io is None:
-            self._checkpoint_io = DistributedCheckpointIO()
-        return self._checkpoint_io  # type: ignore[return-value]
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        if io is not None and not isinstance(io, ParallelCheckpointIO):
-            raise TypeError(
-                f"{type(self).__name__} cannot save through {type(io).__name__}: each rank holds only its shards of"
-                " the model. Use lightning_dist.DistributedCheckpointIO (the default, sharded),"
-                " lightning_dist.AsyncDistributedCheckpointIO (sharded, saved in the background) or"
-                " lightning_dist.FullStateCheckpointIO (one consolidated file)."
-            )
-        self._checkpoint_io = io
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.model is not None
-        return states.model_state(self.model, full=self.checkpoint_io.full_state)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        assert self.model is not None
-        return states.optimizer_state(self.model, optimizer, full=self.checkpoint_io.full_state)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        path = Path(self.broadcast(str(filepath)))
-        checkpoint[PROVENANCE_KEY] = self._checkpoint_provenance()
-        trainer = self.lightning_module.trainer
-        if trainer.state.fn == TrainerFn.FITTING:
-            checkpoint[PROVENANCE_KEY]["data_position"] = training_position(trainer, self.parallel_dims.batch)
-        self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
-
-    def _checkpoint_provenance(self) -> dict[str, Any]:
-        from lightning_dist import __version__
-
-        return {
-            "strategy": type(self).__name__,
-            "world_size": self.world_size,
-            "mesh": self.parallel_dims.as_dict(),
-            "format": "full" if self.checkpoint_io.full_state else "sharded",
-            "version": __version__,
-        }
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a sharded folder or a single-file checkpoint, whichever ``checkpoint_path`` is, saved with any number
-        of ranks and any lightning_dist strategy (or a one-device Lightning run)."""
-        path = Path(self.broadcast(str(checkpoint_path)))
-        self.checkpoint_io.wait()
-        assert self.model is not None and self.lightning_module is not None
-        strict = self.lightning_module.strict_loading
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        optimizers = (
-            [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers] if fitting else []
-        )
-        metadata = states.load_checkpoint_into(path, self.model, optimizers, strict)
-        self._resume_position = metadata.get(PROVENANCE_KEY, {}).get("data_position") if fitting else None
-        self._resume_loader_index = 0
-        return metadata
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        pass  # loaded in load_checkpoint()
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass  # loaded in load_checkpoint()
 
     # ------------------------------------------------------------------ teardown and logging
     @override

@@ -2,15 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
-import lightning.pytorch as pl
-import torch
-from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.plugins.io import CheckpointIO
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn import Module
@@ -72,23 +65,9 @@ class FSDP2Strategy(MeshParallelStrategy):
         activation_checkpointing: bool = False,
         cpu_offload: bool = False,
         accumulation_sync: AccumulationSync = "every",
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
+        super().__init__(**kwargs)
         if sharding not in SHARDING_MODES:
             raise ValueError(f"sharding={sharding!r} is not one of {list(SHARDING_MODES)}.")
         is_int = isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool)
@@ -221,34 +200,3 @@ class FSDP2Strategy(MeshParallelStrategy):
     def extra_shard_units(self, model: Module, units: list[tuple[str, Module]]) -> list[tuple[str, Module]]:
         """Modules to shard as units of their own besides the blocks (not activation-checkpointed); none here."""
         return []
-
-    @classmethod
-    def register_strategies(cls, registry: Any) -> None:
-        registry.register("fsdp2", cls, description="FSDP2: fully sharded data parallel (ZeRO-3)")
-        registry.register(
-            "fsdp2_grad_op",
-            cls,
-            description="FSDP2, parameters kept gathered until backward (ZeRO-2-like)",
-            sharding="grad_op",
-        )
-        registry.register(
-            "fsdp2_no_shard", cls, description="FSDP2 without sharding (replicated, DDP-like)", sharding="no_shard"
-        )
-        registry.register(
-            "fsdp2_hybrid",
-            cls,
-            description="FSDP2 hybrid sharding (HSDP): shard within a node, replicate across nodes",
-            sharding="hybrid",
-        )
-        registry.register(
-            "fsdp2_cpu_offload",
-            cls,
-            description="FSDP2 with parameters, gradients and optimizer state offloaded to CPU",
-            cpu_offload=True,
-        )
-        registry.register(
-            "fsdp2_activation_checkpointing",
-            cls,
-            description="FSDP2 with activation checkpointing of every block",
-            activation_checkpointing=True,
-        )

@@ -30,6 +30,49 @@ if TYPE_CHECKING:
 _NAMED_CHECKPOINTS = ("last", "best", "hpc", "registry")
 
 
+# Set on a model once parallelized: the strategy settings that did it (see parallel_settings).
+PARALLELIZED = "_lightning_dist_parallelized"
+
+
+def parallel_settings(strategy: MeshParallelStrategy) -> dict[str, str]:
+    """What determines how ``strategy`` parallelizes a model: its class, mesh, precision and own options.
+
+    Recorded on the model when it is parallelized; a later Trainer may reuse the model only with equal settings.
+    """
+    settings = {
+        "strategy": type(strategy).__name__,
+        "mesh": str(strategy.parallel_dims),
+        "precision": str(strategy.precision_plugin.precision),
+    }
+    for cls in type(strategy).__mro__:  # every class's own options, down to the base's (which are Lightning's)
+        if cls.__name__ == "MeshParallelStrategy":
+            break
+        for name, parameter in inspect.signature(cls.__init__).parameters.items():
+            if name != "self" and parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL):
+                settings.setdefault(name, repr(getattr(strategy, name, None)))
+    return settings
+
+
+def check_same_parallelism(strategy: MeshParallelStrategy, applied: dict[str, str]) -> None:
+    """Refuse a model that an earlier Trainer parallelized differently: its parameters are already sharded, and
+    applying other parallelism on top would train on the old layout (or fail deep inside torch)."""
+    wanted = parallel_settings(strategy)
+    if applied == wanted:
+        return
+    differences = ", ".join(
+        f"{key}: {applied.get(key, '-')} → {wanted.get(key, '-')}"
+        for key in dict.fromkeys([*applied, *wanted])
+        if applied.get(key) != wanted.get(key)
+    )
+    raise RuntimeError(
+        f"{type(strategy.lightning_module).__name__} was already parallelized by an earlier Trainer with"
+        f" {applied['strategy']} ({differences}). A sharded model cannot be parallelized again. Give this Trainer a"
+        " fresh, unsharded instance of the model (construct it again, or load one with"
+        " `load_from_checkpoint` from a checkpoint the first Trainer saved), or use the first Trainer's strategy"
+        " settings."
+    )
+
+
 def check_ckpt_path(ckpt_path: Any) -> None:
     """Raise :class:`~lightning_dist.CheckpointError` if a local ``ckpt_path`` is missing or unfinished.
 

@@ -1,4 +1,5 @@
-"""Registration of the strategy names with Lightning's ``StrategyRegistry``."""
+"""The strategy names registered with Lightning's ``StrategyRegistry``: one primary name per strategy, plus variants
+in Lightning's ``<base>_<variant>`` style that preset some options."""
 
 from __future__ import annotations
 
@@ -10,7 +11,67 @@ from lightning_dist.strategies.fsdp2 import FSDP2Strategy
 from lightning_dist.strategies.tensor_parallel import TensorParallelStrategy
 from lightning_dist.strategies.zeropp import ZeroPPStrategy
 
-STRATEGY_CLASSES = (FSDP2Strategy, TensorParallelStrategy, ZeroPPStrategy)
+# name, class, description, preset options
+STRATEGY_NAMES: list[tuple[str, type, str, dict[str, Any]]] = [
+    ("fsdp2", FSDP2Strategy, "FSDP2: fully sharded data parallel (ZeRO-3)", {}),
+    (
+        "fsdp2_grad_op",
+        FSDP2Strategy,
+        "FSDP2, parameters kept gathered until backward (ZeRO-2-like)",
+        {"sharding": "grad_op"},
+    ),
+    ("fsdp2_no_shard", FSDP2Strategy, "FSDP2 without sharding (replicated, DDP-like)", {"sharding": "no_shard"}),
+    (
+        "fsdp2_hybrid",
+        FSDP2Strategy,
+        "FSDP2 hybrid sharding (HSDP): shard within a node, replicate across nodes",
+        {"sharding": "hybrid"},
+    ),
+    (
+        "fsdp2_cpu_offload",
+        FSDP2Strategy,
+        "FSDP2 with parameters, gradients and optimizer state offloaded to CPU",
+        {"cpu_offload": True},
+    ),
+    (
+        "fsdp2_activation_checkpointing",
+        FSDP2Strategy,
+        "FSDP2 with activation checkpointing of every block",
+        {"activation_checkpointing": True},
+    ),
+    ("zeropp", ZeroPPStrategy, "ZeRO++ on FSDP2: quantized weights (qwZ), hpZ and qgZ", {}),
+    (
+        "zeropp_qwz",
+        ZeroPPStrategy,
+        "ZeRO++ with quantized weight all-gather (qwZ) only",
+        {"hpz_partition_size": None, "quantized_gradients": False},
+    ),
+    (
+        "zeropp_hpz",
+        ZeroPPStrategy,
+        "ZeRO++ with the hierarchical (intra-node) secondary weight partition (hpZ) only",
+        {"quantized_weights": False, "quantized_gradients": False},
+    ),
+    (
+        "zeropp_qgz",
+        ZeroPPStrategy,
+        "ZeRO++ with the quantized two-hop gradient reduce-scatter (qgZ) only",
+        {"quantized_weights": False, "hpz_partition_size": None},
+    ),
+    ("tensor_parallel", TensorParallelStrategy, "Tensor parallelism with an automatic plan (all devices on tp)", {}),
+    (
+        "tensor_parallel_2d",
+        TensorParallelStrategy,
+        "2D: tensor parallelism × FSDP2 over data parallel (TP inside a node by default)",
+        {"data_parallel_size": "auto"},
+    ),
+    (
+        "tensor_parallel_sequence_parallel",
+        TensorParallelStrategy,
+        "Tensor parallelism with sequence parallel norms",
+        {"sequence_parallel": True},
+    ),
+]
 
 
 def register_strategies() -> None:
@@ -18,17 +79,9 @@ def register_strategies() -> None:
 
     Lightning's built-in names are never overridden: ours all carry their own prefixes.
     """
-    for cls in STRATEGY_CLASSES:
-        cls.register_strategies(_OnlyNewNames(StrategyRegistry))
-
-
-class _OnlyNewNames:
-    def __init__(self, registry: Any) -> None:
-        self._registry = registry
-
-    def register(self, name: str, strategy: type, description: str, **init_params: Any) -> None:
-        if name in self._registry:
-            if self._registry[name]["strategy"] is not strategy:
+    for name, cls, description, presets in STRATEGY_NAMES:
+        if name in StrategyRegistry:
+            if StrategyRegistry[name]["strategy"] is not cls:
                 raise RuntimeError(f"The strategy name {name!r} is already registered by another package.")
-            return
-        self._registry.register(name, strategy, description=description, **init_params)
+            continue
+        StrategyRegistry.register(name, cls, description=description, **presets)

@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 from contextlib import ExitStack
-from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
-from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.plugins.io import CheckpointIO
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from typing_extensions import override
 
 from lightning_dist.parallel.fsdp import FSDPConfig, is_fully_sharded
-from lightning_dist.parallel.loss_parallel import LossParallelError, VocabParallelCrossEntropy, check_local_loss
+from lightning_dist.parallel.loss_parallel import (
+    VocabParallelCrossEntropy,
+    check_local_loss,
+    explain_loss_parallel_failure,
+)
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
 from lightning_dist.parallel.module_selection import find_repeated_blocks
 from lightning_dist.parallel.parallelize import ParallelizeConfig, parallelize
@@ -73,23 +71,9 @@ class TensorParallelStrategy(MeshParallelStrategy):
         loss_parallel: bool = False,
         activation_checkpointing: bool = False,
         reshard_after_forward: bool = True,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
+        super().__init__(**kwargs)
         for key, spec in (plan or {}).items():
             try:  # a misspelt style or layout fails at construction, before any launch
                 build_style(spec, key)
@@ -237,39 +221,10 @@ class TensorParallelStrategy(MeshParallelStrategy):
     def run_training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._tp_plan is None or self._tp_plan.loss_parallel_head is None:
             return super().run_training_step(*args, **kwargs)
-        try:
+        with explain_loss_parallel_failure(self._tp_plan.loss_parallel_head):
             output = super().run_training_step(*args, **kwargs)
-        except LossParallelError:
-            raise
-        except Exception as err:
-            if "DTensor" not in str(err):
-                raise
-            raise LossParallelError(
-                f"loss_parallel=True: the training step failed on the vocabulary-sharded logits of"
-                f" {self._tp_plan.loss_parallel_head!r} ({type(err).__name__}: {err}). Loss parallel supports"
-                " training steps that only pass the logits (reshaped as needed) to F.cross_entropy. Set"
-                " loss_parallel=False to compute the loss on full logits."
-            ) from err
         check_local_loss(output)
         return output
-
-    @classmethod
-    def register_strategies(cls, registry: Any) -> None:
-        registry.register(
-            "tensor_parallel", cls, description="Tensor parallelism with an automatic plan (all devices on tp)"
-        )
-        registry.register(
-            "tensor_parallel_2d",
-            cls,
-            description="2D: tensor parallelism × FSDP2 over data parallel (TP inside a node by default)",
-            data_parallel_size="auto",
-        )
-        registry.register(
-            "tensor_parallel_sequence_parallel",
-            cls,
-            description="Tensor parallelism with sequence parallel norms",
-            sequence_parallel=True,
-        )
 
 
 def _summarize_changes(changed: dict[str, str]) -> str:

@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any, Literal
 
-import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
@@ -18,7 +12,7 @@ from typing_extensions import override
 
 from lightning_dist.parallel.fsdp import FSDPConfig
 from lightning_dist.parallel.gradient_sync import AccumulationSync
-from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
+from lightning_dist.parallel.mesh import ParallelDims
 from lightning_dist.parallel.parallelize import ParallelizeConfig, ParallelizeRecord
 from lightning_dist.parallel.quantization import check_bits, check_block_size
 from lightning_dist.parallel.validation import check_bool, check_positive_int
@@ -29,14 +23,10 @@ from lightning_dist.parallel.zeropp import (
     leftover_param_modules,
     new_node_groups,
 )
+from lightning_dist.parallel.zeropp_topology import HPZ_OFFLOAD, resolve_hpz
 from lightning_dist.plugins.precision import FSDP2Precision, to_fsdp2_precision
 from lightning_dist.plugins.zeropp_precision import ZeroPPPrecision
 from lightning_dist.strategies.fsdp2 import FSDP2Strategy
-
-_HPZ_OFFLOAD = (
-    "hpZ keeps a secondary partition of the gathered weights on the accelerator between forward and backward, which"
-    " CPU offloading cannot hold. Set hpz_partition_size=None to offload, or drop cpu_offload."
-)
 
 
 class ZeroPPStrategy(FSDP2Strategy):
@@ -89,28 +79,19 @@ class ZeroPPStrategy(FSDP2Strategy):
         activation_checkpointing: bool = False,
         cpu_offload: bool = False,
         accumulation_sync: AccumulationSync = "every",
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
+        super().__init__(  # the FSDP2 options ZeRO++ sets itself are passed explicitly: not options of zeropp
             sharding="full",
+            data_parallel_shard_size="auto",
+            data_parallel_replicate_size=1,
+            reshard_after_forward=None,
             wrap_modules=wrap_modules,
             wrap_regex=wrap_regex,
             activation_checkpointing=activation_checkpointing,
             cpu_offload=cpu_offload,
             accumulation_sync=accumulation_sync,
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
+            **kwargs,
         )
         for name, bits in (("weight_bits", weight_bits), ("gradient_bits", gradient_bits)):
             try:
@@ -128,7 +109,7 @@ class ZeroPPStrategy(FSDP2Strategy):
                 f"hpz_partition_size={hpz!r} must be 'auto' (ranks per node), an int >= 2, or None (hpZ off)."
             )
         if isinstance(hpz, int) and cpu_offload:
-            raise ValueError(_HPZ_OFFLOAD)
+            raise ValueError(HPZ_OFFLOAD)
         if ranks_per_node is not None:
             check_positive_int("ranks_per_node", ranks_per_node)
         self.quantized_weights = check_bool("quantized_weights", quantized_weights)
@@ -165,45 +146,14 @@ class ZeroPPStrategy(FSDP2Strategy):
     @override
     def validate_mesh(self, dims: ParallelDims) -> None:
         super().validate_mesh(dims)
-        group = dims.fsdp
-        per_node = self.resolved_ranks_per_node
-        if group % per_node:
-            raise MeshConfigError(
-                f"ranks_per_node={per_node} does not divide the {group} ranks ZeRO++ shards over; declare a"
-                " ranks_per_node that does (whole nodes)."
-            )
-        nodes = group // per_node
-        hpz = per_node if self.hpz_partition_size == "auto" else self.hpz_partition_size
-        if self.hpz_partition_size == "auto" and hpz is not None and hpz < 2 and group > 1:
-            rank_zero_warn(
-                "zeropp: one rank per node, so hpZ has no intra-node partition to keep; backward re-gathers over the"
-                " whole group as in ZeRO-3 (hpZ is off)."
-            )
-            hpz = None
-        if hpz is not None and (hpz >= group or group % hpz):
-            if self.hpz_partition_size == "auto":
-                rank_zero_warn(
-                    f"zeropp: all {group} ranks are on one node, so hpZ has nothing to keep off the network;"
-                    " backward re-gathers over the whole group as in ZeRO-3 (hpZ is a no-op here)."
-                )
-                hpz = None
-            else:
-                raise MeshConfigError(
-                    f"hpz_partition_size={hpz} must divide the sharding group size {group} and be smaller than it."
-                )
-        if hpz is not None and per_node % hpz:
-            rank_zero_warn(
-                f"zeropp: hpz_partition_size={hpz} does not divide ranks_per_node={per_node}: secondary partitions span"
-                " node boundaries, so backward all-gathers cross nodes. Use a divisor of ranks_per_node (or 'auto')."
-            )
-        if self.quantized_gradients and nodes == 1 and group > 1:
-            rank_zero_warn(
-                f"zeropp: all {group} ranks are on one node: qgZ's cross-node hop is a no-op (the reduce-scatter is"
-                " still quantized inside the node). Declare ranks_per_node to simulate several nodes."
-            )
-        if hpz is not None and self.cpu_offload:
-            raise MeshConfigError(_HPZ_OFFLOAD)
-        self._hpz = hpz
+        self._hpz = resolve_hpz(
+            self.hpz_partition_size,
+            dims.fsdp,
+            self.resolved_ranks_per_node,
+            self.quantized_gradients,
+            self.cpu_offload,
+            rank_zero_warn,
+        )
 
     @property
     @override
@@ -247,29 +197,3 @@ class ZeroPPStrategy(FSDP2Strategy):
             ranks = dist.get_process_group_ranks(self.process_group("fsdp"))
             self._node_groups = new_node_groups(ranks, self.resolved_ranks_per_node)
         return self._node_groups
-
-    @classmethod
-    @override
-    def register_strategies(cls, registry: Any) -> None:
-        registry.register("zeropp", cls, description="ZeRO++ on FSDP2: quantized weights (qwZ), hpZ and qgZ")
-        registry.register(
-            "zeropp_qwz",
-            cls,
-            description="ZeRO++ with quantized weight all-gather (qwZ) only",
-            hpz_partition_size=None,
-            quantized_gradients=False,
-        )
-        registry.register(
-            "zeropp_hpz",
-            cls,
-            description="ZeRO++ with the hierarchical (intra-node) secondary weight partition (hpZ) only",
-            quantized_weights=False,
-            quantized_gradients=False,
-        )
-        registry.register(
-            "zeropp_qgz",
-            cls,
-            description="ZeRO++ with the quantized two-hop gradient reduce-scatter (qgZ) only",
-            quantized_weights=False,
-            hpz_partition_size=None,
-        )

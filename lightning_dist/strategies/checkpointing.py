@@ -1,0 +1,134 @@
+"""How a lightning_dist strategy saves and loads Lightning checkpoints (a mixin of the shared base).
+
+Lightning hands the strategy a checkpoint dict; this mixin puts the model's and optimizers' (sharded) state in it,
+adds where it came from (strategy, mesh, data position) and passes it to the checkpoint IO plugin. Loading accepts
+a sharded folder or a single file saved with any number of ranks and any lightning_dist strategy (or a one-device
+Lightning run). The model and optimizer state functions live in :mod:`lightning_dist.checkpoint.model_state`.
+
+On a pipeline mesh each rank holds only its stages' parameters (under their original names): a full-state save
+gathers every stage's state onto rank 0, and a strict load checks the checkpoint's keys against the keys of all
+stages together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_dist.checkpoint import model_state as states
+from lightning_dist.checkpoint.layout import PROVENANCE_KEY
+from lightning_dist.plugins.checkpoint_io import DistributedCheckpointIO, ParallelCheckpointIO
+from lightning_dist.strategies.data_position import training_position
+
+
+class ShardedCheckpointing:
+    """Checkpoint saving and loading of :class:`~lightning_dist.strategies.base.MeshParallelStrategy`."""
+
+    _checkpoint_io: CheckpointIO | None
+
+    @property
+    @override
+    def checkpoint_io(self) -> ParallelCheckpointIO:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = DistributedCheckpointIO()
+        return self._checkpoint_io  # type: ignore[return-value]
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        if io is not None and not isinstance(io, ParallelCheckpointIO):
+            raise TypeError(
+                f"{type(self).__name__} cannot save through {type(io).__name__}: each rank holds only its shards of"
+                " the model. Use lightning_dist.DistributedCheckpointIO (the default, sharded),"
+                " lightning_dist.AsyncDistributedCheckpointIO (sharded, saved in the background) or"
+                " lightning_dist.FullStateCheckpointIO (one consolidated file)."
+            )
+        self._checkpoint_io = io
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @property
+    def stage_layout(self) -> states.StageLayout | None:
+        """Where the pipeline stages' state lives (``None`` without a pipeline): full-state saves gather from every
+        stage, strict loads check keys over all of them."""
+        dims = self.parallel_dims
+        if dims.pp == 1 or not dist.is_initialized():
+            return None
+        per_stage = dims.world_size // dims.pp
+        return states.StageLayout(
+            group=self.process_group("pp"),
+            leader=self.global_rank - self.global_rank % per_stage,
+        )
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        model = self.model
+        return states.model_state(model, full=self.checkpoint_io.full_state, stages=self.stage_layout)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        model = self.model
+        return states.optimizer_state(model, optimizer, full=self.checkpoint_io.full_state, stages=self.stage_layout)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        path = Path(self.broadcast(str(filepath)))
+        checkpoint[PROVENANCE_KEY] = self._checkpoint_provenance()
+        trainer = self.lightning_module.trainer
+        if trainer.state.fn == TrainerFn.FITTING:
+            batch_replicas = self.parallel_dims.batch
+            checkpoint[PROVENANCE_KEY]["data_position"] = training_position(trainer, batch_replicas)
+        self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def _checkpoint_provenance(self) -> dict[str, Any]:
+        from lightning_dist import __version__
+
+        return {
+            "strategy": type(self).__name__,
+            "world_size": self.world_size,
+            "mesh": self.parallel_dims.as_dict(),
+            "format": "full" if self.checkpoint_io.full_state else "sharded",
+            "version": __version__,
+        }
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a sharded folder or a single-file checkpoint, whichever ``checkpoint_path`` is, saved with any number
+        of ranks and any lightning_dist strategy (or a one-device Lightning run)."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        self.checkpoint_io.wait()
+        module = self.lightning_module
+        assert self.model is not None and module is not None
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        optimizers = optimizers if fitting else []
+        metadata = states.load_checkpoint_into(path, self.model, optimizers, module.strict_loading, self.stage_layout)
+        self._resume_position = metadata.get(PROVENANCE_KEY, {}).get("data_position") if fitting else None
+        self._resume_loader_index = 0
+        return metadata
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in load_checkpoint()
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded in load_checkpoint()

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # base of profiling'
 __all__ = [
     "TESTED_TORCH",
     "TorchDispatchMode",
+    "aten_attention_op",
     "composable_checkpoint",
     "current_dispatch_mode",
     "flatten_mesh",
@@ -26,6 +27,7 @@ __all__ = [
     "load_dcp_without_process_group",
     "load_functional_collectives",
     "resolve_process_group",
+    "sdpa_builtin_home",
     "torch_minor_version",
     "unflatten_mesh",
     "untested_torch_message",
@@ -130,3 +132,14 @@ def current_dispatch_mode() -> Any:
 def load_functional_collectives() -> None:
     """Import the module that registers ``torch.ops._c10d_functional`` (DTensor's collectives)."""
     import torch.distributed._functional_collectives  # noqa: F401
+
+
+# ---------------------------------------------------------------------------------------------------- attention kernels
+def sdpa_builtin_home() -> ModuleType:
+    """The C module whose ``scaled_dot_product_attention`` builtin ``F.scaled_dot_product_attention`` is."""
+    return torch._C._nn
+
+
+def aten_attention_op(name: str) -> Any:
+    """A fused attention kernel or its backward, e.g. ``"_scaled_dot_product_flash_attention_for_cpu"``."""
+    return getattr(torch.ops.aten, name).default

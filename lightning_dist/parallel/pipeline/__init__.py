@@ -1,0 +1,72 @@
+"""Pipeline parallelism for unchanged models, pure PyTorch (no Lightning import).
+
+The steps a caller (the pipeline strategy, or a plain training loop) takes:
+
+1. :func:`plan_stages` — which units (blocks, embeddings, head) go to which stage;
+   :func:`stage_ids_for_rank` — which stages this rank holds; :func:`find_tied_parameters` before cutting.
+2. :func:`cut_pipeline_stages` — this rank's stage modules, cut from the unchanged model (see :mod:`.stage` for the
+   design and its limits); apply FSDP2 / tensor parallel to them; materialise them if the model is on meta.
+3. :class:`PipelineRunner` — ``step`` / ``eval`` of a whole batch through a schedule (:mod:`.schedule` checks the
+   name and the micro-batching first); :func:`all_reduce_tied_gradients` after ``step``.
+"""
+
+from lightning_dist.parallel.pipeline.bubble import BusyTimer, bubble_fraction
+from lightning_dist.parallel.pipeline.runner import PipelineRunner
+from lightning_dist.parallel.pipeline.schedule import (
+    SCHEDULES,
+    ScheduleInfo,
+    bubble_fraction_formula,
+    build_schedule,
+    default_n_microbatches,
+    resolve_stages_per_rank,
+    schedule_info,
+    validate_microbatching,
+)
+from lightning_dist.parallel.pipeline.split import (
+    StagePlan,
+    find_pipeline_units,
+    plan_stages,
+    stage_ids_for_rank,
+)
+from lightning_dist.parallel.pipeline.stage import (
+    StageCutError,
+    cut_pipeline_stages,
+    model_inputs_as_kwargs,
+    stage_runtime,
+)
+from lightning_dist.parallel.pipeline.tied import (
+    TiedParameter,
+    all_reduce_tied_gradients,
+    broadcast_tied_parameters,
+    find_tied_parameters,
+    new_tie_groups,
+    tied_parameter_ranks,
+)
+
+__all__ = [
+    "SCHEDULES",
+    "BusyTimer",
+    "PipelineRunner",
+    "ScheduleInfo",
+    "StageCutError",
+    "StagePlan",
+    "TiedParameter",
+    "all_reduce_tied_gradients",
+    "broadcast_tied_parameters",
+    "bubble_fraction",
+    "bubble_fraction_formula",
+    "build_schedule",
+    "cut_pipeline_stages",
+    "default_n_microbatches",
+    "find_pipeline_units",
+    "find_tied_parameters",
+    "model_inputs_as_kwargs",
+    "new_tie_groups",
+    "plan_stages",
+    "resolve_stages_per_rank",
+    "schedule_info",
+    "stage_ids_for_rank",
+    "stage_runtime",
+    "tied_parameter_ranks",
+    "validate_microbatching",
+]

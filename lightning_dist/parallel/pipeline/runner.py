@@ -1,0 +1,147 @@
+"""Running this rank's stage modules through a torch schedule, one whole batch per call.
+
+Every rank of a pipeline group calls :meth:`PipelineRunner.step` (or :meth:`~PipelineRunner.eval`) with the same
+model inputs: all stages replay the forward from them (see :mod:`.stage`), so only the boundary activation travels
+between ranks. torch's stages size their receive buffers from the first batch; a batch of another shape (the last,
+smaller evaluation batch) gets its own stages and schedule, kept in a small cache.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from lightning_dist.parallel.pipeline.outputs import rebuild_output
+from lightning_dist.parallel.pipeline.schedule import build_schedule, validate_microbatching
+from lightning_dist.parallel.pipeline.stage import stage_runtime
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class PipelineRunner:
+    """This rank's part of a pipeline: its stage modules, the schedule, and the loss on the last stage.
+
+    Args:
+        parts: The stage modules from :func:`~.stage.cut_pipeline_stages` (after any FSDP2/TP is applied to them).
+        stage_ids: The stage index of each part.
+        num_stages: Stages in the whole pipeline.
+        schedule: Schedule name (see :mod:`.schedule`).
+        n_microbatches: Micro-batches per step.
+        loss_fn: ``loss_fn(model_output, target_microbatch) -> loss`` on the last stage, where ``model_output`` is
+            what the user's forward returned for the micro-batch (rebuilt from the stage's tensors).
+        group: The pipeline process group (``None``: the world).
+        device: The device of activations.
+        scale_grads: Divide gradients by the number of micro-batches (a mean over micro-batches).
+    """
+
+    def __init__(
+        self,
+        parts: Sequence[nn.Module],
+        stage_ids: Sequence[int],
+        num_stages: int,
+        schedule: str,
+        n_microbatches: int,
+        loss_fn: LossFn | None,
+        group: Any = None,
+        device: torch.device | str = "cpu",
+        scale_grads: bool = True,
+        max_cached_shapes: int = 4,
+    ) -> None:
+        if len(parts) != len(stage_ids):
+            raise ValueError(f"{len(parts)} stage modules for {len(stage_ids)} stage ids.")
+        self.parts = list(parts)
+        self.stage_ids = list(stage_ids)
+        self.num_stages = num_stages
+        self.schedule_name = schedule
+        self.n_microbatches = n_microbatches
+        self.loss_fn = loss_fn
+        self.group = group
+        self.device = torch.device(device)
+        self.scale_grads = scale_grads
+        self._cache: OrderedDict[tuple, Any] = OrderedDict()
+        self._max_cached = max_cached_shapes
+        self.stages: list[PipelineStage] = []  # torch's stages of the latest batch shape (for instrumentation)
+
+    @property
+    def holds_last_stage(self) -> bool:
+        """Whether the loss (and the model output) is computed on this rank."""
+        return self.num_stages - 1 in self.stage_ids
+
+    @property
+    def holds_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    def step(self, model_inputs: dict[str, Any], target: Any = None, losses: list | None = None) -> None:
+        """Forward and backward of one batch; gradients accumulate into the stage parameters.
+
+        Args:
+            model_inputs: The model call as keyword arguments (:func:`~.stage.model_inputs_as_kwargs`); tensors
+                are split into micro-batches along dim 0 (a tensor with dim 0 of size 1 is broadcast).
+            target: A tensor split along dim 0 and passed, per micro-batch, to ``loss_fn``.
+            losses: Receives the per-micro-batch losses on the last stage.
+        """
+        schedule = self._schedule_for(model_inputs)
+        schedule.step(target=target, losses=losses, return_outputs=False, **self._batched(model_inputs))
+
+    def eval(self, model_inputs: dict[str, Any], target: Any = None, losses: list | None = None) -> None:
+        """Forward only; ``loss_fn`` still runs per micro-batch on the last stage (its results go to ``losses``)."""
+        schedule = self._schedule_for(model_inputs)
+        with torch.no_grad():
+            schedule.eval(target=target, losses=losses, **self._batched(model_inputs))
+
+    def _batched(self, model_inputs: dict[str, Any]) -> dict[str, Any]:
+        batch = _batch_size(model_inputs)
+        out = {}
+        for key, value in model_inputs.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] != batch:
+                if value.shape[0] != 1:
+                    raise ValueError(
+                        f"Model input {key!r} has {value.shape[0]} rows but the batch has {batch}; pipeline"
+                        " micro-batching splits every tensor input along dim 0 (size 1 is broadcast)."
+                    )
+                value = value.expand(batch, *value.shape[1:])
+            out[key] = value
+        return out
+
+    def _schedule_for(self, model_inputs: dict[str, Any]) -> Any:
+        batch = _batch_size(model_inputs)
+        per_rank = len(self.stage_ids)
+        validate_microbatching(self.schedule_name, batch, self.n_microbatches, self.num_stages // per_rank, per_rank)
+        key = tuple(
+            (k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, type(v).__name__)
+            for k, v in model_inputs.items()
+        )
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            self.stages, schedule = self._cache[key]
+            return schedule
+        stages = [
+            PipelineStage(part, index, self.num_stages, self.device, group=self.group)
+            for part, index in zip(self.parts, self.stage_ids)
+        ]
+        schedule = build_schedule(
+            self.schedule_name, stages, self.n_microbatches, self._stage_loss if self.loss_fn else None, self.scale_grads
+        )
+        self._cache[key] = (stages, schedule)
+        self.stages = stages
+        while len(self._cache) > self._max_cached:
+            self._cache.popitem(last=False)
+        return schedule
+
+    def _stage_loss(self, output: Any, target: Any) -> torch.Tensor:
+        last = self.parts[self.stage_ids.index(self.num_stages - 1)]
+        recipe = stage_runtime(last).output_recipe
+        assert self.loss_fn is not None and recipe is not None
+        return self.loss_fn(rebuild_output(output, recipe), target)
+
+
+def _batch_size(model_inputs: dict[str, Any]) -> int:
+    sizes = [v.shape[0] for v in model_inputs.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    if not sizes:
+        raise ValueError("The model call has no batched tensor input to split into micro-batches.")
+    return max(sizes)

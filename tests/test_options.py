@@ -55,3 +55,22 @@ def test_a_bad_plan_layout_fails_at_construction_naming_the_entry():
 def test_full_sharding_that_shards_nothing_warns_which_size_to_change():
     with pytest.warns(UserWarning, match="data_parallel_replicate_size=2 leaves one rank per sharding group"):
         L.Trainer(strategy=FSDP2Strategy(data_parallel_replicate_size=2), accelerator="cpu", devices=2, logger=False)
+
+
+@pytest.mark.parametrize("cls", [FSDP2Strategy, TensorParallelStrategy, ZeroPPStrategy])
+def test_lightning_arguments_forwarded_to_the_base_are_options_in_yaml(cls):
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(cls, "strategy")
+    parsed = parser.parse_string("strategy:\n  process_group_backend: gloo\n")
+    assert parser.instantiate_classes(parsed).strategy.process_group_backend == "gloo"
+    with pytest.raises(Exception, match="process_group_backnd"):  # a misspelt option is refused, not swallowed
+        parser.parse_string("strategy:\n  process_group_backnd: gloo\n")
+
+
+def test_zeropp_refuses_the_fsdp2_options_it_sets_itself():
+    with pytest.raises(TypeError, match="reshard_after_forward"):
+        ZeroPPStrategy(reshard_after_forward=2)
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(ZeroPPStrategy, "strategy")
+    with pytest.raises(Exception, match="reshard_after_forward"):
+        parser.parse_string("strategy:\n  reshard_after_forward: 2\n")

@@ -76,8 +76,8 @@ def optimizer_state(
     """Name-keyed sharded optimizer state, or on rank 0 the full state keyed by position as ``Optimizer.state_dict``
     does (so a one-device run can resume from it). With pipeline ``stages`` the full state stays keyed by name
     (positions of one stage's optimizer mean nothing to another's): lightning_dist loads either. Collective."""
-    if not full:
-        return get_optimizer_state_dict(model, optimizer)
+    if not full:  # keyed per parameter under a pipeline: one shared `param_groups.N.params` list would keep one stage's
+        return get_optimizer_state_dict(model, optimizer, options=_optimizer_options(flat=stages is not None))
     if stages is None:
         state = get_optimizer_state_dict(model, optimizer, options=_FULL)
         return names_to_positions(state) if state else state
@@ -135,8 +135,10 @@ def load_sharded(
 ) -> None:
     """Load a DCP checkpoint folder into ``model`` and ``optimizers`` (any saved world size or mesh). Collective."""
     state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
+    flat = [_saved_flat(path, idx) for idx in range(len(optimizers))]
     for idx, optimizer in enumerate(optimizers):
-        state[f"optimizer_{idx}"] = get_optimizer_state_dict(model, optimizer)
+        options = _optimizer_options(flat[idx])
+        state[f"optimizer_{idx}"] = get_optimizer_state_dict(model, optimizer, options=options)
     shapes = _tensor_shapes(state["state_dict"])
     report = compare_shapes(shapes, _checkpoint_shapes(path, "state_dict."), _keys_of_all_stages(shapes, stages))
     check_fit(report, strict, repr(str(path)))
@@ -147,7 +149,24 @@ def load_sharded(
         raise CheckpointError(f"Could not load the shards of {str(path)!r}: {err}") from err
     set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
     for idx, optimizer in enumerate(optimizers):
-        set_optimizer_state_dict(model, optimizer, state[f"optimizer_{idx}"])
+        optimizer_state = state[f"optimizer_{idx}"]
+        if stages is not None and not flat[idx]:  # saved without stages: its param groups name every parameter
+            local = {name for group in parameter_names(model, optimizer) for name in group}
+            optimizer_state = only_names(optimizer_state, local)
+        set_optimizer_state_dict(model, optimizer, optimizer_state, options=_optimizer_options(flat[idx]))
+
+
+def _optimizer_options(flat: bool) -> StateDictOptions:
+    """Optimizer states keyed per parameter (``param_groups.<name>.lr``: what each pipeline stage can save and load
+    on its own) or as ``Optimizer.state_dict`` groups them (one ``params`` list per group: Lightning's format)."""
+    return StateDictOptions(flatten_optimizer_state_dict=flat)
+
+
+def _saved_flat(path: Path, idx: int) -> bool:
+    """Whether optimizer ``idx`` of a DCP checkpoint was saved keyed per parameter (see :func:`_optimizer_options`)."""
+    index = FileSystemReader(path).read_metadata().state_dict_metadata
+    prefix = f"optimizer_{idx}.param_groups."
+    return any(key.startswith(prefix) for key in index) and f"{prefix}0.params" not in index
 
 
 def load_full(

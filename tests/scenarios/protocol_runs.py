@@ -14,7 +14,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from common import make_model_and_data, run_scenario_script, trainer_kwargs  # type: ignore[import-not-found]
+from common import StepRecorder, make_model_and_data, run_scenario_script, trainer_kwargs  # type: ignore[import-not-found]
 from lightning.pytorch.callbacks import Callback
 from torch.nn import Module
 
@@ -97,7 +97,81 @@ def stages(devices: int, workdir: str) -> dict[str, Any]:
     return checks.result
 
 
-SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {"recompute": recompute, "stages": stages}
+PIPELINE_STEPS, RESUME_AT, CLIP = 5, 3, 0.05
+
+
+def _pipeline_trainer(devices: int, strategy: Any, max_steps: int, **kwargs: Any) -> L.Trainer:
+    return L.Trainer(
+        **trainer_kwargs(
+            devices, strategy=strategy, precision="64-true", gradient_clip_val=CLIP, limit_val_batches=0, **kwargs
+        ),
+        max_steps=max_steps,
+    )
+
+
+def reference(devices: int, workdir: str) -> dict[str, Any]:
+    """One process, the whole GPT: the losses, gradient norms and final parameters the hand pipeline must match."""
+    model, data = make_model_and_data(devices, dp_size=1, n_layer=4)
+    recorder = StepRecorder()
+    trainer = _pipeline_trainer(devices, "auto", PIPELINE_STEPS, callbacks=[recorder])
+    trainer.fit(model, data)
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{workdir}/reference.pt")
+    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms}
+
+
+def hand_pipeline(devices: int, workdir: str) -> dict[str, Any]:
+    """Train PIPELINE_STEPS steps (saving a sharded checkpoint at RESUME_AT), resume a fresh model from it strictly to
+    PIPELINE_STEPS, save one full-state file; compare with the one-process reference (run first, same workdir)."""
+    from hand_pipeline import HandPipeline  # type: ignore[import-not-found]
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_dist import FullStateCheckpointIO
+
+    first, second = StepRecorder(), StepRecorder()
+    model, data = make_model_and_data(devices, dp_size=1, n_layer=4)
+    saver = ModelCheckpoint(dirpath=f"{workdir}/pp", every_n_train_steps=RESUME_AT, save_top_k=-1, filename="{step}")
+    trainer = _pipeline_trainer(
+        devices, HandPipeline(), PIPELINE_STEPS, callbacks=[first, saver], enable_checkpointing=True
+    )
+    trainer.fit(model, data)
+    strategy = trainer.strategy
+    parts = [sorted(n for n, _ in part.named_parameters()) for part in strategy.model_parts]
+    optimizer_params = sum(p.numel() for g in trainer.optimizers[0].param_groups for p in g["params"])
+
+    model, data = make_model_and_data(devices, dp_size=1, n_layer=4)
+    model.strict_loading = True
+    trainer = _pipeline_trainer(devices, HandPipeline(checkpoint_io=FullStateCheckpointIO()), PIPELINE_STEPS)
+    trainer.callbacks.append(second)
+    trainer.fit(model, data, ckpt_path=f"{workdir}/pp/step={RESUME_AT}.ckpt")
+    trainer.save_checkpoint(f"{workdir}/full.ckpt")
+    expected = torch.load(f"{workdir}/reference.pt")
+    local = {k: v.detach() for k, v in model.state_dict().items()}
+    local_diff = max((local[k] - expected[k]).abs().max().item() for k in local)
+    result: dict[str, Any] = {
+        "rank": dist.get_rank(),
+        "parts": parts,
+        "local_keys": sorted(local),
+        "local_numel": sum(v.numel() for v in local.values()),
+        "optimizer_numel": optimizer_params,
+        "losses": first.losses,
+        "resumed_losses": second.losses,
+        "param_diff": local_diff,
+    }
+    if dist.get_rank() == 0:
+        full = torch.load(f"{workdir}/full.ckpt", weights_only=False)["state_dict"]
+        result["full_keys_match"] = sorted(full) == sorted(expected)
+        result["full_diff"] = max((full[k] - expected[k]).abs().max().item() for k in expected)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    return {"per_rank": gathered, "model_numel": sum(v.numel() for v in expected.values())}
+
+
+SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
+    "recompute": recompute,
+    "stages": stages,
+    "reference": reference,
+    "hand_pipeline": hand_pipeline,
+}
 
 if __name__ == "__main__":
     run_scenario_script(SCENARIOS)

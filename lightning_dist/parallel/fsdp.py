@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from lightning_dist.compat import fully_shard_module
+from lightning_dist.parallel.validation import is_int
 
 ShardingMode = Literal["full", "grad_op", "no_shard", "hybrid"]
 SHARDING_MODES: tuple[str, ...] = ("full", "grad_op", "no_shard", "hybrid")
@@ -105,7 +106,7 @@ def _one_post_forward_mesh_per_size() -> Iterator[None]:
     cache: dict[tuple[int, int], Any] = {}
 
     def shared(reshard_after_forward: bool | int, mesh_info: Any) -> Any:
-        if isinstance(reshard_after_forward, bool) or not isinstance(reshard_after_forward, int):
+        if not is_int(reshard_after_forward):
             return original(reshard_after_forward, mesh_info)
         key = (id(mesh_info.mesh), reshard_after_forward)
         if key not in cache:

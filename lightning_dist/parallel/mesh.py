@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from lightning_dist.compat import flatten_mesh, unflatten_mesh
+from lightning_dist.parallel.validation import is_positive_int
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -43,7 +44,7 @@ class ParallelDims:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_positive_int(value):
                 raise MeshConfigError(f"Mesh axis {f.name!r} must be a positive integer, got {value!r}.")
 
     @classmethod
@@ -60,7 +61,7 @@ class ParallelDims:
             raise MeshConfigError(f"Only one mesh axis can be 'auto', got {auto}.")
         fixed = {name: size for name, size in sizes.items() if name not in auto}
         for name, size in fixed.items():
-            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            if not is_positive_int(size):
                 raise MeshConfigError(f"Mesh axis {name!r} must be a positive integer or 'auto', got {size!r}.")
         product = 1
         for size in fixed.values():

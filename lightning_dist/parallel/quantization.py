@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_dist.parallel.validation import is_positive_int
+
 SUPPORTED_BITS: tuple[int, ...] = (4, 8)
 
 
@@ -29,7 +31,7 @@ def check_bits(bits: int) -> None:
 
 
 def check_block_size(block_size: int) -> None:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2 or block_size % 2:
+    if not is_positive_int(block_size, 2) or block_size % 2:
         raise ValueError(f"block_size={block_size!r} must be an even integer of at least 2.")
 
 

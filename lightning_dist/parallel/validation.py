@@ -18,9 +18,18 @@ def check_bool(name: str, value: Any) -> bool:
     return value
 
 
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an int and not a bool (``True`` is an int to Python, never a size to us)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_positive_int(value: Any, minimum: int = 1) -> bool:
+    return is_int(value) and value >= minimum
+
+
 def check_positive_int(name: str, value: Any, minimum: int = 1) -> int:
     """Return ``value`` if it is an int (not a bool) of at least ``minimum``; raise a ``ValueError`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_positive_int(value, minimum):
         raise ValueError(f"{name}={value!r} must be an int of at least {minimum}.")
     return value
 

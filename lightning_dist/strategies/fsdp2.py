@@ -21,7 +21,7 @@ from lightning_dist.parallel.gradient_sync import ACCUMULATION_SYNC_MODES, Accum
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
 from lightning_dist.parallel.module_selection import resolve_module_classes, select_modules
 from lightning_dist.parallel.parallelize import ParallelizeConfig, ParallelizeRecord, parallelize
-from lightning_dist.parallel.validation import check_bool, check_regex
+from lightning_dist.parallel.validation import check_bool, check_regex, is_int
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
 
 
@@ -70,8 +70,7 @@ class FSDP2Strategy(MeshParallelStrategy):
         super().__init__(**kwargs)
         if sharding not in SHARDING_MODES:
             raise ValueError(f"sharding={sharding!r} is not one of {list(SHARDING_MODES)}.")
-        is_int = isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool)
-        if is_int and reshard_after_forward < 2:
+        if is_int(reshard_after_forward) and reshard_after_forward < 2:
             raise ValueError(
                 f"reshard_after_forward={reshard_after_forward}: an int must be a group size of at least 2."
             )
@@ -120,7 +119,7 @@ class FSDP2Strategy(MeshParallelStrategy):
                 f" ({dims}). Use sharding='hybrid' (HSDP), or accumulation_sync='last' or 'every'."
             )
         raf = self.reshard_after_forward
-        if isinstance(raf, int) and not isinstance(raf, bool) and (dims.fsdp % raf or raf >= dims.fsdp):
+        if is_int(raf) and (dims.fsdp % raf or raf >= dims.fsdp):
             raise MeshConfigError(
                 f"reshard_after_forward={raf} must be a divisor of the sharding group size {dims.fsdp} smaller than"
                 " it (the size of the groups backward all-gathers stay in)."

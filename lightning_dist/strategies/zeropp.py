@@ -15,7 +15,7 @@ from lightning_dist.parallel.gradient_sync import AccumulationSync
 from lightning_dist.parallel.mesh import ParallelDims
 from lightning_dist.parallel.parallelize import ParallelizeConfig, ParallelizeRecord
 from lightning_dist.parallel.quantization import check_bits, check_block_size
-from lightning_dist.parallel.validation import check_bool, check_positive_int
+from lightning_dist.parallel.validation import check_bool, check_positive_int, is_positive_int
 from lightning_dist.parallel.zeropp import (
     NodeGroups,
     QuantizedAllGather,
@@ -104,7 +104,7 @@ class ZeroPPStrategy(FSDP2Strategy):
             except ValueError as err:
                 raise ValueError(f"{name}: {err}") from None
         hpz = hpz_partition_size
-        if hpz is not None and hpz != "auto" and (isinstance(hpz, bool) or not isinstance(hpz, int) or hpz < 2):
+        if hpz is not None and hpz != "auto" and not is_positive_int(hpz, 2):
             raise ValueError(
                 f"hpz_partition_size={hpz!r} must be 'auto' (ranks per node), an int >= 2, or None (hpZ off)."
             )

@@ -4,19 +4,20 @@ Every rank builds the same seeded model, keeps a whole copy as the one-process r
 cuts its own stages from the other copy and runs them through a torch schedule. Rank 0 writes, per case, the largest
 difference of the loss, of every gradient and of every parameter after an optimizer step (max over ranks).
 
-python tests/scenarios/pipeline_runs.py --devices 2 --out r.json --scenarios gpt_1f1b,gpt_gpipe
+python tests/scenarios/pipeline_runs.py --out r.json --scenarios gpt_1f1b,gpt_gpipe_pp4
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import socket
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from lightning_dist.parallel.pipeline import (
     PipelineRunner,
@@ -80,78 +84,133 @@ def hf_loss(output: Any, _target: Any) -> torch.Tensor:
     return output.loss
 
 
-# name -> (model builder, layers, schedule, optimizer, uses HF labels inside forward)
-CASES: dict[str, tuple[Callable[[int], nn.Module], int, str, str, bool]] = {
-    "gpt_gpipe": (gpt, 4, "gpipe", "sgd", False),
-    "gpt_1f1b": (gpt, 4, "1f1b", "adamw", False),
-    "gpt_interleaved_1f1b": (gpt, 4, "interleaved_1f1b", "adamw", False),
-    "gpt_looped_bfs": (gpt, 4, "looped_bfs", "sgd", False),
-    "gpt_interleaved_zero_bubble": (gpt, 4, "interleaved_zero_bubble", "sgd", False),
-    "gpt_zbv_zero_bubble": (gpt, 4, "zbv_zero_bubble", "adamw", False),
-    "gpt_dualpipev": (gpt, 4, "dualpipev", "sgd", False),
-    "llama_1f1b": (llama, 4, "1f1b", "adamw", True),
-    "gpt2_tied_1f1b": (gpt2, 4, "1f1b", "adamw", True),
-    "gpt2_tied_zbv_zero_bubble": (gpt2, 4, "zbv_zero_bubble", "sgd", True),
+@dataclass(frozen=True)
+class Case:
+    """One parity case: a model, a schedule and how many processes it runs on."""
+
+    build: Callable[[int], nn.Module]
+    schedule: str
+    pp: int = 2
+    dp: int = 1
+    n_layer: int = 4
+    optimizer: str = "adamw"
+    hf_labels: bool = False  # the loss comes from the model's own `labels=` path
+    meta: bool = False  # built on the meta device, only the local stages materialised
+
+
+CASES: dict[str, Case] = {
+    "gpt_gpipe": Case(gpt, "gpipe", optimizer="sgd"),
+    "gpt_1f1b": Case(gpt, "1f1b"),
+    "gpt_interleaved_1f1b": Case(gpt, "interleaved_1f1b"),
+    "gpt_looped_bfs": Case(gpt, "looped_bfs", optimizer="sgd"),
+    "gpt_interleaved_zero_bubble": Case(gpt, "interleaved_zero_bubble", optimizer="sgd"),
+    "gpt_zbv_zero_bubble": Case(gpt, "zbv_zero_bubble"),
+    "gpt_dualpipev": Case(gpt, "dualpipev", optimizer="sgd"),
+    "gpt_1f1b_meta": Case(gpt, "1f1b", meta=True),
+    "llama_1f1b": Case(llama, "1f1b", hf_labels=True),
+    "gpt2_tied_1f1b": Case(gpt2, "1f1b", hf_labels=True),
+    "gpt2_tied_zbv_zero_bubble": Case(gpt2, "zbv_zero_bubble", optimizer="sgd", hf_labels=True),
+    "gpt_gpipe_pp4": Case(gpt, "gpipe", pp=4, optimizer="sgd"),
+    "gpt_1f1b_pp4": Case(gpt, "1f1b", pp=4),
+    "gpt_1f1b_pp2_dp2_fsdp": Case(gpt, "1f1b", pp=2, dp=2),
 }
 
 
 def run_case(name: str, rank: int, world: int) -> dict[str, Any]:
-    build, n_layer, schedule, optimizer_name, hf = CASES[name]
+    case = CASES[name]
     torch.manual_seed(0)
-    model = build(n_layer).double()
-    reference = copy.deepcopy(model)
+    with torch.device("meta") if case.meta else nullcontext():
+        model = case.build(case.n_layer).double()
+    torch.manual_seed(0)
+    reference = case.build(case.n_layer).double()
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
     labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
-    call_kwargs = {"input_ids": input_ids, "labels": labels} if hf else {"input_ids": input_ids}
-    n_microbatches = 4
+    n_microbatches = 4 // case.dp
 
     # One process, whole batch; the mean over equal micro-batches of their mean losses is the full-batch mean.
-    out = reference(**call_kwargs)
-    ref_loss = hf_loss(out, None) if hf else logits_loss(out, labels)
+    out = reference(**({"input_ids": input_ids, "labels": labels} if case.hf_labels else {"input_ids": input_ids}))
+    ref_loss = hf_loss(out, None) if case.hf_labels else logits_loss(out, labels)
     ref_loss.backward()
     ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters(remove_duplicate=False)}
-    make_optimizer(optimizer_name, reference.parameters()).step()
-    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    make_optimizer(case.optimizer, reference.parameters()).step()
+    ref_params = {n: p.detach().clone() for n, p in reference.named_parameters(remove_duplicate=False)}
 
-    info = schedule_info(schedule)
-    per_rank = resolve_stages_per_rank(schedule, None)
-    plan = plan_stages(model, world * per_rank)
+    mesh = init_device_mesh("cpu", (case.pp, case.dp), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    rows = slice(dp_rank * BATCH // case.dp, (dp_rank + 1) * BATCH // case.dp)  # this replica's share
+    call_kwargs = {"input_ids": input_ids[rows]} | ({"labels": labels[rows]} if case.hf_labels else {})
+
+    info = schedule_info(case.schedule)
+    per_rank = resolve_stages_per_rank(case.schedule, None)
+    plan = plan_stages(model, case.pp * per_rank)
     ties = find_tied_parameters(model, plan)
-    groups = new_tie_groups(ties, [list(range(world))], per_rank, info.placement)
-    stage_ids = stage_ids_for_rank(rank, world, per_rank, info.placement)
+    pp_groups = [[p * case.dp + d for p in range(case.pp)] for d in range(case.dp)]  # row-major (pp, dp) mesh
+    groups = new_tie_groups(ties, pp_groups, per_rank, info.placement)
+    stage_ids = stage_ids_for_rank(pp_rank, case.pp, per_rank, info.placement)
     inputs = model_inputs_as_kwargs(model, (), call_kwargs)
     parts = cut_pipeline_stages(model, plan, stage_ids, "cpu")
+    if case.meta:  # materialise this rank's stages only, then load values as a checkpoint would
+        for part in parts:
+            part.to_empty(device="cpu")
+        local_state = model.state_dict()
+        model.load_state_dict({k: reference_initial(case)[k] for k in local_state}, strict=True)
+    if case.dp > 1:
+        for part in parts:
+            for block in part.modules():
+                if type(block).__name__ == "Block":
+                    fully_shard(block, mesh=mesh["dp"])
+            fully_shard(part, mesh=mesh["dp"])
     runner = PipelineRunner(
-        parts, stage_ids, plan.num_stages, schedule, n_microbatches, hf_loss if hf else logits_loss
+        parts, stage_ids, plan.num_stages, case.schedule, n_microbatches, hf_loss if case.hf_labels else logits_loss,
+        group=mesh["pp"].get_group(),
     )
     losses: list[torch.Tensor] = []
     started = time.perf_counter()
-    runner.step(inputs, target=labels, losses=losses)
+    runner.step(inputs, target=labels[rows], losses=losses)
     all_reduce_tied_gradients(model, ties, groups)
     seconds = time.perf_counter() - started
 
     loss_error = torch.zeros((), dtype=torch.float64)
     if runner.holds_last_stage:
-        loss_error = (torch.stack(losses).mean() - ref_loss).abs().detach()
+        loss = torch.stack(losses).mean().detach()
+        dist.all_reduce(loss, group=mesh["dp"].get_group())
+        loss_error = (loss / case.dp - ref_loss.detach()).abs()
     local = dict(model.named_parameters(remove_duplicate=False))
-    grad_error = max((float((p.grad - ref_grads[n]).abs().max()) for n, p in local.items()), default=0.0)
-    make_optimizer(optimizer_name, model.parameters()).step()
-    param_error = max((float((p.detach() - ref_params[n].detach()).abs().max()) for n, p in local.items()), default=0.0)
-    counts = torch.tensor([float(loss_error), grad_error, param_error, len(local)], dtype=torch.float64)
-    stats = [counts.clone() for _ in range(world)]
-    dist.all_gather(stats, counts)
-    total = torch.stack(stats)
+    grad_error = max((float((_full(p.grad) - ref_grads[n]).abs().max()) for n, p in local.items()), default=0.0)
+    make_optimizer(case.optimizer, model.parameters()).step()
+    param_error = max((float((_full(p.detach()) - ref_params[n]).abs().max()) for n, p in local.items()), default=0.0)
+    local_bytes = sum(_local(p).numel() * p.element_size() for p in model.parameters())
+    stats = torch.tensor([float(loss_error), grad_error, param_error, len(local), local_bytes], dtype=torch.float64)
+    gathered = [stats.clone() for _ in range(world)]
+    dist.all_gather(gathered, stats)
+    total = torch.stack(gathered)
     return {
         "loss_error": float(total[:, 0].max()),
         "grad_error": float(total[:, 1].max()),
         "param_error": float(total[:, 2].max()),
         "params_per_rank": [int(c) for c in total[:, 3]],
+        "param_bytes_per_rank": [int(c) for c in total[:, 4]],
         "reference_params": len(ref_params),
+        "reference_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()),
         "ties": [t.describe() for t in ties],
         "stages": plan.describe(),
         "seconds": seconds,
     }
+
+
+def reference_initial(case: Case) -> dict[str, torch.Tensor]:
+    """The seeded initial values, as a checkpoint would hold them (keys include tied names)."""
+    torch.manual_seed(0)
+    return case.build(case.n_layer).double().state_dict()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
@@ -180,13 +239,23 @@ def free_port() -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--devices", type=int, required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--scenarios", default="all")
-    parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
-    cases = list(CASES) if args.scenarios == "all" else args.scenarios.split(",")
-    mp.spawn(worker, args=(args.devices, free_port(), cases, args.out), nprocs=args.devices, join=True)
+    names = list(CASES) if args.scenarios == "all" else args.scenarios.split(",")
+    # Import the models once here; forked workers inherit the modules instead of importing them again.
+    for builder in {CASES[n].build for n in names}:
+        builder(2)
+    results: dict[str, Any] = {}
+    for world in sorted({CASES[n].pp * CASES[n].dp for n in names}):
+        batch = [n for n in names if CASES[n].pp * CASES[n].dp == world]
+        out = f"{args.out}.{world}"
+        mp.start_processes(
+            worker, args=(world, free_port(), batch, out), nprocs=world, join=True, start_method="fork"
+        )
+        results.update(json.loads(Path(out).read_text()))
+        os.remove(out)
+    Path(args.out).write_text(json.dumps(results))
 
 
 if __name__ == "__main__":

@@ -97,7 +97,28 @@ def _cut_error(runtime: StageRuntime, problem: str) -> StageCutError:
     )
 
 
-class EarlierStageModule(nn.Module):
+class _StandIn(nn.Module):
+    """A parameter-free module in place of a unit that lives on another stage."""
+
+    unit_name: str
+    owner_stage: int
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            runtime = self.__dict__.get("_runtime")
+            message = (
+                f"The forward reads {self.unit_name}.{name}, which lives on pipeline stage {self.owner_stage}, not"
+                " on this one."
+            )
+            raise AttributeError(message if runtime is None else str(_cut_error(runtime, message))) from None
+
+    def extra_repr(self) -> str:
+        return f"{self.unit_name} on stage {self.owner_stage}"
+
+
+class EarlierStageModule(_StandIn):
     """Stands in for a unit of an earlier stage: returns zero placeholders shaped like the unit's output."""
 
     def __init__(self, name: str, owner: int, twin: nn.Module, runtime: StageRuntime) -> None:
@@ -133,22 +154,7 @@ class EarlierStageModule(nn.Module):
 
         return map_tensors(self._shapes[key], placeholder)
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            runtime = self.__dict__.get("_runtime")
-            message = (
-                f"The forward reads {self.unit_name}.{name}, which lives on pipeline stage {self.owner_stage}, not"
-                " on this one."
-            )
-            raise AttributeError(message if runtime is None else str(_cut_error(runtime, message))) from None
-
-    def extra_repr(self) -> str:
-        return f"{self.unit_name} on stage {self.owner_stage}"
-
-
-class LaterStageModule(nn.Module):
+class LaterStageModule(_StandIn):
     """Stands in for a unit of a later stage: its call ends this stage's forward, its input is the stage output."""
 
     def __init__(self, name: str, owner: int, runtime: StageRuntime) -> None:
@@ -168,11 +174,8 @@ class LaterStageModule(nn.Module):
             raise _cut_error(runtime, f"{self.unit_name} (first module of stage {self.owner_stage}) got no tensor input.")
         raise _StageExit(value)
 
-    __getattr__ = EarlierStageModule.__getattr__
-    extra_repr = EarlierStageModule.extra_repr
 
-
-class ElsewhereModule(nn.Module):
+class ElsewhereModule(_StandIn):
     """Left in the user's model where a unit of another rank's stage was: no parameters, cannot run."""
 
     def __init__(self, name: str, owner: int) -> None:
@@ -184,8 +187,6 @@ class ElsewhereModule(nn.Module):
             f"{self.unit_name} lives on pipeline stage {self.owner_stage} of another rank; run the model through its"
             " pipeline stages, not directly."
         )
-
-    extra_repr = EarlierStageModule.extra_repr
 
 
 def cut_pipeline_stages(

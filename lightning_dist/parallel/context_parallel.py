@@ -15,6 +15,7 @@ stay entered from the forward to the end of backward when activation checkpointi
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -110,7 +111,7 @@ class ContextParallelAttention:
         self.algorithm = algorithm
         self.layout = layout
         self._mode: _SdpaMode | None = None
-        self._patched: list[tuple[Any, str, Any]] = []
+        self._patched: list[tuple[dict, str, Any]] = []
 
     def attention(self, *args: Any, **kwargs: Any) -> Tensor:
         """``F.scaled_dot_product_attention``'s signature, computed over the context-parallel group."""
@@ -152,30 +153,65 @@ class ContextParallelAttention:
             if mode is not None:
                 mode.__exit__(*exc)
         finally:
-            for owner, name, original in reversed(self._patched):
-                setattr(owner, name, original)
+            for namespace, name, original in reversed(self._patched):
+                namespace[name] = original
             self._patched.clear()
 
     def _patch_everywhere(self) -> None:
-        for owner, name in _names_bound_to_sdpa():
-            self._patched.append((owner, name, getattr(owner, name)))
-            setattr(owner, name, self.attention)
+        for namespace, name in _namespaces_holding_sdpa():
+            self._patched.append((namespace, name, namespace[name]))
+            namespace[name] = self.attention
 
 
-def _names_bound_to_sdpa() -> list[tuple[Any, str]]:
-    """Every ``(module, name)`` whose value is the SDPA builtin: ``torch.nn.functional``, ``torch._C._nn`` and any
-    module that imported it by name."""
-    found: list[tuple[Any, str]] = [(F, "scaled_dot_product_attention"), (_SDPA_HOME, "scaled_dot_product_attention")]
-    for module in list(sys.modules.values()):
-        if not isinstance(module, ModuleType) or module is F:
+_search_cache: dict[str, Any] = {"modules": -1, "found": []}
+
+
+def _namespaces_holding_sdpa() -> list[tuple[dict, str]]:
+    """The result of :func:`_search_namespaces`, searched again only when modules were imported since the last
+    search (a search takes tens of milliseconds with large libraries imported)."""
+    if _search_cache["modules"] != len(sys.modules):
+        _search_cache["found"] = _search_namespaces()
+        _search_cache["modules"] = len(sys.modules)
+    return [(namespace, name) for namespace, name in _search_cache["found"] if namespace.get(name) is _ORIGINAL_SDPA]
+
+
+def _search_namespaces() -> list[tuple[dict, str]]:
+    """Every ``(namespace, name)`` whose value is the SDPA builtin: ``torch.nn.functional``'s, ``torch._C._nn``'s
+    and those of modules that imported it by name.
+
+    A script started by ``multiprocessing``'s spawn runs with globals that are a *copy* of its ``sys.modules``
+    entry, so the globals of the functions and methods defined in ``__main__``/``__mp_main__`` are searched too.
+    """
+    found: list[tuple[dict, str]] = []
+    seen: set[int] = {id(globals())}  # this module keeps the builtin to recognise it
+    for namespace in _candidate_namespaces():
+        if id(namespace) in seen:
             continue
+        seen.add(id(namespace))
+        found.extend((namespace, name) for name, value in list(namespace.items()) if value is _ORIGINAL_SDPA)
+    return found
+
+
+def _candidate_namespaces() -> Iterator[dict]:
+    yield vars(F)
+    yield vars(_SDPA_HOME)
+    for module_name, module in list(sys.modules.items()):
         namespace = getattr(module, "__dict__", None)
-        if not isinstance(namespace, dict):
+        if not isinstance(module, ModuleType) or not isinstance(namespace, dict):
             continue
-        for name, value in list(namespace.items()):
-            if value is _ORIGINAL_SDPA:
-                found.append((module, name))
-    return [(owner, name) for owner, name in found if getattr(owner, name, None) is _ORIGINAL_SDPA]
+        yield namespace
+        if module_name in ("__main__", "__mp_main__"):
+            yield from _function_globals(namespace)
+
+
+def _function_globals(namespace: dict) -> Iterator[dict]:
+    """The globals of the functions, and of the methods of the classes, defined in ``namespace``."""
+    for value in list(namespace.values()):
+        members = vars(value).values() if isinstance(value, type) else (value,)
+        for member in members:
+            globals_ = getattr(member, "__globals__", None)
+            if isinstance(globals_, dict) and globals_ is not namespace:
+                yield globals_
 
 
 class _SdpaMode(TorchFunctionMode):

@@ -13,6 +13,8 @@ import json
 import os
 import socket
 import sys
+import time
+import types
 import zlib
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+if "lightning_dist" not in sys.modules:
+    # The package root imports the Lightning strategies; this layer is pure PyTorch. Importing it without the root
+    # starts each process seconds faster and shows that nothing here needs Lightning (checked in the result).
+    _package = types.ModuleType("lightning_dist")
+    _package.__path__ = [str(ROOT / "lightning_dist")]
+    sys.modules["lightning_dist"] = _package
 
 import torch
 import torch.distributed as dist
@@ -34,6 +42,7 @@ from lightning_dist.parallel.context_parallel import (
     ContextParallelAttention,
     ContextParallelAttentionError,
     gather_sequence,
+    local_positions,
     shard_sequence,
 )
 
@@ -49,6 +58,16 @@ def _max_over_world(values: dict[str, float]) -> dict[str, float]:
     t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return dict(zip(keys, t.tolist()))
+
+
+def _max_over_world_nested(result: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """``{case: {error: value}}`` maximised over every rank in one all-reduce."""
+    flat = _max_over_world({f"{case}|{key}": value for case, errors in result.items() for key, value in errors.items()})
+    nested: dict[str, dict[str, float]] = {}
+    for composite, value in flat.items():
+        case, key = composite.split("|")
+        nested.setdefault(case, {})[key] = value
+    return nested
 
 
 def _inputs(dtype: torch.dtype, kv_heads: int, seed: int) -> list[torch.Tensor]:
@@ -71,6 +90,7 @@ def _errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> dict[str, floa
 
 
 def _case(group: Any, algorithm: str, layout: str, causal: bool, kv_heads: int, dtype: torch.dtype) -> dict:
+    """This rank's largest errors (output and gradients of its shard) against fp64 SDPA on the whole sequence."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     q, k, v, w = _inputs(dtype, kv_heads, seed=zlib.crc32(f"{algorithm}{layout}{causal}{kv_heads}{dtype}".encode()))
     gqa = kv_heads != HEADS
@@ -78,19 +98,20 @@ def _case(group: Any, algorithm: str, layout: str, causal: bool, kv_heads: int, 
     def full(q_: Any, k_: Any, v_: Any) -> Any:
         return F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal, enable_gqa=gqa)
 
-    reference = _attention_grads(full, q, k, v, w)
-    plain = _attention_grads(full, *(t.to(dtype) for t in (q, k, v)), w)  # one process, same dtype
-
     def cp_attention(q_: Any, k_: Any, v_: Any) -> Any:
         return context_parallel_attention(
             q_, k_, v_, group, algorithm=algorithm, layout=layout, is_causal=causal, enable_gqa=gqa
         )
 
-    local = [shard_sequence(t, cp, rank, layout, dim=2) for t in (q, k, v, w)]
-    got = _attention_grads(cp_attention, *(t.to(dtype) for t in local[:3]), local[3])
-    got = [gather_sequence(t.contiguous(), group, layout, dim=2) for t in got]
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return shard_sequence(t, cp, rank, layout, dim=2)
+
+    reference = [local(t) for t in _attention_grads(full, q, k, v, w)]
+    got = _attention_grads(cp_attention, *(local(t).to(dtype) for t in (q, k, v)), local(w))
     errors = _errors(got, reference)
-    errors.update({f"plain_{name}": err for name, err in _errors(plain, reference).items()})
+    if dtype != torch.float64:  # what one process reaches in this dtype, for scale
+        plain = _attention_grads(full, *(t.to(dtype) for t in (q, k, v)), w)
+        errors.update({f"plain_{name}": err for name, err in _errors([local(t) for t in plain], reference).items()})
     return errors
 
 
@@ -117,14 +138,14 @@ def kernels(rank: int, pairs: list[Any]) -> dict[str, Any]:
                 f"cp{cp}-{algorithm}-{layout}-{'causal' if causal else 'full'}-{'gqa' if kv_heads < HEADS else 'mha'}"
             )
             name += f"-{str(dtype).removeprefix('torch.')}"
-            result[name] = _max_over_world(_case(group, algorithm, layout, causal, kv_heads, dtype))
-    return result
+            result[name] = _case(group, algorithm, layout, causal, kv_heads, dtype)
+    return _max_over_world_nested(result)
 
 
 class _Attention(nn.Module):
     """Causal GQA self-attention whose SDPA call is spelled in one of several ways."""
 
-    def __init__(self, spelling: str, dim: int = 32, heads: int = 4, kv_heads: int = 2) -> None:
+    def __init__(self, spelling: str, dim: int = 32, heads: int = 8, kv_heads: int = 4) -> None:
         super().__init__()
         self.spelling, self.heads, self.kv_heads, self.head_dim = spelling, heads, kv_heads, dim // heads
         self.q = nn.Linear(dim, dim)
@@ -165,32 +186,51 @@ def _net_grads(net: _Net, x: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor
     return [p.grad.clone() for p in net.parameters()]
 
 
+# Every spelling with and without activation checkpointing for the ring; the other algorithms with checkpointing.
+_DISPATCH_CASES = [
+    *(
+        ("ring", "zigzag", spelling, ac)
+        for spelling in ("F", "early_bound", "torch_C", "stored")
+        for ac in (False, True)
+    ),
+    *(
+        (algorithm, layout, spelling, True)
+        for algorithm, layout in (("allgather", "zigzag"), ("ulysses", "contiguous"))
+        for spelling in ("F", "early_bound", "torch_C")
+    ),
+]
+
+
 def dispatch(rank: int, pairs: list[Any]) -> dict[str, Any]:
     """Gradients of a 2-block model (CP, summed over the group) equal one process's, for each SDPA spelling, with
     and without activation checkpointing; a stored SDPA reference under checkpointing fails loudly."""
     result: dict[str, Any] = {}
     x = torch.randn(2, SEQ, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     w = torch.randn(2, SEQ, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    errors: dict[str, dict[str, float]] = {}
     for cp, group in ((4, None), (2, _pair_group(rank, pairs))):
-        group_rank = dist.get_rank(group)
-        for algorithm, layout in (("ring", "zigzag"), ("allgather", "zigzag"), ("ulysses", "contiguous")):
-            for spelling in ("F", "early_bound", "torch_C", "stored"):
-                for ac in (False, True):
-                    torch.manual_seed(0)
-                    net = _Net(spelling, ac).double()
-                    want = _net_grads(net, x, w)
-                    x_local, w_local = (shard_sequence(t, cp, group_rank, layout) for t in (x, w))
-                    name = f"cp{cp}-{algorithm}-{spelling}-{'ac' if ac else 'noac'}"
-                    try:
-                        with ContextParallelAttention(group, algorithm, layout):
-                            got = _net_grads(net, x_local, w_local)
-                    except CheckpointError as error:
-                        result[name] = {"error": f"CheckpointError: {str(error)[:120]}"}
-                        continue
-                    for grad in got:
-                        dist.all_reduce(grad, group=group)
-                    err = max((g - t).abs().max().item() for g, t in zip(got, want))
-                    result[name] = _max_over_world({"grad": err})
+        for algorithm, layout, spelling, ac in _DISPATCH_CASES:
+            torch.manual_seed(0)
+            net = _Net(spelling, ac).double()
+            want = _net_grads(net, x, w)
+            x_local, w_local = (shard_sequence(t, cp, dist.get_rank(group), layout) for t in (x, w))
+            name = f"cp{cp}-{algorithm}-{spelling}-{'ac' if ac else 'noac'}"
+            try:
+                with ContextParallelAttention(group, algorithm, layout):
+                    got = _net_grads(net, x_local, w_local)
+            except CheckpointError as error:
+                result[name] = {"error": f"CheckpointError: {str(error)[:120]}"}
+                continue
+            for grad in got:
+                dist.all_reduce(grad, group=group)
+            errors[name] = {"grad": max((g - t).abs().max().item() for g, t in zip(got, want))}
+    result.update(_max_over_world_nested(errors))
+    result["gathered_positions"] = [
+        gather_sequence(local_positions(SEQ, cp, dist.get_rank(group), layout)[None], group, layout).tolist()
+        == [list(range(SEQ))]
+        for cp, group in ((4, None), (2, _pair_group(rank, pairs)))
+        for layout in ("zigzag", "contiguous")
+    ]
     result["restored"] = (
         F.scaled_dot_product_attention is early_bound_sdpa
         and torch._C._nn.scaled_dot_product_attention is early_bound_sdpa
@@ -223,7 +263,9 @@ def _refusals() -> dict[str, str]:
 
 def comm_bytes(rank: int, pairs: list[Any]) -> dict[str, Any]:
     """Bytes this rank sends per attention layer (forward, backward) for each algorithm, cp=4, GQA."""
-    result = {}
+    result: dict[str, Any] = {
+        "shape": {"batch": BATCH, "seq_len": SEQ, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "cp": 4}
+    }
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v, _ = _inputs(dtype, KV_HEADS, seed=3)
         local = [shard_sequence(t, 4, rank, "zigzag", dim=2).to(dtype).requires_grad_() for t in (q, k, v)]
@@ -249,7 +291,14 @@ def _worker(rank: int, world: int, port: int, scenarios: list[str], out: str) ->
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
-        result = {name: SCENARIOS[name](rank, pairs) for name in scenarios}
+        result = {}
+        for name in scenarios:
+            start = time.perf_counter()
+            result[name] = SCENARIOS[name](rank, pairs)
+            result[f"{name}_seconds"] = round(time.perf_counter() - start, 2)
+        result["lightning_imported"] = any(
+            name.split(".")[0] in ("lightning", "pytorch_lightning") for name in sys.modules
+        )
         if rank == 0:
             Path(f"{out}.tmp").write_text(json.dumps(result))
             os.replace(f"{out}.tmp", out)

@@ -17,13 +17,21 @@ from torch import Tensor
 
 from lightning_dist.parallel.attention.allgather import AllGatherAttention
 from lightning_dist.parallel.attention.comm import count_bytes_sent
+from lightning_dist.parallel.attention.costs import LayerBytes, bytes_per_layer
 from lightning_dist.parallel.attention.layout import check_layout
 from lightning_dist.parallel.attention.ring import RingAttention
 from lightning_dist.parallel.attention.ulysses import UlyssesHeadsError, ulysses_attention
 
 ALGORITHMS = ("ring", "allgather", "ulysses")
 
-__all__ = ["ALGORITHMS", "UlyssesHeadsError", "context_parallel_attention", "count_bytes_sent"]
+__all__ = [
+    "ALGORITHMS",
+    "LayerBytes",
+    "UlyssesHeadsError",
+    "bytes_per_layer",
+    "context_parallel_attention",
+    "count_bytes_sent",
+]
 
 
 def context_parallel_attention(

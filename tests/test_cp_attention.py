@@ -109,6 +109,12 @@ def test_dispatch_refuses_masks_dropout_and_unknown_names_before_any_communicati
         ContextParallelAttention(None, "ring", "random")
 
 
+def test_only_self_attention_over_the_local_shard_is_accepted():
+    context = ContextParallelAttention(group=None)
+    with pytest.raises(ValueError, match="self-attention over this rank's sequence shard"):
+        context.attention(torch.randn(1, 2, 8, 4), torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4))
+
+
 def test_ulysses_heads_must_divide_by_cp():
     check_heads(8, 4, 4)
     with pytest.raises(UlyssesHeadsError, match=r"query heads \(8\) and key/value heads \(2\).*cp=4"):

@@ -158,7 +158,7 @@ class _Attention(nn.Module):
         q = self.q(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k, v = self.kv(x).view(b, s, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         if self.spelling == "F":
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.4, enable_gqa=True)
         elif self.spelling == "early_bound":
             y = early_bound_sdpa(q, k, v, None, 0.0, True, enable_gqa=True)
         elif self.spelling == "torch_C":

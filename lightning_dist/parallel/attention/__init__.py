@@ -64,10 +64,12 @@ def context_parallel_attention(
     unbatched = query.dim() == 3
     if unbatched:
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-    if query.dim() != 4 or key.shape != value.shape:
+    same_tokens = key.shape[-2] == query.shape[-2] and key.shape[0] == query.shape[0]
+    if query.dim() != 4 or key.shape != value.shape or not same_tokens or key.shape[-1] != query.shape[-1]:
         raise ValueError(
-            "Context parallel attention expects query [B, H, L, D] and key/value [B, G, L, D] of the same shape; got"
-            f" query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}."
+            "Context parallel attention is self-attention over this rank's sequence shard: it expects query"
+            " [B, H, L, D] and key/value [B, G, L, D] with the same B, L and D; got query"
+            f" {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}."
         )
     heads, kv_heads = query.shape[-3], key.shape[-3]
     if heads != kv_heads and not (enable_gqa and heads % kv_heads == 0):

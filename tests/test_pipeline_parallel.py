@@ -2,9 +2,10 @@
 
 One launch (tests/scenarios/pipeline_runs.py) runs every case: the example GPT through all seven torch schedules at
 pp=2 (interleaved, looped BFS and zero-bubble with two stages per rank), gpipe and 1f1b at pp=4, 1f1b at pp2 × dp2
-with FSDP2 inside each stage, a meta-device build that materialises only local stages, a stock transformers
+with FSDP2 inside each stage, 1f1b at pp2 × tp2 (the MLPs column/row parallel inside each stage), a meta-device build that materialises only local stages, a stock transformers
 LlamaForCausalLM with `labels=`, and GPT-2 with its tied embedding (Megatron-style copies on the first and last stage).
-Per case: the mean of the per-micro-batch losses, every gradient and every parameter after an optimizer step.
+Per case: the mean of the per-micro-batch losses, every gradient and every parameter after an optimizer step, and
+then the loss of a forward-only evaluation of a half-size batch (another shape, the pipeline's own forward-only pass).
 """
 
 from __future__ import annotations
@@ -48,14 +49,18 @@ def runs(tmp_path_factory):
 def test_every_schedule_matches_one_process(runs, schedule):
     result = runs[f"gpt_{schedule}"]
     assert result["loss_error"] < TOL and result["grad_error"] < TOL and result["param_error"] < TOL, result
+    assert result["eval_error"] < TOL, result
     # every parameter is on exactly one rank, under its original name
     assert sum(result["params_per_rank"]) == result["reference_params"]
 
 
-@pytest.mark.parametrize("case", ["gpt_gpipe_pp4", "gpt_1f1b_pp4", "gpt_1f1b_pp2_dp2_fsdp", "gpt_1f1b_meta"])
-def test_four_stages_fsdp_inside_stages_and_meta_init_match_one_process(runs, case):
+@pytest.mark.parametrize(
+    "case", ["gpt_gpipe_pp4", "gpt_1f1b_pp4", "gpt_1f1b_pp2_dp2_fsdp", "gpt_1f1b_pp2_tp2", "gpt_1f1b_meta"]
+)
+def test_four_stages_fsdp_or_tp_inside_stages_and_meta_init_match_one_process(runs, case):
     result = runs[case]
     assert result["loss_error"] < TOL and result["grad_error"] < TOL and result["param_error"] < TOL, result
+    assert result["eval_error"] < TOL, result
 
 
 def test_parameter_bytes_per_rank_are_a_stage_share(runs):
@@ -68,6 +73,7 @@ def test_parameter_bytes_per_rank_are_a_stage_share(runs):
 
 def test_stock_llama_with_labels_matches_one_process(runs):
     result = runs["llama_1f1b"]
+    assert result["eval_error"] < HF_LOSS_TOL
     assert result["loss_error"] < HF_LOSS_TOL and result["grad_error"] < TOL and result["param_error"] < TOL, result
     assert sum(result["params_per_rank"]) == result["reference_params"]
 
@@ -76,6 +82,7 @@ def test_stock_llama_with_labels_matches_one_process(runs):
 def test_tied_embedding_copies_train_as_one_parameter(runs, case):
     result = runs[case]
     assert result["ties"] == ["transformer.wte.weight (stage 0) = lm_head.weight (stage %d)" % (1 if "1f1b" in case else 3)]
+    assert result["eval_error"] < HF_LOSS_TOL
     # both copies are compared with the one-process parameter (and its gradient, the sum of both uses)
     assert result["loss_error"] < HF_LOSS_TOL and result["grad_error"] < TOL and result["param_error"] < TOL, result
     assert sum(result["params_per_rank"]) == result["reference_params"]  # reference counts both names

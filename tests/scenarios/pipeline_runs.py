@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lightning_dist.parallel.pipeline import (
     PipelineRunner,
@@ -92,6 +93,7 @@ class Case:
     schedule: str
     pp: int = 2
     dp: int = 1
+    tp: int = 1
     n_layer: int = 4
     optimizer: str = "adamw"
     hf_labels: bool = False  # the loss comes from the model's own `labels=` path
@@ -113,6 +115,7 @@ CASES: dict[str, Case] = {
     "gpt_gpipe_pp4": Case(gpt, "gpipe", pp=4, optimizer="sgd"),
     "gpt_1f1b_pp4": Case(gpt, "1f1b", pp=4),
     "gpt_1f1b_pp2_dp2_fsdp": Case(gpt, "1f1b", pp=2, dp=2),
+    "gpt_1f1b_pp2_tp2": Case(gpt, "1f1b", pp=2, tp=2),
 }
 
 
@@ -136,7 +139,7 @@ def run_case(name: str, rank: int, world: int) -> dict[str, Any]:
     make_optimizer(case.optimizer, reference.parameters()).step()
     ref_params = {n: p.detach().clone() for n, p in reference.named_parameters(remove_duplicate=False)}
 
-    mesh = init_device_mesh("cpu", (case.pp, case.dp), mesh_dim_names=("pp", "dp"))
+    mesh = init_device_mesh("cpu", (case.pp, case.dp, case.tp), mesh_dim_names=("pp", "dp", "tp"))
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     rows = slice(dp_rank * BATCH // case.dp, (dp_rank + 1) * BATCH // case.dp)  # this replica's share
     call_kwargs = {"input_ids": input_ids[rows]} | ({"labels": labels[rows]} if case.hf_labels else {})
@@ -145,7 +148,8 @@ def run_case(name: str, rank: int, world: int) -> dict[str, Any]:
     per_rank = resolve_stages_per_rank(case.schedule, None)
     plan = plan_stages(model, case.pp * per_rank)
     ties = find_tied_parameters(model, plan)
-    pp_groups = [[p * case.dp + d for p in range(case.pp)] for d in range(case.dp)]  # row-major (pp, dp) mesh
+    inner = case.dp * case.tp  # ranks are row-major over (pp, dp, tp)
+    pp_groups = [[p * inner + i for p in range(case.pp)] for i in range(inner)]
     groups = new_tie_groups(ties, pp_groups, per_rank, info.placement)
     stage_ids = stage_ids_for_rank(pp_rank, case.pp, per_rank, info.placement)
     inputs = model_inputs_as_kwargs(model, (), call_kwargs)
@@ -155,6 +159,11 @@ def run_case(name: str, rank: int, world: int) -> dict[str, Any]:
             part.to_empty(device="cpu")
         local_state = model.state_dict()
         model.load_state_dict({k: reference_initial(case)[k] for k in local_state}, strict=True)
+    if case.tp > 1:  # tensor parallel inside each stage: the MLP of every local block, column then row
+        for part in parts:
+            for block in part.modules():
+                if type(block).__name__ == "Block":
+                    parallelize_module(block.mlp, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     if case.dp > 1:
         for part in parts:
             for block in part.modules():
@@ -179,9 +188,25 @@ def run_case(name: str, rank: int, world: int) -> dict[str, Any]:
     local = dict(model.named_parameters(remove_duplicate=False))
     grad_error = max((float((_full(p.grad) - ref_grads[n]).abs().max()) for n, p in local.items()), default=0.0)
     make_optimizer(case.optimizer, model.parameters()).step()
-    param_error = max((float((_full(p.detach()) - ref_params[n]).abs().max()) for n, p in local.items()), default=0.0)
     local_bytes = sum(_local(p).numel() * p.element_size() for p in model.parameters())
-    stats = torch.tensor([float(loss_error), grad_error, param_error, len(local), local_bytes], dtype=torch.float64)
+
+    # Evaluation of a batch of another shape (new torch stages, same stage modules) after the step.
+    eval_rows = slice(rows.start // 2, rows.start // 2 + BATCH // case.dp // 2)
+    eval_kwargs = {"input_ids": input_ids[eval_rows]} | ({"labels": labels[eval_rows]} if case.hf_labels else {})
+    eval_losses: list[torch.Tensor] = []
+    runner.eval(model_inputs_as_kwargs(model, (), eval_kwargs), target=labels[eval_rows], losses=eval_losses)
+    eval_error = torch.zeros((), dtype=torch.float64)
+    with torch.no_grad():
+        ref_eval = reference(**({"input_ids": input_ids[: BATCH // 2]} | ({"labels": labels[: BATCH // 2]} if case.hf_labels else {})))
+        ref_eval_loss = hf_loss(ref_eval, None) if case.hf_labels else logits_loss(ref_eval, labels[: BATCH // 2])
+    if runner.holds_last_stage:
+        eval_loss = torch.stack(eval_losses).mean().detach()
+        dist.all_reduce(eval_loss, group=mesh["dp"].get_group())
+        eval_error = (eval_loss / case.dp - ref_eval_loss).abs()
+    param_error = max((float((_full(p.detach()) - ref_params[n]).abs().max()) for n, p in local.items()), default=0.0)
+    stats = torch.tensor(
+        [float(loss_error), grad_error, param_error, len(local), local_bytes, float(eval_error)], dtype=torch.float64
+    )
     gathered = [stats.clone() for _ in range(world)]
     dist.all_gather(gathered, stats)
     total = torch.stack(gathered)
@@ -189,6 +214,7 @@ def run_case(name: str, rank: int, world: int) -> dict[str, Any]:
         "loss_error": float(total[:, 0].max()),
         "grad_error": float(total[:, 1].max()),
         "param_error": float(total[:, 2].max()),
+        "eval_error": float(total[:, 5].max()),
         "params_per_rank": [int(c) for c in total[:, 3]],
         "param_bytes_per_rank": [int(c) for c in total[:, 4]],
         "reference_params": len(ref_params),
@@ -231,6 +257,10 @@ def worker(rank: int, world: int, port: int, cases: list[str], out: str) -> None
         dist.destroy_process_group()
 
 
+def _world(case: Case) -> int:
+    return case.pp * case.dp * case.tp
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -247,8 +277,8 @@ def main() -> None:
     for builder in {CASES[n].build for n in names}:
         builder(2)
     results: dict[str, Any] = {}
-    for world in sorted({CASES[n].pp * CASES[n].dp for n in names}):
-        batch = [n for n in names if CASES[n].pp * CASES[n].dp == world]
+    for world in sorted({_world(CASES[n]) for n in names}):
+        batch = [n for n in names if _world(CASES[n]) == world]
         out = f"{args.out}.{world}"
         mp.start_processes(
             worker, args=(world, free_port(), batch, out), nprocs=world, join=True, start_method="fork"

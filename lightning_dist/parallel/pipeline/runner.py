@@ -3,7 +3,7 @@
 Every rank of a pipeline group calls :meth:`PipelineRunner.step` (or :meth:`~PipelineRunner.eval`) with the same
 model inputs: all stages replay the forward from them (see :mod:`.stage`), so only the boundary activation travels
 between ranks. torch's stages size their receive buffers from the first batch; a batch of another shape (the last,
-smaller evaluation batch) gets its own stages and schedule, kept in a small cache.
+smaller batch) gets its own stages and schedule, kept in a small cache. Evaluation uses its own forward-only pass.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from lightning_dist.parallel.pipeline.outputs import rebuild_output
-from lightning_dist.parallel.pipeline.schedule import build_schedule, validate_microbatching
+from lightning_dist.parallel.pipeline.forward_only import forward_only
+from lightning_dist.parallel.pipeline.schedule import build_schedule, schedule_info, validate_microbatching
+from lightning_dist.parallel.pipeline.split import stage_owner
 from lightning_dist.parallel.pipeline.stage import stage_runtime
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -89,10 +91,37 @@ class PipelineRunner:
         schedule.step(target=target, losses=losses, return_outputs=False, **self._batched(model_inputs))
 
     def eval(self, model_inputs: dict[str, Any], target: Any = None, losses: list | None = None) -> None:
-        """Forward only; ``loss_fn`` still runs per micro-batch on the last stage (its results go to ``losses``)."""
-        schedule = self._schedule_for(model_inputs)
+        """Forward only (:mod:`.forward_only`, any batch shape); ``loss_fn`` runs per micro-batch on the last stage
+        and its results go to ``losses``, in micro-batch order."""
+        batched = self._batched(model_inputs)
+        m = self.n_microbatches
+        validate_microbatching("gpipe", _batch_size(batched), m, self.pp_size, 1)  # only divisibility matters here
+        chunks = {k: torch.tensor_split(v, m) if _is_batched(v) else [v] * m for k, v in batched.items()}
+        microbatches = [{k: chunks[k][i] for k in batched} for i in range(m)]
+        targets = torch.tensor_split(target, m) if isinstance(target, torch.Tensor) else [target] * m
+
+        def on_output(output: Any, index: int) -> None:
+            if self.loss_fn is not None:
+                loss = self._stage_loss(output, targets[index])
+                if losses is not None:
+                    losses.append(loss)
+
+        placement = schedule_info(self.schedule_name).placement
         with torch.no_grad():
-            schedule.eval(target=target, losses=losses, **self._batched(model_inputs))
+            forward_only(
+                self.parts,
+                self.stage_ids,
+                self.num_stages,
+                lambda stage: stage_owner(stage, self.pp_size, placement),
+                microbatches,
+                on_output,
+                group=self.group,
+                device=self.device,
+            )
+
+    @property
+    def pp_size(self) -> int:
+        return self.num_stages // len(self.stage_ids)
 
     def _batched(self, model_inputs: dict[str, Any]) -> dict[str, Any]:
         batch = _batch_size(model_inputs)
@@ -110,8 +139,7 @@ class PipelineRunner:
 
     def _schedule_for(self, model_inputs: dict[str, Any]) -> Any:
         batch = _batch_size(model_inputs)
-        per_rank = len(self.stage_ids)
-        validate_microbatching(self.schedule_name, batch, self.n_microbatches, self.num_stages // per_rank, per_rank)
+        validate_microbatching(self.schedule_name, batch, self.n_microbatches, self.pp_size, len(self.stage_ids))
         key = tuple(
             (k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, type(v).__name__)
             for k, v in model_inputs.items()
@@ -138,6 +166,10 @@ class PipelineRunner:
         recipe = stage_runtime(last).output_recipe
         assert self.loss_fn is not None and recipe is not None
         return self.loss_fn(rebuild_output(output, recipe), target)
+
+
+def _is_batched(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
 def _batch_size(model_inputs: dict[str, Any]) -> int:

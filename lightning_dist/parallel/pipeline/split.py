@@ -136,6 +136,13 @@ def stage_ids_for_rank(rank: int, pp_size: int, stages_per_rank: int, placement:
     raise ValueError(f"Unknown stage placement {placement!r}; expected 'loop' or 'v'.")
 
 
+def stage_owner(stage: int, pp_size: int, placement: StagePlacement = "loop") -> int:
+    """The pipeline rank holding ``stage`` (inverse of :func:`stage_ids_for_rank`)."""
+    if placement == "v":
+        return stage if stage < pp_size else 2 * pp_size - 1 - stage
+    return stage % pp_size
+
+
 def _balanced(units: list[str], blocks: list[str], num_stages: int) -> list[list[str]]:
     if len(blocks) < num_stages:
         raise ValueError(

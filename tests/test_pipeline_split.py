@@ -12,7 +12,9 @@ from torch import nn
 
 from examples.gpt import GPT
 from lightning_dist.parallel.pipeline import (
+    PipelinedCallError,
     StageCutError,
+    capture_call,
     bubble_fraction_formula,
     cut_pipeline_stages,
     default_n_microbatches,
@@ -23,6 +25,7 @@ from lightning_dist.parallel.pipeline import (
     resolve_stages_per_rank,
     stage_ids_for_rank,
     stage_runtime,
+    substituted_forward,
     validate_microbatching,
 )
 from lightning_dist.parallel.pipeline.outputs import rebuild_output
@@ -246,3 +249,24 @@ def test_forwards_the_cut_cannot_follow_fail_with_the_split_fix(model_cls, make_
     with pytest.raises((StageCutError, AttributeError), match=message) as err:
         run_in_sequence(parts, model_inputs_as_kwargs(model, (x,), {}))
     assert "Pass split=" in str(err.value)
+
+
+# ------------------------------------------------------------------------------------------------ forward substitution
+def test_a_step_calling_the_model_once_is_captured_and_substituted():
+    model = small_gpt(2)
+    ids = torch.zeros(2, 4, dtype=torch.long)
+
+    def step() -> torch.Tensor:
+        logits = model(ids)
+        return logits.sum()
+
+    args, kwargs = capture_call(model, step)
+    assert args[0] is ids and kwargs == {}
+    with substituted_forward(model, torch.ones(2, 4, 64)):
+        assert step().item() == 2 * 4 * 64
+    assert "forward" not in model.__dict__  # restored
+
+    with pytest.raises(PipelinedCallError, match="never called GPT"):
+        capture_call(model, lambda: None)
+    with pytest.raises(PipelinedCallError, match="more than once"), substituted_forward(model, torch.ones(1)):
+        model(ids) + model(ids)

@@ -8,6 +8,9 @@ The steps a caller (the pipeline strategy, or a plain training loop) takes:
    design and its limits); apply FSDP2 / tensor parallel to them; materialise them if the model is on meta.
 3. :class:`PipelineRunner` — ``step`` / ``eval`` of a whole batch through a schedule (:mod:`.schedule` checks the
    name and the micro-batching first); :func:`all_reduce_tied_gradients` after ``step``.
+4. :func:`capture_call` / :func:`substituted_forward` — run a user's step written for one process: take the model
+   call's arguments from it, and on the last stage re-run it per micro-batch with the model call returning the
+   pipeline's output.
 """
 
 from lightning_dist.parallel.pipeline.bubble import BusyTimer, bubble_fraction
@@ -27,6 +30,7 @@ from lightning_dist.parallel.pipeline.split import (
     find_pipeline_units,
     plan_stages,
     stage_ids_for_rank,
+    stage_owner,
 )
 from lightning_dist.parallel.pipeline.stage import (
     StageCutError,
@@ -34,6 +38,7 @@ from lightning_dist.parallel.pipeline.stage import (
     model_inputs_as_kwargs,
     stage_runtime,
 )
+from lightning_dist.parallel.pipeline.substitution import PipelinedCallError, capture_call, substituted_forward
 from lightning_dist.parallel.pipeline.tied import (
     TiedParameter,
     all_reduce_tied_gradients,
@@ -47,6 +52,7 @@ __all__ = [
     "SCHEDULES",
     "BusyTimer",
     "PipelineRunner",
+    "PipelinedCallError",
     "ScheduleInfo",
     "StageCutError",
     "StagePlan",
@@ -56,6 +62,7 @@ __all__ = [
     "bubble_fraction",
     "bubble_fraction_formula",
     "build_schedule",
+    "capture_call",
     "cut_pipeline_stages",
     "default_n_microbatches",
     "find_pipeline_units",
@@ -66,7 +73,9 @@ __all__ = [
     "resolve_stages_per_rank",
     "schedule_info",
     "stage_ids_for_rank",
+    "stage_owner",
     "stage_runtime",
+    "substituted_forward",
     "tied_parameter_ranks",
     "validate_microbatching",
 ]

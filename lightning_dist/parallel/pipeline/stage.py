@@ -21,6 +21,12 @@ whole model and an exportable forward, and leaves tied weights to the user. Inst
   the previous stage. The first unit of a later stage ends the forward and its first tensor argument is the stage's
   output. The last stage's return value is flattened to its tensors (and rebuilt for the loss function).
 
+* **Tied weights** (an embedding shared with the head) stay tied inside a stage; across stages each stage keeps its
+  own copy under its own name (``transformer.wte.weight`` / ``lm_head.weight``), Megatron style: copies on one rank
+  are separate Parameters too (torch's split backward of zero-bubble schedules mis-accumulates a shared one), and
+  :func:`~.tied.all_reduce_tied_gradients` sums their gradients after each step.
+* **FSDP2 after evaluation**: a forward-only pass leaves an FSDP root unsharded; reshard before the next step.
+
 Limits (checked where possible, with an error naming the fix):
 
 * Exactly one tensor crosses each stage boundary: the first tensor argument of the first unit of the next stage

@@ -107,6 +107,8 @@ def test_dispatch_refuses_masks_dropout_and_unknown_names_before_any_communicati
         ContextParallelAttention(None, "striped")
     with pytest.raises(ValueError, match="Unknown context-parallel layout"):
         ContextParallelAttention(None, "ring", "random")
+    with pytest.raises(ValueError, match="explicit_masks='ignore'"):
+        ContextParallelAttention(None, explicit_masks="ignore")
 
 
 def test_only_self_attention_over_the_local_shard_is_accepted():
@@ -175,6 +177,8 @@ def test_dispatch_catches_every_spelling_with_activation_checkpoint_recompute(cp
         assert dispatch[f"cp{cp}-{algorithm}-{spelling}-ac"]["grad"] <= FP64_TOL
     for cp, spelling in itertools.product((2, 4), ("F", "early_bound", "torch_C", "stored")):
         assert dispatch[f"cp{cp}-ring-{spelling}-noac"]["grad"] <= FP64_TOL
+    for cp in (2, 4):  # explicit_masks="causal": a mask built over local shapes is replaced by global causality
+        assert dispatch[f"cp{cp}-ring-explicit_causal_mask-ac"]["grad"] <= FP64_TOL
     # A reference to SDPA kept in an attribute is caught in forward only: its recompute fails loudly.
     for cp in (2, 4):
         assert dispatch[f"cp{cp}-ring-stored-ac"]["error"].startswith("CheckpointError")

@@ -39,6 +39,7 @@ from lightning_dist.parallel.attention.layout import (
 
 __all__ = [
     "ALGORITHMS",
+    "EXPLICIT_MASK_POLICIES",
     "LAYOUTS",
     "ContextParallelAttention",
     "ContextParallelAttentionError",
@@ -48,6 +49,8 @@ __all__ = [
     "shard_sequence",
     "unshard_sequence",
 ]
+
+EXPLICIT_MASK_POLICIES = ("refuse", "causal")
 
 # The builtin every spelling of SDPA resolves to: F.scaled_dot_product_attention is torch._C._nn's function.
 _SDPA_HOME = sdpa_builtin_home()
@@ -101,21 +104,36 @@ class ContextParallelAttention:
         group: the context-parallel process group (``None``: the default group).
         algorithm: ``"ring"``, ``"allgather"`` or ``"ulysses"``.
         layout: how the sequence is sharded (``"zigzag"`` or ``"contiguous"``), as given to :func:`shard_sequence`.
+        explicit_masks: ``"refuse"`` (default) raises on an explicit ``attn_mask``; ``"causal"`` computes causal
+            attention over global positions instead. Use ``"causal"`` only for a model known to be a causal decoder
+            whose library builds its causal mask itself from local shapes or positions (Hugging Face models do):
+            such a mask is meaningless over shards, and the mask is not inspected.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, algorithm: str = "ring", layout: str = "zigzag") -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        algorithm: str = "ring",
+        layout: str = "zigzag",
+        explicit_masks: str = "refuse",
+    ) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"Unknown context-parallel attention {algorithm!r}: use one of {list(ALGORITHMS)}.")
+        if explicit_masks not in EXPLICIT_MASK_POLICIES:
+            raise ValueError(f"explicit_masks={explicit_masks!r}: use one of {list(EXPLICIT_MASK_POLICIES)}.")
         check_layout(layout)
         self.group = group
         self.algorithm = algorithm
         self.layout = layout
+        self.explicit_masks = explicit_masks
         self._mode: _SdpaMode | None = None
         self._patched: list[tuple[dict, str, Any]] = []
 
     def attention(self, *args: Any, **kwargs: Any) -> Tensor:
         """``F.scaled_dot_product_attention``'s signature, computed over the context-parallel group."""
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_arguments(*args, **kwargs)
+        if attn_mask is not None and self.explicit_masks == "causal":
+            attn_mask, is_causal = None, True
         if attn_mask is not None:
             raise ContextParallelAttentionError(
                 "Context parallel attention got an explicit attn_mask: only is_causal=True or no mask is supported"

@@ -163,6 +163,9 @@ class _Attention(nn.Module):
             y = early_bound_sdpa(q, k, v, None, 0.0, True, enable_gqa=True)
         elif self.spelling == "torch_C":
             y = torch._C._nn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        elif self.spelling == "explicit_causal_mask":  # as Hugging Face models build it, from local shapes
+            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         else:
             y = self.stored_sdpa(q, k, v, is_causal=True, enable_gqa=True)
         return self.o(y.transpose(1, 2).reshape(b, s, -1))
@@ -188,6 +191,7 @@ def _net_grads(net: _Net, x: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor
 
 # Every spelling with and without activation checkpointing for the ring; the other algorithms with checkpointing.
 _DISPATCH_CASES = [
+    ("ring", "zigzag", "explicit_causal_mask", True),
     *(
         ("ring", "zigzag", spelling, ac)
         for spelling in ("F", "early_bound", "torch_C", "stored")
@@ -216,7 +220,8 @@ def dispatch(rank: int, pairs: list[Any]) -> dict[str, Any]:
             x_local, w_local = (shard_sequence(t, cp, dist.get_rank(group), layout) for t in (x, w))
             name = f"cp{cp}-{algorithm}-{spelling}-{'ac' if ac else 'noac'}"
             try:
-                with ContextParallelAttention(group, algorithm, layout):
+                masks = "causal" if spelling == "explicit_causal_mask" else "refuse"
+                with ContextParallelAttention(group, algorithm, layout, explicit_masks=masks):
                     got = _net_grads(net, x_local, w_local)
             except CheckpointError as error:
                 result[name] = {"error": f"CheckpointError: {str(error)[:120]}"}

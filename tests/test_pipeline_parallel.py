@@ -81,7 +81,8 @@ def test_stock_llama_with_labels_matches_one_process(runs):
 @pytest.mark.parametrize("case", ["gpt2_tied_1f1b", "gpt2_tied_zbv_zero_bubble"])
 def test_tied_embedding_copies_train_as_one_parameter(runs, case):
     result = runs[case]
-    assert result["ties"] == ["transformer.wte.weight (stage 0) = lm_head.weight (stage %d)" % (1 if "1f1b" in case else 3)]
+    last = 1 if "1f1b" in case else 3
+    assert result["ties"] == [f"transformer.wte.weight (stage 0) = lm_head.weight (stage {last})"]
     assert result["eval_error"] < HF_LOSS_TOL
     # both copies are compared with the one-process parameter (and its gradient, the sum of both uses)
     assert result["loss_error"] < HF_LOSS_TOL and result["grad_error"] < TOL and result["param_error"] < TOL, result

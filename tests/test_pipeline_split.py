@@ -14,8 +14,8 @@ from examples.gpt import GPT
 from lightning_dist.parallel.pipeline import (
     PipelinedCallError,
     StageCutError,
-    capture_call,
     bubble_fraction_formula,
+    capture_call,
     cut_pipeline_stages,
     default_n_microbatches,
     find_pipeline_units,
@@ -48,7 +48,10 @@ def run_in_sequence(parts: list[nn.Module], inputs: dict) -> object:
 def test_auto_split_balances_blocks_counting_embedding_and_head_as_one_block_each():
     model = small_gpt(4)
     assert find_pipeline_units(model)[0] == ["tok_emb", "pos_emb", *[f"blocks.{i}" for i in range(4)], "ln_f", "head"]
-    assert plan_stages(model, 2).describe() == ["stage 0: tok_emb, pos_emb, blocks.0-1", "stage 1: blocks.2-3, ln_f, head"]
+    assert plan_stages(model, 2).describe() == [
+        "stage 0: tok_emb, pos_emb, blocks.0-1",
+        "stage 1: blocks.2-3, ln_f, head",
+    ]
     assert plan_stages(model, 3).describe() == [
         "stage 0: tok_emb, pos_emb, blocks.0",
         "stage 1: blocks.1-2",
@@ -69,7 +72,9 @@ def test_split_by_stage_starts_and_by_lists():
     model = small_gpt(4)
     by_start = plan_stages(model, 2, ["blocks.1"])
     assert by_start.stages[0] == ("tok_emb", "pos_emb", "blocks.0")
-    by_lists = plan_stages(model, 2, [["tok_emb", "pos_emb", "blocks.0"], ["blocks.1", "blocks.2", "blocks.3", "ln_f", "head"]])
+    by_lists = plan_stages(
+        model, 2, [["tok_emb", "pos_emb", "blocks.0"], ["blocks.1", "blocks.2", "blocks.3", "ln_f", "head"]]
+    )
     assert by_lists == by_start
     # a container name stands for all the units inside it
     whole_blocks = plan_stages(model, 2, [["tok_emb", "pos_emb", "blocks"], ["ln_f", "head"]])
@@ -83,8 +88,16 @@ def test_split_by_stage_starts_and_by_lists():
         (2, ["blocks.9"], "not pipeline units"),
         (3, ["blocks.1"], "makes 2 stages"),
         (3, ["blocks.2", "blocks.1"], "distinct, in model order"),
-        (2, [["tok_emb", "pos_emb", "blocks.0"], ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "ln_f", "head"]], "in stage 0 and in stage 1"),
-        (2, [["tok_emb", "pos_emb", "blocks.0"], ["blocks.1", "blocks.2", "blocks.3", "head"]], "leaves ['ln_f'] on no stage"),
+        (
+            2,
+            [["tok_emb", "pos_emb", "blocks.0"], ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "ln_f", "head"]],
+            "in stage 0 and in stage 1",
+        ),
+        (
+            2,
+            [["tok_emb", "pos_emb", "blocks.0"], ["blocks.1", "blocks.2", "blocks.3", "head"]],
+            "leaves ['ln_f'] on no stage",
+        ),
         (2, [["tok_emb", "pos_emb", "blocks.0.attn"], ["blocks"]], "neither a pipeline unit"),
         (2, "even", "expected 'auto'"),
     ],
@@ -171,7 +184,7 @@ def test_stages_run_in_sequence_equal_the_whole_model_and_keep_names(num_stages)
         assert torch.equal(out, reference(ids))
     names = [n for part in parts for n, _ in part.named_parameters()]
     assert names == [n for n, _ in reference.named_parameters()]
-    assert [n for n, _ in parts[1].named_parameters()][0].startswith(plan.stages[1][0] + ".")
+    assert next(n for n, _ in parts[1].named_parameters()).startswith(plan.stages[1][0] + ".")
 
 
 def test_the_cut_model_keeps_only_this_ranks_parameters_and_meta_stays_meta():

@@ -38,9 +38,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from lightning_dist.parallel.pipeline import (
     BusyTimer,
     PipelineRunner,
+    all_reduce_tied_gradients,
     bubble_fraction,
     bubble_fraction_formula,
-    all_reduce_tied_gradients,
     cut_pipeline_stages,
     find_tied_parameters,
     model_inputs_as_kwargs,
@@ -64,8 +64,13 @@ def llama(n_layer: int) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=n_layer, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, max_position_embeddings=SEQ,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=n_layer,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
     )
     return LlamaForCausalLM(config)
 
@@ -74,8 +79,16 @@ def gpt2(n_layer: int) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        n_embd=32, n_layer=n_layer, n_head=4, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        n_embd=32,
+        n_layer=n_layer,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return GPT2LMHeadModel(config)
 
@@ -174,7 +187,12 @@ def run_case(name: str, rank: int, world: int) -> dict[str, Any]:
                     fully_shard(block, mesh=mesh["dp"])
             fully_shard(part, mesh=mesh["dp"])
     runner = PipelineRunner(
-        parts, stage_ids, plan.num_stages, case.schedule, n_microbatches, hf_loss if case.hf_labels else logits_loss,
+        parts,
+        stage_ids,
+        plan.num_stages,
+        case.schedule,
+        n_microbatches,
+        hf_loss if case.hf_labels else logits_loss,
         group=mesh["pp"].get_group(),
     )
     losses: list[torch.Tensor] = []
@@ -200,7 +218,9 @@ def run_case(name: str, rank: int, world: int) -> dict[str, Any]:
     runner.eval(model_inputs_as_kwargs(model, (), eval_kwargs), target=labels[eval_rows], losses=eval_losses)
     eval_error = torch.zeros((), dtype=torch.float64)
     with torch.no_grad():
-        ref_eval = reference(**({"input_ids": input_ids[: BATCH // 2]} | ({"labels": labels[: BATCH // 2]} if case.hf_labels else {})))
+        ref_eval = reference(
+            **({"input_ids": input_ids[: BATCH // 2]} | ({"labels": labels[: BATCH // 2]} if case.hf_labels else {}))
+        )
         ref_eval_loss = hf_loss(ref_eval, None) if case.hf_labels else logits_loss(ref_eval, labels[: BATCH // 2])
     if runner.holds_last_stage:
         eval_loss = torch.stack(eval_losses).mean().detach()
@@ -260,7 +280,15 @@ def worker(rank: int, world: int, port: int, cases: list[str], out: str) -> None
         dist.destroy_process_group()
 
 
-BUBBLE_SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"]
+BUBBLE_SCHEDULES = [
+    "gpipe",
+    "1f1b",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "interleaved_zero_bubble",
+    "zbv_zero_bubble",
+    "dualpipev",
+]
 
 
 def measure_bubble(rank: int, world: int, n_microbatches: int, steps: int = 4) -> dict[str, Any]:
@@ -295,7 +323,7 @@ def measure_bubble(rank: int, world: int, n_microbatches: int, steps: int = 4) -
     return results
 
 
-def GPT_BIG() -> nn.Module:  # noqa: N802 - enough work per micro-batch for timings to mean something
+def GPT_BIG() -> nn.Module:
     from examples.gpt import GPT
 
     return GPT(vocab_size=VOCAB, seq_len=64, d_model=128, n_layer=8, n_head=4)
@@ -343,9 +371,7 @@ def main() -> None:
     for world in sorted({_world(CASES[n]) for n in names}):
         batch = [n for n in names if _world(CASES[n]) == world]
         out = f"{args.out}.{world}"
-        mp.start_processes(
-            worker, args=(world, free_port(), batch, out), nprocs=world, join=True, start_method="fork"
-        )
+        mp.start_processes(worker, args=(world, free_port(), batch, out), nprocs=world, join=True, start_method="fork")
         results.update(json.loads(Path(out).read_text()))
         os.remove(out)
     Path(args.out).write_text(json.dumps(results))

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from lightning_dist.parallel.pipeline.outputs import rebuild_output
 from lightning_dist.parallel.pipeline.forward_only import forward_only
+from lightning_dist.parallel.pipeline.outputs import rebuild_output
 from lightning_dist.parallel.pipeline.schedule import build_schedule, schedule_info, validate_microbatching
 from lightning_dist.parallel.pipeline.split import stage_owner
 from lightning_dist.parallel.pipeline.stage import stage_runtime
@@ -153,7 +153,11 @@ class PipelineRunner:
             for part, index in zip(self.parts, self.stage_ids)
         ]
         schedule = build_schedule(
-            self.schedule_name, stages, self.n_microbatches, self._stage_loss if self.loss_fn else None, self.scale_grads
+            self.schedule_name,
+            stages,
+            self.n_microbatches,
+            self._stage_loss if self.loss_fn else None,
+            self.scale_grads,
         )
         self._cache[key] = (stages, schedule)
         self.stages = stages

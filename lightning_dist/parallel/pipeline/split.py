@@ -234,7 +234,9 @@ def _from_lists(units: list[str], lists: list[list[str]], num_stages: int) -> li
                 )
             for unit in covered:
                 if unit in owner:
-                    raise ValueError(f"{unit!r} is in stage {owner[unit]} and in stage {index}; each module goes to one.")
+                    raise ValueError(
+                        f"{unit!r} is in stage {owner[unit]} and in stage {index}; each module goes to one."
+                    )
                 owner[unit] = index
                 stage.append(unit)
         if not stage:

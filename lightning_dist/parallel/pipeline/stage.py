@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_dist.parallel.pipeline.outputs import OutputRecipe, flatten_output, map_tensors, tensors_in
+from lightning_dist.parallel.pipeline.outputs import OutputRecipe, flatten_output, map_tensors
 from lightning_dist.parallel.pipeline.split import StagePlan
 
 
@@ -139,10 +139,13 @@ class EarlierStageModule(_StandIn):
         runtime = self._runtime
         run = runtime.run
         if run is None:
-            raise _cut_error(runtime, f"{self.unit_name} (stage {self.owner_stage}) was called outside a stage forward.")
+            raise _cut_error(
+                runtime, f"{self.unit_name} (stage {self.owner_stage}) was called outside a stage forward."
+            )
         if run.started:
             raise _cut_error(
-                runtime, f"{self.unit_name} of the earlier stage {self.owner_stage} runs after this stage's modules began."
+                runtime,
+                f"{self.unit_name} of the earlier stage {self.owner_stage} runs after this stage's modules began.",
             )
         key = _signature((args, kwargs))
         if key not in self._shapes:
@@ -159,6 +162,7 @@ class EarlierStageModule(_StandIn):
             return value
 
         return map_tensors(self._shapes[key], placeholder)
+
 
 class LaterStageModule(_StandIn):
     """Stands in for a unit of a later stage: its call ends this stage's forward, its input is the stage output."""
@@ -177,7 +181,9 @@ class LaterStageModule(_StandIn):
             )
         value = _first_tensor(args, kwargs)
         if value is None:
-            raise _cut_error(runtime, f"{self.unit_name} (first module of stage {self.owner_stage}) got no tensor input.")
+            raise _cut_error(
+                runtime, f"{self.unit_name} (first module of stage {self.owner_stage}) got no tensor input."
+            )
         raise _StageExit(value)
 
 
@@ -367,7 +373,9 @@ def _meta_twin(module: nn.Module) -> nn.Module:
     memo: dict[int, Any] = {}
     for tensor in itertools.chain(module.parameters(), module.buffers()):
         meta = torch.empty_like(tensor, device="meta")
-        memo[id(tensor)] = nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+        memo[id(tensor)] = (
+            nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+        )
     return copy.deepcopy(module, memo)
 
 

@@ -36,6 +36,7 @@ def capture_call(module: nn.Module, run: Callable[[], Any], what: str = "the ste
     Raises:
         PipelinedCallError: ``run()`` finished without calling ``module``.
     """
+
     def record(*args: Any, **kwargs: Any) -> Any:
         raise _Captured(args, kwargs)
 

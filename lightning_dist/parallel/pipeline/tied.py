@@ -99,7 +99,9 @@ def all_reduce_tied_gradients(model: nn.Module, ties: Sequence[TiedParameter], g
         copies = _local_copies(model, tie)
         if not copies:
             if group is not None:
-                raise RuntimeError(f"This rank is in the group of the tied parameter {tie.describe()} but holds no copy.")
+                raise RuntimeError(
+                    f"This rank is in the group of the tied parameter {tie.describe()} but holds no copy."
+                )
             continue
         if len(copies) == 1 and group is None:
             continue

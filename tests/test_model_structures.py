@@ -10,7 +10,9 @@ from launch import max_abs_diff, run_scenarios
 from torch import nn
 
 from lightning_dist.parallel.fsdp import shared_submodules
-from lightning_dist.parallel.tensor_parallel_plan import TensorParallelPlanError, infer_plan
+from lightning_dist.parallel.model_structure import MLP, recognize
+from lightning_dist.parallel.tensor_parallel_plan import TensorParallelPlanError
+from lightning_dist.parallel.tp_plan_inference import infer_plan
 
 FP64_TOL = 1e-10
 CASES = [
@@ -70,3 +72,35 @@ def test_a_parameter_shared_by_modules_of_two_units_is_refused_with_a_fix():
     other[1][0].weight = other[0][0].weight  # one Parameter in two different modules
     with pytest.raises(ValueError, match=r"registered in 0.0 and 1.0, which belong to different FSDP units"):
         shared_submodules(other, list(other))
+
+
+def test_recognize_finds_the_parts_of_a_gpt_and_a_hugging_face_style_decoder():
+    from examples.gpt import GPT
+    from tests.scenarios.llama_like import LlamaLike
+
+    gpt = recognize(GPT(vocab_size=64, d_model=32, n_layer=2, n_head=4))
+    assert gpt.blocks == ["blocks.0", "blocks.1"]
+    attn = gpt.attention["blocks.0.attn"]
+    assert (attn.query, attn.key, attn.value, attn.output) == ("query", "key", "value", "proj")
+    assert (attn.num_heads, attn.num_kv_heads, attn.fused) == (4, 4, None)
+    assert gpt.mlps["blocks.0.mlp"] == MLP("blocks.0.mlp", ("up",), "down")
+    assert (gpt.token_embedding, gpt.other_embeddings, gpt.output_head) == ("tok_emb", ["pos_emb"], "head")
+    assert gpt.norms == ["blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln1", "blocks.1.ln2", "ln_f"]
+    llama = recognize(LlamaLike(num_heads=8, num_key_value_heads=4))
+    attn = llama.attention["model.layers.1.self_attn"]
+    assert (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (8, 4, attn.head_dim)
+    assert llama.mlps["model.layers.0.mlp"].up == ("up_proj", "gate_proj")
+    assert (llama.token_embedding, llama.output_head) == ("model.embed_tokens", "lm_head")
+    assert llama.positions_argument == ("model.rotary_emb", "position_ids")
+
+
+def test_recognize_reads_multihead_attention_and_names_what_it_cannot_tell():
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True), 2)
+    structure = recognize(encoder)
+    mha = structure.attention["layers.0.self_attn"]
+    assert (mha.fused, mha.output, mha.num_heads, mha.head_dim) == ("in_proj", "out_proj", 2, 8)
+    assert mha.fused_layout.order == "blocks"
+    assert structure.mlps["layers.1"].up == ("linear1",) and structure.blocks == ["layers.0", "layers.1"]
+    fused = nn.ModuleDict({"attn": nn.ModuleDict({"Wqkv": nn.Linear(16, 48), "out_proj": nn.Linear(16, 16)})})
+    reason = recognize(fused).unsupported["attn.Wqkv"]
+    assert "could not be told from the module and its config" in reason

@@ -6,7 +6,9 @@ and the validation metrics. fp64 tolerance 1e-10 (observed ≤ 1e-12, mostly ~1e
 (``n_head`` attribute adjusted per rank, learned positions) and a Llama-like module with Hugging Face naming, GQA
 (8 heads, 4 KV heads), SwiGLU, RMSNorm, rotary embeddings and a token-count SumMetric (which double counts TP peers
 if metrics sync over WORLD: see the control case), also with tied embeddings; and an ``nn.TransformerEncoderLayer``
-LM whose fused ``nn.MultiheadAttention`` stays replicated while its MLPs are sharded.
+LM whose ``nn.MultiheadAttention`` is sharded by heads, Hugging Face GPT-2 (fused ``Conv1D`` c_attn, tied
+embeddings) and GPT-NeoX (fused ``query_key_value``), each also at dp2 × tp2; fused-QKV checkpoints move between
+tensor_parallel and fsdp2 in both directions.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ def workdir(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def reference(workdir):
-    return run_scenarios(SCRIPT, 1, workdir, ["gpt", "llama", "llama_tied_lp", "encoder", "bf16", "save_tp"])
+    return run_scenarios(
+        SCRIPT, 1, workdir, ["gpt", "llama", "llama_tied_lp", "encoder", "gpt2", "neox", "bf16", "save_tp"]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +57,14 @@ def two_ranks(workdir, reference):
         "fsdp2_from_tp",
         "tp_from_fsdp2",
         "metrics_world_control",
+        "gpt2",
+        "neox",
+        "gpt2_save_tp",
+        "gpt2_save_fsdp2",
+        "gpt2_fsdp2_from_tp",
+        "gpt2_tp_from_fsdp2",
+        "mha_save_tp",
+        "mha_fsdp2_from_tp",
         "lp_unsupported_loss",  # last: it fails a fit on purpose
     ]
     return run_scenarios(SCRIPT, 2, workdir, scenarios)
@@ -60,7 +72,8 @@ def two_ranks(workdir, reference):
 
 @pytest.fixture(scope="module")
 def four_ranks(workdir, two_ranks):
-    return run_scenarios(SCRIPT, 4, workdir, ["gpt", "llama", "gpt_2d", "llama_2d", "llama_2d_sp_lp", "bf16_2d"])
+    scenarios = ["gpt", "llama", "gpt_2d", "llama_2d", "llama_2d_sp_lp", "bf16_2d", "encoder_2d", "gpt2_2d", "neox_2d"]
+    return run_scenarios(SCRIPT, 4, workdir, scenarios)
 
 
 def _runs(request, devices):
@@ -82,7 +95,13 @@ PARITY_CASES = [
     (4, "gpt_2d"),
     (4, "llama_2d"),
     (4, "llama_2d_sp_lp"),
+    (2, "gpt2"),
+    (2, "neox"),
+    (4, "encoder_2d"),
+    (4, "gpt2_2d"),
+    (4, "neox_2d"),
 ]
+FUSED = ("encoder", "gpt2", "neox")  # whole-model references of their own
 
 
 @pytest.mark.parametrize(("devices", "name"), PARITY_CASES, ids=[f"{n}-d{d}" for d, n in PARITY_CASES])
@@ -106,6 +125,8 @@ def test_fp64_parity_with_one_process(request, workdir, reference, devices, name
     for key, value in ref_state["params"].items():
         assert ours_state["params"][key].dtype == torch.float64
         assert (ours_state["params"][key] - value).abs().max().item() <= FP64_TOL, key
+    if "val" not in ref:  # the fused-projection runs record no validation
+        return
     assert abs(ours["val"]["val_loss"] - ref["val"]["val_loss"]) <= FP64_TOL
     assert ours["val"]["val_acc"] == ref["val"]["val_acc"]
     if base != "gpt":
@@ -137,6 +158,32 @@ def test_per_rank_parameter_bytes(request, reference, devices, model):
     assert run["param_bytes_max_rank"] == sharded // devices + replicated
     assert sharded / total > 0.9  # the plan shards nearly everything of these models
     print(f"{model} tp={devices}: per-rank/total = {run['param_bytes_max_rank'] / total:.4f}")
+
+
+@pytest.mark.parametrize("model", FUSED)
+def test_per_rank_parameter_bytes_of_fused_attention_models(two_ranks, reference, model):
+    """At tp=2 every rank holds exactly half of the sharded weights (fused q/k/v included) plus the replicated
+    ones; the fraction printed is the per-rank share of the whole model."""
+    run, total = two_ranks[model], reference[model]["param_bytes_total"]
+    sharded = run["tp_sharded_param_bytes"]
+    assert run["param_bytes_total"] == total
+    assert run["param_bytes_max_rank"] == sharded // 2 + (total - sharded)
+    assert sharded / total > 0.9  # attention included: nothing but norms, biases and positions stays replicated
+    print(f"{model} tp=2: per-rank/total = {run['param_bytes_max_rank'] / total:.4f}")
+
+
+def test_fused_qkv_checkpoints_move_between_tensor_parallel_and_fsdp2(two_ranks):
+    """The fused rows are permuted while sharded; checkpoints (model and optimizer states) keep the library's order,
+    so a tensor-parallel checkpoint resumes under fsdp2 and back, and loads into GPT2LMHeadModel strictly."""
+    for model in ("gpt2", "mha"):
+        uninterrupted = two_ranks[f"{model}_save_tp"]["losses"]
+        resumed = two_ranks[f"{model}_fsdp2_from_tp"]
+        assert resumed["global_step"] == 6 and max_abs_diff(resumed["losses"], uninterrupted[3:]) <= FP64_TOL
+    assert max_abs_diff(two_ranks["gpt2_save_fsdp2"]["losses"], two_ranks["gpt2_save_tp"]["losses"]) <= FP64_TOL
+    back = two_ranks["gpt2_tp_from_fsdp2"]
+    assert back["global_step"] == 6
+    assert max_abs_diff(back["losses"], two_ranks["gpt2_save_fsdp2"]["losses"][3:]) <= FP64_TOL
+    assert two_ranks["gpt2_save_tp"]["consolidated_keys"] > 0  # strict load into GPT2LMHeadModel passed
 
 
 @pytest.mark.parametrize(("devices", "name", "tol"), [(2, "bf16", 2e-3), (4, "bf16_2d", 5e-3)], ids=["tp", "2d"])

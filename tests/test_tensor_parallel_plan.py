@@ -164,17 +164,23 @@ def test_neox_falcon_style_separate_projections():
     assert infer_plan(model).head_attributes["layers.0.attention"] == {"num_attention_heads": 4}
 
 
-def test_transformer_encoder_layer_mlp_is_planned_and_fused_attention_reported():
+def test_transformer_encoder_layer_attention_is_sharded_by_heads_and_its_mlp_planned():
     model = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True), 2)
     plan = infer_plan(model)
-    assert plan.compact(model) == {"layers.*.linear1": "colwise", "layers.*.linear2": "rowwise"}
-    assert set(plan.unplanned) == {"layers.0.self_attn", "layers.1.self_attn"}
-    message = plan.unplanned_message()
-    assert "layers.0.self_attn: nn.MultiheadAttention keeps query/key/value in one fused in_proj_weight" in message
-    assert "explicit `plan=`" in message
-    plan.validate(2)  # without sequence parallel the attention simply stays replicated
+    assert plan.compact(model) == {
+        "layers.*.self_attn": "multihead_attention",
+        "layers.*.linear1": "colwise",
+        "layers.*.linear2": "rowwise",
+    }
+    assert plan.head_attributes["layers.0.self_attn"] == {"num_heads": 2, "embed_dim": 16}
+    assert not plan.unplanned
+    plan.validate(2)
+    with pytest.raises(TensorParallelPlanError, match=r"layers.0.self_attn: attention heads.* = 2 is not divisible"):
+        plan.validate(4)
+    sp = infer_plan(model, sequence_parallel=True)  # the layer keeps its norms and residual stream inside
+    assert "is sharded by heads only without sequence_parallel" in sp.unplanned["layers.0.self_attn"]
     with pytest.raises(TensorParallelPlanError, match=r"layers.0.self_attn.*only this rank's slice of the sequence"):
-        infer_plan(model, sequence_parallel=True).validate(2)
+        sp.validate(2)
 
 
 class Conv1D(nn.Module):  # Hugging Face GPT-2's layer: a transposed Linear
@@ -190,17 +196,17 @@ class FusedAttention(nn.Module):
         self.c_proj = nn.Linear(d, d)
 
 
-def test_fused_qkv_and_conv1d_are_named_and_an_empty_plan_is_an_error():
-    fused = nn.ModuleDict({"attn": FusedAttention()})
+def test_fused_qkv_of_unknown_layout_and_stray_conv1d_are_named_and_an_empty_plan_is_an_error():
+    fused = nn.ModuleDict({"attn": FusedAttention()})  # no head count: the row order cannot be told
     plan = infer_plan(fused)
-    assert "attn.c_attn" in plan.unplanned and "fused QKV projection" in plan.unplanned["attn.c_attn"]
+    assert "could not be told from the module and its config" in plan.unplanned["attn.c_attn"]
     with pytest.raises(TensorParallelPlanError, match=r"plan is empty.*attn.c_attn: fused QKV.*explicit `plan=`"):
         plan.validate(2)
     gpt2 = nn.ModuleDict({"c_attn": Conv1D(48, 16), "c_proj": Conv1D(16, 16)})
-    plan = infer_plan(gpt2)
-    assert plan.unplanned["c_attn"].startswith("Hugging Face Conv1D")
-    with pytest.raises(TensorParallelPlanError, match="c_proj: Hugging Face Conv1D"):
-        plan.validate(2)
+    assert "no num_heads/split_size matching its 48 output features" in infer_plan(gpt2).unplanned["c_attn"]
+    stray = nn.ModuleDict({"odd": Conv1D(16, 16)})
+    with pytest.raises(TensorParallelPlanError, match="odd: Hugging Face Conv1D .* outside a recognised attention"):
+        infer_plan(stray).validate(2)
 
 
 def test_sequence_parallel_needs_the_token_embedding_and_head():

@@ -71,6 +71,22 @@ def _from_config(path: str) -> tuple[str | None, dict[str, Any], dict[str, Any]]
     return model.get("class_path"), dict(model.get("init_args") or {}), options
 
 
+def _fused_split(spec: Any, tp: Any) -> str | None:
+    """A comment on how a fused attention projection is split by heads, or ``None`` for other entries."""
+    if spec == "multihead_attention":
+        return "nn.MultiheadAttention split by heads (in_proj by heads, rows permuted; out_proj row-wise)"
+    if not isinstance(spec, dict) or spec.get("style") != "fused_colwise":
+        return None
+    heads, kv, width = spec["heads"], spec["kv_heads"], spec["head_dim"]
+    rows = "[Q|K|V]" if spec["order"] == "blocks" else "per-head (q, k, v)"
+    line = f"fused {rows} split by heads: {heads} q + {kv} kv heads of {width}"
+    if isinstance(tp, int) and heads % tp == 0 and kv % tp == 0:
+        line += f"; {heads // tp} q + {kv // tp} kv per rank at tp={tp}"
+    if spec["order"] == "blocks":
+        line += "; rows permuted into rank order while sharded, checkpoints keep the original order"
+    return line
+
+
 def main(argv: list[str]) -> None:
     args = _build_parser().parse_args(argv)
     if not args.strategy.startswith("tensor_parallel") and "TensorParallel" not in args.strategy:
@@ -101,9 +117,13 @@ def main(argv: list[str]) -> None:
     folded = {re.sub(r"\.\d+(?=\.|$)", ".*", name): attrs for name, attrs in plan.head_attributes.items()}
     for name, attrs in folded.items():
         print(f"# {name}: {', '.join(f'{a}={v}' for a, v in attrs.items())} become the per-rank counts (÷ tp)")
+    compact = plan.compact(model)
+    for name, spec in compact.items():
+        if (line := _fused_split(spec, tp)) is not None:
+            print(f"# {name}: {line}")
     if (message := plan.unplanned_message()) is not None:
         print("\n".join(f"# {line}" for line in message.splitlines()))
-    print(yaml.safe_dump({"plan": plan.compact(model)}, sort_keys=False, default_flow_style=None).rstrip())
+    print(yaml.safe_dump({"plan": compact}, sort_keys=False, default_flow_style=None).rstrip())
     if isinstance(tp, int):
         try:
             plan.validate(tp)

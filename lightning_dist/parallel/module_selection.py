@@ -1,7 +1,7 @@
 """Choosing which submodules form the units of sharding, checkpointing and pipelining.
 
-A *block* is a submodule that repeats: the same-class children of an ``nn.ModuleList``/``nn.ModuleDict`` (the
-transformer layers of almost every model). Users can instead name classes or give a regex over qualified names.
+By default the units are the repeated blocks :mod:`lightning_dist.parallel.model_structure` finds (the transformer
+layers of almost every model). Users can instead name classes or give a regex over qualified names.
 """
 
 from __future__ import annotations
@@ -13,33 +13,11 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from lightning_dist.parallel.model_structure import find_repeated_blocks
+
+__all__ = ["ModuleSpec", "find_repeated_blocks", "resolve_module_classes", "select_modules", "summarize"]
+
 ModuleSpec = type[nn.Module] | str
-
-
-def find_repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Return ``(qualified_name, module)`` of the outermost repeated blocks, in registration order.
-
-    A container (``ModuleList``/``ModuleDict``) contributes its children of the most common class when that class
-    occurs at least twice and the children hold parameters. Blocks nested inside an already chosen block (experts
-    inside a transformer layer) are not returned.
-    """
-    chosen: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-            continue
-        if any(name.startswith(f"{prefix}.") for prefix, _ in chosen):
-            continue
-        children = list(module.named_children())
-        counts = Counter(type(child) for _, child in children)
-        if not counts:
-            continue
-        cls, count = counts.most_common(1)[0]
-        if count < 2:
-            continue
-        for child_name, child in children:
-            if type(child) is cls and any(True for _ in child.parameters()):
-                chosen.append((f"{name}.{child_name}" if name else child_name, child))
-    return chosen
 
 
 def resolve_module_classes(specs: Iterable[ModuleSpec]) -> tuple[set[type[nn.Module]], set[str]]:

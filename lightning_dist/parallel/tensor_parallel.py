@@ -7,6 +7,7 @@ per-rank count so code that reshapes with ``self.n_head`` stays correct. Apply i
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any
 
@@ -23,14 +24,16 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lightning_dist.parallel.model_structure import is_conv1d
 from lightning_dist.parallel.tensor_parallel_plan import (
     STYLES,
     TensorParallelPlan,
     TensorParallelPlanError,
-    infer_plan,
     normalize_style,
-    resolve_explicit_plan,
 )
+from lightning_dist.parallel.tp_fused import Conv1DParallel, FusedColwiseParallel, layout_from_spec
+from lightning_dist.parallel.tp_multihead import MultiheadAttentionParallel
+from lightning_dist.parallel.tp_plan_inference import infer_plan, resolve_explicit_plan
 
 __all__ = [
     "STYLES",
@@ -58,12 +61,20 @@ def parse_layout(layout: str | Placement | None) -> Placement | None:
     return Shard(int(match.group(1)))
 
 
-def build_style(spec: str | dict[str, Any], where: str = "?") -> ParallelStyle:
-    """The torch ``ParallelStyle`` for one plan entry."""
+def build_style(spec: str | dict[str, Any], where: str = "?", module: nn.Module | None = None) -> ParallelStyle:
+    """The ``ParallelStyle`` for one plan entry (``module``: the module it applies to, when known)."""
     options = normalize_style(spec, where)
     style = options.pop("style")
     layouts = {k: parse_layout(v) for k, v in options.items() if k.endswith("layouts")}
     local = options.get("use_local_output")
+    if style == "fused_colwise":
+        return FusedColwiseParallel(layout_from_spec(options), layouts.get("input_layouts"))
+    if style == "multihead_attention":
+        return MultiheadAttentionParallel()
+    if style in ("colwise", "rowwise") and module is not None and is_conv1d(module):
+        if local is False:
+            raise TensorParallelPlanError(f"plan[{where!r}]: a Conv1D's output is always a local tensor")
+        return Conv1DParallel(style, layouts.get("input_layouts"), layouts.get("output_layouts"))
     if style in ("colwise", "rowwise"):
         cls = ColwiseParallel if style == "colwise" else RowwiseParallel
         return cls(**layouts, use_local_output=True if local is None else bool(local))
@@ -155,18 +166,32 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
     tied = _tied_parameters(model)
     # Parents before children: a parent's input hook must see what its parent handed it.
     for name, spec in plan.styles.items():
-        parallelize_module(modules[name], tp_mesh, build_style(spec, name))
+        parallelize_module(modules[name], tp_mesh, build_style(spec, name, modules[name]))
     _retie(model, tied)
     changed: dict[str, str] = {}
     for name, attrs in plan.head_attributes.items():
         for attr, value in attrs.items():
-            setattr(modules[name], attr, value // tp)
+            set_count(modules[name], attr, value // tp)
             changed[f"{name}.{attr}" if name else attr] = f"{value} → {value // tp}"
     if plan.sequence_parallel and plan.token_embedding is not None:
         _check_sequence_length(modules[plan.token_embedding], plan.token_embedding, tp)
     if plan.loss_parallel_head is not None:
         modules[plan.loss_parallel_head].register_forward_hook(_full_logits_outside_training)
     return changed
+
+
+def set_count(module: nn.Module, attribute: str, value: int) -> None:
+    """Set ``module.<attribute>``. For ``"config.n_head"`` (litgpt) the config is copied once per module first:
+    one config object is usually shared by every layer and the model."""
+    owner, _, leaf = attribute.rpartition(".")
+    if not owner:
+        setattr(module, leaf, value)
+        return
+    copied: set[str] = module.__dict__.setdefault("_lightning_dist_copied", set())
+    if owner not in copied:
+        setattr(module, owner, copy.copy(getattr(module, owner)))
+        copied.add(owner)
+    setattr(getattr(module, owner), leaf, value)
 
 
 def _full_logits_outside_training(module: nn.Module, args: Any, output: Any) -> Any:

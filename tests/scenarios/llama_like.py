@@ -158,3 +158,20 @@ class LlamaLike(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
+
+
+class EncoderLM(LlamaLike):
+    """A causal LM built from ``nn.TransformerEncoderLayer`` s: its attention is an ``nn.MultiheadAttention`` (4 heads,
+    sharded by heads under tensor parallel) and its MLP ``linear1``/``linear2``."""
+
+    def __init__(self, vocab_size: int = 64, d_model: int = 32, layers: int = 2) -> None:
+        super().__init__(vocab_size=vocab_size)
+        del self.model, self.lm_head
+        self.embed_tokens = nn.Embedding(vocab_size, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(input_ids.shape[1], dtype=self.lm_head.weight.dtype)
+        return self.lm_head(self.encoder(self.embed_tokens(input_ids), mask=mask, is_causal=True))

@@ -17,13 +17,13 @@ import torch
 import torch.nn.functional as F
 from common import (  # type: ignore[import-not-found]
     StepRecorder,
-    full_state,
     is_rank_zero,
     make_model_and_data,
     run_scenario_script,
     trainer_kwargs,
 )
 from torch import nn
+from tp_fused_runs import in_checkpoint_order  # type: ignore[import-not-found]
 
 from examples.gpt import GPT, CausalSelfAttention
 from lightning_dist import FSDP2Strategy, TensorParallelStrategy
@@ -126,7 +126,7 @@ def train(devices: int, workdir: str, kind: str, strategy: str) -> dict[str, Any
         **clip,
     )
     trainer.fit(model, data)
-    params = full_state(model)
+    params = {n: in_checkpoint_order(model, n, p) for n, p in model.named_parameters()}  # fused rows restored
     if is_rank_zero():
         torch.save(params, f"{workdir}/{name}_d{devices}.pt")
     return {"losses": recorder.losses, "grad_norms": recorder.grad_norms}

@@ -1,5 +1,6 @@
-"""Tensor-parallel scenarios: parity with one process (GPT and a Llama-like HF-named model), sequence and loss
-parallel, 2D with FSDP2, bf16-mixed, and checkpoints moving between tensor_parallel and fsdp2.
+"""Tensor-parallel scenarios: parity with one process (GPT, a Llama-like HF-named model, an nn.TransformerEncoder
+LM), sequence and loss parallel, 2D with FSDP2, bf16-mixed, and checkpoints moving between tensor_parallel and
+fsdp2; plus the fused-projection scenarios of tp_fused_runs.py (run in the same launches).
 
 python tests/scenarios/tp_runs.py --devices 2 --out r.json --workdir DIR --scenarios gpt,llama
 python tests/scenarios/tp_runs.py --devices 1 --out ref.json --workdir DIR --scenarios gpt,llama   # reference
@@ -19,15 +20,15 @@ from common import (  # type: ignore[import-not-found]
     SEQ_LEN,
     OneProcessData,
     StepRecorder,
-    full_state,
     is_rank_zero,
     make_model_and_data,
     run_scenario_script,
     trainer_kwargs,
 )
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from llama_like import LlamaLike  # type: ignore[import-not-found]
+from llama_like import EncoderLM, LlamaLike  # type: ignore[import-not-found]
 from torch.distributed.tensor import DTensor, Shard
+from tp_fused_runs import FUSED_SCENARIOS, GradRecorder, in_checkpoint_order  # type: ignore[import-not-found]
 
 from examples.data import TextDataModule
 from lightning_dist import FSDP2Strategy, TensorParallelStrategy
@@ -36,37 +37,6 @@ from lightning_dist.profiling import state_bytes
 STEPS = 5
 VOCAB = 64
 CLIP = 0.5
-
-
-class GradRecorder(Callback):
-    """Full (unsharded) gradients of every parameter at every optimizer step, before clipping."""
-
-    def __init__(self) -> None:
-        self.steps: list[dict[str, torch.Tensor]] = []
-
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        grads = {}
-        for name, p in pl_module.named_parameters():
-            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            grads[name] = g.detach().cpu().clone()
-        self.steps.append(grads)
-
-
-class EncoderLM(LlamaLike):
-    """A causal LM built from ``nn.TransformerEncoderLayer`` (its attention is a fused ``nn.MultiheadAttention``,
-    which the automatic plan leaves replicated; the ``linear1``/``linear2`` MLPs are sharded)."""
-
-    def __init__(self, vocab_size: int = 64, d_model: int = 32, layers: int = 2) -> None:
-        super().__init__(vocab_size=vocab_size)
-        del self.model, self.lm_head
-        self.embed_tokens = torch.nn.Embedding(vocab_size, d_model)
-        layer = torch.nn.TransformerEncoderLayer(d_model, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
-        self.encoder = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.lm_head = torch.nn.Linear(d_model, vocab_size, bias=False)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        mask = torch.nn.Transformer.generate_square_subsequent_mask(input_ids.shape[1], dtype=self.lm_head.weight.dtype)
-        return self.lm_head(self.encoder(self.embed_tokens(input_ids), mask=mask, is_causal=True))
 
 
 def model_and_data(
@@ -117,7 +87,7 @@ def train(
     metrics = trainer.validate(model, data, verbose=False)[0]
     metric_copy = copy.deepcopy(model.val_accuracy)  # the strategy's metric sync keeps metrics copyable
     assert metric_copy.dist_sync_fn is model.val_accuracy.dist_sync_fn
-    params = full_state(model)
+    params = {n: in_checkpoint_order(model, n, p) for n, p in model.named_parameters()}
     if is_rank_zero():
         torch.save({"params": params, "grads": grads.steps}, f"{workdir}/{name}_d{devices}.pt")
     return {
@@ -306,6 +276,7 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
         d, w, "llama_tied_lp", "llama", model_kwargs={"tie_word_embeddings": True}, loss_parallel=True
     ),
     "encoder": lambda d, w: train(d, w, "encoder", "encoder"),
+    "encoder_2d": lambda d, w: train(d, w, "encoder_2d", "encoder", dp=2),
     "gpt_explicit": lambda d, w: train(d, w, "gpt_explicit", "gpt", plan=EXPLICIT_GPT_PLAN),
     "gpt_sp_ac": lambda d, w: train(d, w, "gpt_sp_ac", "gpt", sequence_parallel=True, activation_checkpointing=True),
     "meta_init": meta_init,
@@ -318,6 +289,8 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "fsdp2_from_tp": lambda d, w: checkpoint_resume(d, w, "fsdp2", saved_by="tp"),
     "tp_from_fsdp2": lambda d, w: checkpoint_resume(d, w, "tp", saved_by="fsdp2"),
 }
+
+SCENARIOS.update(FUSED_SCENARIOS)
 
 
 if __name__ == "__main__":

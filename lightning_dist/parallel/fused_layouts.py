@@ -1,0 +1,106 @@
+"""How fused query/key/value projections order their output rows, told from the module and its config.
+
+Two orders occur in the common libraries:
+
+- ``"blocks"``: all query heads, then all key heads, then all value heads (``[Q | K | V]``): ``nn.MultiheadAttention``'s
+  ``in_proj_weight``, Hugging Face GPT-2's ``c_attn`` (a ``Conv1D``) and litgpt's ``qkv`` (with fewer key/value heads
+  under grouped-query attention).
+- ``"per_head"``: query, key and value of head 0, then of head 1, ... (GPT-NeoX/Pythia's ``query_key_value``).
+
+Sharding by heads gives rank ``r`` the rows of its heads of q, k and v. For ``"per_head"`` those rows are contiguous
+already; for ``"blocks"`` they are three pieces, so the rows are permuted once (:func:`rank_grouped_order`) into rank
+order and sharded contiguously. Nothing here guesses: a layout not told apart by class and config is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+Order = Literal["blocks", "per_head"]
+
+
+@dataclass(frozen=True)
+class FusedLayout:
+    """Row order of a fused projection.
+
+    Attributes:
+        order: ``"blocks"`` or ``"per_head"`` (see the module docstring).
+        num_heads: Query heads.
+        num_kv_heads: Key/value heads.
+        head_dim: Width of one head.
+        count_attributes: Attribute of the attention module (dotted: of an object it holds, such as litgpt's
+            ``config.n_head``) → global value, each to become value ÷ tp.
+    """
+
+    order: Order
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    count_attributes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+
+def fused_layout(attention: nn.Module, child: str, projection: nn.Module) -> FusedLayout | str:
+    """The layout of ``attention``'s fused projection ``child``, or why it cannot be told (a message)."""
+    rows = _output_features(projection)
+    cls = type(attention).__name__
+    if child == "c_attn" and type(projection).__name__ == "Conv1D":
+        heads, split = getattr(attention, "num_heads", None), getattr(attention, "split_size", None)
+        if getattr(attention, "is_cross_attention", False):
+            return "GPT-2 cross-attention (c_attn holds only key/value) is not planned"
+        if not (_count(heads) and _count(split) and rows == 3 * split and split % heads == 0):
+            return f"{cls}.c_attn: no num_heads/split_size matching its {rows} output features"
+        return FusedLayout("blocks", heads, heads, split // heads, {"num_heads": heads, "split_size": split})
+    config = getattr(attention, "config", None)
+    if child == "qkv" and all(_count(getattr(config, a, None)) for a in ("n_head", "n_query_groups", "head_size")):
+        heads, groups, size = config.n_head, config.n_query_groups, config.head_size
+        layout = FusedLayout("blocks", heads, groups, size, {"config.n_head": heads, "config.n_query_groups": groups})
+        if rows != layout.rows:
+            return f"{cls}.qkv has {rows} output features, not (n_head + 2·n_query_groups)·head_size = {layout.rows}"
+        return layout
+    if child == "query_key_value" and "NeoX" in cls and _count(heads := getattr(config, "num_attention_heads", None)):
+        size = getattr(attention, "head_size", None)
+        if not (_count(size) and rows == 3 * heads * size):
+            return f"{cls}.query_key_value: no head_size matching its {rows} output features"
+        return FusedLayout("per_head", heads, heads, size)
+    return (
+        f"the order of query/key/value rows in {cls}.{child} could not be told from the module and its config (known:"
+        " nn.MultiheadAttention, GPT-2 c_attn, GPT-NeoX query_key_value, litgpt qkv); column-wise sharding would give"
+        " each rank a slice of [q|k|v] instead of whole heads"
+    )
+
+
+def rank_grouped_order(layout: FusedLayout, tp: int) -> Tensor | None:
+    """Row indices that put each rank's heads (its q, then k, then v) next to each other, rank by rank.
+
+    ``permuted = weight[index]`` is then sharded contiguously over ``tp`` ranks; ``None`` when the rows are in rank
+    order already (``"per_head"``).
+    """
+    if layout.order == "per_head":
+        return None
+    d = layout.head_dim
+    q_rows, kv_rows = layout.num_heads * d // tp, layout.num_kv_heads * d // tp
+    k_start, v_start = layout.num_heads * d, (layout.num_heads + layout.num_kv_heads) * d
+    pieces = []
+    for rank in range(tp):
+        pieces.append(torch.arange(rank * q_rows, (rank + 1) * q_rows))
+        pieces.append(torch.arange(k_start + rank * kv_rows, k_start + (rank + 1) * kv_rows))
+        pieces.append(torch.arange(v_start + rank * kv_rows, v_start + (rank + 1) * kv_rows))
+    return torch.cat(pieces)
+
+
+def _output_features(projection: nn.Module) -> int:
+    if type(projection).__name__ == "Conv1D":
+        return projection.weight.shape[1]
+    return getattr(projection, "out_features", -1)
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0

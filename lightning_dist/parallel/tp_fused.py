@@ -1,0 +1,116 @@
+"""Tensor-parallel styles for projections torch's styles do not take: Hugging Face ``Conv1D`` and fused QKV.
+
+- :class:`Conv1DParallel`: column- or row-wise sharding of GPT-2's ``Conv1D`` (weight stored ``(in, out)``).
+- :class:`FusedColwiseParallel`: column-wise sharding of a fused query/key/value projection (``nn.Linear`` or
+  ``Conv1D``) *by heads*: the rows are first put in rank order (:func:`~lightning_dist.parallel.fused_layouts.
+  rank_grouped_order`), so each rank's contiguous shard holds its own heads of q, then k, then v, and the module's
+  forward (told the per-rank head counts) splits its local output as it would the global one.
+
+The permuted rows are an internal layout: :mod:`lightning_dist.parallel.tp_checkpoint_layout` restores the original
+order in state dicts and applies it again on load, so checkpoints keep the library's layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+
+from lightning_dist.parallel.fused_layouts import FusedLayout, rank_grouped_order
+from lightning_dist.parallel.model_structure import is_conv1d
+from lightning_dist.parallel.tp_checkpoint_layout import record_row_order
+
+Kind = Literal["colwise", "rowwise"]
+
+
+class Conv1DParallel(ParallelStyle):
+    """Column-wise (output features) or row-wise (input features) sharding of a Hugging Face ``Conv1D``.
+
+    Inputs and outputs are plain tensors, as with torch's ``ColwiseParallel``/``RowwiseParallel``: column-wise takes
+    the whole input and returns this rank's output features; row-wise takes this rank's input features and returns
+    the summed, whole output (the bias added once).
+    """
+
+    def __init__(self, kind: Kind, input_layout: Placement | None = None, output_layout: Placement | None = None):
+        super().__init__()
+        self.kind = kind
+        default_in, default_out = (Replicate(), Shard(-1)) if kind == "colwise" else (Shard(-1), Replicate())
+        self.input_layout = input_layout or default_in
+        self.output_layout = output_layout or default_out
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not is_conv1d(module):
+            raise TypeError(f"Conv1DParallel shards Hugging Face Conv1D modules, not {type(module).__name__}")
+        placements = {"weight": Shard(1), "bias": Shard(0)} if self.kind == "colwise" else {"weight": Shard(0)}
+
+        def partition(_: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                placement = placements.get(pname, Replicate())
+                dparam = distribute_tensor(param, mesh, [placement], src_data_rank=self.src_data_rank)
+                mod.register_parameter(pname, nn.Parameter(dparam, requires_grad=param.requires_grad))
+
+        def inputs(_: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
+            x = args[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, [self.input_layout], run_check=False)
+            desired = Replicate() if self.kind == "colwise" else Shard(-1)
+            if x.placements != (desired,):
+                x = x.redistribute(placements=[desired])
+            return (x, *args[1:])
+
+        def outputs(_: nn.Module, out: Tensor, mesh: DeviceMesh) -> Tensor:
+            if out.placements != (self.output_layout,):
+                out = out.redistribute(placements=[self.output_layout])
+            return out.to_local()
+
+        return distribute_module(module, device_mesh, partition, inputs, outputs)
+
+
+class FusedColwiseParallel(ParallelStyle):
+    """Shard a fused query/key/value projection by heads over the tp ranks (see the module docstring).
+
+    Args:
+        layout: The row order of the projection's output.
+        input_layout: Layout of the incoming activations (``Shard(1)`` under sequence parallel).
+    """
+
+    def __init__(self, layout: FusedLayout, input_layout: Placement | None = None) -> None:
+        super().__init__()
+        self.layout = layout
+        self.input_layout = input_layout or Replicate()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        order = rank_grouped_order(self.layout, device_mesh.size())
+        conv1d = is_conv1d(module)
+        if order is not None:
+            dims = {"weight": 1 if conv1d else 0, "bias": 0}
+            with torch.no_grad():
+                for pname, dim in dims.items():
+                    param = getattr(module, pname, None)
+                    if param is not None:
+                        permuted = param.index_select(dim, order.to(param.device))
+                        module.register_parameter(pname, nn.Parameter(permuted, requires_grad=param.requires_grad))
+                        record_row_order(module, pname, dim, order)
+        if conv1d:
+            return Conv1DParallel("colwise", input_layout=self.input_layout)._apply(module, device_mesh)
+        return ColwiseParallel(input_layouts=self.input_layout)._apply(module, device_mesh)
+
+
+def fused_spec(layout: FusedLayout) -> dict[str, Any]:
+    """The plan entry (plain data) of a fused projection with ``layout``."""
+    return {
+        "style": "fused_colwise",
+        "order": layout.order,
+        "heads": layout.num_heads,
+        "kv_heads": layout.num_kv_heads,
+        "head_dim": layout.head_dim,
+    }
+
+
+def layout_from_spec(options: dict[str, Any]) -> FusedLayout:
+    """The :class:`FusedLayout` a ``fused_colwise`` plan entry describes."""
+    return FusedLayout(options["order"], int(options["heads"]), int(options["kv_heads"]), int(options["head_dim"]))

@@ -1,0 +1,299 @@
+"""Working out the automatic tensor-parallel plan from a model's recognised structure, and resolving explicit plans.
+
+Attention projections go column-wise for query/key/value and row-wise for the output, MLPs column-wise for up/gate
+and row-wise for down, the token embedding row-wise (over the vocabulary) and the output head column-wise. What
+:func:`~lightning_dist.parallel.model_structure.recognize` could not understand is left replicated and reported by
+name; parameters that would silently get a different gradient on each rank make the plan refuse. Pure inspection.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lightning_dist.parallel.model_structure import (
+    Attention,
+    ModelStructure,
+    join,
+    projection_features,
+    recognize,
+)
+from lightning_dist.parallel.tensor_parallel_plan import (
+    SEQUENCE_GATHER,
+    DivisibilityCheck,
+    StyleSpec,
+    TensorParallelPlan,
+    TensorParallelPlanError,
+    match_modules,
+    normalize_style,
+    shard_dim,
+    size_checks,
+    style_name,
+)
+from lightning_dist.parallel.tp_fused import fused_spec
+
+_MHA_SEQUENCE_PARALLEL = (
+    "nn.MultiheadAttention is sharded by heads only without sequence_parallel (its layer keeps the residual stream"
+    " and its norms inside)"
+)
+_FUSED_UP_UNPLANNED = (
+    "fused gate/up projection: column-wise sharding would give each rank a slice of [gate|up] instead of matching"
+    " halves"
+)
+
+
+def infer_plan(model: nn.Module, sequence_parallel: bool = False, loss_parallel: bool = False) -> TensorParallelPlan:
+    """Work out the tensor-parallel plan of ``model``. Pure inspection; nothing changes.
+
+    Args:
+        model: The single-device model.
+        sequence_parallel: Shard norms and the residual stream on the sequence dim (dim 1) between the blocks.
+        loss_parallel: Leave the output head's logits sharded on the vocabulary for a parallel cross-entropy.
+    """
+    structure = recognize(model)
+    modules = dict(model.named_modules(remove_duplicate=False))  # a shared child under every name
+    plan = TensorParallelPlan(sequence_parallel=sequence_parallel)
+    checked: set[str] = set()  # attention/MLP modules whose other parameters were checked
+
+    def row_out() -> StyleSpec:  # a fresh dict per entry (shared objects would print as YAML anchors)
+        return {"style": "rowwise", "output_layouts": "shard(1)"} if sequence_parallel else "rowwise"
+
+    plan.unplanned.update(structure.unsupported)
+    for name, attention in structure.attention.items():
+        if isinstance(modules[name], nn.MultiheadAttention):
+            if sequence_parallel:
+                plan.unplanned[name] = _MHA_SEQUENCE_PARALLEL
+                continue
+            plan.styles[name] = "multihead_attention"
+            plan.checks.append(
+                DivisibilityCheck(name, "attention heads (nn.MultiheadAttention.num_heads)", attention.num_heads)
+            )
+            plan.head_attributes[name] = dict(attention.count_attributes)
+            continue
+        projections = [p for p in (attention.query, attention.key, attention.value, attention.fused) if p]
+        _check_extra_parameters(
+            plan,
+            name,
+            modules[name],
+            {*projections, attention.output},
+            "attention heads",
+            _attention_sizes(modules, attention),
+            width=projection_features(modules[join(name, projections[0])])[0],
+        )
+        if attention.fused_layout is not None:
+            plan.styles[join(name, attention.fused)] = fused_spec(attention.fused_layout)
+        else:
+            for proj in projections:
+                plan.styles[join(name, proj)] = "colwise"
+        plan.styles[join(name, attention.output)] = row_out()
+        if sequence_parallel:
+            plan.styles[name] = dict(SEQUENCE_GATHER)
+        _attention_checks(plan, modules, attention)
+        checked.add(name)
+    for name, mlp in structure.mlps.items():
+        if mlp.fused_up is not None:
+            plan.unplanned[join(name, mlp.fused_up)] = _FUSED_UP_UNPLANNED
+            continue
+        up_features = {up: projection_features(modules[join(name, up)])[1] for up in mlp.up}
+        if mlp.up == ("linear1",):  # nn.TransformerEncoderLayer / DecoderLayer
+            linear1 = {"style": "colwise", "input_layouts": "shard(1)"} if sequence_parallel else "colwise"
+            plan.styles[join(name, "linear1")] = linear1
+        else:
+            width = projection_features(modules[join(name, mlp.up[0])])[0]
+            sharded = {*mlp.up, mlp.down}
+            hidden = set(up_features.values())
+            _check_extra_parameters(plan, name, modules[name], sharded, "MLP hidden units", hidden, width)
+            for up in mlp.up:
+                plan.styles[join(name, up)] = "colwise"
+            checked.add(name)
+        for up, features in up_features.items():
+            plan.checks.append(DivisibilityCheck(join(name, up), "MLP hidden size", features))
+        plan.styles[join(name, mlp.down)] = row_out()
+        if sequence_parallel and mlp.up != ("linear1",):
+            plan.styles[name] = dict(SEQUENCE_GATHER)
+    _plan_embeddings_and_head(modules, structure, plan, sequence_parallel, loss_parallel)
+    if sequence_parallel:
+        for norm in structure.norms:
+            plan.styles[norm] = "sequence_parallel"
+        _check_sequence_parallel_coverage(model, plan, checked)
+    _one_name_per_module(model, plan)
+    # Keep the model's own order (parents before children), which is also the order printed to users.
+    order = {n: i for i, n in enumerate(modules)}
+    plan.styles = dict(sorted(plan.styles.items(), key=lambda item: order[item[0]]))
+    return plan
+
+
+def resolve_explicit_plan(
+    model: nn.Module, plan: dict[str, StyleSpec], auto: TensorParallelPlan | None = None
+) -> TensorParallelPlan:
+    """Expand a user's plan (keys may hold ``*``) to exact module names and derive the checks it needs.
+
+    Head-count attributes are adjusted for attention modules (as the automatic plan recognises them) whose query,
+    key and value projections are all column-wise in the user's plan.
+    """
+    modules = dict(model.named_modules())
+    names = [n for n in modules if n]
+    resolved = TensorParallelPlan(explicit=True)
+    for key, spec in plan.items():
+        options = normalize_style(spec, key)
+        matched = match_modules(key, names)
+        if not matched:
+            close = [n for n in names if n.split(".")[-1] == key.split(".")[-1]][:5]
+            raise TensorParallelPlanError(
+                f"plan key {key!r} matches no module of {type(model).__name__}"
+                + (f" (modules with that last name: {close})" if close else "")
+                + ". Print the automatic plan (`lightning-dist plan ...`) to see the module names."
+            )
+        for name in matched:
+            resolved.styles[name] = spec
+            resolved.checks.extend(size_checks(name, modules[name], options))
+            sharded_logits = shard_dim(options.get("output_layouts")) in (-1, 2)
+            if options["style"] == "colwise" and options.get("use_local_output") is False and sharded_logits:
+                resolved.loss_parallel_head = name
+            if options["style"] == "sequence_parallel":
+                resolved.sequence_parallel = True
+    order = {n: i for i, n in enumerate(names)}
+    resolved.styles = dict(sorted(resolved.styles.items(), key=lambda item: order[item[0]]))
+    auto = auto if auto is not None else infer_plan(model)
+    resolved.token_embedding = auto.token_embedding if auto.token_embedding in resolved.styles else None
+    attention = recognize(model).attention
+    for attn, attrs in auto.head_attributes.items():
+        info = attention.get(attn)
+        if info is None:
+            continue
+        sharded = [join(attn, p) for p in (info.query, info.key, info.value, info.fused) if p and p != "in_proj"]
+        by_heads = ("colwise", "fused_colwise")
+        whole = style_name(resolved.styles.get(attn, "")) == "multihead_attention"
+        if whole or sharded and all(style_name(resolved.styles.get(n, "")) in by_heads for n in sharded):
+            resolved.head_attributes[attn] = attrs
+            resolved.checks.extend(c for c in auto.checks if c.module == attn)
+    return resolved
+
+
+def _one_name_per_module(model: nn.Module, plan: TensorParallelPlan) -> None:
+    """A module shared by several blocks (one ``nn.Linear`` in two MLPs) is planned, sharded and has its head counts
+    divided once, under the name ``named_modules`` gives it first."""
+    canonical = {id(module): name for name, module in model.named_modules()}
+
+    def first_name(name: str) -> str:
+        return canonical[id(model.get_submodule(name))] if name else name
+
+    styles: dict[str, StyleSpec] = {}
+    for name, spec in plan.styles.items():
+        styles.setdefault(first_name(name), spec)
+    plan.styles = styles
+    heads: dict[str, dict[str, int]] = {}
+    for name, attrs in plan.head_attributes.items():
+        heads.setdefault(first_name(name), attrs)
+    plan.head_attributes = heads
+
+
+def _attention_sizes(modules: dict[str, nn.Module], attention: Attention) -> set[int]:
+    """Sizes of the activations tensor parallelism splits in an attention module: projection widths, head_dim and
+    head counts."""
+    projections = [p for p in (attention.query, attention.key, attention.value, attention.fused) if p]
+    sizes = {projection_features(modules[join(attention.name, p)])[1] for p in projections}
+    counts = [*attention.count_attributes.values(), attention.head_dim or 0, attention.num_heads or 0]
+    return sizes | {c for c in counts if c > 1}
+
+
+def _attention_checks(plan: TensorParallelPlan, modules: dict[str, nn.Module], attention: Attention) -> None:
+    name = attention.name
+    if attention.num_heads is not None:
+        plan.checks.append(DivisibilityCheck(name, "attention heads", attention.num_heads))
+    if attention.num_kv_heads is not None and attention.num_kv_heads != attention.num_heads:
+        plan.checks.append(DivisibilityCheck(name, "key/value heads (grouped-query attention)", attention.num_kv_heads))
+    if attention.fused is None:
+        for proj, what in ((attention.query, "query"), (attention.key, "key"), (attention.value, "value")):
+            features = projection_features(modules[join(name, proj)])[1]
+            plan.checks.append(DivisibilityCheck(name, f"{what} projection output features", features))
+    output_in = projection_features(modules[join(name, attention.output)])[0]
+    plan.checks.append(DivisibilityCheck(join(name, attention.output), "attention width (input features)", output_in))
+    if attention.count_attributes:
+        plan.head_attributes[name] = dict(attention.count_attributes)
+
+
+def _plan_embeddings_and_head(
+    modules: dict[str, nn.Module],
+    structure: ModelStructure,
+    plan: TensorParallelPlan,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+) -> None:
+    token = structure.token_embedding
+    if token is not None:
+        plan.token_embedding = token
+        plan.styles[token] = {
+            "style": "rowwise",
+            "input_layouts": "replicate",
+            "output_layouts": "shard(1)" if sequence_parallel else "replicate",
+        }
+        vocab = modules[token].num_embeddings
+        plan.checks.append(DivisibilityCheck(token, "vocabulary (Embedding.num_embeddings)", vocab))
+        if sequence_parallel:
+            # Other embeddings added to the token embedding (learned positions) must be sliced the same way.
+            for other in structure.other_embeddings:
+                plan.styles[other] = {
+                    "style": "prepare_output",
+                    "output_layouts": "replicate",
+                    "desired_output_layouts": "shard(1)",
+                }
+    head = structure.output_head
+    if head is not None:
+        spec: dict[str, Any] = {"style": "colwise"}
+        if sequence_parallel:
+            spec["input_layouts"] = "shard(1)"
+        if loss_parallel:
+            spec.update(output_layouts="shard(-1)", use_local_output=False)
+            plan.loss_parallel_head = head
+        else:
+            spec["output_layouts"] = "replicate"
+        plan.styles[head] = spec
+        plan.checks.append(DivisibilityCheck(head, "vocabulary (Linear.out_features)", modules[head].out_features))
+
+
+def _check_extra_parameters(
+    plan: TensorParallelPlan,
+    name: str,
+    module: nn.Module,
+    sharded: set[str],
+    what: str,
+    sharded_sizes: set[int],
+    width: int,
+) -> None:
+    """Refuse trainable parameters of an attention/MLP module, outside its sharded projections, that act on the
+    sharded activations (a Qwen3-style q_norm/k_norm over head_dim, a scale over the MLP hidden units): each rank
+    would compute their gradient from its share of heads or hidden units only, and nothing reduces it.
+
+    Whether a parameter acts on the sharded activations is read from its shape: a dim equal to a sharded size
+    (hidden units, projection widths, head_dim, head counts) and not to the model width. Parameters over the model
+    width (a norm or an ``nn.MultiheadAttention`` beside ``fc1``/``fc2`` in a block) see the whole, replicated
+    activations on every rank; frozen parameters get no gradient. Both are fine.
+    """
+    ambiguous = sharded_sizes - {width}
+    for pname, param in module.named_parameters():
+        if pname.split(".")[0] in sharded or not param.requires_grad:
+            continue
+        # a scalar may scale the sharded activations as well as the whole ones: refused as ambiguous
+        if param.numel() == 1 or width in sharded_sizes and width in param.shape or ambiguous.intersection(param.shape):
+            plan.unreduced[join(name, pname)] = (
+                f"a parameter of {type(module).__name__} {name!r} outside its sharded Linear layers"
+                f" ({', '.join(sorted(sharded))}), of shape {tuple(param.shape)}; it would see only this rank's {what}"
+            )
+
+
+def _check_sequence_parallel_coverage(model: nn.Module, plan: TensorParallelPlan, checked: set[str]) -> None:
+    """With sequence parallel, a parameter of a module the plan does not cover sees only this rank's slice of the
+    sequence (a layer-scale Parameter on a block, a norm class the plan does not recognise)."""
+    covered = set(plan.styles)
+    for pname, _ in model.named_parameters():
+        owner = pname.rpartition(".")[0]
+        inside = [*checked, *plan.unplanned]  # unplanned modules are refused by validate() already
+        if owner in covered or any(owner == g or owner.startswith(f"{g}.") for g in inside):
+            continue
+        plan.unreduced[pname] = (
+            f"not in a module the plan covers ({type(model.get_submodule(owner)).__name__}); with sequence_parallel"
+            " it would see only this rank's slice of the sequence (only norms on the residual stream whose class names"
+            " end in LayerNorm/RMSNorm are handled)"
+        )

@@ -1,0 +1,138 @@
+"""Fused attention projections under tensor parallel, without processes: recognising their row order, the plans
+for Hugging Face GPT-2/GPT-NeoX and nn.MultiheadAttention, the rank-order permutation and its undoing at the
+state-dict boundary. The multi-process parity and checkpoint runs are in test_tensor_parallel_parity.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from lightning_dist.commands import plan as plan_command
+from lightning_dist.parallel.fused_layouts import FusedLayout, fused_layout, rank_grouped_order
+from lightning_dist.parallel.model_structure import recognize
+from lightning_dist.parallel.tensor_parallel import set_count
+from lightning_dist.parallel.tensor_parallel_plan import TensorParallelPlanError
+from lightning_dist.parallel.tp_checkpoint_layout import (
+    install_optimizer_layout_hooks,
+    record_row_order,
+    to_checkpoint_order,
+)
+from lightning_dist.parallel.tp_plan_inference import infer_plan, resolve_explicit_plan
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_gpt2() -> nn.Module:
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def tiny_neox() -> nn.Module:
+    config = transformers.GPTNeoXConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+    )
+    return transformers.GPTNeoXForCausalLM(config)
+
+
+def test_blocks_rows_are_put_in_rank_order_by_heads():
+    # 4 query heads, 2 key/value heads of width 2: rows q0..q7 | k8..k11 | v12..v15
+    order = rank_grouped_order(FusedLayout("blocks", 4, 2, 2), tp=2).tolist()
+    assert order == [0, 1, 2, 3, 8, 9, 12, 13, 4, 5, 6, 7, 10, 11, 14, 15]
+    assert rank_grouped_order(FusedLayout("per_head", 4, 4, 2), tp=2) is None  # NeoX: already by head
+
+
+def test_gpt2_plan_shards_c_attn_by_heads_and_conv1d_mlps():
+    model = tiny_gpt2()
+    plan = infer_plan(model)
+    styles = plan.compact(model)
+    assert styles["transformer.h.*.attn.c_attn"] == {
+        "style": "fused_colwise",
+        "order": "blocks",
+        "heads": 4,
+        "kv_heads": 4,
+        "head_dim": 8,
+    }
+    assert styles["transformer.h.*.attn.c_proj"] == styles["transformer.h.*.mlp.c_proj"] == "rowwise"
+    assert styles["transformer.h.*.mlp.c_fc"] == "colwise"
+    assert styles["lm_head"]["style"] == "colwise" and styles["transformer.wte"]["style"] == "rowwise"
+    assert plan.head_attributes["transformer.h.0.attn"] == {"num_heads": 4, "split_size": 32}
+    assert not plan.unplanned and not plan.unreduced
+    plan.validate(2)
+    plan.validate(4)
+    with pytest.raises(TensorParallelPlanError, match=r"attn: attention heads = 4 is not divisible by .*=8"):
+        plan.validate(8)
+
+
+def test_neox_query_key_value_is_ordered_by_head_already():
+    model = tiny_neox()
+    styles = infer_plan(model).compact(model)
+    assert styles["gpt_neox.layers.*.attention.query_key_value"]["order"] == "per_head"
+    assert styles["gpt_neox.layers.*.attention.dense"] == "rowwise"
+    assert styles["gpt_neox.layers.*.mlp.dense_h_to_4h"] == "colwise"
+    assert recognize(model).positions_argument == ("", "position_ids")
+
+
+def test_layouts_are_told_from_class_and_config_or_refused():
+    attention = tiny_gpt2().transformer.h[0].attn
+    assert fused_layout(attention, "c_attn", attention.c_attn).count_attributes == {"num_heads": 4, "split_size": 32}
+    attention.split_size = 24  # no longer matches the 96 output features
+    assert "no num_heads/split_size matching" in fused_layout(attention, "c_attn", attention.c_attn)
+
+    class LitAttention(nn.Module):  # litgpt's CausalSelfAttention: counts on a config shared by every layer
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = type("Config", (), {"n_head": 4, "n_query_groups": 2, "head_size": 8})()
+            self.qkv, self.proj = nn.Linear(32, (4 + 2 * 2) * 8), nn.Linear(32, 32)
+
+    layout = fused_layout(LitAttention(), "qkv", LitAttention().qkv)
+    assert (layout.order, layout.num_heads, layout.num_kv_heads) == ("blocks", 4, 2)
+    assert layout.count_attributes == {"config.n_head": 4, "config.n_query_groups": 2}
+
+
+def test_dotted_counts_are_set_on_a_copy_of_the_shared_config():
+    shared = type("Config", (), {})()
+    shared.n_head = 4
+    first, second = nn.Module(), nn.Module()
+    first.config = second.config = shared
+    set_count(first, "config.n_head", 2)
+    assert first.config.n_head == 2 and second.config.n_head == shared.n_head == 4
+
+
+def test_explicit_fused_plan_adjusts_head_counts_and_checks_them():
+    model = tiny_gpt2()
+    auto = infer_plan(model)
+    explicit = resolve_explicit_plan(model, auto.compact(model))
+    assert explicit.styles == auto.styles and explicit.head_attributes == auto.head_attributes
+    with pytest.raises(TensorParallelPlanError, match=r"c_attn: attention heads \(fused projection\) = 4"):
+        explicit.validate(8)
+
+
+def test_permuted_rows_are_restored_in_state_dicts_and_permuted_again_on_load():
+    layer = nn.Linear(4, 6)
+    original = {k: v.clone() for k, v in layer.state_dict().items()}
+    order = torch.tensor([0, 2, 4, 1, 3, 5])
+    with torch.no_grad():
+        layer.weight.copy_(layer.weight[order])
+    record_row_order(layer, "weight", 0, order)
+    assert torch.equal(layer.state_dict()["weight"], original["weight"])  # the checkpoint sees the original rows
+    layer.load_state_dict(original)
+    assert torch.equal(layer.weight, original["weight"][order])
+    assert torch.equal(to_checkpoint_order(layer.weight.detach(), 0, order), original["weight"])
+    optimizer = torch.optim.Adam(layer.parameters())
+    layer(torch.ones(1, 4)).sum().backward()
+    optimizer.step()  # the first step installs the optimizer's layout hooks
+    assert install_optimizer_layout_hooks(layer, optimizer) == 1
+    saved = optimizer.state_dict()
+    live = optimizer.state[layer.weight]["exp_avg"]
+    assert torch.equal(saved["state"][0]["exp_avg"], to_checkpoint_order(live, 0, order))
+    optimizer.load_state_dict(saved)
+    assert torch.equal(optimizer.state[layer.weight]["exp_avg"], live)
+
+
+def test_plan_tool_shows_fused_splits(capsys):
+    plan_command.main(["--model", "tests.test_tp_fused.tiny_gpt2", "--tensor-parallel-size", "2"])
+    out = capsys.readouterr().out
+    assert "# transformer.h.*.attn.c_attn: fused [Q|K|V] split by heads: 4 q + 4 kv heads of 8" in out
+    assert yaml.safe_load(out)["plan"]["transformer.h.*.attn.c_attn"]["style"] == "fused_colwise"

@@ -34,7 +34,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def reference(workdir):
     return run_scenarios(
-        SCRIPT, 1, workdir, ["gpt", "llama", "llama_tied_lp", "encoder", "gpt2", "neox", "bf16", "save_tp"]
+        SCRIPT, 1, workdir, ["gpt", "llama", "llama_tied_lp", "llama_kv2", "encoder", "gpt2", "neox", "bf16", "save_tp"]
     )
 
 
@@ -72,7 +72,17 @@ def two_ranks(workdir, reference):
 
 @pytest.fixture(scope="module")
 def four_ranks(workdir, two_ranks):
-    scenarios = ["gpt", "llama", "gpt_2d", "llama_2d", "llama_2d_sp_lp", "bf16_2d", "encoder_2d", "gpt2_2d", "neox_2d"]
+    scenarios = [
+        "gpt",
+        "llama",
+        "gpt_2d",
+        "llama_2d",
+        "llama_2d_sp_lp",
+        "bf16_2d",
+        "encoder_2d",
+        "gpt2_2d",
+        "llama_kv2",
+    ]
     return run_scenarios(SCRIPT, 4, workdir, scenarios)
 
 
@@ -99,14 +109,16 @@ PARITY_CASES = [
     (2, "neox"),
     (4, "encoder_2d"),
     (4, "gpt2_2d"),
-    (4, "neox_2d"),
+    (4, "llama_kv2"),  # 2 key/value heads at tp=4: each replicated over 2 ranks
 ]
 FUSED = ("encoder", "gpt2", "neox")  # whole-model references of their own
 
 
 @pytest.mark.parametrize(("devices", "name"), PARITY_CASES, ids=[f"{n}-d{d}" for d, n in PARITY_CASES])
 def test_fp64_parity_with_one_process(request, workdir, reference, devices, name):
-    base = name if name in ("llama_tied_lp", "encoder") else name.split("_")[0]  # the one-process run to match
+    base = (
+        name if name in ("llama_tied_lp", "llama_kv2", "encoder") else name.split("_")[0]
+    )  # the one-process run to match
     ours, ref = _runs(request, devices)[name], reference[base]
     assert len(ours["losses"]) == 5 and len(ours["grad_norms"]) == 5
     assert min(ref["grad_norms"]) > CLIP  # clipping is active on every step

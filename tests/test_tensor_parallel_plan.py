@@ -97,14 +97,23 @@ def test_hugging_face_llama_naming_with_grouped_query_attention():
     assert sp.styles["model.norm"] == "sequence_parallel"
 
 
-def test_kv_heads_not_divisible_names_the_module_and_numbers():
+def test_kv_heads_fewer_than_tp_are_replicated_and_other_counts_refused():
     plan = infer_plan(LlamaLike(num_heads=8, num_key_value_heads=2))
     plan.validate(2)
+    plan.validate(4)  # each key/value head replicated over 2 ranks
+    assert plan.grouped_query["model.layers.0.self_attn"] == {
+        "heads": 8,
+        "kv_heads": 2,
+        "projections": ["k_proj", "v_proj"],
+    }
     with pytest.raises(TensorParallelPlanError) as err:
-        plan.validate(4)
+        infer_plan(LlamaLike(num_heads=12, num_key_value_heads=4, hidden_size=48)).validate(6)
     message = str(err.value)
-    assert "model.layers.0.self_attn: key/value heads (grouped-query attention) = 2 is not divisible by" in message
-    assert "tensor_parallel_size=4" in message and "model.layers.1.self_attn" in message
+    assert (
+        "model.layers.0.self_attn: key/value heads (grouped-query attention) = 4 is not divisible by"
+        " tensor_parallel_size=6 and does not divide it" in message
+    )
+    assert "model.layers.1.self_attn" in message
 
 
 def test_heads_and_vocabulary_not_divisible():

@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from lightning_dist.parallel.model_structure import is_conv1d
+from lightning_dist.parallel.model_structure import KV_HEAD_ATTRIBUTES, is_conv1d
 from lightning_dist.parallel.tensor_parallel_plan import (
     STYLES,
     TensorParallelPlan,
@@ -32,6 +32,7 @@ from lightning_dist.parallel.tensor_parallel_plan import (
     normalize_style,
 )
 from lightning_dist.parallel.tp_fused import Conv1DParallel, FusedColwiseParallel, layout_from_spec
+from lightning_dist.parallel.tp_kv_heads import ReplicatedKVHeadParallel
 from lightning_dist.parallel.tp_multihead import MultiheadAttentionParallel
 from lightning_dist.parallel.tp_plan_inference import infer_plan, resolve_explicit_plan
 
@@ -165,14 +166,31 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
     modules = dict(model.named_modules())
     tied = _tied_parameters(model)
     # Parents before children: a parent's input hook must see what its parent handed it.
+    replicated_kv = {  # key/value projections of attention with fewer key/value heads than tp
+        f"{attn}.{proj}": info["kv_heads"]
+        for attn, info in plan.grouped_query.items()
+        if info["kv_heads"] < tp
+        for proj in info["projections"]
+    }
     for name, spec in plan.styles.items():
-        parallelize_module(modules[name], tp_mesh, build_style(spec, name, modules[name]))
+        if name in replicated_kv:
+            style: ParallelStyle = ReplicatedKVHeadParallel(replicated_kv[name])
+        else:
+            style = build_style(spec, name, modules[name])
+        parallelize_module(modules[name], tp_mesh, style)
     _retie(model, tied)
     changed: dict[str, str] = {}
     for name, attrs in plan.head_attributes.items():
         for attr, value in attrs.items():
-            set_count(modules[name], attr, value // tp)
-            changed[f"{name}.{attr}" if name else attr] = f"{value} → {value // tp}"
+            local = max(value // tp, 1) if attr in KV_HEAD_ATTRIBUTES else value // tp
+            set_count(modules[name], attr, local)
+            changed[f"{name}.{attr}" if name else attr] = f"{value} → {local}"
+    for name, info in plan.grouped_query.items():
+        heads, kv = info["heads"] // tp, max(info["kv_heads"] // tp, 1)
+        if isinstance(getattr(modules[name], "num_key_value_groups", None), int):
+            modules[name].num_key_value_groups = heads // kv
+        if info["kv_heads"] < tp:
+            changed[f"{name}.kv_heads_replicated"] = f"each over {tp // info['kv_heads']} ranks"
     if plan.sequence_parallel and plan.token_embedding is not None:
         _check_sequence_length(modules[plan.token_embedding], plan.token_embedding, tp)
     if plan.loss_parallel_head is not None:

@@ -69,11 +69,16 @@ class TensorParallelPlanError(ValueError):
 
 @dataclass(frozen=True)
 class DivisibilityCheck:
-    """``value`` (a size of ``module``) must be divisible by the tp size."""
+    """``value`` (a size of ``module``) must be divisible by the tp size (or, with ``or_divides``, divide it: key/value
+    heads fewer than tp ranks are replicated)."""
 
     module: str
     what: str
     value: int
+    or_divides: bool = False
+
+    def fails(self, tp: int) -> bool:
+        return bool(self.value % tp) and not (self.or_divides and tp % self.value == 0)
 
 
 @dataclass
@@ -88,6 +93,9 @@ class TensorParallelPlan:
         loss_parallel_head: Name of the output head whose logits stay vocab-sharded (loss parallel), if any.
         sequence_parallel: Whether the plan shards the residual stream on the sequence dim.
         token_embedding: Name of the token embedding, if found (its input's sequence length is checked).
+        grouped_query: Attention module name → ``{"heads", "kv_heads", "projections"}`` (its key/value projections):
+            when tp exceeds the key/value heads, each rank holds the whole key/value projections and computes the
+            one head its query heads use (:mod:`lightning_dist.parallel.tp_kv_heads`).
         unreduced: Parameter name → why the automatic plan cannot keep it correct (it would get a different gradient
             on each tp rank, which nothing reduces); any entry makes :meth:`validate` refuse the plan.
     """
@@ -101,14 +109,16 @@ class TensorParallelPlan:
     token_embedding: str | None = None
     explicit: bool = False
     unreduced: dict[str, str] = field(default_factory=dict)
+    grouped_query: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def validate(self, tp: int) -> None:
         """Raise :class:`TensorParallelPlanError` listing every size tp does not divide (and, for sequence
         parallel, modules that would see a slice of the sequence, or a missing token embedding/output head)."""
         problems = [
             f"{c.module}: {c.what} = {c.value} is not divisible by tensor_parallel_size={tp}"
+            + (" and does not divide it" if c.or_divides else "")
             for c in self.checks
-            if c.value % tp
+            if c.fails(tp)
         ]
         if not self.styles:
             raise TensorParallelPlanError(

@@ -168,6 +168,8 @@ def resolve_explicit_plan(
         if whole or sharded and all(style_name(resolved.styles.get(n, "")) in by_heads for n in sharded):
             resolved.head_attributes[attn] = attrs
             resolved.checks.extend(c for c in auto.checks if c.module == attn)
+            if attn in auto.grouped_query:
+                resolved.grouped_query[attn] = auto.grouped_query[attn]
     return resolved
 
 
@@ -203,11 +205,22 @@ def _attention_checks(plan: TensorParallelPlan, modules: dict[str, nn.Module], a
     if attention.num_heads is not None:
         plan.checks.append(DivisibilityCheck(name, "attention heads", attention.num_heads))
     if attention.num_kv_heads is not None and attention.num_kv_heads != attention.num_heads:
-        plan.checks.append(DivisibilityCheck(name, "key/value heads (grouped-query attention)", attention.num_kv_heads))
+        grouped = attention.fused is None and attention.num_heads is not None
+        what = "key/value heads (grouped-query attention)"
+        plan.checks.append(DivisibilityCheck(name, what, attention.num_kv_heads, or_divides=grouped))
+        if grouped:
+            plan.grouped_query[name] = {
+                "heads": attention.num_heads,
+                "kv_heads": attention.num_kv_heads,
+                "projections": [attention.key, attention.value],
+            }
     if attention.fused is None:
         for proj, what in ((attention.query, "query"), (attention.key, "key"), (attention.value, "value")):
             features = projection_features(modules[join(name, proj)])[1]
-            plan.checks.append(DivisibilityCheck(name, f"{what} projection output features", features))
+            check = DivisibilityCheck(
+                name, f"{what} projection output features", features, or_divides=proj != attention.query
+            )
+            plan.checks.append(check)
     output_in = projection_features(modules[join(name, attention.output)])[0]
     plan.checks.append(DivisibilityCheck(join(name, attention.output), "attention width (input features)", output_in))
     if attention.count_attributes:

@@ -277,6 +277,7 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     ),
     "encoder": lambda d, w: train(d, w, "encoder", "encoder"),
     "encoder_2d": lambda d, w: train(d, w, "encoder_2d", "encoder", dp=2),
+    "llama_kv2": lambda d, w: train(d, w, "llama_kv2", "llama", model_kwargs={"num_key_value_heads": 2}),
     "gpt_explicit": lambda d, w: train(d, w, "gpt_explicit", "gpt", plan=EXPLICIT_GPT_PLAN),
     "gpt_sp_ac": lambda d, w: train(d, w, "gpt_sp_ac", "gpt", sequence_parallel=True, activation_checkpointing=True),
     "meta_init": meta_init,

@@ -9,15 +9,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import CheckpointException
 
+from lightning_dist.checkpoint.integrity import crc32_enabled, verify_checksums
 from lightning_dist.checkpoint.layout import (
-    METADATA_FILENAME,
     CheckpointError,
     check_replaceable,
     foreign_content,
     is_sharded_checkpoint,
     new_token,
     publish,
+    read_checkpoint_file,
+    read_metadata,
     temporary_path,
     validate_checkpoint,
     with_provenance,
@@ -33,34 +36,22 @@ WEIGHTS_ONLY_KEYS = ("state_dict", "hyper_parameters", "hparams_name", "pytorch-
 
 def load_full_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """The checkpoint at ``path`` as one dict in the format of a one-device Lightning checkpoint (full tensors,
-    position-keyed ``optimizer_states``), whether it is a sharded folder or a single file. Needs no process group."""
+    position-keyed ``optimizer_states``), whether it is a sharded folder or a single file, after verifying its
+    checksums. Needs no process group."""
     path = validate_checkpoint(path)
+    verify_checksums(path)
     if not is_sharded_checkpoint(path):
-        try:
-            content = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as err:
-            raise CheckpointError(f"{str(path)!r} cannot be read as a torch checkpoint: {err}") from err
-        return _as_lightning_checkpoint(content, path)
-    checkpoint = torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=False)
+        return read_checkpoint_file(path, mmap=False)
+    checkpoint = read_metadata(path)
     try:
         sharded = load_dcp_without_process_group(path)
-    except Exception as err:
+    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
         raise CheckpointError(f"Could not read the shards of {str(path)!r}: {err}") from err
+    if not isinstance(sharded.get("state_dict"), dict):
+        raise CheckpointError(f"The checkpoint {str(path)!r} holds no 'state_dict' of model weights in its shards.")
     checkpoint["state_dict"] = sharded.pop("state_dict")
     optimizers = sorted((k for k in sharded if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     checkpoint["optimizer_states"] = [_position_keyed(sharded[k]) for k in optimizers]
-    return _as_lightning_checkpoint(checkpoint, path)
-
-
-def _as_lightning_checkpoint(checkpoint: Any, path: Path) -> dict[str, Any]:
-    """``checkpoint`` if it is a Lightning checkpoint dict (a ``state_dict`` of tensors), else a clear error."""
-    state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
-    if not isinstance(state, dict):
-        raise CheckpointError(
-            f"{str(path)!r} is not a Lightning checkpoint: it holds a {type(checkpoint).__name__}"
-            + (f" with the keys {sorted(map(str, checkpoint))[:8]}" if isinstance(checkpoint, dict) else "")
-            + ", but no 'state_dict' of model weights."
-        )
     return checkpoint
 
 
@@ -76,7 +67,8 @@ def save_torch(checkpoint: dict[str, Any], out: str | os.PathLike) -> Path:
     check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_path(out, new_token())
-    torch.save(with_provenance(checkpoint), tmp)
+    with crc32_enabled():
+        torch.save(with_provenance(checkpoint), tmp)
     publish(tmp, out)
     return out
 

@@ -9,9 +9,11 @@ Two formats:
           __0_0.distcp ...   DCP shards {"state_dict": model, "optimizer_0": ...}, written by every rank
           .metadata          DCP index
           meta.pt            everything else Lightning saves (loops, callbacks, hyperparameters, epoch, step)
-          COMPLETE           written last: a folder without it is an unfinished save and is never loaded
+          COMPLETE           written last: a folder without it is an unfinished save and is never loaded; it holds
+                             the size and CRC-32 of every other file (:mod:`lightning_dist.checkpoint.integrity`)
 
-* full state (``FullStateCheckpointIO``): one ``torch.save`` file, a plain Lightning checkpoint.
+* full state (``FullStateCheckpointIO``): one ``torch.save`` file, a plain Lightning checkpoint (its zip directory
+  holds a CRC-32 of every record).
 
 Both are written under a hidden temporary name beside the target (``.step=3.ckpt.tmp-<token>``) and renamed into
 place, so a save that dies midway leaves the previous checkpoint at that path untouched.
@@ -33,6 +35,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +61,12 @@ def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def validate_checkpoint(path: str | os.PathLike) -> Path:
-    """Check that ``path`` is a finished checkpoint (folder or file); raise :class:`CheckpointError` saying what is
-    wrong otherwise. A checkpoint whose publishing was interrupted between its two renames is recovered."""
+    """Check that ``path`` is a finished, undamaged checkpoint (folder or file) as far as can be told cheaply (files
+    present with their recorded sizes, small files matching their checksums); raise :class:`CheckpointError` saying
+    what is wrong otherwise. A checkpoint whose publishing was interrupted between its two renames is recovered."""
+    # integrity builds on this module's names
+    from lightning_dist.checkpoint.integrity import check_structure
+
     path = Path(path)
     if not path.exists():
         recovered = _recover_interrupted_publish(path)
@@ -67,6 +74,7 @@ def validate_checkpoint(path: str | os.PathLike) -> Path:
             raise CheckpointError(f"Checkpoint not found: {str(path)!r} does not exist.")
     if path.is_dir():
         if is_lightning_sharded_checkpoint(path):
+            check_structure(path)
             return path
         if not (path / COMPLETE_MARKER).is_file() or not (path / METADATA_FILENAME).is_file():
             raise CheckpointError(
@@ -77,6 +85,7 @@ def validate_checkpoint(path: str | os.PathLike) -> Path:
             raise CheckpointError(f"{str(path)!r} has no DCP index file {DCP_INDEX!r}; the folder is corrupt.")
     elif path.stat().st_size == 0:
         raise CheckpointError(f"{str(path)!r} is an empty file; the checkpoint is corrupt.")
+    check_structure(path)
     return path
 
 
@@ -153,8 +162,48 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
     and hyperparameter entries plus lightning_dist's own. Loads no tensors of a sharded checkpoint."""
     path = Path(path)
     if path.is_dir():
-        return torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=False)
-    return without_states(torch.load(path, map_location="cpu", weights_only=False, mmap=True))
+        meta = load_torch_file(path / METADATA_FILENAME, path)
+        if not isinstance(meta, dict):
+            raise CheckpointError(
+                f"The checkpoint {str(path)!r} is damaged: {str(path / METADATA_FILENAME)!r} holds a"
+                f" {type(meta).__name__}, not the dict of Lightning's checkpoint entries."
+            )
+        return meta
+    return without_states(read_checkpoint_file(path))
+
+
+def load_torch_file(file: Path, checkpoint: Path, **load_options: Any) -> Any:
+    """``torch.load`` of one file of ``checkpoint`` (on CPU, with ``mmap`` for a file in torch's zip format), with a
+    :class:`CheckpointError` naming the file if it cannot be read."""
+    options: dict[str, Any] = {"map_location": "cpu", "weights_only": False, "mmap": zipfile.is_zipfile(file)}
+    try:
+        return torch.load(file, **{**options, **load_options})
+    except Exception as err:
+        reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        if file == checkpoint:
+            message = f"The checkpoint file {str(file)!r} cannot be read as a PyTorch checkpoint ({reason})."
+        else:
+            message = f"The checkpoint {str(checkpoint)!r} is damaged: {str(file)!r} cannot be read ({reason})."
+        raise CheckpointError(message) from err
+
+
+def read_checkpoint_file(path: Path, **load_options: Any) -> dict[str, Any]:
+    """A single-file checkpoint, checked to be a Lightning checkpoint dict (a ``state_dict`` of model weights)."""
+    return require_lightning_checkpoint(load_torch_file(path, path, **load_options), path)
+
+
+def require_lightning_checkpoint(checkpoint: Any, path: Path) -> dict[str, Any]:
+    """``checkpoint`` if it is a Lightning checkpoint dict (a ``state_dict`` dict), else a clear error."""
+    state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
+    if not isinstance(state, dict):
+        what = type(checkpoint).__name__
+        if isinstance(checkpoint, dict):
+            what += f" with the keys {sorted(map(str, checkpoint))[:8]}"
+        raise CheckpointError(
+            f"The checkpoint file {str(path)!r} is not a Lightning checkpoint: it holds a {what}, but no 'state_dict'"
+            " of model weights. Was it saved with torch.save instead of Trainer.save_checkpoint?"
+        )
+    return checkpoint
 
 
 def without_states(checkpoint: dict[str, Any]) -> dict[str, Any]:

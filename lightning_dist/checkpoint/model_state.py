@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Size
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -28,9 +28,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_dist.checkpoint.integrity import verify_checksums
 from lightning_dist.checkpoint.layout import (
     CheckpointError,
     is_sharded_checkpoint,
+    read_checkpoint_file,
     read_metadata,
     validate_checkpoint,
     without_states,
@@ -120,12 +122,13 @@ def load_checkpoint_into(
     """Load a validated checkpoint of either format into ``model`` (and ``optimizers``, if any), saved with any number
     of ranks; returns everything else it holds (Lightning's loops, callbacks, our provenance). With pipeline
     ``stages``, each rank loads its stages' keys and a strict load checks the keys of all stages together.
-    Collective for a sharded folder."""
+    Collective (the ranks share the checksum verification)."""
     path = validate_checkpoint(path)
+    verify_checksums(path)  # before DCP or torch.load read the bytes
     if is_sharded_checkpoint(path):
         load_sharded(path, model, optimizers, strict, stages)
         return read_metadata(path)
-    full = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # read once, used twice
+    full = read_checkpoint_file(path)  # read once, used twice
     load_full(full, model, optimizers, strict, repr(str(path)), stages)
     return without_states(full)
 
@@ -145,7 +148,7 @@ def load_sharded(
     _require_optimizer_states(path, len(optimizers))
     try:
         dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
-    except Exception as err:
+    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
         raise CheckpointError(f"Could not load the shards of {str(path)!r}: {err}") from err
     set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
     for idx, optimizer in enumerate(optimizers):

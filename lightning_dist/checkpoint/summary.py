@@ -10,7 +10,13 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_dist.checkpoint.layout import METADATA_FILENAME, is_sharded_checkpoint, validate_checkpoint
+from lightning_dist.checkpoint.integrity import verify_checksums
+from lightning_dist.checkpoint.layout import (
+    is_sharded_checkpoint,
+    read_checkpoint_file,
+    read_metadata,
+    validate_checkpoint,
+)
 
 
 @dataclass
@@ -28,6 +34,7 @@ class CheckpointSummary:
     epoch: int | None
     global_step: int | None
     saved_with: dict[str, Any]  # strategy, world size and mesh recorded by lightning_dist (empty if not ours)
+    integrity: str  # what was checked: files, sizes, checksums
     tensors: list[TensorEntry] = field(default_factory=list)
 
     @property
@@ -42,11 +49,14 @@ class CheckpointSummary:
         return {**asdict(self), "total_bytes": self.total_bytes, "model_bytes": self.model_bytes}
 
 
-def summarize_checkpoint(path: str | os.PathLike) -> CheckpointSummary:
-    """Step, how it was saved, and every tensor's key, global shape, dtype and bytes."""
+def summarize_checkpoint(path: str | os.PathLike, checksums: bool = True) -> CheckpointSummary:
+    """Step, how it was saved, and every tensor's key, global shape, dtype and bytes, after checking that every file
+    is there with its size and (``checksums``) its recorded checksum; a damaged checkpoint raises
+    :class:`~lightning_dist.CheckpointError`."""
     path = validate_checkpoint(path)
+    integrity = verify_checksums(path).describe() if checksums else "integrity: files present; checksums not checked"
     if is_sharded_checkpoint(path):
-        meta = torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=False)
+        meta = read_metadata(path)
         index = FileSystemReader(path).read_metadata().state_dict_metadata
         tensors = [
             _entry(key, list(m.size), m.properties.dtype)
@@ -55,7 +65,7 @@ def summarize_checkpoint(path: str | os.PathLike) -> CheckpointSummary:
         ]
         fmt = "sharded (DCP)"
     else:
-        meta = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        meta = read_checkpoint_file(path)
         states = {"state_dict": meta.get("state_dict", {})}
         for idx, optim_state in enumerate(meta.get("optimizer_states", [])):
             states[f"optimizer_{idx}"] = optim_state
@@ -67,6 +77,7 @@ def summarize_checkpoint(path: str | os.PathLike) -> CheckpointSummary:
         epoch=meta.get("epoch"),
         global_step=meta.get("global_step"),
         saved_with=dict(meta.get("lightning_dist", {})),
+        integrity=integrity,
         tensors=sorted(tensors, key=lambda t: (not t.key.startswith("state_dict."), t.key)),
     )
 
@@ -85,6 +96,7 @@ def format_summary(summary: CheckpointSummary, max_rows: int | None = None) -> s
         )
     else:
         lines.append("saved with: (not recorded: not written by lightning_dist)")
+    lines.append(summary.integrity)
     rows = summary.tensors if max_rows is None else summary.tensors[:max_rows]
     width = max((len(t.key) for t in rows), default=3)
     lines.append("")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -16,12 +15,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from typing_extensions import override
 
+from lightning_dist.checkpoint.integrity import gather_records, records_of
 from lightning_dist.checkpoint.layout import CheckpointError, remove
 from lightning_dist.plugins.checkpoint_io import (
     DistributedCheckpointIO,
     finish_folder,
     rank,
     remove_checkpoint_if_ours,
+    serialize,
     split_sharded,
     start_folder,
 )
@@ -66,7 +67,7 @@ class AsyncDistributedCheckpointIO(DistributedCheckpointIO):
         error = None
         try:
             # Copies, now: training changes the parameters, loops and callbacks as soon as this returns.
-            meta_bytes = _serialize(meta)
+            meta_bytes = serialize(meta)
             staged = stager.stage(sharded)
         except Exception as err:  # noqa: BLE001 (every rank learns of it below, before any rank starts writing)
             error = f"{type(err).__name__}: {err}"
@@ -82,8 +83,9 @@ class AsyncDistributedCheckpointIO(DistributedCheckpointIO):
                 dcp.save(staged, storage_writer=writer, process_group=group)  # collective over the save group
             finally:
                 stager.close()
+            records = gather_records(records_of(writer), group)  # collective over the save group
             if is_rank_zero:
-                finish_folder(tmp, path, meta_bytes)
+                finish_folder(tmp, path, meta_bytes, records)
 
         assert self._executor is not None
         self._pending = self._executor.submit(write)
@@ -169,12 +171,6 @@ class AsyncDistributedCheckpointIO(DistributedCheckpointIO):
             rank_zero_warn("AsyncDistributedCheckpointIO(pinned_memory=True) needs CUDA; staging in ordinary memory.")
             return False
         return self.pinned_memory
-
-
-def _serialize(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
 
 
 def _error_of(future: Future, block: bool) -> str | None:

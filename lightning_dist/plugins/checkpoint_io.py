@@ -7,6 +7,7 @@ format whatever plugin is configured, so a checkpoint written with one plugin re
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
@@ -19,14 +20,23 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_dist.checkpoint.integrity import (
+    FileRecord,
+    checksumming_writer,
+    gather_records,
+    record_of_bytes,
+    records_of,
+    verify_checksums,
+    write_marker,
+)
 from lightning_dist.checkpoint.layout import (
-    COMPLETE_MARKER,
     METADATA_FILENAME,
     CheckpointError,
     check_replaceable,
     foreign_content,
     new_token,
     publish,
+    read_checkpoint_file,
     read_metadata,
     remove_own_checkpoint,
     remove_stale_temporaries,
@@ -55,7 +65,8 @@ class ParallelCheckpointIO(CheckpointIO):
         path = validate_checkpoint(path)
         if path.is_dir():
             return read_metadata(path)
-        return torch.load(path, map_location=map_location or "cpu", weights_only=bool(weights_only))
+        verify_checksums(path)
+        return read_checkpoint_file(path, map_location=map_location or "cpu", weights_only=bool(weights_only))
 
     @override
     def remove_checkpoint(self, path: _PATH) -> None:
@@ -81,11 +92,14 @@ class DistributedCheckpointIO(ParallelCheckpointIO):
         path = Path(path)
         sharded, meta = split_sharded(checkpoint)
         tmp = start_folder(path)
-        dcp.save(sharded, storage_writer=self._storage_writer(tmp))
-        on_rank_zero_then_check(lambda: finish_folder(tmp, path, meta), f"publish the checkpoint at {path}")
+        writer = self._storage_writer(tmp)
+        dcp.save(sharded, storage_writer=writer)
+        records = gather_records(records_of(writer))
+        on_rank_zero_then_check(lambda: finish_folder(tmp, path, meta, records), f"publish the checkpoint at {path}")
 
     def _storage_writer(self, folder: Path) -> dcp.StorageWriter:
-        return dcp.FileSystemWriter(folder)
+        """DCP's file system writer, recording the checksum of every file it writes."""
+        return checksumming_writer(folder)
 
 
 def split_sharded(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -110,14 +124,20 @@ def start_folder(path: Path) -> Path:
     return tmp
 
 
-def finish_folder(tmp: Path, path: Path, meta: dict[str, Any] | bytes) -> None:
-    """Write ``meta.pt`` and the completion marker into ``tmp``, then publish it at ``path`` (rank 0 only)."""
-    if isinstance(meta, bytes):
-        (tmp / METADATA_FILENAME).write_bytes(meta)
-    else:
-        torch.save(meta, tmp / METADATA_FILENAME)
-    (tmp / COMPLETE_MARKER).write_text("ok\n")
+def finish_folder(tmp: Path, path: Path, meta: dict[str, Any] | bytes, records: dict[str, FileRecord]) -> None:
+    """Write ``meta.pt`` and the completion marker, with the checksums of every file (``records``: the shards and
+    DCP index), into ``tmp``, then publish it at ``path`` (rank 0 only)."""
+    meta_bytes = meta if isinstance(meta, bytes) else serialize(meta)
+    (tmp / METADATA_FILENAME).write_bytes(meta_bytes)
+    write_marker(tmp, {**records, METADATA_FILENAME: record_of_bytes(meta_bytes)})
     publish(tmp, path)
+
+
+def serialize(obj: Any) -> bytes:
+    """``torch.save`` into bytes."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
 
 
 def remove_checkpoint_if_ours(path: Path) -> None:

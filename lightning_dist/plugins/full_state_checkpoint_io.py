@@ -9,6 +9,7 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
+from lightning_dist.checkpoint.integrity import crc32_enabled
 from lightning_dist.checkpoint.layout import (
     check_replaceable,
     publish,
@@ -42,7 +43,8 @@ class FullStateCheckpointIO(ParallelCheckpointIO):
             check_replaceable(path)
             path.parent.mkdir(parents=True, exist_ok=True)
             remove_stale_temporaries(path)
-            torch.save(with_provenance(checkpoint), tmp)
+            with crc32_enabled():  # a CRC-32 of every record in the zip's directory: what loads verify
+                torch.save(with_provenance(checkpoint), tmp)
             publish(tmp, path)
 
         on_rank_zero_then_check(write, f"write the checkpoint {path}")

@@ -121,9 +121,10 @@ class ChecksummingFileSystem(FileSystem):
                 self.records[Path(new_path).name] = record
 
 
-def checksumming_writer(folder: Path) -> FileSystemWriter:
-    """A DCP writer into ``folder`` that records the checksum of each file it writes (:func:`records_of`)."""
-    writer = FileSystemWriter(folder)
+def checksumming_writer(folder: Path, **options: Any) -> FileSystemWriter:
+    """A DCP writer into ``folder`` (``options``: those of ``FileSystemWriter``) that records the checksum of each
+    file it writes (:func:`records_of`)."""
+    writer = FileSystemWriter(folder, **options)
     writer.fs = ChecksummingFileSystem()
     return writer
 
@@ -246,7 +247,8 @@ def _zip_records(file: Path) -> list[_ZipRecord]:
         problem = f"cannot be read as a torch checkpoint: it is not a torch.save file (it starts with {start!r})"
         raise damaged(file, file, problem, advice="Is this the path you meant?") from err
     size = file.stat().st_size
-    records = [_ZipRecord(i.filename, i.header_offset, i.compress_size, i.CRC) for i in infos]
+    # Record names start with the archive's own folder (the temporary name it was saved under): shown without it.
+    records = [_ZipRecord(i.filename.split("/", 1)[-1], i.header_offset, i.compress_size, i.CRC) for i in infos]
     for record in records:
         if record.offset + record.size > size:
             raise damaged(file, file, f"is cut short: record {record.name!r} ends past its {size:,} bytes")

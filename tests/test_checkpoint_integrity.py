@@ -186,7 +186,7 @@ CASES = [
     Case("overwritten single file", _overwritten_single, "single.ckpt", r"does not match its checksum: record 'data/\d+'", False),
     Case("garbage meta.pt", _garbage_meta, "meta.pt", r"has 70 bytes but the save wrote [\d,]+", True),
     Case("garbage meta.pt, no checksums", _garbage_meta_old, "meta.pt", r"cannot be read \(UnpicklingError", False),
-    Case("truncated shard", _truncated_shard, SHARD, r"has [\d,]+ bytes but the save wrote [\d,]+ \(truncated since\)", True),
+    Case("truncated shard", _truncated_shard, SHARD, r"has [\d,]+ bytes but the save wrote [\d,]+ \(cut short or replaced since\)", True),
     Case("truncated shard, no checksums", _truncated_shard_old, SHARD, r"the DCP index places data up to byte [\d,]+ \(truncated\)", True),
     Case("deleted shard", _deleted_shard, SHARD, r"is missing \(the save wrote [\d,]+ bytes there\)", True),
     Case("deleted shard, no checksums", _deleted_shard_old, SHARD, r"is missing \(the DCP index places", True),

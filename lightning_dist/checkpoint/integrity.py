@@ -198,7 +198,7 @@ def _check_folder(folder: Path) -> None:
             raise damaged(folder, name, f"is missing (the save wrote {record.size:,} bytes there)")
         size = file.stat().st_size
         if size != record.size:
-            how = "truncated" if size < record.size else "appended to"
+            how = "cut short or replaced" if size < record.size else "appended to or replaced"
             raise damaged(folder, name, f"has {size:,} bytes but the save wrote {record.size:,} ({how} since)")
         if not name.endswith(".distcp") and record.size <= _SMALL_FILE:
             _compare(folder, name, record)
@@ -217,7 +217,9 @@ def _index_extents(folder: Path) -> dict[str, int]:
     try:
         storage = FileSystemReader(folder).read_metadata().storage_data
     except Exception as err:
-        raise damaged(folder, DCP_INDEX, f"(the DCP index) cannot be read: {type(err).__name__}: {err}") from err
+        raise damaged(
+            folder, DCP_INDEX, f"(the DCP index) cannot be read: {type(err).__name__}: {str(err).rstrip('.')}"
+        ) from err
     extents: dict[str, int] = {}
     for info in (storage or {}).values():
         extents[info.relative_path] = max(extents.get(info.relative_path, 0), info.offset + info.length)

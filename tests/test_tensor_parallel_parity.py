@@ -34,7 +34,10 @@ def workdir(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def reference(workdir):
     return run_scenarios(
-        SCRIPT, 1, workdir, ["gpt", "llama", "llama_tied_lp", "llama_kv2", "encoder", "gpt2", "neox", "bf16", "save_tp"]
+        SCRIPT,
+        1,
+        workdir,
+        ["gpt", "llama", "llama_tied_lp", "llama_kv2", "encoder", "gpt2", "neox", "hf_llama", "bf16", "save_tp"],
     )
 
 
@@ -59,6 +62,7 @@ def two_ranks(workdir, reference):
         "metrics_world_control",
         "gpt2",
         "neox",
+        "hf_llama_sp",
         "gpt2_save_tp",
         "gpt2_save_fsdp2",
         "gpt2_fsdp2_from_tp",
@@ -110,15 +114,18 @@ PARITY_CASES = [
     (4, "encoder_2d"),
     (4, "gpt2_2d"),
     (4, "llama_kv2"),  # 2 key/value heads at tp=4: each replicated over 2 ranks
+    (2, "hf_llama_sp"),  # stock LlamaForCausalLM: positions and masks of the whole sequence
+    (4, "hf_llama_tp4"),  # stock LlamaForCausalLM, 2 key/value heads at tp=4
 ]
 FUSED = ("encoder", "gpt2", "neox")  # whole-model references of their own
 
 
 @pytest.mark.parametrize(("devices", "name"), PARITY_CASES, ids=[f"{n}-d{d}" for d, n in PARITY_CASES])
 def test_fp64_parity_with_one_process(request, workdir, reference, devices, name):
-    base = (
-        name if name in ("llama_tied_lp", "llama_kv2", "encoder") else name.split("_")[0]
-    )  # the one-process run to match
+    if name.startswith("hf_llama"):  # the one-process run to match
+        base = "hf_llama"
+    else:
+        base = name if name in ("llama_tied_lp", "llama_kv2", "encoder") else name.split("_")[0]
     ours, ref = _runs(request, devices)[name], reference[base]
     assert len(ours["losses"]) == 5 and len(ours["grad_norms"]) == 5
     assert min(ref["grad_norms"]) > CLIP  # clipping is active on every step
@@ -184,7 +191,7 @@ def test_per_rank_parameter_bytes_of_fused_attention_models(two_ranks, reference
     print(f"{model} tp=2: per-rank/total = {run['param_bytes_max_rank'] / total:.4f}")
 
 
-def test_fused_qkv_checkpoints_move_between_tensor_parallel_and_fsdp2(two_ranks):
+def test_fused_qkv_checkpoints_move_between_tensor_parallel_and_fsdp2(two_ranks, workdir):
     """The fused rows are permuted while sharded; checkpoints (model and optimizer states) keep the library's order,
     so a tensor-parallel checkpoint resumes under fsdp2 and back, and loads into GPT2LMHeadModel strictly."""
     for model in ("gpt2", "mha"):
@@ -195,7 +202,16 @@ def test_fused_qkv_checkpoints_move_between_tensor_parallel_and_fsdp2(two_ranks)
     back = two_ranks["gpt2_tp_from_fsdp2"]
     assert back["global_step"] == 6
     assert max_abs_diff(back["losses"], two_ranks["gpt2_save_fsdp2"]["losses"][3:]) <= FP64_TOL
-    assert two_ranks["gpt2_save_tp"]["consolidated_keys"] > 0  # strict load into GPT2LMHeadModel passed
+    # consolidated here, in one process: the tensor-parallel checkpoint loads into the library's own class
+    from tp_fused_runs import hf_model  # type: ignore[import-not-found]
+
+    from lightning_dist.checkpoint.consolidate import load_full_checkpoint
+
+    full = load_full_checkpoint(workdir / "ckpt_gpt2_tp" / "step=3.ckpt")["state_dict"]
+    own = {k.removeprefix("hf."): v for k, v in full.items() if k.startswith("hf.")}
+    original = hf_model("gpt2").double()
+    own.setdefault("lm_head.weight", own["transformer.wte.weight"])  # tied: saved once
+    original.load_state_dict(own, strict=True)
 
 
 @pytest.mark.parametrize(("devices", "name", "tol"), [(2, "bf16", 2e-3), (4, "bf16_2d", 5e-3)], ids=["tp", "2d"])

@@ -136,3 +136,22 @@ def test_plan_tool_shows_fused_splits(capsys):
     out = capsys.readouterr().out
     assert "# transformer.h.*.attn.c_attn: fused [Q|K|V] split by heads: 4 q + 4 kv heads of 8" in out
     assert yaml.safe_load(out)["plan"]["transformer.h.*.attn.c_attn"]["style"] == "fused_colwise"
+
+
+def test_sequence_parallel_on_a_hugging_face_decoder_splits_the_sequence_at_the_first_block():
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    plan = infer_plan(model, sequence_parallel=True)
+    # LlamaModel builds positions and the causal mask from the embeddings' length: they must see the whole sequence
+    assert plan.styles["model.embed_tokens"]["output_layouts"] == "replicate"
+    assert plan.styles["model.layers.0"] == {
+        "style": "prepare_input",
+        "input_layouts": "replicate",
+        "desired_input_layouts": "shard(1)",
+        "use_local_output": True,
+    }
+    assert plan.styles["model.norm"] == "sequence_parallel" and not plan.unreduced
+    plan.validate(4)  # 2 key/value heads at tp=4: replicated over pairs of ranks

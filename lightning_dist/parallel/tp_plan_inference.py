@@ -235,16 +235,26 @@ def _plan_embeddings_and_head(
     loss_parallel: bool,
 ) -> None:
     token = structure.token_embedding
+    split_at_first_block = sequence_parallel and _positions_from_sequence_length(structure)
     if token is not None:
         plan.token_embedding = token
         plan.styles[token] = {
             "style": "rowwise",
             "input_layouts": "replicate",
-            "output_layouts": "shard(1)" if sequence_parallel else "replicate",
+            "output_layouts": "shard(1)" if sequence_parallel and not split_at_first_block else "replicate",
         }
         vocab = modules[token].num_embeddings
         plan.checks.append(DivisibilityCheck(token, "vocabulary (Embedding.num_embeddings)", vocab))
-        if sequence_parallel:
+        if split_at_first_block:
+            # The model derives positions and masks from the embeddings' sequence length between the embedding
+            # and the first block (Hugging Face decoders): the sequence is split only where the first block starts.
+            plan.styles[structure.blocks[0]] = {
+                "style": "prepare_input",
+                "input_layouts": "replicate",
+                "desired_input_layouts": "shard(1)",
+                "use_local_output": True,
+            }
+        elif sequence_parallel:
             # Other embeddings added to the token embedding (learned positions) must be sliced the same way.
             for other in structure.other_embeddings:
                 plan.styles[other] = {
@@ -264,6 +274,15 @@ def _plan_embeddings_and_head(
             spec["output_layouts"] = "replicate"
         plan.styles[head] = spec
         plan.checks.append(DivisibilityCheck(head, "vocabulary (Linear.out_features)", modules[head].out_features))
+
+
+def _positions_from_sequence_length(structure: ModelStructure) -> bool:
+    """Whether a module enclosing the blocks takes positions, i.e. builds them (and its masks) from the sequence
+    length of the embeddings it hands the first block, as Hugging Face's ``LlamaModel``/``GPT2Model`` do."""
+    if structure.positions_argument is None or not structure.blocks or structure.other_embeddings:
+        return False  # learned positions are added to the token embedding: they are sliced with it instead
+    owner = structure.positions_argument[0]
+    return owner == "" or structure.blocks[0].startswith(f"{owner}.")
 
 
 def _check_extra_parameters(
@@ -299,7 +318,7 @@ def _check_extra_parameters(
 def _check_sequence_parallel_coverage(model: nn.Module, plan: TensorParallelPlan, checked: set[str]) -> None:
     """With sequence parallel, a parameter of a module the plan does not cover sees only this rank's slice of the
     sequence (a layer-scale Parameter on a block, a norm class the plan does not recognise)."""
-    covered = set(plan.styles)
+    covered = {n for n, s in plan.styles.items() if style_name(s) != "prepare_input"}  # layouts only: not covered
     for pname, _ in model.named_parameters():
         owner = pname.rpartition(".")[0]
         inside = [*checked, *plan.unplanned]  # unplanned modules are refused by validate() already

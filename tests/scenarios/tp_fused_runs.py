@@ -1,5 +1,6 @@
 """Tensor parallel on fused attention projections: Hugging Face GPT-2 (Conv1D c_attn, tied embeddings) and
-GPT-NeoX (query_key_value) against one process; fused-QKV checkpoints (GPT-2, nn.MultiheadAttention) moving between
+GPT-NeoX (query_key_value) against one process; stock LlamaForCausalLM with sequence parallel and with 2 key/value
+heads at tp=4; fused-QKV checkpoints (GPT-2, nn.MultiheadAttention) moving between
 tensor_parallel and fsdp2, and consolidated into the library's own class. tp_runs.py runs these in its launches.
 
 python tests/scenarios/tp_fused_runs.py --devices 2 --out r.json --workdir DIR --scenarios gpt2,neox
@@ -28,7 +29,6 @@ from torch.distributed.tensor import DTensor, Shard
 
 from examples.data import TextDataModule
 from lightning_dist import FSDP2Strategy, TensorParallelStrategy
-from lightning_dist.checkpoint.consolidate import load_full_checkpoint
 from lightning_dist.parallel.tp_checkpoint_layout import permuted_parameters, to_checkpoint_order
 from lightning_dist.profiling import state_bytes
 
@@ -39,7 +39,14 @@ CLIP = 0.5
 
 def hf_model(kind: str) -> torch.nn.Module:
     """A tiny ``GPT2LMHeadModel`` (tied embeddings) or ``GPTNeoXForCausalLM``, without dropout."""
-    from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        GPTNeoXConfig,
+        GPTNeoXForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
 
     if kind == "gpt2":
         config = GPT2Config(
@@ -47,6 +54,12 @@ def hf_model(kind: str) -> torch.nn.Module:
             attn_pdrop=0.0, tie_word_embeddings=True, attn_implementation="eager",
         )  # fmt: skip
         return GPT2LMHeadModel(config)
+    if kind == "hf_llama":  # grouped-query attention: 8 query heads, 2 key/value heads
+        config = LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=2, max_position_embeddings=SEQ_LEN, attn_implementation="eager",
+        )  # fmt: skip
+        return LlamaForCausalLM(config)
     config = GPTNeoXConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
         max_position_embeddings=SEQ_LEN, hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False,
@@ -94,16 +107,18 @@ class GradRecorder(Callback):
         self.steps.append({n: in_checkpoint_order(pl_module, n, p.grad) for n, p in pl_module.named_parameters()})
 
 
-def strategy(devices: int, dp: int = 1) -> Any:
-    return "auto" if devices == 1 else TensorParallelStrategy(tensor_parallel_size=devices // dp, data_parallel_size=dp)
+def strategy(devices: int, dp: int = 1, **options: Any) -> Any:
+    if devices == 1:
+        return "auto"
+    return TensorParallelStrategy(tensor_parallel_size=devices // dp, data_parallel_size=dp, **options)
 
 
-def train(devices: int, workdir: str, name: str, kind: str, dp: int = 1) -> dict[str, Any]:
+def train(devices: int, workdir: str, name: str, kind: str, dp: int = 1, **options: Any) -> dict[str, Any]:
     """Fit STEPS clipped optimizer steps; full grads and params (checkpoint order) saved by rank 0."""
     model, data = model_and_data(kind, devices, dp)
     recorder, grads = StepRecorder(), GradRecorder()
     trainer = L.Trainer(
-        **trainer_kwargs(devices, strategy=strategy(devices, dp), precision="64-true"),
+        **trainer_kwargs(devices, strategy=strategy(devices, dp, **options), precision="64-true"),
         max_steps=STEPS,
         gradient_clip_val=CLIP,
         callbacks=[recorder, grads],
@@ -147,16 +162,7 @@ def checkpoint_save(devices: int, workdir: str, model_kind: str, kind: str) -> d
         callbacks=[recorder, ckpt],
     )
     trainer.fit(model, data)
-    result: dict[str, Any] = {"losses": recorder.losses}
-    if is_rank_zero() and model_kind == "gpt2":  # the consolidated checkpoint loads into the library's class
-        full = load_full_checkpoint(f"{folder}/step=3.ckpt")["state_dict"]
-        own = {k.removeprefix("hf."): v for k, v in full.items() if k.startswith("hf.")}
-        original = hf_model(model_kind).double()
-        missing = set(original.state_dict()) - set(own)
-        own.update({k: own["transformer.wte.weight"] for k in missing if k == "lm_head.weight"})  # tied: saved once
-        original.load_state_dict(own, strict=True)
-        result["consolidated_keys"] = len(own)
-    return result
+    return {"losses": recorder.losses}
 
 
 def checkpoint_resume(devices: int, workdir: str, model_kind: str, kind: str, saved_by: str) -> dict[str, Any]:
@@ -185,6 +191,9 @@ FUSED_SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "neox": lambda d, w: train(d, w, "neox", "neox"),
     "gpt2_2d": lambda d, w: train(d, w, "gpt2_2d", "gpt2", dp=2),
     "neox_2d": lambda d, w: train(d, w, "neox_2d", "neox", dp=2),
+    "hf_llama": lambda d, w: train(d, w, "hf_llama", "hf_llama"),
+    "hf_llama_sp": lambda d, w: train(d, w, "hf_llama_sp", "hf_llama", sequence_parallel=True),
+    "hf_llama_tp4": lambda d, w: train(d, w, "hf_llama_tp4", "hf_llama"),  # at 4 devices: 2 KV heads < tp
     "gpt2_save_tp": lambda d, w: checkpoint_save(d, w, "gpt2", "tp"),
     "gpt2_save_fsdp2": lambda d, w: checkpoint_save(d, w, "gpt2", "fsdp2"),
     "gpt2_fsdp2_from_tp": lambda d, w: checkpoint_resume(d, w, "gpt2", "fsdp2", "tp"),

@@ -21,7 +21,7 @@ from common import (  # type: ignore[import-not-found]
 )
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_dist import FSDP2Strategy, MeshParallelStrategy, ZeroPPPrecision, ZeroPPStrategy
+from lightning_dist import FSDP2Strategy, ZeroPPPrecision, ZeroPPStrategy
 from lightning_dist.parallel.quantization import qmax
 from lightning_dist.parallel.zeropp import (
     QuantizedAllGather,
@@ -30,6 +30,7 @@ from lightning_dist.parallel.zeropp import (
     reduce_scatter_nbytes,
 )
 from lightning_dist.profiling import CommCounter, NodeTopology, attach_phase_hooks
+from lightning_dist.strategies.step_protocol import StepProtocol
 
 RANKS_PER_NODE = 2
 PARITY_STEPS = 20
@@ -150,7 +151,7 @@ class _NoReshardBeforeStep(ZeroPPStrategy):
     """hpZ without the reshard before the optimizer step: shows the stale-weight sequence is real."""
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        return super(MeshParallelStrategy, self).optimizer_step(optimizer, closure, model, **kwargs)
+        return super(StepProtocol, self).optimizer_step(optimizer, closure, model, **kwargs)  # Lightning's
 
 
 def stale_weights(devices: int) -> dict[str, Any]:

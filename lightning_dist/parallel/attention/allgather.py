@@ -17,12 +17,12 @@ from torch import Tensor
 from lightning_dist.parallel.attention.blocks import (
     BlockTask,
     OnlineSoftmax,
-    QueryRows,
-    accumulation_dtype,
     attend,
     attend_backward,
+    backward_inputs,
     block_tasks,
     expand_kv_heads,
+    save_for_backward,
 )
 from lightning_dist.parallel.attention.comm import all_gather, reduce_scatter
 from lightning_dist.parallel.attention.kernels import select_kernel
@@ -63,28 +63,22 @@ class AllGatherAttention(torch.autograd.Function):
             task = BlockTask(slice(start, stop), whole, causal_block)
             attend(kernel, query, expand_kv_heads(kv[0], groups), expand_kv_heads(kv[1], groups), [task], scale, acc)
         out, lse = acc.result(query.dtype)
-        ctx.save_for_backward(_RECOMPUTE_MARKER, query, key, value, out, lse)
-        ctx.group, ctx.layout, ctx.causal, ctx.scale = group, layout, causal, scale
+        save_for_backward(ctx, (query, key, value, out, lse), group, layout, causal, scale)
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-        _, query, key, value, out, lse = ctx.saved_tensors
-        group = ctx.group
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        kernel = select_kernel(query.device, query.dtype)
-        groups = query.shape[-3] // key.shape[-3]
-        acc_dtype = accumulation_dtype(query.dtype)
+        b = backward_inputs(ctx, dout)
+        group, cp, rank, groups, acc_dtype = ctx.group, b.cp, b.rank, b.groups, b.acc_dtype
+        query, key, value, dq = b.query, b.key, b.value, b.dq
         shards = all_gather(torch.stack([key, value]), group)
-        rows = QueryRows(query, dout.contiguous(), out, lse)
-        dq = torch.zeros(query.shape, dtype=acc_dtype, device=query.device)
         dshards = [torch.zeros(shard.shape, dtype=acc_dtype, device=shard.device) for shard in shards]
         for (start, stop, causal_block), pieces in _plan(rank, cp, query.shape[-2], ctx.layout, ctx.causal).items():
             kv = _joined(shards, pieces)
             dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=kv.device)
             task = BlockTask(slice(start, stop), slice(0, kv.shape[-2]), causal_block)
             k_full, v_full = expand_kv_heads(kv[0], groups), expand_kv_heads(kv[1], groups)
-            attend_backward(kernel, rows, k_full, v_full, [task], ctx.scale, dq, dkv, groups)
+            attend_backward(b.kernel, b.rows, k_full, v_full, [task], ctx.scale, dq, dkv, groups)
             offset = 0
             for source, cols in pieces:
                 length = cols.stop - cols.start
@@ -92,7 +86,3 @@ class AllGatherAttention(torch.autograd.Function):
                 offset += length
         dkv = reduce_scatter(dshards, group)
         return dq.to(query.dtype), dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None, None
-
-
-# Makes activation-checkpoint recompute through plain SDPA fail loudly (different saved tensors).
-_RECOMPUTE_MARKER = torch.empty(0, dtype=torch.int8)

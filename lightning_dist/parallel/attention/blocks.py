@@ -7,11 +7,13 @@ Tensors are ``[B, H, L, D]`` with ``L`` the local sequence length; key/value blo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from lightning_dist.parallel.attention.kernels import BlockKernel
+from lightning_dist.parallel.attention.kernels import BlockKernel, select_kernel
 
 
 @dataclass(frozen=True)
@@ -144,3 +146,50 @@ def attend_backward(
         dq[..., q_rows, :] += dq_b
         dkv[0, ..., cols, :] += sum_kv_head_grads(dk_b, groups)
         dkv[1, ..., cols, :] += sum_kv_head_grads(dv_b, groups)
+
+
+# Saved with every context-parallel attention's tensors: activation-checkpoint recompute through plain SDPA then saves
+# a different number of tensors and fails loudly instead of giving wrong gradients.
+_RECOMPUTE_MARKER = torch.empty(0, dtype=torch.int8)
+
+
+def save_for_backward(
+    ctx: Any, tensors: tuple[Tensor, ...], group: Any, layout: str, causal: bool, scale: float
+) -> None:
+    """Keep ``(query, key, value, out, lse)`` and the options of a sharded attention forward for its backward."""
+    ctx.save_for_backward(_RECOMPUTE_MARKER, *tensors)
+    ctx.group, ctx.layout, ctx.causal, ctx.scale = group, layout, causal, scale
+
+
+@dataclass
+class BackwardInputs:
+    """What the backward of a sharded attention starts from (see :func:`backward_inputs`)."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    rows: QueryRows
+    cp: int
+    rank: int
+    kernel: Any
+    groups: int  # query heads per key/value head
+    acc_dtype: torch.dtype
+    dq: Tensor  # the query gradient accumulator
+
+
+def backward_inputs(ctx: Any, dout: Tensor) -> BackwardInputs:
+    """Unpack what :func:`save_for_backward` kept and set up the query-gradient accumulator."""
+    _, query, key, value, out, lse = ctx.saved_tensors
+    acc_dtype = accumulation_dtype(query.dtype)
+    return BackwardInputs(
+        query=query,
+        key=key,
+        value=value,
+        rows=QueryRows(query, dout.contiguous(), out, lse),
+        cp=dist.get_world_size(ctx.group),
+        rank=dist.get_rank(ctx.group),
+        kernel=select_kernel(query.device, query.dtype),
+        groups=query.shape[-3] // key.shape[-3],
+        acc_dtype=acc_dtype,
+        dq=torch.zeros(query.shape, dtype=acc_dtype, device=query.device),
+    )

@@ -16,12 +16,12 @@ from torch import Tensor
 
 from lightning_dist.parallel.attention.blocks import (
     OnlineSoftmax,
-    QueryRows,
-    accumulation_dtype,
     attend,
     attend_backward,
+    backward_inputs,
     block_tasks,
     expand_kv_heads,
+    save_for_backward,
 )
 from lightning_dist.parallel.attention.comm import RingShift
 from lightning_dist.parallel.attention.kernels import select_kernel
@@ -49,21 +49,14 @@ class RingAttention(torch.autograd.Function):
             if shift is not None:
                 kv = shift.wait()
         out, lse = acc.result(query.dtype)
-        # The marker makes activation-checkpoint recompute through plain SDPA fail loudly (different saved tensors).
-        ctx.save_for_backward(_RECOMPUTE_MARKER, query, key, value, out, lse)
-        ctx.group, ctx.layout, ctx.causal, ctx.scale = group, layout, causal, scale
+        save_for_backward(ctx, (query, key, value, out, lse), group, layout, causal, scale)
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-        _, query, key, value, out, lse = ctx.saved_tensors
-        group = ctx.group
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        kernel = select_kernel(query.device, query.dtype)
-        groups = query.shape[-3] // key.shape[-3]
-        rows = QueryRows(query, dout.contiguous(), out, lse)
-        acc_dtype = accumulation_dtype(query.dtype)
-        dq = torch.zeros(query.shape, dtype=acc_dtype, device=query.device)
+        b = backward_inputs(ctx, dout)
+        group, cp, rank, groups, acc_dtype = ctx.group, b.cp, b.rank, b.groups, b.acc_dtype
+        query, key, value, dq = b.query, b.key, b.value, b.dq
         kv = torch.stack([key, value])
         incoming_dkv: RingShift | None = None
         for step in range(cp):
@@ -71,7 +64,7 @@ class RingAttention(torch.autograd.Function):
             tasks = block_tasks(rank, (rank - step) % cp, query.shape[-2], ctx.layout, ctx.causal)
             dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=kv.device)
             k_full, v_full = expand_kv_heads(kv[0], groups), expand_kv_heads(kv[1], groups)
-            attend_backward(kernel, rows, k_full, v_full, tasks, ctx.scale, dq, dkv, groups)
+            attend_backward(b.kernel, b.rows, k_full, v_full, tasks, ctx.scale, dq, dkv, groups)
             if incoming_dkv is not None:  # the accumulator of this shard, from the ranks that held it before
                 dkv += incoming_dkv.wait()
             incoming_dkv = RingShift(dkv, group, _DKV_TAG)
@@ -79,6 +72,3 @@ class RingAttention(torch.autograd.Function):
                 kv = kv_shift.wait()
         dkv = incoming_dkv.wait()  # type: ignore[union-attr]  # after c hops: our own shard's gradient
         return dq.to(query.dtype), dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None, None
-
-
-_RECOMPUTE_MARKER = torch.empty(0, dtype=torch.int8)

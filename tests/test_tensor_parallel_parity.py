@@ -14,6 +14,7 @@ tensor_parallel and fsdp2 in both directions.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,6 +87,7 @@ def four_ranks(workdir, two_ranks):
         "encoder_2d",
         "gpt2_2d",
         "llama_kv2",
+        "hf_llama_tp4",
     ]
     return run_scenarios(SCRIPT, 4, workdir, scenarios)
 
@@ -203,6 +205,7 @@ def test_fused_qkv_checkpoints_move_between_tensor_parallel_and_fsdp2(two_ranks,
     assert back["global_step"] == 6
     assert max_abs_diff(back["losses"], two_ranks["gpt2_save_fsdp2"]["losses"][3:]) <= FP64_TOL
     # consolidated here, in one process: the tensor-parallel checkpoint loads into the library's own class
+    sys.path.insert(0, str(Path(__file__).parent / "scenarios"))  # the scenario scripts' own imports
     from tp_fused_runs import hf_model  # type: ignore[import-not-found]
 
     from lightning_dist.checkpoint.consolidate import load_full_checkpoint

@@ -17,7 +17,13 @@ from lightning_dist.plugins import (
     FullStateCheckpointIO,
     ZeroPPPrecision,
 )
-from lightning_dist.strategies import FSDP2Strategy, MeshParallelStrategy, TensorParallelStrategy, ZeroPPStrategy
+from lightning_dist.strategies import (
+    ContextParallelStrategy,
+    FSDP2Strategy,
+    MeshParallelStrategy,
+    TensorParallelStrategy,
+    ZeroPPStrategy,
+)
 from lightning_dist.strategies.registry import register_strategies
 
 __version__ = "0.1.0.dev0"
@@ -25,6 +31,7 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "AsyncDistributedCheckpointIO",
     "CheckpointError",
+    "ContextParallelStrategy",
     "DistributedCheckpointIO",
     "FSDP2Precision",
     "FSDP2Strategy",

@@ -7,6 +7,7 @@ from typing import Any
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_dist.strategies.context_parallel import ContextParallelStrategy
 from lightning_dist.strategies.fsdp2 import FSDP2Strategy
 from lightning_dist.strategies.tensor_parallel import TensorParallelStrategy
 from lightning_dist.strategies.zeropp import ZeroPPStrategy
@@ -70,6 +71,24 @@ STRATEGY_NAMES: list[tuple[str, type, str, dict[str, Any]]] = [
         TensorParallelStrategy,
         "Tensor parallelism with sequence parallel norms",
         {"sequence_parallel": True},
+    ),
+    (
+        "context_parallel",
+        ContextParallelStrategy,
+        "Context parallelism: ring attention over the sequence shards (zigzag load balancing)",
+        {},
+    ),
+    (
+        "context_parallel_allgather",
+        ContextParallelStrategy,
+        "Context parallelism: key/value all-gather attention (as Llama 3)",
+        {"attention": "allgather"},
+    ),
+    (
+        "context_parallel_ulysses",
+        ContextParallelStrategy,
+        "Context parallelism: Ulysses all-to-all over heads (contiguous layout)",
+        {"attention": "ulysses"},
     ),
 ]
 

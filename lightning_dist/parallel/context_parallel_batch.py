@@ -1,0 +1,146 @@
+"""Batches and positions under context parallelism (pure PyTorch helpers of the context-parallel strategy).
+
+* :func:`sequence_entries` finds the tensors of a batch (a pytree of dicts, lists and tuples) that carry the sequence
+  dimension; :func:`shard_batch` replaces each with this rank's shard in the layout of the attention.
+* :func:`fill_positions` makes a forward pre-hook that passes the shard's *global* positions to the module taking
+  them (``position_ids``, ``input_pos``, ``positions``) whenever the caller passes none: a model that builds
+  ``arange(local length)`` itself would otherwise train on wrong positions on every rank but the first.
+* :func:`gather_outputs` puts the sequence of sharded step outputs (predictions) back together.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_dist.parallel.context_parallel import (
+    check_sequence_length,
+    gather_sequence,
+    local_positions,
+    shard_sequence,
+)
+
+Path = tuple[Any, ...]
+
+
+def path_name(path: Path) -> str:
+    """``("batch", 0, "ids")`` → ``"batch.0.ids"``: how :func:`sequence_entries` names an entry."""
+    return ".".join(str(p) for p in path)
+
+
+def _tensors(batch: Any, path: Path = ()) -> Iterator[tuple[Path, Tensor]]:
+    if isinstance(batch, Tensor):
+        yield path, batch
+    elif isinstance(batch, dict):
+        for key, value in batch.items():
+            yield from _tensors(value, (*path, key))
+    elif isinstance(batch, (list, tuple)):
+        for index, value in enumerate(batch):
+            yield from _tensors(value, (*path, index))
+
+
+def parse_sequence_keys(keys: list[str]) -> dict[str, int]:
+    """``["input_ids", "labels:1", "mask:2"]`` → ``{name: sequence dim}`` (dim 1 unless given after a colon)."""
+    parsed = {}
+    for key in keys:
+        name, _, dim = key.rpartition(":") if ":" in key else (key, "", "1")
+        if not dim.lstrip("-").isdigit():
+            raise ValueError(f"sequence_keys entry {key!r}: write 'name' or 'name:dim' (dim an integer).")
+        parsed[name] = int(dim)
+    return parsed
+
+
+def sequence_entries(batch: Any, keys: dict[str, int] | None) -> tuple[dict[str, int], int]:
+    """``({entry name: sequence dim}, global sequence length)`` of ``batch``.
+
+    Without ``keys``: every tensor whose dim 1 has the length of the first tensor with two or more dims.
+    With ``keys``: exactly those entries (a missing one is an error naming the entries the batch has).
+    """
+    tensors = {path_name(p): t for p, t in _tensors(batch)}
+    if keys is None:
+        first = next((t for t in tensors.values() if t.dim() >= 2), None)
+        if first is None:
+            raise ValueError(
+                "Context parallel found no tensor with a sequence dimension (dim 1) in the batch; its tensors:"
+                f" { {n: tuple(t.shape) for n, t in tensors.items()} }. Pass sequence_keys=[...]."
+            )
+        seq_len = first.shape[1]
+        return {n: 1 for n, t in tensors.items() if t.dim() >= 2 and t.shape[1] == seq_len}, seq_len
+    missing = sorted(set(keys) - set(tensors))
+    if missing:
+        raise ValueError(f"sequence_keys {missing} are not tensors of the batch; it has {sorted(tensors)}.")
+    lengths = {n: tensors[n].shape[d] for n, d in keys.items()}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"The sequence_keys entries have different sequence lengths: {lengths}.")
+    return dict(keys), next(iter(lengths.values()))
+
+
+def shard_batch(batch: Any, entries: dict[str, int], cp: int, rank: int, layout: str) -> Any:
+    """``batch`` with every entry of ``entries`` replaced by rank ``rank``'s shard (the lengths checked first)."""
+    for name, dim in entries.items():
+        seq_len = _entry(batch, name).shape[dim]
+        try:
+            check_sequence_length(seq_len, cp, layout)
+        except ValueError as err:
+            raise ValueError(f"Batch entry {name!r} (sequence length {seq_len}): {err}") from None
+    return _map(batch, (), lambda p, t: shard_sequence(t, cp, rank, layout, entries[path_name(p)]), set(entries))
+
+
+def _entry(batch: Any, name: str) -> Tensor:
+    return next(t for p, t in _tensors(batch) if path_name(p) == name)
+
+
+def _map(batch: Any, path: Path, fn: Callable[[Path, Tensor], Tensor], names: set[str]) -> Any:
+    if isinstance(batch, Tensor):
+        return fn(path, batch) if path_name(path) in names else batch
+    if isinstance(batch, dict):
+        return type(batch)({k: _map(v, (*path, k), fn, names) for k, v in batch.items()}) if batch else batch
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(_map(v, (*path, i), fn, names) for i, v in enumerate(batch)))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_map(v, (*path, i), fn, names) for i, v in enumerate(batch))
+    return batch
+
+
+def fill_positions(
+    module: nn.Module, argument: str, seq_len: int, cp: int, rank: int, layout: str
+) -> Callable[..., Any]:
+    """A ``register_forward_pre_hook(..., with_kwargs=True)`` hook giving ``module`` the global positions of this
+    rank's shard as ``argument`` when the call passes none (or ``None``); positions the caller passes are kept.
+
+    Calls that do not run ``module``'s own ``forward`` (Lightning's redirection of ``training_step`` through the
+    root's ``__call__``) are left alone.
+    """
+    names = list(inspect.signature(module.forward).parameters)
+    index = names.index(argument)
+    local = seq_len // cp
+
+    def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        forward = mod.forward
+        if not (inspect.ismethod(forward) and forward.__self__ is mod):
+            return None
+        passed = kwargs[argument] if argument in kwargs else args[index] if len(args) > index else None
+        if passed is not None:
+            return None
+        first = next((t for _, t in _tensors((args, kwargs)) if t.dim() >= 2 and t.shape[1] == local), None)
+        device = first.device if first is not None else None
+        positions = local_positions(seq_len, cp, rank, layout, device).unsqueeze(0)
+        if first is not None:
+            positions = positions.expand(first.shape[0], -1)
+        if argument not in kwargs and len(args) > index:
+            args = (*args[:index], positions, *args[index + 1 :])
+        else:
+            kwargs = {**kwargs, argument: positions}
+        return args, kwargs
+
+    return hook
+
+
+def gather_outputs(output: Any, seq_len: int, cp: int, group: dist.ProcessGroup, layout: str) -> Any:
+    """Step outputs with every tensor whose dim 1 holds a shard (``seq_len / cp``) gathered back to ``seq_len``."""
+    names = {path_name(p) for p, t in _tensors(output) if t.dim() >= 2 and t.shape[1] == seq_len // cp}
+    return _map(output, (), lambda _, t: gather_sequence(t, group, layout, dim=1), names)

@@ -109,6 +109,17 @@ def test_positions_are_filled_only_when_the_caller_passes_none():
     assert torch.equal(seen[-1], torch.arange(8).unsqueeze(0))
 
 
+def test_a_keyword_only_positions_argument_is_filled_as_a_keyword():
+    class KeywordOnly(nn.Module):
+        def forward(self, x: torch.Tensor, *extra: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+            return positions
+
+    module = KeywordOnly()
+    module.register_forward_pre_hook(fill_positions(module, "positions", 8, 2, 0, "zigzag"), with_kwargs=True)
+    x = torch.zeros(2, 4)
+    assert torch.equal(module(x, x, x), local_positions(8, 2, 0, "zigzag").expand(2, -1))
+
+
 class _NoPositionsArgument(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()

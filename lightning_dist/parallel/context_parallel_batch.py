@@ -115,15 +115,17 @@ def fill_positions(
     Calls that do not run ``module``'s own ``forward`` (Lightning's redirection of ``training_step`` through the
     root's ``__call__``) are left alone.
     """
-    names = list(inspect.signature(module.forward).parameters)
-    index = names.index(argument)
+    parameters = list(inspect.signature(module.forward).parameters.values())
+    positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    index = positional.index(argument) if argument in positional else None  # None: keyword-only
     local = seq_len // cp
 
     def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         forward = mod.forward
         if not (inspect.ismethod(forward) and forward.__self__ is mod):
             return None
-        passed = kwargs[argument] if argument in kwargs else args[index] if len(args) > index else None
+        by_position = argument not in kwargs and index is not None and len(args) > index
+        passed = args[index] if by_position else kwargs.get(argument)
         if passed is not None:
             return None
         first = next((t for _, t in _tensors((args, kwargs)) if t.dim() >= 2 and t.shape[1] == local), None)
@@ -131,7 +133,7 @@ def fill_positions(
         positions = local_positions(seq_len, cp, rank, layout, device).unsqueeze(0)
         if first is not None:
             positions = positions.expand(first.shape[0], -1)
-        if argument not in kwargs and len(args) > index:
+        if by_position:
             args = (*args[:index], positions, *args[index + 1 :])
         else:
             kwargs = {**kwargs, argument: positions}

@@ -21,6 +21,7 @@ from lightning_dist.strategies import (
     ContextParallelStrategy,
     FSDP2Strategy,
     MeshParallelStrategy,
+    PipelineStrategy,
     TensorParallelStrategy,
     ZeroPPStrategy,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "FSDP2Strategy",
     "FullStateCheckpointIO",
     "MeshParallelStrategy",
+    "PipelineStrategy",
     "TensorParallelStrategy",
     "ZeroPPPrecision",
     "ZeroPPStrategy",

@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dist.strategies.context_parallel import ContextParallelStrategy
 from lightning_dist.strategies.fsdp2 import FSDP2Strategy
+from lightning_dist.strategies.pipeline import PipelineStrategy
 from lightning_dist.strategies.tensor_parallel import TensorParallelStrategy
 from lightning_dist.strategies.zeropp import ZeroPPStrategy
 
@@ -89,6 +90,20 @@ STRATEGY_NAMES: list[tuple[str, type, str, dict[str, Any]]] = [
         ContextParallelStrategy,
         "Context parallelism: Ulysses all-to-all over heads (contiguous layout)",
         {"attention": "ulysses"},
+    ),
+    ("pipeline", PipelineStrategy, "Pipeline parallelism, 1F1B schedule (all devices on pp)", {}),
+    ("pipeline_gpipe", PipelineStrategy, "Pipeline parallelism, GPipe schedule", {"schedule": "gpipe"}),
+    (
+        "pipeline_interleaved",
+        PipelineStrategy,
+        "Pipeline parallelism, interleaved 1F1B with 2 stages per rank",
+        {"schedule": "interleaved_1f1b", "stages_per_rank": 2},
+    ),
+    (
+        "pipeline_zero_bubble",
+        PipelineStrategy,
+        "Pipeline parallelism, zero-bubble ZBV schedule (2 stages per rank, V placement)",
+        {"schedule": "zbv_zero_bubble"},
     ),
 ]
 

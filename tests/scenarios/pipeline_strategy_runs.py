@@ -1,0 +1,94 @@
+"""PipelineStrategy with a real Trainer and the unchanged example GPT: pp=2 (1f1b, gpipe) against one process.
+
+python tests/scenarios/pipeline_strategy_runs.py --devices 1 --out r.json --workdir DIR --scenarios reference
+python tests/scenarios/pipeline_strategy_runs.py --devices 2 --out r.json --workdir DIR --scenarios 1f1b,gpipe
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from common import StepRecorder, make_model_and_data, run_scenario_script, trainer_kwargs  # type: ignore[import-not-found]
+from lightning.pytorch.callbacks import Callback
+
+from lightning_dist import PipelineStrategy
+
+STEPS, CLIP = 4, 0.05
+
+
+class LoggedLoss(Callback):
+    """The ``train_loss`` this rank logged at every step (read once Lightning has published it)."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def _read(self, trainer: L.Trainer) -> None:
+        self.values.append(float(trainer.callback_metrics["train_loss"]))
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step > 0:
+            self._read(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self._read(trainer)
+
+
+def _train(devices: int, strategy: Any) -> tuple[Any, StepRecorder, LoggedLoss, float, list]:
+    model, data = make_model_and_data(devices, dp_size=1, n_layer=4)
+    recorder, logged = StepRecorder(), LoggedLoss()
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=strategy, precision="64-true", gradient_clip_val=CLIP),
+        max_steps=STEPS,
+        val_check_interval=STEPS,  # one validation loop inside fit, after the last step
+        check_val_every_n_epoch=None,
+        callbacks=[recorder, logged],
+    )
+    trainer.fit(model, data)
+    val = trainer.validate(model, data.val_dataloader(), verbose=False)[0]["val_loss"]
+    predictions = trainer.predict(model, data.val_dataloader())
+    return model, recorder, logged, float(val), predictions
+
+
+def reference(devices: int, workdir: str) -> dict[str, Any]:
+    """One process, the whole GPT: losses, gradient norms, final parameters, validation loss and predictions."""
+    model, recorder, logged, val, predictions = _train(devices, "auto")
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{workdir}/reference.pt")
+    torch.save(predictions, f"{workdir}/predictions.pt")
+    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "logged": logged.values, "val_loss": val}
+
+
+def _pipeline(schedule: str) -> Callable[[int, str], dict[str, Any]]:
+    def run(devices: int, workdir: str) -> dict[str, Any]:
+        model, recorder, logged, val, predictions = _train(devices, PipelineStrategy(schedule=schedule))
+        expected = torch.load(f"{workdir}/reference.pt")
+        local = {k: v.detach() for k, v in model.state_dict().items()}
+        result: dict[str, Any] = {
+            "losses": recorder.losses,
+            "logged": logged.values,
+            "val_loss": val,
+            "keys": sorted(local),
+            "param_diff": max((local[k] - expected[k]).abs().max().item() for k in local),
+            "has_predictions": predictions[0] is not None,
+        }
+        if predictions[0] is not None:
+            ref = torch.load(f"{workdir}/predictions.pt")
+            result["predictions_equal"] = all(torch.equal(a, b) for a, b in zip(predictions, ref))
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, result)
+        return {"per_rank": gathered}
+
+    return run
+
+
+SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
+    "reference": reference,
+    "1f1b": _pipeline("1f1b"),
+    "gpipe": _pipeline("gpipe"),
+}
+
+if __name__ == "__main__":
+    run_scenario_script(SCENARIOS)

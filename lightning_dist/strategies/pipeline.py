@@ -151,7 +151,7 @@ class PipelineStrategy(MeshParallelStrategy):
             self._runners[m] = pp.PipelineRunner(
                 self.model_parts, self._stage_ids, self._plan.num_stages, self.schedule, m,
                 lambda out, target: self._step_fn(out, target), group=self.process_group("pp"),
-                device=self.root_device, scale_grads=True,
+                device=self.root_device, scale_grads=False,
             )  # fmt: skip
         return self._runners[m]
 
@@ -195,7 +195,9 @@ class PipelineStrategy(MeshParallelStrategy):
             result = self._run_step_per_microbatch("training_step", step_args, batch_size, capture)(output, target)
             loss = result["loss"] if isinstance(result, dict) else result
             calls.append((loss.detach(), capture))
-            return loss / accumulate if accumulate > 1 else loss
+            # The mean over micro-batches and accumulated batches. (torch's scale_grads would also divide the
+            # gradients accumulated by earlier batches of the window, so it is off.)
+            return loss / (runner.n_microbatches * accumulate)
 
         self._step_fn = loss_fn
         runner.step(inputs, target=torch.arange(batch_size, device=self.root_device), losses=[])

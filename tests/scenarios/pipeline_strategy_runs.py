@@ -2,6 +2,9 @@
 
 python tests/scenarios/pipeline_strategy_runs.py --devices 1 --out r.json --workdir DIR --scenarios reference
 python tests/scenarios/pipeline_strategy_runs.py --devices 2 --out r.json --workdir DIR --scenarios 1f1b,gpipe
+
+(``reference_accumulate`` / ``1f1b_accumulate``: accumulate_grad_batches=2; ``interleaved_1f1b`` and
+``zbv_zero_bubble`` compare with ``reference`` too.)
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ STEPS, CLIP = 4, 0.05
 
 
 class LoggedLoss(Callback):
-    """The ``train_loss`` this rank logged at every step (read once Lightning has published it)."""
+    """The ``train_loss`` this rank logged at every optimizer step (read once Lightning has published it)."""
 
     def __init__(self) -> None:
         self.values: list[float] = []
@@ -37,7 +40,7 @@ class LoggedLoss(Callback):
         self._read(trainer)
 
 
-def _train(devices: int, strategy: Any) -> tuple[Any, StepRecorder, LoggedLoss, float, list]:
+def _train(devices: int, strategy: Any, **kwargs: Any) -> tuple[Any, StepRecorder, LoggedLoss, float, list]:
     model, data = make_model_and_data(devices, dp_size=1, n_layer=4)
     recorder, logged = StepRecorder(), LoggedLoss()
     trainer = L.Trainer(
@@ -46,6 +49,7 @@ def _train(devices: int, strategy: Any) -> tuple[Any, StepRecorder, LoggedLoss, 
         val_check_interval=STEPS,  # one validation loop inside fit, after the last step
         check_val_every_n_epoch=None,
         callbacks=[recorder, logged],
+        **kwargs,
     )
     trainer.fit(model, data)
     val = trainer.validate(model, data.val_dataloader(), verbose=False)[0]["val_loss"]
@@ -53,18 +57,23 @@ def _train(devices: int, strategy: Any) -> tuple[Any, StepRecorder, LoggedLoss, 
     return model, recorder, logged, float(val), predictions
 
 
-def reference(devices: int, workdir: str) -> dict[str, Any]:
-    """One process, the whole GPT: losses, gradient norms, final parameters, validation loss and predictions."""
-    model, recorder, logged, val, predictions = _train(devices, "auto")
-    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{workdir}/reference.pt")
-    torch.save(predictions, f"{workdir}/predictions.pt")
-    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "logged": logged.values, "val_loss": val}
-
-
-def _pipeline(schedule: str) -> Callable[[int, str], dict[str, Any]]:
+def _reference(**kwargs: Any) -> Callable[[int, str], dict[str, Any]]:
     def run(devices: int, workdir: str) -> dict[str, Any]:
-        model, recorder, logged, val, predictions = _train(devices, PipelineStrategy(schedule=schedule))
-        expected = torch.load(f"{workdir}/reference.pt")
+        """One process, the whole GPT: losses, gradient norms, final parameters, validation loss, predictions."""
+        model, recorder, logged, val, predictions = _train(devices, "auto", **kwargs)
+        suffix = "_accumulate" if kwargs else ""
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{workdir}/reference{suffix}.pt")
+        torch.save(predictions, f"{workdir}/predictions{suffix}.pt")
+        return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "logged": logged.values, "val_loss": val}
+
+    return run
+
+
+def _pipeline(schedule: str, **kwargs: Any) -> Callable[[int, str], dict[str, Any]]:
+    def run(devices: int, workdir: str) -> dict[str, Any]:
+        model, recorder, logged, val, predictions = _train(devices, PipelineStrategy(schedule=schedule), **kwargs)
+        suffix = "_accumulate" if kwargs else ""
+        expected = torch.load(f"{workdir}/reference{suffix}.pt")
         local = {k: v.detach() for k, v in model.state_dict().items()}
         result: dict[str, Any] = {
             "losses": recorder.losses,
@@ -75,7 +84,7 @@ def _pipeline(schedule: str) -> Callable[[int, str], dict[str, Any]]:
             "has_predictions": predictions[0] is not None,
         }
         if predictions[0] is not None:
-            ref = torch.load(f"{workdir}/predictions.pt")
+            ref = torch.load(f"{workdir}/predictions{suffix}.pt")
             result["predictions_equal"] = all(torch.equal(a, b) for a, b in zip(predictions, ref))
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, result)
@@ -85,9 +94,13 @@ def _pipeline(schedule: str) -> Callable[[int, str], dict[str, Any]]:
 
 
 SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
-    "reference": reference,
+    "reference": _reference(),
+    "reference_accumulate": _reference(accumulate_grad_batches=2),
     "1f1b": _pipeline("1f1b"),
     "gpipe": _pipeline("gpipe"),
+    "interleaved_1f1b": _pipeline("interleaved_1f1b"),
+    "zbv_zero_bubble": _pipeline("zbv_zero_bubble"),
+    "1f1b_accumulate": _pipeline("1f1b", accumulate_grad_batches=2),
 }
 
 if __name__ == "__main__":

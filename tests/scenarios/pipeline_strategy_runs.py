@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from common import StepRecorder, make_model_and_data, run_scenario_script, trainer_kwargs  # type: ignore[import-not-found]
 from lightning.pytorch.callbacks import Callback
+from torch.distributed.tensor import DTensor
 
 from lightning_dist import PipelineStrategy
 
@@ -40,8 +41,10 @@ class LoggedLoss(Callback):
         self._read(trainer)
 
 
-def _train(devices: int, strategy: Any, **kwargs: Any) -> tuple[Any, StepRecorder, LoggedLoss, float, list]:
-    model, data = make_model_and_data(devices, dp_size=1, n_layer=4)
+def _train(
+    devices: int, strategy: Any, dp: int = 1, **kwargs: Any
+) -> tuple[Any, StepRecorder, LoggedLoss, float, list]:
+    model, data = make_model_and_data(devices, dp_size=dp, n_layer=4)
     recorder, logged = StepRecorder(), LoggedLoss()
     trainer = L.Trainer(
         **trainer_kwargs(devices, strategy=strategy, precision="64-true", gradient_clip_val=CLIP),
@@ -69,12 +72,13 @@ def _reference(**kwargs: Any) -> Callable[[int, str], dict[str, Any]]:
     return run
 
 
-def _pipeline(schedule: str, **kwargs: Any) -> Callable[[int, str], dict[str, Any]]:
+def _pipeline(schedule: str, dp: int = 1, **kwargs: Any) -> Callable[[int, str], dict[str, Any]]:
     def run(devices: int, workdir: str) -> dict[str, Any]:
-        model, recorder, logged, val, predictions = _train(devices, PipelineStrategy(schedule=schedule), **kwargs)
+        strategy = PipelineStrategy(schedule=schedule, data_parallel_shard_size=dp)
+        model, recorder, logged, val, predictions = _train(devices, strategy, dp, **kwargs)
         suffix = "_accumulate" if kwargs else ""
         expected = torch.load(f"{workdir}/reference{suffix}.pt")
-        local = {k: v.detach() for k, v in model.state_dict().items()}
+        local = {k: _full(v.detach()) for k, v in model.state_dict().items()}
         result: dict[str, Any] = {
             "losses": recorder.losses,
             "logged": logged.values,
@@ -93,6 +97,10 @@ def _pipeline(schedule: str, **kwargs: Any) -> Callable[[int, str], dict[str, An
     return run
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "reference": _reference(),
     "reference_accumulate": _reference(accumulate_grad_batches=2),
@@ -101,6 +109,7 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "interleaved_1f1b": _pipeline("interleaved_1f1b"),
     "zbv_zero_bubble": _pipeline("zbv_zero_bubble"),
     "1f1b_accumulate": _pipeline("1f1b", accumulate_grad_batches=2),
+    "1f1b_dp2": _pipeline("1f1b", dp=2),  # 4 processes: pp=2 × dp_shard=2
 }
 
 if __name__ == "__main__":

@@ -112,13 +112,18 @@ class PipelineStrategy(MeshParallelStrategy):
         self._tie_groups = pp.new_tie_groups(self._ties, ranks, v, self.info.placement)
         self._stage_ids = pp.stage_ids_for_rank(self.mesh["pp"].get_local_rank(), dims.pp, v, self.info.placement)
         parts = pp.cut_pipeline_stages(model, plan, self._stage_ids, self.root_device)
-        for part in parts:
-            blocks = [(n, m) for n, m in part.named_modules() if n in plan.blocks]
+        for part, stage in zip(parts, self._stage_ids):
+            local = set(plan.stages[stage]) & set(plan.blocks)  # not the stand-ins of other stages' blocks
+            blocks = [(n, m) for n, m in part.named_modules() if n in local]
             fsdp = FSDPConfig(mp_policy=self.precision_plugin.mp_policy) if dims.dp_shard > 1 else None
             config = ParallelizeConfig(units=blocks, activation_checkpointing=self.activation_checkpointing, fsdp=fsdp)
             config.root_mp_policy = self.precision_plugin.root_mp_policy if fsdp else None
             parallelize(part, self.mesh, config)
         self.model_parts = parts
+        if self.activation_checkpointing:
+            self.log_decision("activation checkpointing on every local block")
+        if dims.dp_shard > 1:
+            self.log_decision(f"FSDP2 inside each stage over dp_shard={dims.dp_shard} (blocks, then the stage root)")
         self.log_decision(
             f"schedule {self.schedule}, {v} stage(s) per rank over pp={dims.pp}, placement {self.info.placement}"
         )

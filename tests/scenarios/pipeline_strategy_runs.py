@@ -72,9 +72,11 @@ def _reference(**kwargs: Any) -> Callable[[int, str], dict[str, Any]]:
     return run
 
 
-def _pipeline(schedule: str, dp: int = 1, **kwargs: Any) -> Callable[[int, str], dict[str, Any]]:
+def _pipeline(
+    schedule: str, dp: int = 1, options: dict[str, Any] | None = None, **kwargs: Any
+) -> Callable[[int, str], dict[str, Any]]:
     def run(devices: int, workdir: str) -> dict[str, Any]:
-        strategy = PipelineStrategy(schedule=schedule, data_parallel_shard_size=dp)
+        strategy = PipelineStrategy(schedule=schedule, data_parallel_shard_size=dp, **(options or {}))
         model, recorder, logged, val, predictions = _train(devices, strategy, dp, **kwargs)
         suffix = "_accumulate" if kwargs else ""
         expected = torch.load(f"{workdir}/reference{suffix}.pt")
@@ -110,6 +112,7 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "zbv_zero_bubble": _pipeline("zbv_zero_bubble"),
     "1f1b_accumulate": _pipeline("1f1b", accumulate_grad_batches=2),
     "1f1b_dp2": _pipeline("1f1b", dp=2),  # 4 processes: pp=2 × dp_shard=2
+    "1f1b_checkpointing": _pipeline("1f1b", options={"activation_checkpointing": True}),
 }
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def _dims(world: int, pp: int | str = "auto", dp: int = 1) -> ParallelDims:
 
 def test_refuses_a_pipeline_of_one_stage():
     strategy = PipelineStrategy(data_parallel_shard_size=2)
-    with pytest.raises(MeshConfigError, match="pipeline_parallel_size >= 2"):
+    with pytest.raises(MeshConfigError, match="pipeline_parallel_size=1: pipeline parallelism"):
         strategy.validate_mesh(_dims(2, dp=2))
 
 

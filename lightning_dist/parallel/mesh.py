@@ -138,5 +138,16 @@ class ParallelMesh:
         raise KeyError(f"No mesh axis or group {name!r}; axes: {list(MESH_AXES)}, groups: {list(DERIVED_GROUPS)}.")
 
 
+def require_split_axis(dims: ParallelDims, axis: str, option: str, what: str) -> None:
+    """Raise :class:`MeshConfigError` unless mesh axis ``axis`` has at least 2 ranks: a strategy that splits
+    ``what`` over it would otherwise do nothing."""
+    size = getattr(dims, axis)
+    if size < 2:
+        raise MeshConfigError(
+            f"{option}={size}: {what} needs at least 2 ranks (the mesh is {dims}). Use more devices, smaller sizes"
+            " for the other axes, or the fsdp2 strategy for pure data parallelism."
+        )
+
+
 def _describe(sizes: dict[str, object]) -> str:
     return ", ".join(f"{name}={size}" for name, size in sizes.items()) or "(no axes)"

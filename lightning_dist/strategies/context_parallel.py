@@ -19,7 +19,7 @@ from lightning_dist.parallel.context_parallel_batch import (
     shard_batch,
 )
 from lightning_dist.parallel.fsdp import FSDPConfig, is_fully_sharded
-from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
+from lightning_dist.parallel.mesh import ParallelDims, require_split_axis
 from lightning_dist.parallel.model_structure import recognize
 from lightning_dist.parallel.module_selection import select_modules
 from lightning_dist.parallel.parallelize import ParallelizeConfig, parallelize
@@ -84,11 +84,7 @@ class ContextParallelStrategy(MeshParallelStrategy):
 
     @override
     def validate_mesh(self, dims: ParallelDims) -> None:
-        if dims.cp < 2:
-            raise MeshConfigError(
-                f"context_parallel_size={dims.cp}: context parallelism needs at least 2 ranks per sequence ({dims})."
-                " Use more devices, or the fsdp2 strategy for pure data parallelism."
-            )
+        require_split_axis(dims, "cp", "context_parallel_size", "context parallelism")
 
     # ------------------------------------------------------------------ the model
     @override

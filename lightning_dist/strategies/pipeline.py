@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_dist.parallel import pipeline as pp
 from lightning_dist.parallel.fsdp import FSDPConfig, reshard_all
-from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
+from lightning_dist.parallel.mesh import ParallelDims, require_split_axis
 from lightning_dist.parallel.parallelize import ParallelizeConfig, parallelize
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
 from lightning_dist.strategies.pipeline_step import LogCapture, captured_log, join_outputs, slice_batch
@@ -82,11 +82,7 @@ class PipelineStrategy(MeshParallelStrategy):
 
     @override
     def validate_mesh(self, dims: ParallelDims) -> None:
-        if dims.pp < 2:
-            raise MeshConfigError(
-                f"The pipeline strategy needs pipeline_parallel_size >= 2, but the mesh is {dims}. Use more devices,"
-                " a smaller data_parallel_shard_size, or another strategy (fsdp2) for one stage."
-            )
+        require_split_axis(dims, "pp", "pipeline_parallel_size", "pipeline parallelism")
 
     @property
     @override

@@ -17,7 +17,7 @@ from lightning_dist.parallel.loss_parallel import (
     check_local_loss,
     explain_loss_parallel_failure,
 )
-from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
+from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims, require_split_axis
 from lightning_dist.parallel.module_selection import find_repeated_blocks
 from lightning_dist.parallel.parallelize import ParallelizeConfig, parallelize
 from lightning_dist.parallel.tensor_parallel import (
@@ -106,11 +106,7 @@ class TensorParallelStrategy(MeshParallelStrategy):
 
     @override
     def validate_mesh(self, dims: ParallelDims) -> None:
-        if dims.tp < 2:
-            raise MeshConfigError(
-                f"tensor_parallel_size={dims.tp}: tensor parallelism needs at least 2 ranks per layer ({dims}). Use"
-                " more devices, or the fsdp2 strategy for pure data parallelism."
-            )
+        require_split_axis(dims, "tp", "tensor_parallel_size", "tensor parallelism")
 
     # ------------------------------------------------------------------ parallelizing
     def tensor_parallel_plan(self, model: Module) -> TensorParallelPlan:

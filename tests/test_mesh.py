@@ -18,7 +18,7 @@ def test_fsdp_group_includes_context_parallel_ranks():
 
 
 def test_product_must_equal_world_size():
-    with pytest.raises(MeshConfigError, match=r"has 6 ranks, but 4 processes are running"):
+    with pytest.raises(MeshConfigError, match=r"mesh axis dp_shard=3, mesh axis tp=2 make a mesh of 6 ranks, but 4 processes are running"):
         ParallelDims.resolve(4, dp_shard=3, tp=2)
 
 
@@ -29,12 +29,17 @@ def test_auto_must_divide():
 
 @pytest.mark.parametrize("sizes", [{"tp": 0}, {"tp": -2}, {"tp": 1.5}, {"tp": True}])
 def test_sizes_must_be_positive_integers(sizes):
-    with pytest.raises(MeshConfigError, match="positive integer"):
+    with pytest.raises(MeshConfigError, match=r"mesh axis tp=.* is not a valid size\. Pass a positive int"):
         ParallelDims.resolve(4, dp_shard="auto", **sizes)
 
 
+def test_messages_name_the_option_that_set_the_axis():
+    with pytest.raises(MeshConfigError, match=r"tensor_parallel_size='2' is not a valid size \(a str: write 2, not"):
+        ParallelDims.resolve(4, options={"tp": "tensor_parallel_size"}, dp_shard="auto", tp="2")
+
+
 def test_one_auto_axis_only():
-    with pytest.raises(MeshConfigError, match="Only one mesh axis"):
+    with pytest.raises(MeshConfigError, match="Only one size can be 'auto'"):
         ParallelDims.resolve(4, dp_shard="auto", tp="auto")
 
 

@@ -10,6 +10,7 @@ size 1. Three derived groups are named once here and used everywhere:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,16 @@ DERIVED_GROUPS: dict[str, tuple[str, ...]] = {
     "batch": ("dp_replicate", "dp_shard"),
     "fsdp": ("dp_shard", "cp"),
     "loss": ("dp_replicate", "dp_shard", "cp"),
+}
+
+
+# The strategy options that set each axis, by the names the strategies use (the first one a strategy has is its).
+AXIS_OPTIONS: dict[str, tuple[str, ...]] = {
+    "pp": ("pipeline_parallel_size",),
+    "dp_replicate": ("data_parallel_replicate_size",),
+    "dp_shard": ("data_parallel_shard_size", "data_parallel_size"),
+    "cp": ("context_parallel_size",),
+    "tp": ("tensor_parallel_size",),
 }
 
 
@@ -48,34 +59,46 @@ class ParallelDims:
                 raise MeshConfigError(f"Mesh axis {f.name!r} must be a positive integer, got {value!r}.")
 
     @classmethod
-    def resolve(cls, world_size: int, **sizes: int | str | None) -> ParallelDims:
+    def resolve(
+        cls, world_size: int, options: Mapping[str, str] | None = None, **sizes: int | str | None
+    ) -> ParallelDims:
         """Build dims for ``world_size`` where at most one axis may be ``"auto"`` (it takes what is left).
 
-        Axes not given are 1. Raises :class:`MeshConfigError` naming the sizes when they do not fit.
+        Axes not given are 1. ``options`` names the option that set each axis (``{"tp": "tensor_parallel_size"}``),
+        for the messages. Raises :class:`MeshConfigError` naming the sizes when they do not fit.
         """
         unknown = set(sizes) - set(MESH_AXES)
         if unknown:
             raise MeshConfigError(f"Unknown mesh axes {sorted(unknown)}; the axes are {list(MESH_AXES)}.")
+        labels = {axis: (options or {}).get(axis, f"mesh axis {axis}") for axis in sizes}
         auto = [name for name, size in sizes.items() if size in ("auto", None, -1)]
         if len(auto) > 1:
-            raise MeshConfigError(f"Only one mesh axis can be 'auto', got {auto}.")
+            raise MeshConfigError(
+                f"Only one size can be 'auto', got {_describe({labels[a]: 'auto' for a in auto})}. Give all but one"
+                " of them a number."
+            )
         fixed = {name: size for name, size in sizes.items() if name not in auto}
         for name, size in fixed.items():
             if not is_positive_int(size):
-                raise MeshConfigError(f"Mesh axis {name!r} must be a positive integer or 'auto', got {size!r}.")
+                hint = f" (a {type(size).__name__}: write {size.strip()}, not {size!r})" if _is_digits(size) else ""
+                raise MeshConfigError(
+                    f"{labels[name]}={size!r} is not a valid size{hint}. Pass a positive int, or 'auto' to give this"
+                    " axis the processes the other sizes leave."
+                )
         product = 1
         for size in fixed.values():
             product *= size  # type: ignore[operator]
+        named = {labels[axis]: size for axis, size in fixed.items()}
         if auto:
             if world_size % product != 0:
                 raise MeshConfigError(
-                    f"Cannot fit {_describe(fixed)} into {world_size} processes: {world_size} is not divisible by"
+                    f"Cannot fit {_describe(named)} into {world_size} processes: {world_size} is not divisible by"
                     f" {product}. Choose sizes whose product divides the number of processes (devices × num_nodes)."
                 )
             fixed[auto[0]] = world_size // product
         elif product != world_size:
             raise MeshConfigError(
-                f"The mesh {_describe(fixed)} has {product} ranks, but {world_size} processes are running"
+                f"{_describe(named)} make a mesh of {product} ranks, but {world_size} processes are running"
                 f" (devices × num_nodes). Make the sizes multiply to {world_size}, or set one of them to 'auto'."
             )
         return cls(**fixed)  # type: ignore[arg-type]
@@ -147,6 +170,10 @@ def require_split_axis(dims: ParallelDims, axis: str, option: str, what: str) ->
             f"{option}={size}: {what} needs at least 2 ranks (the mesh is {dims}). Use more devices, smaller sizes"
             " for the other axes, or the fsdp2 strategy for pure data parallelism."
         )
+
+
+def _is_digits(value: object) -> bool:
+    return isinstance(value, str) and value.strip().isdigit()
 
 
 def _describe(sizes: dict[str, object]) -> str:

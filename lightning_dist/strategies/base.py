@@ -47,7 +47,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_dist.parallel.fsdp import is_fully_sharded
-from lightning_dist.parallel.mesh import ParallelDims, ParallelMesh
+from lightning_dist.parallel.mesh import AXIS_OPTIONS, ParallelDims, ParallelMesh
 from lightning_dist.parallel.placement import place_model
 from lightning_dist.parallel.replicated_state import broadcast_replicated_state, tp_replicated_parameters
 from lightning_dist.plugins.precision import FSDP2Precision, to_fsdp2_precision
@@ -62,6 +62,8 @@ from lightning_dist.strategies.preflight import (
     check_ckpt_path,
     check_same_parallelism,
     parallel_settings,
+    strategy_options,
+    unknown_options_message,
 )
 from lightning_dist.strategies.step_protocol import StepProtocol
 
@@ -103,7 +105,10 @@ class MeshParallelStrategy(ShardedCheckpointing, MeshCollectives, StepProtocol, 
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        **unknown: Any,
     ) -> None:
+        if unknown:  # a misspelt option of the concrete strategy arrives here, forwarded as a keyword
+            raise TypeError(unknown_options_message(type(self), unknown))
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -153,11 +158,16 @@ class MeshParallelStrategy(ShardedCheckpointing, MeshCollectives, StepProtocol, 
         self._model_parts = list(parts)
 
     # ------------------------------------------------------------------ mesh
+    def _mesh_option_names(self) -> dict[str, str]:
+        """The option of this strategy that sets each mesh axis, for messages about the sizes."""
+        options = strategy_options(type(self))
+        return {axis: next((n for n in names if n in options), names[0]) for axis, names in AXIS_OPTIONS.items()}
+
     @property
     def parallel_dims(self) -> ParallelDims:
         """The resolved mesh sizes. Available once the strategy is connected to a Trainer."""
         if self._dims is None:
-            self._dims = ParallelDims.resolve(self.world_size, **self.mesh_sizes())
+            self._dims = ParallelDims.resolve(self.world_size, options=self._mesh_option_names(), **self.mesh_sizes())
             self.validate_mesh(self._dims)
         return self._dims
 

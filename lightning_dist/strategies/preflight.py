@@ -9,6 +9,7 @@ message and none waits for the others.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from collections.abc import Callable
 from pathlib import Path
@@ -44,13 +45,35 @@ def parallel_settings(strategy: MeshParallelStrategy) -> dict[str, str]:
         "mesh": str(strategy.parallel_dims),
         "precision": str(strategy.precision_plugin.precision),
     }
-    for cls in type(strategy).__mro__:  # every class's own options, down to the base's (which are Lightning's)
-        if cls.__name__ == "MeshParallelStrategy":
-            break
-        for name, parameter in inspect.signature(cls.__init__).parameters.items():
-            if name != "self" and parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL):
-                settings.setdefault(name, repr(getattr(strategy, name, None)))
+    for name in strategy_options(type(strategy), include_base=False):
+        settings.setdefault(name, repr(getattr(strategy, name, None)))
     return settings
+
+
+def strategy_options(cls: type, include_base: bool = True) -> list[str]:
+    """The constructor options of a strategy class: its own, its parents', and (``include_base``) the base's, which
+    are Lightning's."""
+    options: list[str] = []
+    for klass in cls.__mro__:
+        if klass.__name__ == "MeshParallelStrategy" and not include_base:
+            break
+        if "__init__" in vars(klass):
+            for name, parameter in inspect.signature(klass.__init__).parameters.items():
+                if name != "self" and parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL):
+                    options.append(name)
+        if klass.__name__ == "MeshParallelStrategy":
+            break
+    return list(dict.fromkeys(options))
+
+
+def unknown_options_message(cls: type, unknown: dict[str, Any]) -> str:
+    """Name each option ``cls`` does not have, with the closest one it does have, and list them all."""
+    options = strategy_options(cls)
+    parts = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, options, n=1)
+        parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return f"{cls.__name__} has no option {', '.join(parts)}. Its options are: {', '.join(options)}."
 
 
 def check_same_parallelism(strategy: MeshParallelStrategy, applied: dict[str, str]) -> None:

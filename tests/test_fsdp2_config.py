@@ -72,7 +72,10 @@ def test_unsupported_precision_plugin_fails_at_construction_listing_supported_fl
 
 
 def test_wrong_mesh_fails_at_trainer_construction():
-    with pytest.raises(MeshConfigError, match=r"dp_replicate=1, dp_shard=3 has 3 ranks, but 2 processes"):
+    with pytest.raises(
+        MeshConfigError,
+        match=r"data_parallel_replicate_size=1, data_parallel_shard_size=3 make a mesh of 3 ranks, but 2 processes",
+    ):
         L.Trainer(strategy=FSDP2Strategy(data_parallel_shard_size=3), accelerator="cpu", devices=2)
     with pytest.raises(MeshConfigError, match=r"reshard_after_forward=3 must be a divisor"):
         L.Trainer(strategy=FSDP2Strategy(reshard_after_forward=3), accelerator="cpu", devices=4)

@@ -18,7 +18,10 @@ def test_fsdp_group_includes_context_parallel_ranks():
 
 
 def test_product_must_equal_world_size():
-    with pytest.raises(MeshConfigError, match=r"mesh axis dp_shard=3, mesh axis tp=2 make a mesh of 6 ranks, but 4 processes are running"):
+    with pytest.raises(
+        MeshConfigError,
+        match=r"mesh axis dp_shard=3, mesh axis tp=2 make a mesh of 6 ranks, but 4 processes are running",
+    ):
         ParallelDims.resolve(4, dp_shard=3, tp=2)
 
 

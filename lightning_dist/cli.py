@@ -23,12 +23,15 @@ import lightning_dist  # noqa: F401  (registers the strategy names)
 from lightning_dist.commands import TOOLS, run_tool
 from lightning_dist.plugins.precision import unsupported_precision_message
 from lightning_dist.strategies.base import MeshParallelStrategy
+from lightning_dist.strategies.registry import unknown_strategy_message
 
 
 class DistCLI(LightningCLI):
-    """LightningCLI that checks the Trainer's precision against a lightning_dist strategy before building anything.
+    """LightningCLI that checks the strategy name, and the Trainer's precision against a lightning_dist strategy,
+    before building anything.
 
-    Lightning builds a Transformer Engine plugin (and fails asking to install transformer_engine) before a strategy
+    An unknown strategy name gets the list of registered names (Lightning's message shows a few of its own). Lightning
+    builds a Transformer Engine plugin (and fails asking to install transformer_engine) before a strategy
     sees the flag; here the user is told that the strategies do not support it at all.
     """
 
@@ -37,6 +40,8 @@ class DistCLI(LightningCLI):
         config = self.config.get(self.subcommand) if self.subcommand else self.config
         trainer = (config or {}).get("trainer") or {}
         precision, strategy = trainer.get("precision"), trainer.get("strategy")
+        if isinstance(strategy, str) and strategy not in StrategyRegistry:
+            raise SystemExit(f"trainer.strategy: {unknown_strategy_message(strategy)}")
         if str(precision).startswith("transformer-engine") and _is_ours(strategy):
             raise SystemExit(f"trainer.precision: {unsupported_precision_message(precision)}")
 

@@ -1,5 +1,7 @@
 """Mistakes that are known before launch fail before launch: in the calling process, with no rank started.
 
+The mistakes themselves are in the bad-input table (``tests/bad_input_table.py``); this module checks the machinery.
+
 Each test calls ``trainer.fit``/``validate`` with ``devices=2`` on the CPU. The launcher's process creation is
 replaced by a guard that fails the test, so a check that did not run before launch cannot pass unnoticed (and cannot
 re-run pytest in child processes). A second Trainer on an already parallelized model needs real processes: see
@@ -11,12 +13,10 @@ from __future__ import annotations
 import pytest
 from launch import run_scenarios
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from examples.gpt import GPT
-from lightning_dist import AsyncDistributedCheckpointIO, CheckpointError, FSDP2Strategy, TensorParallelStrategy
-from lightning_dist.parallel.tensor_parallel_plan import TensorParallelPlanError
+from lightning_dist import FSDP2Strategy
 from lightning_dist.strategies.preflight import PreflightLauncher, PreflightSubprocessLauncher
 
 
@@ -43,50 +43,6 @@ def test_the_strategies_launch_through_the_preflight_launchers(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29511")
     assert isinstance(_trainer("fsdp2").strategy.launcher, PreflightLauncher)
-
-
-def test_a_missing_ckpt_path_fails_before_launch(tmp_path):
-    missing = tmp_path / "epoch=3.ckpt"
-    with pytest.raises(CheckpointError, match=f"Checkpoint not found: {str(missing)!r} does not exist"):
-        _trainer("fsdp2").fit(_gpt(), ckpt_path=missing)
-    with pytest.raises(CheckpointError, match="does not exist"):
-        _trainer("fsdp2").validate(_gpt(), ckpt_path=str(missing))
-
-
-def test_an_unfinished_ckpt_path_fails_before_launch(tmp_path):
-    unfinished = tmp_path / "step=3.ckpt"
-    unfinished.mkdir()
-    (unfinished / "__0_0.distcp").write_bytes(b"\0" * 8)
-    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
-        _trainer("fsdp2").fit(_gpt(), ckpt_path=unfinished)
-
-
-def test_a_wrap_class_missing_from_the_model_fails_before_launch():
-    with pytest.raises(ValueError, match=r"Cannot shard \['DecoderLayer'\]: the model has no module of that class"):
-        _trainer(FSDP2Strategy(wrap_modules=["DecoderLayer"])).fit(_gpt())
-
-
-def test_a_wrap_regex_matching_nothing_fails_before_launch():
-    with pytest.raises(ValueError, match=r"The regex 'layers\\\\.\\\\d\+' matches no module name"):
-        _trainer(FSDP2Strategy(wrap_regex=r"layers\.\d+")).fit(_gpt())
-
-
-def test_heads_not_divisible_by_tp_fail_before_launch():
-    with pytest.raises(
-        TensorParallelPlanError, match=r"(?s)Cannot shard the model over tensor_parallel_size=2.*= 3 is"
-    ):
-        _trainer(TensorParallelStrategy(tensor_parallel_size=2)).fit(_gpt(d_model=48, n_head=3))
-
-
-def test_a_vocabulary_not_divisible_by_tp_fails_before_launch():
-    with pytest.raises(TensorParallelPlanError, match=r"(?s)tok_emb: vocabulary.* = 63 is not divisible.*pad the"):
-        _trainer(TensorParallelStrategy(tensor_parallel_size=2)).fit(_gpt(vocab_size=63))
-
-
-def test_a_last_link_with_the_async_plugin_fails_before_launch():
-    trainer = _trainer("fsdp2", plugins=[AsyncDistributedCheckpointIO()], callbacks=[ModelCheckpoint(save_last="link")])
-    with pytest.raises(ValueError, match="save_last='link'.*AsyncDistributedCheckpointIO"):
-        trainer.fit(_gpt())
 
 
 def test_models_built_in_configure_model_are_checked_after_launch_only():

@@ -3,6 +3,7 @@ in Lightning's ``<base>_<variant>`` style that preset some options."""
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 from lightning.pytorch.strategies import StrategyRegistry
@@ -119,3 +120,15 @@ def register_strategies() -> None:
                 raise RuntimeError(f"The strategy name {name!r} is already registered by another package.")
             continue
         StrategyRegistry.register(name, cls, description=description, **presets)
+
+
+def unknown_strategy_message(name: str) -> str:
+    """Say that ``name`` is not a registered strategy name, suggest the closest one, and list ours and Lightning's."""
+    ours = [entry[0] for entry in STRATEGY_NAMES]
+    lightnings = [n for n in StrategyRegistry.available_strategies() if n not in ours]
+    close = difflib.get_close_matches(name, ours, n=1) or difflib.get_close_matches(name, lightnings, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return (
+        f"strategy={name!r} is not a registered strategy name.{hint} lightning_dist registers: {', '.join(ours)}."
+        f" Lightning's own include auto, {', '.join(n for n in lightnings if 'unused' not in n)}."
+    )

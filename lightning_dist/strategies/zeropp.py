@@ -28,6 +28,18 @@ from lightning_dist.plugins.precision import FSDP2Precision, to_fsdp2_precision
 from lightning_dist.plugins.zeropp_precision import ZeroPPPrecision
 from lightning_dist.strategies.fsdp2 import FSDP2Strategy
 
+# The FSDP2 options ZeRO++ fixes: they are not options of zeropp.
+_FSDP2_SETTINGS: dict[str, Any] = {
+    "sharding": "full",
+    "data_parallel_shard_size": "auto",
+    "data_parallel_replicate_size": 1,
+    "reshard_after_forward": None,
+}
+
+
+def _describe_settings() -> str:
+    return ", ".join(f"{name}={value!r}" for name, value in _FSDP2_SETTINGS.items())
+
 
 class ZeroPPStrategy(FSDP2Strategy):
     """ZeRO++ (arXiv 2306.10209): ZeRO-3 (FSDP2 ``fully_shard``) with three communication cuts.
@@ -81,7 +93,15 @@ class ZeroPPStrategy(FSDP2Strategy):
         accumulation_sync: AccumulationSync = "every",
         **kwargs: Any,
     ) -> None:
-        super().__init__(  # the FSDP2 options ZeRO++ sets itself are passed explicitly: not options of zeropp
+        owned = sorted(set(kwargs) & set(_FSDP2_SETTINGS))
+        if owned:
+            raise TypeError(
+                f"ZeroPPStrategy sets {', '.join(owned)} itself ({_describe_settings()}): ZeRO++ needs full sharding"
+                " over all ranks and keeps its own secondary weight partition (hpz_partition_size). Remove the"
+                " option, or use FSDP2Strategy to choose it."
+            )
+        # Spelt out, not **_FSDP2_SETTINGS: jsonargparse reads this call to know they are not options of zeropp.
+        super().__init__(
             sharding="full",
             data_parallel_shard_size="auto",
             data_parallel_replicate_size=1,

@@ -1,0 +1,310 @@
+"""The table of bad inputs: each mistake a user can make, where it is caught, and what they are told.
+
+``tests/test_bad_inputs.py`` runs every row; the README's "Common errors" section is generated from it, with the
+messages the rows really produce:
+
+    python tests/bad_input_table.py --write-readme
+
+Rows marked ``before launch`` run in the calling process with process creation forbidden, so a check that only
+happens after launch cannot pass for one that happens before. Damaged checkpoints are a table of their own
+(``tests/test_checkpoint_integrity.py``: every case against resume, ``inspect`` and ``consolidate``); the README lists
+them from there.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import tempfile
+from collections.abc import Callable
+from contextlib import redirect_stderr
+from dataclasses import dataclass
+from io import StringIO
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from examples.gpt import GPT
+from lightning_dist import (
+    AsyncDistributedCheckpointIO,
+    CheckpointError,
+    ContextParallelStrategy,
+    FSDP2Strategy,
+    PipelineStrategy,
+    TensorParallelStrategy,
+    ZeroPPStrategy,
+)
+
+CONSTRUCTION = "construction"
+BEFORE_LAUNCH = "before launch"
+
+
+@dataclass(frozen=True)
+class BadInput:
+    """One mistake: ``attempt(tmp_path)`` makes it; it must raise ``error`` whose text matches ``message``."""
+
+    mistake: str  # what the user did, as the README lists it
+    attempt: Callable[[Path], Any]
+    error: type[BaseException]
+    message: str  # a regex over the error's text (stderr included for CLI exits)
+    caught: str = BEFORE_LAUNCH  # CONSTRUCTION: by the constructor; BEFORE_LAUNCH: by the entry point, no rank started
+
+
+def _gpt(**kwargs: Any) -> GPT:
+    return GPT(**{"vocab_size": 64, "seq_len": 16, "d_model": 32, "n_layer": 2, "n_head": 4, **kwargs})
+
+
+def _fit(strategy: Any, model: Any = None, devices: int = 2, **trainer_kwargs: Any) -> None:
+    trainer = Trainer(
+        strategy=strategy, accelerator="cpu", devices=devices, logger=False, max_steps=1, **trainer_kwargs
+    )
+    trainer.fit(model if model is not None else _gpt(), **trainer_kwargs.pop("fit", {}))
+
+
+def _fit_from(strategy: Any, ckpt_path: Path, model: Any = None) -> None:
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False, max_steps=1)
+    trainer.fit(model if model is not None else _gpt(), ckpt_path=ckpt_path)
+
+
+def _cli(tmp_path: Path, **overrides: Any) -> None:
+    """``lightning-dist fit --config`` with configs/fsdp2.yaml changed by ``overrides`` (dotted keys)."""
+    from lightning_dist.cli import main
+
+    config = yaml.safe_load((REPO_ROOT / "configs" / "fsdp2.yaml").read_text())
+    for dotted, value in overrides.items():
+        *parents, leaf = dotted.split(".")
+        node = config
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    main(["fit", "--config", str(path), f"--trainer.default_root_dir={tmp_path}"])
+
+
+class _HFCausalLM(LightningModule):
+    """A plain LightningModule around a Hugging Face causal LM, as users write one."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters())
+
+
+def _llama(kv_heads: int) -> _HFCausalLM:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=kv_heads, max_position_embeddings=32,
+    )  # fmt: skip
+    return _HFCausalLM(LlamaForCausalLM(config))
+
+
+def _unfinished(tmp_path: Path) -> Path:
+    path = tmp_path / "step=3.ckpt"
+    path.mkdir()
+    (path / "__0_0.distcp").write_bytes(b"\0" * 8)
+    return path
+
+
+ROWS: list[BadInput] = [
+    # --- option types and values, from Python
+    BadInput("A size given as a string in Python", lambda t: _fit(FSDP2Strategy(data_parallel_shard_size="2")),
+             ValueError, r"data_parallel_shard_size='2' is not a valid size \(a str: write 2, not '2'\)\. Pass a positive int"),
+    BadInput("A size of zero", lambda t: _fit(TensorParallelStrategy(tensor_parallel_size=0)),
+             ValueError, r"tensor_parallel_size=0 is not a valid size\. Pass a positive int, or 'auto'"),
+    BadInput("A negative size", lambda t: _fit(PipelineStrategy(pipeline_parallel_size=-2)),
+             ValueError, r"pipeline_parallel_size=-2 is not a valid size\. Pass a positive int"),
+    BadInput("A float size", lambda t: _fit(ContextParallelStrategy(context_parallel_size=2.0)),
+             ValueError, r"context_parallel_size=2\.0 is not a valid size"),
+    BadInput("A string where a bool is expected", lambda t: FSDP2Strategy(activation_checkpointing="no"),
+             TypeError, r"activation_checkpointing='no' must be True or False", CONSTRUCTION),
+    BadInput("A misspelt option in Python", lambda t: FSDP2Strategy(reshard_after_forwad=True),
+             TypeError, r"FSDP2Strategy has no option 'reshard_after_forwad' \(did you mean 'reshard_after_forward'\?\)", CONSTRUCTION),
+    BadInput("An option of another strategy", lambda t: TensorParallelStrategy(context_parallel_size=2),
+             TypeError, r"TensorParallelStrategy has no option 'context_parallel_size' \(did you mean 'tensor_parallel_size'\?\)\. Its options are: tensor_parallel_size", CONSTRUCTION),
+    BadInput("An unknown FSDP sharding mode", lambda t: FSDP2Strategy(sharding="zero3"),
+             ValueError, r"sharding='zero3' is not one of \['full'", CONSTRUCTION),
+    BadInput("A wrap regex that does not compile", lambda t: FSDP2Strategy(wrap_regex="blocks.("),
+             ValueError, r"wrap_regex='blocks\.\(' is not a valid regular expression", CONSTRUCTION),
+    BadInput("reshard_after_forward=1", lambda t: FSDP2Strategy(reshard_after_forward=1),
+             ValueError, r"reshard_after_forward=1: an int must be a group size of at least 2", CONSTRUCTION),
+    BadInput("cpu_offload without sharding", lambda t: FSDP2Strategy(sharding="no_shard", cpu_offload=True),
+             ValueError, r"cpu_offload needs sharded parameters; it cannot be combined with sharding='no_shard'", CONSTRUCTION),
+    BadInput("cpu_offload on the CPU accelerator", lambda t: _fit("fsdp2_cpu_offload"),
+             ValueError, r"cpu_offload=True .* already uses the CPU accelerator"),
+    BadInput("A ZeRO++ option that FSDP2 owns", lambda t: ZeroPPStrategy(reshard_after_forward=2),
+             TypeError, r"ZeroPPStrategy sets reshard_after_forward itself .* Remove the option, or use FSDP2Strategy", CONSTRUCTION),
+    BadInput("An unknown pipeline schedule", lambda t: PipelineStrategy(schedule="1f2b"),
+             ValueError, r"schedule='1f2b' is not a pipeline schedule; choose one of \['1f1b'", CONSTRUCTION),
+    BadInput("Zero micro-batches", lambda t: PipelineStrategy(n_microbatches=0),
+             ValueError, r"n_microbatches must be a positive int, got 0", CONSTRUCTION),
+    BadInput("An unknown context-parallel attention", lambda t: ContextParallelStrategy(attention="flash"),
+             ValueError, r"attention='flash' is not one of \['ring', 'allgather', 'ulysses'\]", CONSTRUCTION),
+    BadInput("An unknown load-balancing layout", lambda t: ContextParallelStrategy(load_balance="random"),
+             ValueError, r"load_balance='random' is not one of \['zigzag', 'contiguous'\]", CONSTRUCTION),
+    BadInput("A malformed sequence_keys entry", lambda t: ContextParallelStrategy(sequence_keys=["tokens:x"]),
+             ValueError, r"sequence_keys entry 'tokens:x': write 'name' or 'name:dim'", CONSTRUCTION),
+    BadInput("A TP plan entry with an unknown layout",
+             lambda t: TensorParallelStrategy(plan={"blocks.*.mlp.up": {"style": "colwise", "output_layouts": "shard(x)"}}),
+             ValueError, r"plan\['blocks\.\*\.mlp\.up'\]: Unknown layout 'shard\(x\)'", CONSTRUCTION),
+    # --- from YAML (lightning-dist fit --config)
+    BadInput("A string where an int is expected, in YAML",
+             lambda t: _cli(t, **{"trainer.strategy": {"class_path": "lightning_dist.FSDP2Strategy", "init_args": {"data_parallel_shard_size": "two"}}}),
+             SystemExit, r"data_parallel_shard_size.*'two'"),
+    BadInput("A misspelt option in YAML",
+             lambda t: _cli(t, **{"trainer.strategy": {"class_path": "lightning_dist.FSDP2Strategy", "init_args": {"reshard_after_forwad": True}}}),
+             SystemExit, r"reshard_after_forwad"),
+    BadInput("An unknown strategy name", lambda t: _cli(t, **{"trainer.strategy": "fsdp3"}),
+             SystemExit, r"strategy='fsdp3' is not a registered strategy name\. Did you mean 'fsdp2'\? lightning_dist registers: fsdp2, "),
+    BadInput("Transformer Engine precision", lambda t: _cli(t, **{"trainer.precision": "transformer-engine"}),
+             SystemExit, r"trainer\.precision: .*transformer-engine.*Supported: "),
+    # --- the mesh against the processes
+    BadInput("Sizes that multiply to more than devices × num_nodes", lambda t: _fit(TensorParallelStrategy(tensor_parallel_size=4)),
+             ValueError, r"data_parallel_size=1, tensor_parallel_size=4 make a mesh of 4 ranks, but 2 processes are running .* Make the sizes multiply to 2"),
+    BadInput("Sizes that do not divide the processes", lambda t: _fit(FSDP2Strategy(data_parallel_replicate_size=3), devices=4),
+             ValueError, r"Cannot fit data_parallel_replicate_size=3 into 4 processes: 4 is not divisible by 3"),
+    BadInput("num_nodes left out of the mesh", lambda t: _fit(TensorParallelStrategy(tensor_parallel_size=2), num_nodes=2),
+             ValueError, r"make a mesh of 2 ranks, but 4 processes are running \(devices × num_nodes\)"),
+    BadInput("A pipeline of one stage", lambda t: _fit(PipelineStrategy(pipeline_parallel_size=1, data_parallel_shard_size=2)),
+             ValueError, r"pipeline_parallel_size=1: pipeline parallelism needs at least 2 ranks"),
+    BadInput("An hpZ group that does not divide the sharding group", lambda t: _fit(ZeroPPStrategy(hpz_partition_size=3)),
+             ValueError, r"hpz_partition_size=3 must divide the sharding group size 2"),
+    # --- the model against the mesh
+    BadInput("Attention heads not divisible by tp", lambda t: _fit(TensorParallelStrategy(tensor_parallel_size=2), _gpt(d_model=48, n_head=3)),
+             ValueError, r"(?s)Cannot shard the model over tensor_parallel_size=2.*= 3 is"),
+    BadInput("KV heads that neither divide nor are divided by tp", lambda t: _fit(TensorParallelStrategy(tensor_parallel_size=2), _llama(3)),
+             ValueError, r"(?s)tensor_parallel_size=2.*key/value heads"),
+    BadInput("A vocabulary not divisible by tp", lambda t: _fit(TensorParallelStrategy(tensor_parallel_size=2), _gpt(vocab_size=63)),
+             ValueError, r"(?s)tok_emb: vocabulary.* = 63 is not divisible.*pad the"),
+    BadInput("Heads not divisible by cp under Ulysses", lambda t: _fit(ContextParallelStrategy(attention="ulysses"), _gpt(d_model=24, n_head=3)),
+             ValueError, r"attention='ulysses' splits heads over cp=2, but blocks\.0\.attn has 3 heads\. Use attention='ring'"),
+    BadInput("A wrap class the model does not have", lambda t: _fit(FSDP2Strategy(wrap_modules=["DecoderLayer"])),
+             ValueError, r"Cannot shard \['DecoderLayer'\]: the model has no module of that class"),
+    BadInput("A wrap regex that matches no module", lambda t: _fit(FSDP2Strategy(wrap_regex=r"layers\.\d+")),
+             ValueError, r"The regex 'layers\\\\\.\\\\d\+' matches no module name"),
+    # --- precision
+    BadInput("A precision plugin of another strategy family", lambda t: _deepspeed_precision(),
+             ValueError, r"DeepSpeedPrecision.*cannot be used with lightning_dist strategies\. Pass `precision=` with one of: 32-true"),
+    # --- checkpoints and callbacks
+    BadInput("A ckpt_path that does not exist", lambda t: _fit_from("fsdp2", t / "epoch=3.ckpt"),
+             CheckpointError, r"Checkpoint not found: '.*epoch=3\.ckpt' does not exist"),
+    BadInput("A ckpt_path of an unfinished save", lambda t: _fit_from("fsdp2", _unfinished(t)),
+             CheckpointError, r"not a complete checkpoint"),
+    BadInput("save_last='link' with the async checkpoint plugin",
+             lambda t: _fit("fsdp2", plugins=[AsyncDistributedCheckpointIO()], callbacks=[ModelCheckpoint(save_last="link")]),
+             ValueError, r"ModelCheckpoint\(save_last='link'\) cannot be combined with AsyncDistributedCheckpointIO"),
+]  # fmt: skip
+
+
+def _deepspeed_precision() -> None:
+    from lightning.pytorch.plugins.precision import DeepSpeedPrecision
+
+    Trainer(strategy="fsdp2", accelerator="cpu", devices=2, plugins=[DeepSpeedPrecision("16-mixed")])
+
+
+def forbid_launch() -> Callable[[], None]:
+    """Make process creation fail; returns the undo."""
+    original = _SubprocessScriptLauncher._call_children_scripts
+
+    def refuse(self: _SubprocessScriptLauncher) -> None:
+        raise AssertionError("processes were launched although the configuration is invalid")
+
+    _SubprocessScriptLauncher._call_children_scripts = refuse  # type: ignore[method-assign]
+    return lambda: setattr(_SubprocessScriptLauncher, "_call_children_scripts", original)
+
+
+def error_text(row: BadInput, tmp_path: Path) -> tuple[BaseException | None, str]:
+    """Make the mistake of ``row``; return the exception and its text (with what a CLI printed on stderr)."""
+    stderr = StringIO()
+    try:
+        with redirect_stderr(stderr):
+            row.attempt(tmp_path)
+    except BaseException as err:  # noqa: BLE001 (SystemExit included: the CLI's parse errors)
+        return err, f"{err}\n{stderr.getvalue()}".replace(str(tmp_path), "<dir>")
+    return None, stderr.getvalue()
+
+
+def damaged_checkpoint_text(case: Any, tmp_path: Path) -> str:
+    """What resuming from the damaged checkpoint of ``case`` (a ``test_checkpoint_integrity`` case) says."""
+    import test_checkpoint_integrity as damaged  # type: ignore[import-not-found]
+
+    from lightning_dist.checkpoint import model_state
+    from lightning_dist.checkpoint.layout import validate_checkpoint
+
+    path = case.build(tmp_path)
+    model = damaged._model()
+    try:
+        validate_checkpoint(path)
+        model_state.load_checkpoint_into(path, model, [damaged._optimizer(model)], strict=True)
+    except CheckpointError as err:
+        return str(err).replace(str(tmp_path), "<dir>")
+    raise AssertionError(f"the damaged checkpoint {case.name!r} loaded without an error")
+
+
+def render(texts: dict[str, tuple[BaseException | None, str]] | None = None) -> str:
+    """The README's "Common errors" table, from the rows' real messages (``texts``: already collected ones, by
+    mistake; the others are made here, launches forbidden)."""
+    from test_checkpoint_integrity import CASES as DAMAGED  # type: ignore[import-not-found]
+
+    texts = dict(texts or {})
+    lines = ["| Mistake | Caught | What you are told |", "|---|---|---|"]
+    undo = forbid_launch()
+    try:
+        for row in ROWS:
+            if row.mistake not in texts:
+                with tempfile.TemporaryDirectory() as tmp:
+                    texts[row.mistake] = error_text(row, Path(tmp))
+            err, text = texts[row.mistake]
+            lines.append(f"| {row.mistake} | {row.caught} | {_abridged(type(err).__name__, text)} |")
+    finally:
+        undo()
+    for case in DAMAGED:
+        with tempfile.TemporaryDirectory() as tmp:
+            text = damaged_checkpoint_text(case, Path(tmp))
+        caught = BEFORE_LAUNCH if case.before_launch else "when the bytes are read"
+        lines.append(f"| Damaged checkpoint: {case.name} | {caught} | {_abridged('CheckpointError', text)} |")
+    return "\n".join(lines)
+
+
+def _abridged(kind: str, text: str) -> str:
+    if "error: Parser key" in text:  # jsonargparse: the innermost complaint and the value it was about
+        lines = [line.strip() for line in text[text.index("error: Parser key") :].splitlines()]
+        inner = [i for i, line in enumerate(lines) if line.startswith(("Parser key", "Option ", "error: Parser key"))]
+        given = next((line for line in lines[inner[-1] :] if line.startswith("Given value:")), "")
+        text = f"{lines[inner[-1]]} {given}"
+    message = re.sub(r"\s+", " ", text).strip().replace("|", "\\|")
+    return f"`{kind}`: {message[:300]}{'…' if len(message) > 300 else ''}"
+
+
+README = REPO_ROOT / "README.md"
+START, END = "<!-- common-errors:start -->", "<!-- common-errors:end -->"
+
+
+def readme_section() -> str:
+    text = README.read_text()
+    return text[text.index(START) + len(START) : text.index(END)].strip()
+
+
+def write_readme() -> None:
+    text = README.read_text()
+    head, tail = text[: text.index(START) + len(START)], text[text.index(END) :]
+    README.write_text(f"{head}\n{render()}\n{tail}")
+
+
+if __name__ == "__main__":
+    write_readme() if "--write-readme" in sys.argv else print(render())

@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -65,7 +65,7 @@ from lightning_dist.strategies.preflight import (
     strategy_options,
     unknown_options_message,
 )
-from lightning_dist.strategies.step_protocol import StepProtocol
+from lightning_dist.strategies.step_protocol import NonFiniteMode, StepProtocol
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -91,6 +91,10 @@ class MeshParallelStrategy(ShardedCheckpointing, MeshCollectives, StepProtocol, 
             :class:`~lightning_dist.plugins.FSDP2Precision`.
         process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on CUDA unless given.
         timeout: Timeout for collectives.
+        on_nonfinite: When a loss or gradient is NaN or infinite on any rank: ``"skip"`` drops that optimizer step
+            on every rank (with a warning naming the step and the ranks), ``"stop"`` raises
+            :class:`~lightning_dist.parallel.nonfinite.NonFiniteError` on every rank, ``"ignore"`` (default) checks
+            nothing. The check costs one gradient norm pass and a tiny all-gather per optimizer step.
     """
 
     #: Short name used in log lines ("fsdp2: ...").
@@ -105,10 +109,17 @@ class MeshParallelStrategy(ShardedCheckpointing, MeshCollectives, StepProtocol, 
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        on_nonfinite: NonFiniteMode = "ignore",
         **unknown: Any,
     ) -> None:
         if unknown:  # a misspelt option of the concrete strategy arrives here, forwarded as a keyword
             raise TypeError(unknown_options_message(type(self), unknown))
+        if on_nonfinite not in get_args(NonFiniteMode):
+            raise ValueError(
+                f"on_nonfinite={on_nonfinite!r} is not one of {list(get_args(NonFiniteMode))}: 'skip' skips the"
+                " optimizer step on every rank, 'stop' ends training on every rank, 'ignore' checks nothing."
+            )
+        self.on_nonfinite = on_nonfinite
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

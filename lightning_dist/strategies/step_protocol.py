@@ -8,27 +8,36 @@ evaluation and optimizer steps reach the parallelized model, and where a strateg
   forward and backward itself (pipeline) overrides both.
 * :meth:`StepProtocol.run_eval_step`: validation, test and predict steps (pipeline: a forward-only schedule).
 * :meth:`StepProtocol.transform_batch`: a batch after it reached the device (context parallel: sequence shards).
+* ``on_nonfinite``: what every rank does when any rank sees a non-finite loss or gradient (skip or stop).
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import ExitStack, contextmanager
-from typing import Any
+from typing import Any, Literal
 
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dist.parallel.fsdp import reshard_all
 from lightning_dist.parallel.gradient_sync import AccumulationSync, deferred_gradient_sync
+from lightning_dist.parallel.nonfinite import NonFiniteError, gather_non_finite, gradients_are_finite
 from lightning_dist.parallel.replicated_state import average_gradients
+
+NonFiniteMode = Literal["ignore", "skip", "stop"]
 
 
 class StepProtocol:
     """Training, evaluation and optimizer steps of :class:`~lightning_dist.strategies.base.MeshParallelStrategy`."""
 
     _train_context: ExitStack | None = None
+    on_nonfinite: NonFiniteMode = "ignore"
+    #: Optimizer steps skipped by ``on_nonfinite="skip"`` in this process.
+    skipped_non_finite_steps: int = 0
 
     def transform_batch(self, batch: Any, dataloader_idx: int = 0) -> Any:
         """Transform a batch after it reached the device (context parallel shards it on the sequence dim)."""
@@ -119,9 +128,34 @@ class StepProtocol:
             reshard_all(self.model)
             if self._tp_replicated:  # before clipping and the update: the copies must see identical gradients
                 average_gradients(self._tp_replicated, self.process_group("tp"))
+            if self.on_nonfinite != "ignore":
+                self._guard_non_finite(result, optimizer)
             return result
 
         return super().optimizer_step(optimizer, closure_then_reshard, model, **kwargs)
+
+    def _guard_non_finite(self, loss: Any, optimizer: Any) -> None:
+        """``on_nonfinite``: after backward, before clipping and the update, every rank learns which ranks saw a
+        non-finite loss or gradient; then all stop, or all drop their gradients so that the optimizer skips the
+        step. Under ``16-mixed`` the loss scaler already skips overflowing steps: only the loss is checked."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        loss_finite = not isinstance(loss, Tensor) or bool(torch.isfinite(loss.detach()).all())
+        grads_finite = getattr(self.precision_plugin, "scaler", None) is not None or gradients_are_finite(params)
+        report = gather_non_finite(loss_finite, grads_finite, self.root_device)
+        if not report.found:
+            return
+        trainer = self.lightning_module.trainer
+        where = f"at global step {trainer.global_step} (epoch {trainer.current_epoch}, batch {trainer.fit_loop.batch_idx})"
+        if self.on_nonfinite == "stop":
+            raise NonFiniteError(
+                f"Training stopped {where}: {report.describe()} (on_nonfinite='stop'). Look at that batch, lower the"
+                " learning rate, clip gradients (Trainer(gradient_clip_val=...)), or pass on_nonfinite='skip' to skip"
+                " such steps."
+            )
+        for p in params:  # optimizers leave parameters without a gradient untouched (state and step count included)
+            p.grad = None
+        self.skipped_non_finite_steps += 1
+        rank_zero_warn(f"Skipped the optimizer step {where} on every rank: {report.describe()} (on_nonfinite='skip').")
 
     def _reshard_after_evaluation(self) -> None:
         if self.model is not None:

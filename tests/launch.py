@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,13 +15,18 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_scenarios(
-    script: str, devices: int, workdir: Path, scenarios: list[str], timeout: float = 600
+    script: str,
+    devices: int,
+    workdir: Path,
+    scenarios: list[str],
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run ``tests/scenarios/<script>`` with ``devices`` processes (Lightning's own launcher starts the extra ranks).
 
-    Returns rank 0's JSON result; fails with the processes' output when the run fails.
+    Returns rank 0's JSON result; fails with the processes' output when the run fails. ``env`` adds variables.
     """
-    out, cmd, env = _command(script, devices, workdir, scenarios)
+    out, cmd, env = _command(script, devices, workdir, scenarios, env)
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(
@@ -38,7 +44,40 @@ def run_failing_scenario(
     return subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def _command(script: str, devices: int, workdir: Path, scenarios: list[str]) -> tuple[Path, list[str], dict]:
+def run_on_loopback_nodes(
+    script: str, nnodes: int, nproc_per_node: int, workdir: Path, scenarios: list[str], timeout: float = 600
+) -> dict[str, Any]:
+    """Run ``tests/scenarios/<script>`` as ``nnodes`` torchrun launches of ``nproc_per_node`` ranks each, which meet by
+    c10d rendezvous on 127.0.0.1 (as separate machines would, minus the network). ``--devices`` is the world size.
+
+    Returns global rank 0's JSON result; fails with every launch's output when one fails.
+    """
+    world = nnodes * nproc_per_node
+    out, cmd, env = _command(script, world, workdir, scenarios)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = [
+        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={out.stem}",
+    ]  # fmt: skip
+    procs = [
+        subprocess.Popen([*torchrun, *cmd[1:]], cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for _ in range(nnodes)
+    ]
+    outputs = [p.communicate(timeout=timeout)[0].decode(errors="replace") for p in procs]
+    if any(p.returncode != 0 for p in procs) or not out.exists():
+        logs = "\n".join(
+            f"--- node launch {i} exited with {p.returncode} ---\n{o[-6000:]}"
+            for i, (p, o) in enumerate(zip(procs, outputs))
+        )
+        raise AssertionError(logs)
+    return json.loads(out.read_text())
+
+
+def _command(
+    script: str, devices: int, workdir: Path, scenarios: list[str], extra_env: dict[str, str] | None = None
+) -> tuple[Path, list[str], dict]:
     out = workdir / f"{Path(script).stem}_d{devices}_{abs(hash(tuple(scenarios))) % 10**8}.json"
     cmd = [
         sys.executable,
@@ -53,6 +92,7 @@ def _command(script: str, devices: int, workdir: Path, scenarios: list[str]) -> 
         ",".join(scenarios),
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.update(extra_env or {})
     env.pop("LOCAL_RANK", None)
     return out, cmd, env
 

@@ -1,12 +1,19 @@
-"""Fused attention projections under tensor parallel, without processes: recognising their row order, the plans
-for Hugging Face GPT-2/GPT-NeoX and nn.MultiheadAttention, the rank-order permutation and its undoing at the
-state-dict boundary. The multi-process parity and checkpoint runs are in test_tensor_parallel_parity.py."""
+"""Fused attention projections under tensor parallel: recognising their row order, the plans for Hugging Face
+GPT-2/GPT-NeoX and nn.MultiheadAttention, the rank-order permutation and its undoing at the state-dict boundary
+(without processes); and runs of library models against one process (fp64, 1e-10): litgpt's GPT (fused qkv with
+grouped-query attention, LLaMAMLP), with its checkpoint resumed under fsdp2 and loaded into litgpt's GPT. These share
+one reference launch, one 2-process and one 4-process launch; the GPT-2/NeoX/Llama runs are in
+test_tensor_parallel_parity.py."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from launch import max_abs_diff, run_scenarios
 from torch import nn
 
 from lightning_dist.commands import plan as plan_command
@@ -155,3 +162,79 @@ def test_sequence_parallel_on_a_hugging_face_decoder_splits_the_sequence_at_the_
     }
     assert plan.styles["model.norm"] == "sequence_parallel" and not plan.unreduced
     plan.validate(4)  # 2 key/value heads at tp=4: replicated over pairs of ranks
+
+
+# ------------------------------------------------------------------ runs in processes (one launch per world size)
+SCRIPT = "tp_fused_runs.py"
+FP64_TOL = 1e-10
+CLIP = 0.5
+REFERENCE = ["litgpt"]
+TWO_RANKS = ["litgpt", "litgpt_save_tp", "litgpt_fsdp2_from_tp"]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tp_fused")
+
+
+@pytest.fixture(scope="module")
+def reference(workdir: Path) -> dict:
+    return run_scenarios(SCRIPT, 1, workdir, REFERENCE)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(workdir: Path, reference: dict) -> dict:
+    return run_scenarios(SCRIPT, 2, workdir, TWO_RANKS)
+
+
+def _assert_matches_one_process(workdir: Path, ours: dict, ref: dict, name: str, devices: int, base: str) -> None:
+    """Losses, pre-clip gradient norms, every full gradient at every step and the final parameters within 1e-10."""
+    assert len(ours["losses"]) == 5 and min(ref["grad_norms"]) > CLIP  # clipping active on every step
+    assert max_abs_diff(ours["losses"], ref["losses"]) <= FP64_TOL
+    assert max_abs_diff(ours["grad_norms"], ref["grad_norms"]) <= FP64_TOL
+    ours_state, ref_state = torch.load(workdir / f"{name}_d{devices}.pt"), torch.load(workdir / f"{base}_d1.pt")
+    for step, (ours_grads, ref_grads) in enumerate(zip(ours_state["grads"], ref_state["grads"], strict=True)):
+        assert ours_grads.keys() == ref_grads.keys()
+        for key, value in ref_grads.items():
+            assert (ours_grads[key] - value).abs().max().item() <= FP64_TOL, (step, key)
+    assert ours_state["params"].keys() == ref_state["params"].keys()
+    for key, value in ref_state["params"].items():
+        assert (ours_state["params"][key] - value).abs().max().item() <= FP64_TOL, key
+
+
+def _per_rank_share(run: dict, total: int, tp: int) -> float:
+    """The largest rank's parameter bytes over the whole model's, checked against the ideal (sharded / tp +
+    replicated)."""
+    sharded = run["tp_sharded_param_bytes"]
+    assert run["param_bytes_total"] == total
+    assert run["param_bytes_max_rank"] == sharded // tp + (total - sharded)
+    return run["param_bytes_max_rank"] / total
+
+
+@pytest.mark.slow
+def test_litgpt_gpt_with_grouped_query_attention_matches_one_process(workdir, reference, two_ranks):
+    """litgpt's fused qkv ([Q | K | V], 4 query heads in 2 groups) is sharded by heads, LLaMAMLP's fc_1/fc_2
+    column-wise and its proj (told from attention's proj by the parent module) row-wise."""
+    run = two_ranks["litgpt"]
+    _assert_matches_one_process(workdir, run, reference["litgpt"], "litgpt", 2, "litgpt")
+    assert run["plan_summary"] == "5 colwise, 5 rowwise, 2 fused_colwise"
+    share = _per_rank_share(run, reference["litgpt"]["param_bytes_total"], 2)
+    assert share < 0.51  # only the norms stay replicated
+    print(f"litgpt tp=2: per-rank/total = {share:.4f}")
+
+
+@pytest.mark.slow
+def test_litgpt_checkpoint_resumes_under_fsdp2_and_loads_into_litgpt_gpt(workdir, two_ranks):
+    uninterrupted = two_ranks["litgpt_save_tp"]["losses"]
+    resumed = two_ranks["litgpt_fsdp2_from_tp"]
+    assert resumed["global_step"] == 6 and max_abs_diff(resumed["losses"], uninterrupted[3:]) <= FP64_TOL
+    sys.path.insert(0, str(Path(__file__).parent / "scenarios"))  # the scenario scripts' own imports
+    from common import SEQ_LEN  # type: ignore[import-not-found]
+    from tp_library_models import litgpt_model  # type: ignore[import-not-found]
+
+    from lightning_dist.checkpoint.consolidate import load_full_checkpoint
+
+    full = load_full_checkpoint(workdir / "ckpt_litgpt_tp" / "step=3.ckpt")["state_dict"]
+    assert all(k.startswith("gpt.") for k in full)
+    original = litgpt_model(SEQ_LEN).double()
+    original.load_state_dict({k.removeprefix("gpt."): v for k, v in full.items()}, strict=True)

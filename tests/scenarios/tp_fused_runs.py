@@ -1,7 +1,8 @@
 """Tensor parallel on fused attention projections: Hugging Face GPT-2 (Conv1D c_attn, tied embeddings) and
 GPT-NeoX (query_key_value) against one process; stock LlamaForCausalLM with sequence parallel and with 2 key/value
-heads at tp=4; fused-QKV checkpoints (GPT-2, nn.MultiheadAttention) moving between
-tensor_parallel and fsdp2, and consolidated into the library's own class. tp_runs.py runs these in its launches.
+heads at tp=4; litgpt's GPT (fused qkv, grouped-query attention); fused-QKV checkpoints (GPT-2,
+nn.MultiheadAttention, litgpt) moving between tensor_parallel and fsdp2, and consolidated into the library's own
+class. tp_runs.py runs the GPT-2/NeoX/Llama ones in its launches, test_tp_fused.py the library ones in its own.
 
 python tests/scenarios/tp_fused_runs.py --devices 2 --out r.json --workdir DIR --scenarios gpt2,neox
 """
@@ -26,6 +27,7 @@ from common import (  # type: ignore[import-not-found]
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from llama_like import EncoderLM, LlamaLike  # type: ignore[import-not-found]
 from torch.distributed.tensor import DTensor, Shard
+from tp_library_models import LitGPTLM, phi3_model  # type: ignore[import-not-found]
 
 from examples.data import TextDataModule
 from lightning_dist import FSDP2Strategy, TensorParallelStrategy
@@ -48,6 +50,8 @@ def hf_model(kind: str) -> torch.nn.Module:
         LlamaForCausalLM,
     )
 
+    if kind == "phi3":
+        return phi3_model(SEQ_LEN)
     if kind == "gpt2":
         config = GPT2Config(
             vocab_size=VOCAB, n_positions=SEQ_LEN, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -84,6 +88,8 @@ def model_and_data(kind: str, devices: int, dp: int, train_samples: int = 256) -
     L.seed_everything(1234, verbose=False)
     data_cls = OneProcessData if devices == 1 else TextDataModule
     data = data_cls(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, train_samples=train_samples, val_samples=32)
+    if kind == "litgpt":
+        return LitGPTLM(SEQ_LEN), data
     return (EncoderLM() if kind == "mha" else HFCausalLM(kind)), data
 
 
@@ -200,6 +206,10 @@ FUSED_SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "gpt2_tp_from_fsdp2": lambda d, w: checkpoint_resume(d, w, "gpt2", "tp", "fsdp2"),
     "mha_save_tp": lambda d, w: checkpoint_save(d, w, "mha", "tp"),
     "mha_fsdp2_from_tp": lambda d, w: checkpoint_resume(d, w, "mha", "fsdp2", "tp"),
+    "litgpt": lambda d, w: train(d, w, "litgpt", "litgpt"),
+    "litgpt_save_tp": lambda d, w: checkpoint_save(d, w, "litgpt", "tp"),
+    "litgpt_fsdp2_from_tp": lambda d, w: checkpoint_resume(d, w, "litgpt", "fsdp2", "tp"),
+    "phi3": lambda d, w: train(d, w, "phi3", "phi3"),
 }
 
 

@@ -17,7 +17,7 @@ from launch import max_abs_diff, run_scenarios
 from torch import nn
 
 from lightning_dist.commands import plan as plan_command
-from lightning_dist.parallel.fused_layouts import FusedLayout, fused_layout, rank_grouped_order
+from lightning_dist.parallel.fused_layouts import FusedLayout, block_rank_order, fused_layout, rank_grouped_order
 from lightning_dist.parallel.model_structure import recognize
 from lightning_dist.parallel.tensor_parallel import set_count
 from lightning_dist.parallel.tensor_parallel_plan import TensorParallelPlanError
@@ -48,6 +48,31 @@ def test_blocks_rows_are_put_in_rank_order_by_heads():
     order = rank_grouped_order(FusedLayout("blocks", 4, 2, 2), tp=2).tolist()
     assert order == [0, 1, 2, 3, 8, 9, 12, 13, 4, 5, 6, 7, 10, 11, 14, 15]
     assert rank_grouped_order(FusedLayout("per_head", 4, 4, 2), tp=2) is None  # NeoX: already by head
+
+
+def test_fused_gate_up_rows_give_each_rank_matching_halves():
+    assert block_rank_order((4, 4), tp=2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]  # rank 0: gate 0-1, up 4-5
+
+
+def test_phi3_plan_shards_qkv_proj_by_heads_and_gate_up_by_halves():
+    sys.path.insert(0, str(Path(__file__).parent / "scenarios"))
+    from tp_library_models import phi3_model  # type: ignore[import-not-found]
+
+    model = phi3_model(16)
+    plan = infer_plan(model)
+    styles = plan.compact(model)
+    assert styles["model.layers.*.mlp.gate_up_proj"] == "fused_gate_up"
+    assert styles["model.layers.*.mlp.down_proj"] == styles["model.layers.*.self_attn.o_proj"] == "rowwise"
+    assert styles["model.layers.*.self_attn.qkv_proj"]["kv_heads"] == 2 and not plan.unplanned
+    assert plan.head_attributes["model.layers.0.self_attn"] == {
+        "config.num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    assert resolve_explicit_plan(model, styles).styles == plan.styles
+    with pytest.raises(
+        TensorParallelPlanError, match=r"gate_up_proj: MLP hidden size .* = 64 is not divisible by .*=128"
+    ):
+        resolve_explicit_plan(model, {"model.layers.*.mlp.gate_up_proj": "fused_gate_up"}).validate(128)
 
 
 def test_gpt2_plan_shards_c_attn_by_heads_and_conv1d_mlps():
@@ -168,8 +193,8 @@ def test_sequence_parallel_on_a_hugging_face_decoder_splits_the_sequence_at_the_
 SCRIPT = "tp_fused_runs.py"
 FP64_TOL = 1e-10
 CLIP = 0.5
-REFERENCE = ["litgpt"]
-TWO_RANKS = ["litgpt", "litgpt_save_tp", "litgpt_fsdp2_from_tp"]
+REFERENCE = ["litgpt", "phi3"]
+TWO_RANKS = ["litgpt", "litgpt_save_tp", "litgpt_fsdp2_from_tp", "phi3"]
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +246,17 @@ def test_litgpt_gpt_with_grouped_query_attention_matches_one_process(workdir, re
     share = _per_rank_share(run, reference["litgpt"]["param_bytes_total"], 2)
     assert share < 0.51  # only the norms stay replicated
     print(f"litgpt tp=2: per-rank/total = {share:.4f}")
+
+
+@pytest.mark.slow
+def test_phi3_fused_qkv_and_gate_up_match_one_process(workdir, reference, two_ranks):
+    """Phi-3's qkv_proj ([Q | K | V], 4 heads, 2 key/value heads) by heads and gate_up_proj by matching halves."""
+    run = two_ranks["phi3"]
+    _assert_matches_one_process(workdir, run, reference["phi3"], "phi3", 2, "phi3")
+    assert run["plan_summary"] == "5 rowwise, 2 fused_colwise, 2 fused_gate_up, 1 colwise"
+    share = _per_rank_share(run, reference["phi3"]["param_bytes_total"], 2)
+    assert share < 0.51
+    print(f"phi3 tp=2: per-rank/total = {share:.4f}")
 
 
 @pytest.mark.slow

@@ -72,7 +72,12 @@ def _from_config(path: str) -> tuple[str | None, dict[str, Any], dict[str, Any]]
 
 
 def _fused_split(spec: Any, tp: Any) -> str | None:
-    """A comment on how a fused attention projection is split by heads, or ``None`` for other entries."""
+    """A comment on how a fused projection is split, or ``None`` for other entries."""
+    if spec == "fused_gate_up" or isinstance(spec, dict) and spec.get("style") == "fused_gate_up":
+        return (
+            "fused [gate|up] split into matching halves (each rank: its rows of gate and of up; rows permuted while"
+            " sharded, checkpoints keep the original order)"
+        )
     if spec == "multihead_attention":
         return "nn.MultiheadAttention split by heads (in_proj by heads, rows permuted; out_proj row-wise)"
     if not isinstance(spec, dict) or spec.get("style") != "fused_colwise":

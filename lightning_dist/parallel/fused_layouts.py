@@ -3,17 +3,19 @@
 Two orders occur in the common libraries:
 
 - ``"blocks"``: all query heads, then all key heads, then all value heads (``[Q | K | V]``): ``nn.MultiheadAttention``'s
-  ``in_proj_weight``, Hugging Face GPT-2's ``c_attn`` (a ``Conv1D``) and litgpt's ``qkv`` (with fewer key/value heads
-  under grouped-query attention).
+  ``in_proj_weight``, Hugging Face GPT-2's ``c_attn`` (a ``Conv1D``), litgpt's ``qkv`` and Phi-3's ``qkv_proj`` (with
+  fewer key/value heads under grouped-query attention).
 - ``"per_head"``: query, key and value of head 0, then of head 1, ... (GPT-NeoX/Pythia's ``query_key_value``).
 
 Sharding by heads gives rank ``r`` the rows of its heads of q, k and v. For ``"per_head"`` those rows are contiguous
 already; for ``"blocks"`` they are three pieces, so the rows are permuted once (:func:`rank_grouped_order`) into rank
-order and sharded contiguously. Nothing here guesses: a layout not told apart by class and config is refused.
+order and sharded contiguously (:func:`block_rank_order` does the same for a fused ``[gate | up]`` MLP projection).
+Nothing here guesses: a layout not told apart by class and config is refused.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -65,6 +67,12 @@ def fused_layout(attention: nn.Module, child: str, projection: nn.Module) -> Fus
         if rows != layout.rows:
             return f"{cls}.qkv has {rows} output features, not (n_head + 2·n_query_groups)·head_size = {layout.rows}"
         return layout
+    if child == "qkv_proj" and cls.startswith("Phi3") and _count(heads := getattr(config, "num_attention_heads", None)):
+        # Phi3Attention.forward slices q at config.num_attention_heads · head_dim, k/v by its num_key_value_heads
+        kv, size = getattr(attention, "num_key_value_heads", None), getattr(attention, "head_dim", None)
+        if not (_count(kv) and _count(size) and rows == (heads + 2 * kv) * size):
+            return f"{cls}.qkv_proj: no num_key_value_heads/head_dim matching its {rows} output features"
+        return FusedLayout("blocks", heads, kv, size, {"config.num_attention_heads": heads, "num_key_value_heads": kv})
     if child == "query_key_value" and "NeoX" in cls and _count(heads := getattr(config, "num_attention_heads", None)):
         size = getattr(attention, "head_size", None)
         if not (_count(size) and rows == 3 * heads * size):
@@ -72,7 +80,7 @@ def fused_layout(attention: nn.Module, child: str, projection: nn.Module) -> Fus
         return FusedLayout("per_head", heads, heads, size)
     return (
         f"the order of query/key/value rows in {cls}.{child} could not be told from the module and its config (known:"
-        " nn.MultiheadAttention, GPT-2 c_attn, GPT-NeoX query_key_value, litgpt qkv); column-wise sharding would give"
+        " nn.MultiheadAttention, GPT-2 c_attn, GPT-NeoX query_key_value, litgpt qkv, Phi-3 qkv_proj); column-wise sharding would give"
         " each rank a slice of [q|k|v] instead of whole heads"
     )
 
@@ -86,13 +94,21 @@ def rank_grouped_order(layout: FusedLayout, tp: int) -> Tensor | None:
     if layout.order == "per_head":
         return None
     d = layout.head_dim
-    q_rows, kv_rows = layout.num_heads * d // tp, layout.num_kv_heads * d // tp
-    k_start, v_start = layout.num_heads * d, (layout.num_heads + layout.num_kv_heads) * d
-    pieces = []
-    for rank in range(tp):
-        pieces.append(torch.arange(rank * q_rows, (rank + 1) * q_rows))
-        pieces.append(torch.arange(k_start + rank * kv_rows, k_start + (rank + 1) * kv_rows))
-        pieces.append(torch.arange(v_start + rank * kv_rows, v_start + (rank + 1) * kv_rows))
+    return block_rank_order((layout.num_heads * d, layout.num_kv_heads * d, layout.num_kv_heads * d), tp)
+
+
+def block_rank_order(blocks: Sequence[int], tp: int) -> Tensor:
+    """Row indices of a projection whose rows are consecutive ``blocks`` (sizes), each split evenly over ``tp``
+    ranks, that put rank 0's slice of every block first (in block order), then rank 1's, ...
+
+    ``[gate | up]`` with ``blocks=(I, I)`` gives each rank matching rows of gate and up.
+    """
+    starts = [sum(blocks[:i]) for i in range(len(blocks))]
+    pieces = [
+        torch.arange(start + rank * (size // tp), start + (rank + 1) * (size // tp))
+        for rank in range(tp)
+        for start, size in zip(starts, blocks)
+    ]
     return torch.cat(pieces)
 
 

@@ -31,7 +31,12 @@ from lightning_dist.parallel.tensor_parallel_plan import (
     TensorParallelPlanError,
     normalize_style,
 )
-from lightning_dist.parallel.tp_fused import Conv1DParallel, FusedColwiseParallel, layout_from_spec
+from lightning_dist.parallel.tp_fused import (
+    Conv1DParallel,
+    FusedColwiseParallel,
+    FusedGateUpParallel,
+    layout_from_spec,
+)
 from lightning_dist.parallel.tp_kv_heads import ReplicatedKVHeadParallel
 from lightning_dist.parallel.tp_multihead import MultiheadAttentionParallel
 from lightning_dist.parallel.tp_plan_inference import infer_plan, resolve_explicit_plan
@@ -72,6 +77,8 @@ def build_style(spec: str | dict[str, Any], where: str = "?", module: nn.Module 
         return FusedColwiseParallel(layout_from_spec(options), layouts.get("input_layouts"))
     if style == "multihead_attention":
         return MultiheadAttentionParallel()
+    if style == "fused_gate_up":
+        return FusedGateUpParallel(layouts.get("input_layouts"))
     if style in ("colwise", "rowwise") and module is not None and is_conv1d(module):
         if local is False:
             raise TensorParallelPlanError(f"plan[{where!r}]: a Conv1D's output is always a local tensor")

@@ -11,6 +11,8 @@ A plan maps module names to *styles* (plain data: a string or a small dict, so i
   (``"blocks"``: ``[Q | K | V]``, ``"per_head"``: q, k, v of each head in turn), ``heads``, ``kv_heads`` and
   ``head_dim``.
 - ``"multihead_attention"``: shard an ``nn.MultiheadAttention`` by heads (its ``in_proj`` and ``out_proj``).
+- ``"fused_gate_up"``: shard a fused ``[gate | up]`` MLP projection (``nn.Linear``) so each rank holds matching rows
+  of both halves.
 
 ``colwise``/``rowwise`` also take Hugging Face ``Conv1D`` modules (GPT-2).
 
@@ -44,6 +46,7 @@ STYLES: tuple[str, ...] = (
     "prepare_output",
     "fused_colwise",
     "multihead_attention",
+    "fused_gate_up",
 )
 _STYLE_KEYS = {
     "colwise": {"input_layouts", "output_layouts", "use_local_output"},
@@ -54,6 +57,7 @@ _STYLE_KEYS = {
     "prepare_output": {"output_layouts", "desired_output_layouts", "use_local_output"},
     "fused_colwise": {"order", "heads", "kv_heads", "head_dim", "input_layouts"},
     "multihead_attention": set(),
+    "fused_gate_up": {"input_layouts"},
 }
 
 SEQUENCE_GATHER: dict[str, Any] = {
@@ -254,6 +258,14 @@ def size_checks(name: str, module: nn.Module, options: dict[str, Any]) -> list[D
                 " nn.MultiheadAttention."
             )
         return [DivisibilityCheck(name, "attention heads (nn.MultiheadAttention.num_heads)", module.num_heads)]
+    if style == "fused_gate_up":
+        if type(module) is not nn.Linear or module.out_features % 2:
+            raise TensorParallelPlanError(
+                f"plan[{name!r}] = 'fused_gate_up', but {name} is not an nn.Linear with an even number of outputs."
+            )
+        return [
+            DivisibilityCheck(name, "MLP hidden size (half of the fused gate/up outputs)", module.out_features // 2)
+        ]
     if isinstance(module, nn.Linear) or is_conv1d(module):
         features_in, features_out = projection_features(module)
         kind = "Conv1D" if is_conv1d(module) else "Linear"

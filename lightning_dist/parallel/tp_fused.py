@@ -5,6 +5,9 @@
   ``Conv1D``) *by heads*: the rows are first put in rank order (:func:`~lightning_dist.parallel.fused_layouts.
   rank_grouped_order`), so each rank's contiguous shard holds its own heads of q, then k, then v, and the module's
   forward (told the per-rank head counts) splits its local output as it would the global one.
+- :class:`FusedGateUpParallel`: column-wise sharding of a fused ``[gate | up]`` MLP projection (Phi-3's
+  ``gate_up_proj``) so that each rank holds matching rows of gate and up: its local output chunks into its own gate
+  and up halves, as the module's forward chunks the global one.
 
 The permuted rows are an internal layout: :mod:`lightning_dist.parallel.tp_checkpoint_layout` restores the original
 order in state dicts and applies it again on load, so checkpoints keep the library's layout.
@@ -20,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
-from lightning_dist.parallel.fused_layouts import FusedLayout, rank_grouped_order
+from lightning_dist.parallel.fused_layouts import FusedLayout, block_rank_order, rank_grouped_order
 from lightning_dist.parallel.model_structure import is_conv1d
 from lightning_dist.parallel.tp_checkpoint_layout import record_row_order
 
@@ -85,19 +88,42 @@ class FusedColwiseParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         order = rank_grouped_order(self.layout, device_mesh.size())
-        conv1d = is_conv1d(module)
         if order is not None:
-            dims = {"weight": 1 if conv1d else 0, "bias": 0}
-            with torch.no_grad():
-                for pname, dim in dims.items():
-                    param = getattr(module, pname, None)
-                    if param is not None:
-                        permuted = param.index_select(dim, order.to(param.device))
-                        module.register_parameter(pname, nn.Parameter(permuted, requires_grad=param.requires_grad))
-                        record_row_order(module, pname, dim, order)
-        if conv1d:
+            _permute_output_rows(module, order)
+        if is_conv1d(module):
             return Conv1DParallel("colwise", input_layout=self.input_layout)._apply(module, device_mesh)
         return ColwiseParallel(input_layouts=self.input_layout)._apply(module, device_mesh)
+
+
+class FusedGateUpParallel(ParallelStyle):
+    """Shard a fused ``[gate | up]`` projection (``nn.Linear``) so each rank holds matching halves.
+
+    Args:
+        input_layout: Layout of the incoming activations (``Shard(1)`` under sequence parallel).
+    """
+
+    def __init__(self, input_layout: Placement | None = None) -> None:
+        super().__init__()
+        self.input_layout = input_layout or Replicate()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if type(module) is not nn.Linear or module.out_features % 2:
+            raise TypeError(f"fused_gate_up shards an nn.Linear with an even number of outputs, not {module}")
+        half = module.out_features // 2
+        _permute_output_rows(module, block_rank_order((half, half), device_mesh.size()))
+        return ColwiseParallel(input_layouts=self.input_layout)._apply(module, device_mesh)
+
+
+def _permute_output_rows(module: nn.Module, order: Tensor) -> None:
+    """Put the output rows of ``module`` (weight and bias) in ``order``, recorded for the state-dict boundary."""
+    dims = {"weight": 1 if is_conv1d(module) else 0, "bias": 0}
+    with torch.no_grad():
+        for pname, dim in dims.items():
+            param = getattr(module, pname, None)
+            if param is not None:
+                permuted = param.index_select(dim, order.to(param.device))
+                module.register_parameter(pname, nn.Parameter(permuted, requires_grad=param.requires_grad))
+                record_row_order(module, pname, dim, order)
 
 
 def fused_spec(layout: FusedLayout) -> dict[str, Any]:

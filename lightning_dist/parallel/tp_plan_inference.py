@@ -1,9 +1,10 @@
 """Working out the automatic tensor-parallel plan from a model's recognised structure, and resolving explicit plans.
 
 Attention projections go column-wise for query/key/value and row-wise for the output, MLPs column-wise for up/gate
-and row-wise for down, the token embedding row-wise (over the vocabulary) and the output head column-wise. What
-:func:`~lightning_dist.parallel.model_structure.recognize` could not understand is left replicated and reported by
-name; parameters that would silently get a different gradient on each rank make the plan refuse. Pure inspection.
+(a fused ``[gate | up]`` so that each rank holds matching halves) and row-wise for down, the token embedding row-wise
+(over the vocabulary) and the output head column-wise. What :func:`~lightning_dist.parallel.model_structure.recognize`
+could not understand is left replicated and reported by name; parameters that would silently get a different gradient
+on each rank make the plan refuse. Pure inspection.
 """
 
 from __future__ import annotations
@@ -37,10 +38,7 @@ _MHA_SEQUENCE_PARALLEL = (
     "nn.MultiheadAttention is sharded by heads only without sequence_parallel (its layer keeps the residual stream"
     " and its norms inside)"
 )
-_FUSED_UP_UNPLANNED = (
-    "fused gate/up projection: column-wise sharding would give each rank a slice of [gate|up] instead of matching"
-    " halves"
-)
+_FUSED_UP_ODD = "fused gate/up projection with an odd number of outputs: no [gate | up] halves to shard"
 
 
 def infer_plan(model: nn.Module, sequence_parallel: bool = False, loss_parallel: bool = False) -> TensorParallelPlan:
@@ -92,10 +90,12 @@ def infer_plan(model: nn.Module, sequence_parallel: bool = False, loss_parallel:
         _attention_checks(plan, modules, attention)
         checked.add(name)
     for name, mlp in structure.mlps.items():
-        if mlp.fused_up is not None:
-            plan.unplanned[join(name, mlp.fused_up)] = _FUSED_UP_UNPLANNED
-            continue
         up_features = {up: projection_features(modules[join(name, up)])[1] for up in mlp.up}
+        if mlp.fused_up is not None:  # [gate | up]: the hidden units are half its outputs
+            if up_features[mlp.fused_up] % 2:
+                plan.unplanned[join(name, mlp.fused_up)] = _FUSED_UP_ODD
+                continue
+            up_features[mlp.fused_up] //= 2
         if mlp.up == ("linear1",):  # nn.TransformerEncoderLayer / DecoderLayer
             linear1 = {"style": "colwise", "input_layouts": "shard(1)"} if sequence_parallel else "colwise"
             plan.styles[join(name, "linear1")] = linear1
@@ -103,9 +103,11 @@ def infer_plan(model: nn.Module, sequence_parallel: bool = False, loss_parallel:
             width = projection_features(modules[join(name, mlp.up[0])])[0]
             sharded = {*mlp.up, mlp.down}
             hidden = set(up_features.values())
+            if mlp.fused_up is not None:
+                hidden.add(2 * up_features[mlp.fused_up])
             _check_extra_parameters(plan, name, modules[name], sharded, "MLP hidden units", hidden, width)
             for up in mlp.up:
-                plan.styles[join(name, up)] = "colwise"
+                plan.styles[join(name, up)] = "fused_gate_up" if up == mlp.fused_up else "colwise"
             checked.add(name)
         for up, features in up_features.items():
             plan.checks.append(DivisibilityCheck(join(name, up), "MLP hidden size", features))

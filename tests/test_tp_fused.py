@@ -50,6 +50,24 @@ def test_blocks_rows_are_put_in_rank_order_by_heads():
     assert rank_grouped_order(FusedLayout("per_head", 4, 4, 2), tp=2) is None  # NeoX: already by head
 
 
+def test_fewer_key_value_heads_than_ranks_split_each_heads_rows_over_its_sharers():
+    # 4 query heads, 2 key/value heads of width 2 at tp=4: ranks 0-1 share k0|v0 (rows 8-9|12-13), ranks 2-3 k1|v1
+    order = rank_grouped_order(FusedLayout("blocks", 4, 2, 2), tp=4).tolist()
+    assert order == [0, 1, 8, 9, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 14, 15]
+    sys.path.insert(0, str(Path(__file__).parent / "scenarios"))
+    from tp_library_models import litgpt_model  # type: ignore[import-not-found]
+
+    model = litgpt_model(16)
+    plan = infer_plan(model)
+    plan.validate(4)  # 2 query groups at tp=4: each shared by 2 ranks
+    assert plan.grouped_query["transformer.h.0.attn"] == {"heads": 4, "kv_heads": 2, "projections": []}
+    assert resolve_explicit_plan(model, plan.compact(model)).grouped_query == plan.grouped_query
+    with pytest.raises(TensorParallelPlanError, match=r"key/value heads \(fused projection\) = 2 is not divisible by"):
+        plan.validate(3)
+    neox = infer_plan(tiny_neox())  # per-head rows: no key/value head to share
+    assert not neox.grouped_query
+
+
 def test_fused_gate_up_rows_give_each_rank_matching_halves():
     assert block_rank_order((4, 4), tp=2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]  # rank 0: gate 0-1, up 4-5
 
@@ -195,6 +213,7 @@ FP64_TOL = 1e-10
 CLIP = 0.5
 REFERENCE = ["litgpt", "phi3"]
 TWO_RANKS = ["litgpt", "litgpt_save_tp", "litgpt_fsdp2_from_tp", "phi3"]
+FOUR_RANKS = ["litgpt_tp4", "phi3_tp4"]  # 2 key/value heads at tp=4
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +229,11 @@ def reference(workdir: Path) -> dict:
 @pytest.fixture(scope="module")
 def two_ranks(workdir: Path, reference: dict) -> dict:
     return run_scenarios(SCRIPT, 2, workdir, TWO_RANKS)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(workdir: Path, two_ranks: dict) -> dict:
+    return run_scenarios(SCRIPT, 4, workdir, FOUR_RANKS)
 
 
 def _assert_matches_one_process(workdir: Path, ours: dict, ref: dict, name: str, devices: int, base: str) -> None:
@@ -274,3 +298,16 @@ def test_litgpt_checkpoint_resumes_under_fsdp2_and_loads_into_litgpt_gpt(workdir
     assert all(k.startswith("gpt.") for k in full)
     original = litgpt_model(SEQ_LEN).double()
     original.load_state_dict({k.removeprefix("gpt."): v for k, v in full.items()}, strict=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["litgpt", "phi3"])
+def test_fused_qkv_with_fewer_key_value_heads_than_ranks_matches_one_process(workdir, reference, four_ranks, model):
+    """tp=4 over 2 key/value heads: each head's [k | v] rows are split over the 2 ranks sharing it and gathered in
+    forward, so every row is stored once (per-rank bytes stay at the ideal) and its gradient is summed over exactly
+    those 2 ranks."""
+    run = four_ranks[f"{model}_tp4"]
+    _assert_matches_one_process(workdir, run, reference[model], f"{model}_tp4", 4, model)
+    share = _per_rank_share(run, reference[model]["param_bytes_total"], 4)
+    assert share < 0.26
+    print(f"{model} tp=4: per-rank/total = {share:.4f}")

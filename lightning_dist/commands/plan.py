@@ -87,6 +87,8 @@ def _fused_split(spec: Any, tp: Any) -> str | None:
     line = f"fused {rows} split by heads: {heads} q + {kv} kv heads of {width}"
     if isinstance(tp, int) and heads % tp == 0 and kv % tp == 0:
         line += f"; {heads // tp} q + {kv // tp} kv per rank at tp={tp}"
+    elif isinstance(tp, int) and heads % tp == 0 and kv < tp and tp % kv == 0:
+        line += f"; {heads // tp} q per rank at tp={tp}, each kv head's rows split over the {tp // kv} ranks sharing it"
     if spec["order"] == "blocks":
         line += "; rows permuted into rank order while sharded, checkpoints keep the original order"
     return line

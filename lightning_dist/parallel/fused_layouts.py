@@ -89,12 +89,31 @@ def rank_grouped_order(layout: FusedLayout, tp: int) -> Tensor | None:
     """Row indices that put each rank's heads (its q, then k, then v) next to each other, rank by rank.
 
     ``permuted = weight[index]`` is then sharded contiguously over ``tp`` ranks; ``None`` when the rows are in rank
-    order already (``"per_head"``).
+    order already (``"per_head"``). With fewer key/value heads than ranks (``"blocks"`` only), the ``tp / kv_heads``
+    consecutive ranks whose query heads use key/value head ``g`` each hold an equal piece of ``[k_g | v_g]``, which
+    they gather in forward (:class:`~lightning_dist.parallel.tp_fused.FusedColwiseParallel`): every row is still held
+    by exactly one rank.
     """
     if layout.order == "per_head":
         return None
-    d = layout.head_dim
-    return block_rank_order((layout.num_heads * d, layout.num_kv_heads * d, layout.num_kv_heads * d), tp)
+    d, kv = layout.head_dim, layout.num_kv_heads
+    if kv >= tp:
+        return block_rank_order((layout.num_heads * d, kv * d, kv * d), tp)
+    # Fewer key/value heads than ranks: the `sharers` ranks using head g hold one piece each of its [k_g | v_g] rows.
+    sharers, q_rows = tp // kv, layout.num_heads * d // tp
+    piece = 2 * d // sharers
+    k_start, v_start = layout.num_heads * d, (layout.num_heads + kv) * d
+    pieces = []
+    for rank in range(tp):
+        group, index = divmod(rank, sharers)
+        kv_rows = torch.cat(
+            [
+                torch.arange(k_start + group * d, k_start + (group + 1) * d),
+                torch.arange(v_start + group * d, v_start + (group + 1) * d),
+            ]
+        )
+        pieces += [torch.arange(rank * q_rows, (rank + 1) * q_rows), kv_rows[index * piece : (index + 1) * piece]]
+    return torch.cat(pieces)
 
 
 def block_rank_order(blocks: Sequence[int], tp: int) -> Tensor:

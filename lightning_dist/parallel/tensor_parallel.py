@@ -189,7 +189,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
     changed: dict[str, str] = {}
     for name, attrs in plan.head_attributes.items():
         for attr, value in attrs.items():
-            local = max(value // tp, 1) if attr in KV_HEAD_ATTRIBUTES else value // tp
+            kv_count = attr.rpartition(".")[2] in (*KV_HEAD_ATTRIBUTES, "n_query_groups")  # litgpt's config
+            local = max(value // tp, 1) if kv_count else value // tp
             set_count(modules[name], attr, local)
             changed[f"{name}.{attr}" if name else attr] = f"{value} → {local}"
     for name, info in plan.grouped_query.items():
@@ -197,7 +198,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
         if isinstance(getattr(modules[name], "num_key_value_groups", None), int):
             modules[name].num_key_value_groups = heads // kv
         if info["kv_heads"] < tp:
-            changed[f"{name}.kv_heads_replicated"] = f"each over {tp // info['kv_heads']} ranks"
+            how = "kv_heads_replicated" if info["projections"] else "kv_heads_split"  # fused: rows split, gathered
+            changed[f"{name}.{how}"] = f"each over {tp // info['kv_heads']} ranks"
     if plan.sequence_parallel and plan.token_embedding is not None:
         _check_sequence_length(modules[plan.token_embedding], plan.token_embedding, tp)
     if plan.loss_parallel_head is not None:

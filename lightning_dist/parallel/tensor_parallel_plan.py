@@ -84,6 +84,32 @@ class DivisibilityCheck:
     def fails(self, tp: int) -> bool:
         return bool(self.value % tp) and not (self.or_divides and tp % self.value == 0)
 
+    def describe(self, tp: int) -> str:
+        """The problem, for :meth:`TensorParallelPlan.validate`."""
+        return f"{self.module}: {self.what} = {self.value} is not divisible by tensor_parallel_size={tp}" + (
+            " and does not divide it" if self.or_divides else ""
+        )
+
+
+@dataclass(frozen=True)
+class SharedKVRowsCheck(DivisibilityCheck):
+    """With fewer key/value heads than tp ranks, a fused projection's ``[k_g | v_g]`` rows (``value`` = 2·head_dim)
+    are split over the ``tp / kv_heads`` ranks sharing head ``g``: they must divide it."""
+
+    kv_heads: int = 1
+
+    def sharers(self, tp: int) -> int:
+        return tp // self.kv_heads if self.kv_heads < tp and tp % self.kv_heads == 0 else 1
+
+    def fails(self, tp: int) -> bool:
+        return bool(self.value % self.sharers(tp))
+
+    def describe(self, tp: int) -> str:
+        return (
+            f"{self.module}: {self.what} = {self.value} is not divisible by the {self.sharers(tp)} ranks sharing each"
+            f" of the {self.kv_heads} key/value heads at tensor_parallel_size={tp}"
+        )
+
 
 @dataclass
 class TensorParallelPlan:
@@ -99,7 +125,8 @@ class TensorParallelPlan:
         token_embedding: Name of the token embedding, if found (its input's sequence length is checked).
         grouped_query: Attention module name → ``{"heads", "kv_heads", "projections"}`` (its key/value projections):
             when tp exceeds the key/value heads, each rank holds the whole key/value projections and computes the
-            one head its query heads use (:mod:`lightning_dist.parallel.tp_kv_heads`).
+            one head its query heads use (:mod:`lightning_dist.parallel.tp_kv_heads`); a fused ``[Q | K | V]``
+            projection (no ``projections``) splits each key/value head's rows over the ranks sharing it instead.
         unreduced: Parameter name → why the automatic plan cannot keep it correct (it would get a different gradient
             on each tp rank, which nothing reduces); any entry makes :meth:`validate` refuse the plan.
     """
@@ -118,12 +145,7 @@ class TensorParallelPlan:
     def validate(self, tp: int) -> None:
         """Raise :class:`TensorParallelPlanError` listing every size tp does not divide (and, for sequence
         parallel, modules that would see a slice of the sequence, or a missing token embedding/output head)."""
-        problems = [
-            f"{c.module}: {c.what} = {c.value} is not divisible by tensor_parallel_size={tp}"
-            + (" and does not divide it" if c.or_divides else "")
-            for c in self.checks
-            if c.fails(tp)
-        ]
+        problems = [c.describe(tp) for c in self.checks if c.fails(tp)]
         if not self.styles:
             raise TensorParallelPlanError(
                 "The tensor-parallel plan is empty: no module of the model was recognised as shardable"
@@ -200,6 +222,18 @@ class TensorParallelPlan:
         return ", ".join(parts)
 
 
+def fused_kv_checks(name: str, kv_heads: int, head_dim: int, shareable: bool) -> list[DivisibilityCheck]:
+    """Checks on the key/value heads of a fused projection: tp divides them, or (``shareable``: a ``[Q | K | V]``
+    layout) they divide tp and the ranks sharing one of them split its key and value rows evenly."""
+    what = "key/value heads (fused projection)"
+    checks = [DivisibilityCheck(name, what, kv_heads, or_divides=shareable)]
+    if shareable:
+        checks.append(
+            SharedKVRowsCheck(name, "key and value rows of one head (2 × head_dim)", 2 * head_dim, kv_heads=kv_heads)
+        )
+    return checks
+
+
 def match_modules(pattern: str, names: list[str]) -> list[str]:
     """Module names matching ``pattern`` component by component (``*`` never crosses a dot)."""
     atoms = pattern.split(".")
@@ -247,9 +281,10 @@ def size_checks(name: str, module: nn.Module, options: dict[str, Any]) -> list[D
     """The sizes of ``module`` that tp must divide for the style ``options`` (refusing styles it cannot take)."""
     style = options["style"]
     if style == "fused_colwise":
-        checks = [DivisibilityCheck(name, "attention heads (fused projection)", int(options["heads"]))]
-        if int(options["kv_heads"]) != int(options["heads"]):
-            checks.append(DivisibilityCheck(name, "key/value heads (fused projection)", int(options["kv_heads"])))
+        heads, kv = int(options["heads"]), int(options["kv_heads"])
+        checks = [DivisibilityCheck(name, "attention heads (fused projection)", heads)]
+        if kv != heads:
+            checks += fused_kv_checks(name, kv, int(options["head_dim"]), options["order"] == "blocks")
         return checks
     if style == "multihead_attention":
         if not isinstance(module, nn.MultiheadAttention):

@@ -9,6 +9,10 @@
   ``gate_up_proj``) so that each rank holds matching rows of gate and up: its local output chunks into its own gate
   and up halves, as the module's forward chunks the global one.
 
+With fewer key/value heads than ranks, the ranks sharing a key/value head each hold a piece of its ``[k | v]`` rows
+(so every row is still stored once and gradient norms need no correction); the pieces of the projection's output are
+gathered over exactly those ranks in forward, and backward sums their gradients over the same ranks.
+
 The permuted rows are an internal layout: :mod:`lightning_dist.parallel.tp_checkpoint_layout` restores the original
 order in state dicts and applies it again on load, so checkpoints keep the library's layout.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
@@ -87,12 +92,19 @@ class FusedColwiseParallel(ParallelStyle):
         self.input_layout = input_layout or Replicate()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        order = rank_grouped_order(self.layout, device_mesh.size())
+        tp, layout = device_mesh.size(), self.layout
+        order = rank_grouped_order(layout, tp)
         if order is not None:
             _permute_output_rows(module, order)
         if is_conv1d(module):
-            return Conv1DParallel("colwise", input_layout=self.input_layout)._apply(module, device_mesh)
-        return ColwiseParallel(input_layouts=self.input_layout)._apply(module, device_mesh)
+            module = Conv1DParallel("colwise", input_layout=self.input_layout)._apply(module, device_mesh)
+        else:
+            module = ColwiseParallel(input_layouts=self.input_layout)._apply(module, device_mesh)
+        if layout.num_kv_heads < tp:
+            sharers = tp // layout.num_kv_heads
+            group = _sharing_group(device_mesh, sharers)
+            module.register_forward_hook(_KVPieceGather(layout.num_heads // tp * layout.head_dim, sharers, group))
+        return module
 
 
 class FusedGateUpParallel(ParallelStyle):
@@ -112,6 +124,49 @@ class FusedGateUpParallel(ParallelStyle):
         half = module.out_features // 2
         _permute_output_rows(module, block_rank_order((half, half), device_mesh.size()))
         return ColwiseParallel(input_layouts=self.input_layout)._apply(module, device_mesh)
+
+
+class _GatherPieces(torch.autograd.Function):
+    """Forward: concatenate the group's pieces (last dim, in group order). Backward: sum the whole gradient over the
+    group (every member used the gathered head) and return this rank's piece."""
+
+    @staticmethod
+    def forward(ctx: Any, piece: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group, ctx.index, ctx.width = group, dist.get_rank(group), piece.shape[-1]
+        parts = [
+            torch.empty_like(piece, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))
+        ]
+        dist.all_gather(parts, piece.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[..., ctx.index * ctx.width : (ctx.index + 1) * ctx.width].contiguous(), None
+
+
+class _KVPieceGather:
+    """Forward hook of a fused projection: ``[q | piece]`` → ``[q | k_g | v_g]``."""
+
+    def __init__(self, q_width: int, sharers: int, group: dist.ProcessGroup) -> None:
+        self.q_width, self.sharers, self.group = q_width, sharers, group
+
+    def __call__(self, module: nn.Module, args: Any, out: Tensor) -> Tensor:
+        q, piece = out.split([self.q_width, out.shape[-1] - self.q_width], dim=-1)
+        return torch.cat([q, _GatherPieces.apply(piece, self.group)], dim=-1)
+
+
+def _sharing_group(mesh: DeviceMesh, sharers: int) -> dist.ProcessGroup:
+    """The process group of this rank and the other ranks (consecutive on the tp mesh) sharing its key/value head;
+    made once per mesh (kept on it: every layer reuses it), by its members only."""
+    ranks = mesh.mesh.flatten().tolist()
+    start = mesh.get_local_rank() // sharers * sharers
+    members = tuple(ranks[start : start + sharers])
+    groups: dict[tuple[int, ...], dist.ProcessGroup] = mesh.__dict__.setdefault("_lightning_dist_kv_groups", {})
+    if members not in groups:
+        groups[members] = dist.new_group(list(members), use_local_synchronization=True)
+    return groups[members]
 
 
 def _permute_output_rows(module: nn.Module, order: Tensor) -> None:

@@ -26,6 +26,7 @@ from lightning_dist.parallel.tensor_parallel_plan import (
     StyleSpec,
     TensorParallelPlan,
     TensorParallelPlanError,
+    fused_kv_checks,
     match_modules,
     normalize_style,
     shard_dim,
@@ -207,14 +208,18 @@ def _attention_checks(plan: TensorParallelPlan, modules: dict[str, nn.Module], a
     if attention.num_heads is not None:
         plan.checks.append(DivisibilityCheck(name, "attention heads", attention.num_heads))
     if attention.num_kv_heads is not None and attention.num_kv_heads != attention.num_heads:
-        grouped = attention.fused is None and attention.num_heads is not None
-        what = "key/value heads (grouped-query attention)"
-        plan.checks.append(DivisibilityCheck(name, what, attention.num_kv_heads, or_divides=grouped))
-        if grouped:
+        layout = attention.fused_layout
+        shareable = layout.order == "blocks" if layout is not None else attention.num_heads is not None
+        if layout is not None:
+            plan.checks += fused_kv_checks(name, layout.num_kv_heads, layout.head_dim, shareable)
+        else:
+            what = "key/value heads (grouped-query attention)"
+            plan.checks.append(DivisibilityCheck(name, what, attention.num_kv_heads, or_divides=shareable))
+        if shareable:
             plan.grouped_query[name] = {
                 "heads": attention.num_heads,
                 "kv_heads": attention.num_kv_heads,
-                "projections": [attention.key, attention.value],
+                "projections": [] if layout is not None else [attention.key, attention.value],
             }
     if attention.fused is None:
         for proj, what in ((attention.query, "query"), (attention.key, "key"), (attention.value, "value")):

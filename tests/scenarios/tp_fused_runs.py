@@ -210,6 +210,8 @@ FUSED_SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "litgpt_save_tp": lambda d, w: checkpoint_save(d, w, "litgpt", "tp"),
     "litgpt_fsdp2_from_tp": lambda d, w: checkpoint_resume(d, w, "litgpt", "fsdp2", "tp"),
     "phi3": lambda d, w: train(d, w, "phi3", "phi3"),
+    "litgpt_tp4": lambda d, w: train(d, w, "litgpt_tp4", "litgpt"),  # at 4 devices: 2 query groups < tp
+    "phi3_tp4": lambda d, w: train(d, w, "phi3_tp4", "phi3"),  # at 4 devices: 2 key/value heads < tp
 }
 
 

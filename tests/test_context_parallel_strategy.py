@@ -1,6 +1,12 @@
-"""ContextParallelStrategy: names and options, early errors, batch sharding and position filling (no launch), and
-a real Trainer at cp=2 (tests/scenarios/context_parallel_runs.py) training the unchanged example GPT exactly as one
-process trains it on the whole sequence (fp64): ring, all-gather with activation checkpointing, and Ulysses."""
+"""ContextParallelStrategy: names and options, early errors, batch sharding, position filling and Hugging Face
+causal-LM recognition (no launch), and real Trainers (tests/scenarios/context_parallel_runs.py) training exactly as
+one process trains on the whole sequence (fp64):
+
+* 2 processes: the unchanged example GPT (ring, all-gather with activation checkpointing, Ulysses) and a stock
+  ``transformers`` ``LlamaForCausalLM`` whose labels are shifted inside the model (every algorithm, and uneven
+  ignored labels per shard), with controls; a DCP checkpoint resumed under fsdp2 and back;
+* 4 processes: cp=4 and dp2 × cp2 for both models.
+"""
 
 from __future__ import annotations
 
@@ -21,9 +27,20 @@ from lightning_dist.parallel.context_parallel_batch import (
     sequence_entries,
     shard_batch,
 )
+from lightning_dist.parallel.context_parallel_labels import (
+    PackedOrPaddedError,
+    check_plain_causal,
+    find_causal_lm,
+    is_causal_lm,
+)
 from lightning_dist.parallel.mesh import MeshConfigError
 
 TOL = 1e-10  # fp64: the same operations in another order across two processes
+# transformers' ForCausalLMLoss computes the loss in fp32 (it upcasts the logits with .float(), so fp64 logits are
+# cast down), in the one-process reference too: loss values agree to a few fp32 ulps (2.4e-7 at losses in [2, 4)).
+# Its gradient is exact (the per-token fp32 gradients are those of one process times cp, a power of two), so
+# gradient norms and parameters are compared at TOL.
+HF_LOSS_TOL = 2e-6
 
 
 def _trainer(strategy, devices: int = 2) -> L.Trainer:
@@ -142,13 +159,71 @@ def test_learned_positions_without_a_positions_argument_fail_before_launch(monke
         _trainer("context_parallel_ulysses").fit(_gpt(d_model=48, n_head=3))
 
 
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    return LlamaForCausalLM(config), LlamaModel(config)
+
+
+def test_hugging_face_causal_lms_are_recognised_by_their_loss():
+    lm, base = _tiny_llama()
+    wrapper = nn.Module()
+    wrapper.model = lm
+    assert is_causal_lm(lm) and find_causal_lm(wrapper) == "model" and find_causal_lm(lm) == ""
+    assert not is_causal_lm(base) and find_causal_lm(_gpt()) is None  # no loss from labels / not Hugging Face
+    lm.loss_function = lambda logits, labels, **kwargs: logits.sum()  # a custom loss: its shift is unknown
+    assert not is_causal_lm(lm)
+
+
+def test_padding_masks_and_packed_positions_are_refused_for_a_causal_lm():
+    positions = local_positions(16, 2, 1, "zigzag").unsqueeze(0)
+    check_plain_causal("LlamaForCausalLM", {"attention_mask": torch.ones(2, 8), "position_ids": positions}, 16, 2, 1,
+                       "zigzag")  # fmt: skip
+    padded = torch.ones(2, 8).index_fill_(1, torch.tensor([7]), 0)
+    with pytest.raises(PackedOrPaddedError, match=r"LlamaForCausalLM got an attention_mask with padding"):
+        check_plain_causal("LlamaForCausalLM", {"attention_mask": padded}, 16, 2, 1, "zigzag")
+    with pytest.raises(PackedOrPaddedError, match=r"position_ids that are not the global positions 0\.\.15"):
+        check_plain_causal("LlamaForCausalLM", {"position_ids": torch.arange(8).unsqueeze(0)}, 16, 2, 1, "zigzag")
+
+
 # ---------------------------------------------------------------------------------------------------- real runs
+SCRIPT = "context_parallel_runs.py"
+TWO_PROCESSES = [
+    *("ring", "allgather_checkpointed", "ulysses", "without_positions"),
+    *("hf_ring", "hf_allgather", "hf_ulysses", "hf_ignore_ring", "hf_ignore_without_label_shift"),
+    *("ckpt_context_parallel", "ckpt_fsdp2"),
+    *("resume_context_parallel_under_fsdp2", "resume_fsdp2_under_context_parallel"),
+]
+# every algorithm at cp=4 for the GPT; the others (gpt_dp2_cp2_ulysses, hf_cp4_allgather...) also pass, left out
+# for suite time (each 4-process scenario costs seconds on 2 cores)
+FOUR_PROCESSES = [
+    *("gpt_cp4_ring", "gpt_cp4_allgather", "gpt_cp4_ulysses", "gpt_dp2_cp2_ring"),
+    *("hf_cp4_ring", "hf_dp2_cp2_ulysses"),
+]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("context_parallel")
-    reference = run_scenarios("context_parallel_runs.py", 1, workdir, ["reference"])
-    names = ["ring", "allgather_checkpointed", "ulysses", "without_positions"]
-    return {**reference, **run_scenarios("context_parallel_runs.py", 2, workdir, names)}
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("context_parallel")
+
+
+@pytest.fixture(scope="module")
+def runs(workdir):
+    references = run_scenarios(SCRIPT, 1, workdir, ["reference", "hf_reference", "hf_ignore_reference"])
+    return {**references, **run_scenarios(SCRIPT, 2, workdir, TWO_PROCESSES)}
+
+
+@pytest.fixture(scope="module")
+def runs4(runs, workdir):
+    return run_scenarios(SCRIPT, 4, workdir, FOUR_PROCESSES)
+
+
+def _reference(runs, name: str) -> dict:
+    return runs["hf_ignore_reference" if "ignore" in name else "hf_reference" if name.startswith("hf") else "reference"]
 
 
 @pytest.mark.slow
@@ -170,3 +245,62 @@ def test_without_global_positions_the_gpt_trains_wrong(runs):
     """The control: the example GPT's own arange positions are wrong on rank 1's shard."""
     assert runs["without_positions"]["positions"] is None
     assert max_abs_diff(runs["without_positions"]["losses"], runs["reference"]["losses"]) > 1e-3
+
+
+@pytest.mark.slow
+def test_a_later_batch_of_another_length_is_checked_too(runs):
+    """Each batch is checked when it is sharded: after two steps at length 32, a batch of 24 is sharded and one of
+    30 gets the error naming the entry and the fix."""
+    later = runs["ring"]["later_batches"]
+    assert later["24"] == [2, 12]
+    assert "'input_ids' (sequence length 30)" in later["30"] and "divisible by 2·cp = 4" in later["30"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hf_ring", "hf_allgather", "hf_ulysses", "hf_ignore_ring"])
+def test_cp2_trains_a_stock_hf_llama_that_shifts_labels_inside(runs, name):
+    """``self.model(input_ids=x, labels=x).loss`` with GQA: the strategy passes global positions, computes the causal
+    mask the model builds from them as causal attention, and shifts the labels over the whole sequence."""
+    reference, result = _reference(runs, name), runs[name]
+    assert result["causal_lm"] == "model" and result["explicit_masks"] == "causal"
+    assert result["positions"] == ["model", "position_ids"]
+    assert result["same_keys"] and result["param_diff"] <= TOL
+    assert max_abs_diff(result["grad_norms"], reference["grad_norms"]) <= TOL
+    assert max_abs_diff(result["losses"], reference["losses"]) <= HF_LOSS_TOL
+    assert abs(result["val"]["val_loss"] - reference["val"]["val_loss"]) <= HF_LOSS_TOL
+
+
+@pytest.mark.slow
+def test_uneven_ignored_labels_per_shard_give_the_whole_sequence_mean(runs):
+    """Labels of frequent tokens are -100, so the shards count different numbers of labels; the loss is still the
+    mean over the whole sequence (hf_ignore_ring above). The control leaves the model to shift within each shard
+    and average over the shard's own labels."""
+    counted = runs["hf_ignore_reference"]["counted_per_shard"]
+    assert counted[0] != counted[1]
+    control, reference = runs["hf_ignore_without_label_shift"], runs["hf_ignore_reference"]
+    assert max_abs_diff(control["losses"], reference["losses"]) > 1e-3 and control["param_diff"] > 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("source", "target"), [("context_parallel", "fsdp2"), ("fsdp2", "context_parallel")])
+def test_a_checkpoint_resumes_under_the_other_strategy(runs, source, target):
+    """A context_parallel DCP checkpoint (mid-epoch, step 3 of 6) continues under fsdp2 as the uninterrupted
+    context_parallel run did, and an fsdp2 checkpoint under context_parallel."""
+    saved, resumed = runs[f"ckpt_{source}"], runs[f"resume_{source}_under_{target}"]
+    assert saved["checkpoint_is_folder"] and saved["global_step"] == resumed["global_step"] == 6
+    assert max_abs_diff(resumed["losses"], saved["losses"][3:]) <= TOL
+    assert resumed["param_diff"] <= TOL
+    assert max_abs_diff(runs["ckpt_context_parallel"]["losses"], runs["ckpt_fsdp2"]["losses"]) <= TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FOUR_PROCESSES)
+def test_cp4_and_dp2_cp2_train_as_one_process(runs, runs4, name):
+    reference, result = _reference(runs, name), runs4[name]
+    cp, dp = (4, 1) if "_cp4_" in name else (2, 2)
+    assert result["mesh"] == {"cp": cp, "dp_shard": dp}
+    assert result["same_keys"] and result["param_diff"] <= TOL
+    assert max_abs_diff(result["grad_norms"], reference["grad_norms"]) <= TOL
+    loss_tol = HF_LOSS_TOL if name.startswith("hf") else TOL
+    assert max_abs_diff(result["losses"], reference["losses"]) <= loss_tol
+    assert abs(result["val"]["val_loss"] - reference["val"]["val_loss"]) <= loss_tol

@@ -18,6 +18,7 @@ from lightning_dist.parallel.context_parallel_batch import (
     sequence_entries,
     shard_batch,
 )
+from lightning_dist.parallel.context_parallel_labels import find_causal_lm, is_causal_decoder, shift_labels_hook
 from lightning_dist.parallel.fsdp import FSDPConfig, is_fully_sharded
 from lightning_dist.parallel.mesh import ParallelDims, require_split_axis
 from lightning_dist.parallel.model_structure import recognize
@@ -75,6 +76,8 @@ class ContextParallelStrategy(MeshParallelStrategy):
         self._keys = parse_sequence_keys(self.sequence_keys) if self.sequence_keys is not None else None
         self.activation_checkpointing = check_bool("activation_checkpointing", activation_checkpointing)
         self._positions: tuple[str, str] | None = None  # (module name, argument)
+        self._causal_lm: str | None = None  # a Hugging Face causal LM that shifts its labels itself
+        self._explicit_masks = "refuse"
         self._seq_len: int | None = None  # global length of the current batch's sequences
         self._logged_entries: set[tuple[str, ...]] = set()
 
@@ -127,6 +130,7 @@ class ContextParallelStrategy(MeshParallelStrategy):
             else "no module takes positions (position_ids/input_pos/positions) and no learned position embedding"
             " was found: the model must not depend on absolute positions"
         )
+        self._recognize_causal_lm(model)
         dims, root = self.parallel_dims, type(model).__name__
         units = select_modules(model, what="shard")
         config = ParallelizeConfig(
@@ -145,35 +149,66 @@ class ContextParallelStrategy(MeshParallelStrategy):
         )
         return model
 
+    def _recognize_causal_lm(self, model: Module) -> None:
+        self._causal_lm = find_causal_lm(model)
+        if self._causal_lm is None:
+            return
+        lm = model.get_submodule(self._causal_lm)
+        name = self._causal_lm or type(model).__name__
+        if is_causal_decoder(lm):
+            self._explicit_masks = "causal"
+        self.log_decision(
+            f"{name} ({type(lm).__name__}) shifts its labels itself: each step its labels are shifted over the whole"
+            " sequence and passed as shift_labels, with num_items_in_batch = non-ignored labels of the sequence / cp"
+            + (
+                "; the causal mask it builds from positions is computed as causal attention over global positions"
+                if self._explicit_masks == "causal"
+                else ""
+            )
+        )
+
     # ------------------------------------------------------------------ batches and steps
     @override
     def transform_batch(self, batch: Any, dataloader_idx: int = 0) -> Any:
+        """Every batch's sequence entries, each checked (divisible by 2·cp or cp) and replaced by this rank's shard."""
         entries, seq_len = sequence_entries(batch, self._keys)
         if tuple(entries) not in self._logged_entries:
             self._logged_entries.add(tuple(entries))
             self.log_decision(f"sharding {sorted(entries)} (sequence length {seq_len}) over cp={self.parallel_dims.cp}")
-        self._seq_len = seq_len
-        return shard_batch(batch, entries, self.parallel_dims.cp, self.mesh["cp"].get_local_rank(), self.load_balance)
+        cp, rank = self.parallel_dims.cp, self.mesh["cp"].get_local_rank()
+        sharded = shard_batch(batch, entries, cp, rank, self.load_balance)
+        self._seq_len = seq_len  # only once the batch is known to be valid
+        return sharded
 
     def attention_context(self) -> ContextParallelAttention:
         """The SDPA dispatch of this strategy over its cp group."""
-        return ContextParallelAttention(self.process_group("cp"), self.attention, self.load_balance)
+        return ContextParallelAttention(
+            self.process_group("cp"), self.attention, self.load_balance, explicit_masks=self._explicit_masks
+        )
 
     @contextmanager
     def _global_positions(self) -> Generator[None, None, None]:
-        """The positions pre-hook on the module that takes them, for one step."""
-        if self._positions is None or self._seq_len is None:
+        """For one step: the positions pre-hook on the module that takes them, then the label-shift pre-hook on a
+        Hugging Face causal LM."""
+        if self._seq_len is None:
             yield
             return
-        name, argument = self._positions
-        module = self.lightning_module.get_submodule(name)
+        handles = []
         cp, rank = self.parallel_dims.cp, self.mesh["cp"].get_local_rank()
-        hook = fill_positions(module, argument, self._seq_len, cp, rank, self.load_balance)
-        handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+        if self._positions is not None:
+            name, argument = self._positions
+            module = self.lightning_module.get_submodule(name)
+            hook = fill_positions(module, argument, self._seq_len, cp, rank, self.load_balance)
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+        if self._causal_lm is not None:
+            lm = self.lightning_module.get_submodule(self._causal_lm)
+            hook = shift_labels_hook(lm, self.process_group("cp"), self._seq_len, self.load_balance)
+            handles.append(lm.register_forward_pre_hook(hook, with_kwargs=True))
         try:
             yield
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
 
     @override
     def train_context(self) -> ExitStack:

@@ -45,10 +45,17 @@ def run_failing_scenario(
 
 
 def run_on_loopback_nodes(
-    script: str, nnodes: int, nproc_per_node: int, workdir: Path, scenarios: list[str], timeout: float = 600
+    script: str,
+    nnodes: int,
+    nproc_per_node: int,
+    workdir: Path,
+    scenarios: list[str],
+    timeout: float = 600,
+    torchrun_args: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Run ``tests/scenarios/<script>`` as ``nnodes`` torchrun launches of ``nproc_per_node`` ranks each, which meet by
-    c10d rendezvous on 127.0.0.1 (as separate machines would, minus the network). ``--devices`` is the world size.
+    c10d rendezvous on 127.0.0.1 (as separate machines would, minus the network). ``--devices`` is the world size;
+    ``torchrun_args`` adds options (``--max-restarts=1``).
 
     Returns global rank 0's JSON result; fails with every launch's output when one fails.
     """
@@ -59,7 +66,7 @@ def run_on_loopback_nodes(
         port = s.getsockname()[1]
     torchrun = [
         sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={out.stem}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={out.stem}", *torchrun_args,
     ]  # fmt: skip
     procs = [
         subprocess.Popen([*torchrun, *cmd[1:]], cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

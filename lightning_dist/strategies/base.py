@@ -54,7 +54,7 @@ from lightning_dist.plugins.precision import FSDP2Precision, to_fsdp2_precision
 from lightning_dist.strategies.checkpointing import ShardedCheckpointing
 from lightning_dist.strategies.collectives import MeshCollectives
 from lightning_dist.strategies.data_position import LIGHTNING_NOT_RESUMABLE_WARNING, skip_trained_batches
-from lightning_dist.strategies.failure_handling import explain_exception, start_watchdog
+from lightning_dist.strategies.failure_handling import explain_exception, restart_store_kwargs, start_watchdog
 from lightning_dist.strategies.preflight import (
     PARALLELIZED,
     PreflightLauncher,
@@ -257,7 +257,11 @@ class MeshParallelStrategy(ShardedCheckpointing, MeshCollectives, StepProtocol, 
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+            self.cluster_environment,
+            self._process_group_backend,
+            timeout=self._timeout,
+            device_id=device_id,
+            **restart_store_kwargs(self.cluster_environment, self._timeout),
         )
         _destroy_process_groups_at_exit()
         self._watchdog = start_watchdog(self)

@@ -1,5 +1,7 @@
 """How a lightning_dist job ends when one rank fails: every rank, within seconds, naming the rank and its error.
 
+Under a torchrun restart, the process group also gets a store of its own attempt (:func:`restart_store_kwargs`).
+
 The strategy starts a :class:`~lightning_dist.parallel.watchdog.FailureWatchdog` once the process group exists,
 publishes its own exception from ``on_exception``, and stops the watchdog in ``teardown``. When the watchdog finds
 another rank's failure while this rank is still running, this rank ends itself: on NCCL it first aborts its process
@@ -16,7 +18,8 @@ import os
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -38,12 +41,39 @@ def start_watchdog(strategy: MeshParallelStrategy) -> FailureWatchdog | None:
     rank = strategy.global_rank
     return FailureWatchdog(
         store,
-        prefix=f"lightning_dist/watchdog/{next(_setups)}",
+        prefix=_key_prefix(),
         rank=rank,
         world_size=strategy.world_size,
         on_failure=lambda message: _end_this_rank(strategy, rank, message),
         check_local=lambda: launched_rank_failure(strategy),
     ).start()
+
+
+def restart_store_kwargs(cluster_environment: Any, timeout: timedelta | None) -> dict[str, Any]:
+    """``init_process_group`` arguments that keep a torchrun restart from reading the previous attempt's keys.
+
+    torchrun (c10d rendezvous, torch 2.13) hands every attempt of the workers the same shared store, and the default
+    process group writes the same keys into it each time: a restarted gloo group can read the dead attempt's
+    addresses and fail to connect, or hang. Under a restart the group gets a store prefixed with the attempt.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(
+        cluster_environment.main_address,
+        cluster_environment.main_port,
+        cluster_environment.world_size(),
+        is_master=False,
+        timeout=timeout or timedelta(minutes=30),
+    )
+    return {"store": dist.PrefixStore(f"lightning_dist/attempt_{attempt}", store)}
+
+
+def _key_prefix() -> str:
+    """Keys of this setup of these processes. torchrun keeps its store across restarts of the workers, so the
+    attempt is part of the name: a restarted job must not find the failure that ended the previous attempt."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"lightning_dist/watchdog/attempt_{attempt}/setup_{next(_setups)}"
 
 
 def launched_rank_failure(strategy: MeshParallelStrategy) -> str | None:

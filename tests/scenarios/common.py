@@ -104,6 +104,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def is_rank_zero() -> bool:
+    if "RANK" in os.environ:  # torchrun sets the global rank; Lightning's launcher sets local and node ranks
+        return int(os.environ["RANK"]) == 0
     return int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("NODE_RANK", "0")) == 0
 
 

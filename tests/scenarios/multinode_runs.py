@@ -12,7 +12,6 @@ loopback, or as one node of 4 processes (zeropp then declares ``ranks_per_node=2
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from typing import Any
 
@@ -22,7 +21,7 @@ from common import (  # type: ignore[import-not-found]
     StepRecorder,
     full_state,
     make_model_and_data,
-    parse_args,
+    run_scenario_script,
     trainer_kwargs,
 )
 from zeropp_runs import MODEL, RANKS_PER_NODE, StepBytes  # type: ignore[import-not-found]
@@ -58,16 +57,16 @@ def _fit(world: int, strategy: Any, precision: str, model_kwargs: dict, dp: int,
     }
 
 
-def fsdp2(world: int) -> dict[str, Any]:
+def fsdp2(world: int, workdir: str) -> dict[str, Any]:
     return _fit(world, FSDP2Strategy(), "64-true", {}, dp=world, callbacks=[])
 
 
-def tp2d(world: int) -> dict[str, Any]:
+def tp2d(world: int, workdir: str) -> dict[str, Any]:
     strategy = TensorParallelStrategy(tensor_parallel_size=2, data_parallel_size="auto")
     return _fit(world, strategy, "64-true", {"vocab_size": 64}, dp=world // 2, callbacks=[])
 
 
-def zeropp(world: int) -> dict[str, Any]:
+def zeropp(world: int, workdir: str) -> dict[str, Any]:
     counting = StepBytes()
     strategy = ZeroPPStrategy() if UNDER_TORCHRUN else ZeroPPStrategy(ranks_per_node=RANKS_PER_NODE)
     result = _fit(world, strategy, "bf16-mixed", MODEL, dp=world, callbacks=[counting])
@@ -77,9 +76,4 @@ def zeropp(world: int) -> dict[str, Any]:
 SCENARIOS = {"fsdp2": fsdp2, "tp2d": tp2d, "zeropp": zeropp}
 
 if __name__ == "__main__":
-    args = parse_args()
-    results = {name: SCENARIOS[name](args.devices) for name in args.scenarios.split(",")}
-    if int(os.environ.get("RANK", "0")) == 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        with open(f"{args.out}.tmp", "w") as f:
-            json.dump(results, f)
-        os.replace(f"{args.out}.tmp", args.out)
+    run_scenario_script(SCENARIOS)

@@ -1,6 +1,9 @@
-"""PipelineStrategy: the unchanged example GPT in a real Trainer at pp=2 (1f1b and gpipe) trains, clips, validates
-and predicts exactly as one process does (fp64, 1e-10), every rank logging and returning the loss stage's loss; and
-bad settings are refused before anything runs."""
+"""PipelineStrategy: the unchanged example GPT in a real Trainer at pp=2 (every schedule family) and pp=4, and stock
+Hugging Face models, train, clip, validate and predict exactly as one process does (fp64, 1e-10), every rank logging
+and returning the loss stage's loss; pipeline checkpoints resume under fsdp2 and tensor_parallel and the other way
+round; bad settings are refused before anything runs.
+
+Launches: one reference process, one 2-process launch for every pp=2 scenario, one 4-process launch."""
 
 from __future__ import annotations
 
@@ -11,34 +14,114 @@ from launch import max_abs_diff, run_scenarios
 from lightning_dist import PipelineStrategy
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
 
-TOL = 1e-10  # fp64: the same operations in another order across two processes
-SCHEDULES = ["1f1b", "gpipe"]
-REFERENCE = {"1f1b": "reference", "gpipe": "reference", "1f1b_accumulate": "reference_accumulate"}
+TOL = 1e-10  # fp64: the same operations in another order across processes
+# transformers' ForCausalLMLoss casts the logits to float32, so Hugging Face's own loss is a float32 value even in a
+# 64-true run: the mean of per-micro-batch float32 means differs from the whole batch's by float32 rounding.
+HF_LOSS_TOL = 2e-6
+REFERENCE = {  # pipeline run on 2 ranks: the one-process run it must match
+    "1f1b": "reference",
+    "gpipe": "reference",
+    "1f1b_accumulate": "reference_accumulate",
+    "interleaved_1f1b": "reference",
+    "zbv_zero_bubble": "reference",
+    "1f1b_checkpointing": "reference",
+}
+FOUR_RANKS = {"1f1b_dp2": "reference", "pp4_1f1b": "reference", "pp4_gpipe": "reference"}
+HF_MODELS = ["llama", "gpt2"]
+# (checkpoint saved by, resumed under): each resumes the step-2 checkpoint and trains to step 4
+RESUMES = [("pipeline", "fsdp2"), ("pipeline", "tensor_parallel"), ("fsdp2", "pipeline")]
+SCRIPT = "pipeline_strategy_runs.py"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("pipeline_strategy")
-    reference = run_scenarios("pipeline_strategy_runs.py", 1, workdir, sorted(set(REFERENCE.values())))
-    return {**reference, **run_scenarios("pipeline_strategy_runs.py", 2, workdir, list(REFERENCE))}
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("pipeline_strategy")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("schedule", list(REFERENCE))
-def test_pp2_matches_one_process(runs, schedule):
-    """1f1b and gpipe, and 1f1b with accumulate_grad_batches=2 (gradients summed over two pipeline steps)."""
-    reference = runs[REFERENCE[schedule]]
-    assert min(reference["grad_norms"]) > 0.05  # every step was clipped (by the norm over both stages)
-    ranks = runs[schedule]["per_rank"]
-    assert not set(ranks[0]["keys"]) & set(ranks[1]["keys"])  # each rank holds only its stage's parameters
+@pytest.fixture(scope="module")
+def references(workdir):
+    names = sorted(set(REFERENCE.values()) | set(FOUR_RANKS.values())) + [f"hf_{m}_reference" for m in HF_MODELS]
+    return run_scenarios(SCRIPT, 1, workdir, names)
+
+
+@pytest.fixture(scope="module")
+def runs(workdir, references):
+    scenarios = [*REFERENCE, *(f"hf_{m}" for m in HF_MODELS), "save_fsdp2"]
+    scenarios += [f"{source}_as_{target}" for source, target in RESUMES]
+    return {**references, **run_scenarios(SCRIPT, 2, workdir, scenarios)}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(workdir, references):
+    return {**references, **run_scenarios(SCRIPT, 4, workdir, list(FOUR_RANKS))}
+
+
+def _check_gpt_run(reference, ranks, replicas=1):
+    keys = [set(rank["keys"]) for rank in ranks]
+    assert set().union(*keys) == set(reference["keys"])  # every parameter is compared, on the rank holding it
+    if replicas == 1:
+        assert not any(keys[i] & keys[j] for i in range(len(keys)) for j in range(i))  # each rank: its stages only
     for rank in ranks:
         assert max_abs_diff(rank["losses"], reference["losses"]) <= TOL  # the step output, on every rank
         assert max_abs_diff(rank["logged"], reference["logged"]) <= TOL  # the logged train_loss, on every rank
         assert rank["param_diff"] <= TOL
         assert abs(rank["val_loss"] - reference["val_loss"]) <= TOL  # validation through the forward-only pass
-    # predict: the outputs, in batch order, on the rank of the last stage only
-    assert [r["has_predictions"] for r in ranks] == [False, True]
-    assert ranks[1]["predictions_equal"]
+    if "has_predictions" not in ranks[0]:
+        return  # fit only (the 4-process runs)
+    # predict: the outputs, in batch order, on the ranks of the last stage only (one per data-parallel replica)
+    assert sum(r["has_predictions"] for r in ranks) == replicas
+    if replicas == 1:
+        assert all(r["predictions_equal"] for r in ranks if r["has_predictions"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", list(REFERENCE))
+def test_pp2_matches_one_process(runs, schedule):
+    """1f1b, gpipe, interleaved 1F1B and ZBV zero bubble (2 stages per rank), activation checkpointing, and 1f1b
+    with accumulate_grad_batches=2 (gradients summed over two pipeline steps): losses, logged values, every final
+    parameter, validation loss and predictions."""
+    reference = runs[REFERENCE[schedule]]
+    assert min(reference["grad_norms"]) > 0.05  # every step was clipped (by the norm over both stages)
+    _check_gpt_run(reference, runs[schedule]["per_rank"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", list(FOUR_RANKS))
+def test_four_ranks_match_one_process(four_ranks, scenario):
+    """pp=4 (one block per stage) with gpipe and 1f1b, and pp=2 × dp_shard=2 (FSDP2 inside each stage): losses,
+    logged values, every final parameter and fit's validation loss."""
+    _check_gpt_run(four_ranks[FOUR_RANKS[scenario]], four_ranks[scenario]["per_rank"], 2 if "dp2" in scenario else 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", HF_MODELS)
+def test_hugging_face_models_match_one_process(runs, model):
+    """Stock LlamaForCausalLM and GPT2LMHeadModel (embedding tied to lm_head) in a LightningModule without
+    configure_model whose training_step returns ``self.model(input_ids=x, labels=x).loss``: the pipelined module is
+    ``self.model``. GPT-2's tied weight has a copy on each stage; the copies are equal after every step."""
+    reference = runs[f"hf_{model}_reference"]
+    ranks = runs[f"hf_{model}"]["per_rank"]
+    assert set(ranks[0]["keys"]).union(ranks[1]["keys"]) == set(reference["keys"])
+    for rank in ranks:
+        assert rank["param_diff"] <= TOL
+        assert max_abs_diff(rank["logged64"], reference["logged64"]) <= TOL  # the loss from the float64 logits
+        assert max_abs_diff(rank["losses"], reference["losses"]) <= HF_LOSS_TOL  # HF's own (float32) loss
+        assert max_abs_diff(rank["logged"], reference["logged"]) <= HF_LOSS_TOL
+    if model == "gpt2":
+        assert "model.transformer.wte.weight" in ranks[0]["keys"] and "model.lm_head.weight" in ranks[1]["keys"]
+        for rank in ranks:
+            assert rank["tied_diffs"] == [0.0] * len(reference["losses"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("source", "target"), RESUMES)
+def test_checkpoint_resumes_under_another_strategy(runs, source, target):
+    """A DCP checkpoint of step 2 (mid-epoch) saved under one strategy resumes under another in new Trainer runs,
+    continuing the uninterrupted one-process run: steps 3-4 and every final parameter (gathered)."""
+    run, reference = runs[f"{source}_as_{target}"], runs["reference"]
+    assert max_abs_diff(run["losses"], reference["losses"][2:]) <= TOL
+    assert run["param_diff"] <= TOL
+    assert run["params"] == len(reference["keys"])
 
 
 def _dims(world: int, pp: int | str = "auto", dp: int = 1) -> ParallelDims:

@@ -100,14 +100,15 @@ class PipelineStrategy(MeshParallelStrategy):
     @override
     def parallelize(self, model: Module) -> Module:
         dims, v = self.parallel_dims, self.stages_per_rank
-        self._module = model  # the pipelined module: the LightningModule, whose forward the steps call
-        plan = pp.plan_stages(model, dims.pp * v, self.split)
+        where = pp.find_pipelined_module(model)
+        self._module = model.get_submodule(where)  # the module whose one call the steps make, pipelined
+        plan = pp.plan_stages(self._module, dims.pp * v, self.split)
         self._plan = plan
-        self._ties = pp.find_tied_parameters(model, plan)
+        self._ties = pp.find_tied_parameters(self._module, plan)
         ranks = self.mesh.world.mesh.movedim(0, -1).reshape(-1, dims.pp).tolist()  # every pipeline group
         self._tie_groups = pp.new_tie_groups(self._ties, ranks, v, self.info.placement)
         self._stage_ids = pp.stage_ids_for_rank(self.mesh["pp"].get_local_rank(), dims.pp, v, self.info.placement)
-        parts = pp.cut_pipeline_stages(model, plan, self._stage_ids, self.root_device)
+        parts = pp.cut_pipeline_stages(self._module, plan, self._stage_ids, self.root_device)
         for part, stage in zip(parts, self._stage_ids):
             local = set(plan.stages[stage]) & set(plan.blocks)  # not the stand-ins of other stages' blocks
             blocks = [(n, m) for n, m in part.named_modules() if n in local]
@@ -116,6 +117,8 @@ class PipelineStrategy(MeshParallelStrategy):
             config.root_mp_policy = self.precision_plugin.root_mp_policy if fsdp else None
             parallelize(part, self.mesh, config)
         self.model_parts = parts
+        if where:
+            self.log_decision(f"pipelining {where} ({type(self._module).__name__}), the module holding every parameter")
         if self.activation_checkpointing:
             self.log_decision("activation checkpointing on every local block")
         if dims.dp_shard > 1:
@@ -132,7 +135,7 @@ class PipelineStrategy(MeshParallelStrategy):
     @override
     def _make_replicas_equal(self) -> None:
         super()._make_replicas_equal()
-        pp.broadcast_tied_parameters(self.lightning_module, self._ties, self._tie_groups)
+        pp.broadcast_tied_parameters(self._module, self._ties, self._tie_groups)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -216,7 +219,7 @@ class PipelineStrategy(MeshParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         def closure_then_sync() -> Any:
             result = closure()
-            pp.all_reduce_tied_gradients(self.lightning_module, self._ties, self._tie_groups)  # before clipping
+            pp.all_reduce_tied_gradients(self._module, self._ties, self._tie_groups)  # before clipping
             return result
 
         return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)

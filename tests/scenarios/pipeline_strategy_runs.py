@@ -1,10 +1,12 @@
-"""PipelineStrategy with a real Trainer and the unchanged example GPT: pp=2 (1f1b, gpipe) against one process.
+"""PipelineStrategy with a real Trainer against one process: the unchanged example GPT on every schedule family
+(pp=2 and pp=4, pp2 × dp2), stock Hugging Face models, and checkpoints resumed across strategies.
 
 python tests/scenarios/pipeline_strategy_runs.py --devices 1 --out r.json --workdir DIR --scenarios reference
 python tests/scenarios/pipeline_strategy_runs.py --devices 2 --out r.json --workdir DIR --scenarios 1f1b,gpipe
 
-(``reference_accumulate`` / ``1f1b_accumulate``: accumulate_grad_batches=2; ``interleaved_1f1b`` and
-``zbv_zero_bubble`` compare with ``reference`` too.)
+Every pipeline scenario compares with the reference of the same model (``reference_accumulate`` for
+``1f1b_accumulate``, ``hf_<model>_reference`` for ``hf_<model>``). ``1f1b`` and ``save_fsdp2`` write the step-2
+checkpoints the ``<source>_as_<target>`` scenarios resume; ``1f1b_dp2`` and ``pp4_*`` need 4 processes.
 """
 
 from __future__ import annotations
@@ -16,22 +18,25 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from common import StepRecorder, make_model_and_data, run_scenario_script, trainer_kwargs  # type: ignore[import-not-found]
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.distributed.tensor import DTensor
 
-from lightning_dist import PipelineStrategy
+from lightning_dist import FSDP2Strategy, PipelineStrategy, TensorParallelStrategy
 
 STEPS, CLIP = 4, 0.05
+SAVE_AT = 2  # the resumes start from the checkpoint of step 2 (mid-epoch)
+VOCAB = 64  # the data has 63 token ids; 64 lets tensor parallelism divide the vocabulary
 
 
 class LoggedLoss(Callback):
-    """The ``train_loss`` this rank logged at every optimizer step (read once Lightning has published it)."""
+    """The value this rank logged as ``key`` at every optimizer step (read once Lightning has published it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: str = "train_loss") -> None:
+        self.key = key
         self.values: list[float] = []
 
     def _read(self, trainer: L.Trainer) -> None:
-        self.values.append(float(trainer.callback_metrics["train_loss"]))
+        self.values.append(float(trainer.callback_metrics[self.key]))
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step > 0:
@@ -41,20 +46,35 @@ class LoggedLoss(Callback):
         self._read(trainer)
 
 
+def _checkpoints(workdir: str, name: str) -> ModelCheckpoint:
+    """Saves at step SAVE_AT (mid-epoch) into ``workdir/name/step=SAVE_AT.ckpt``."""
+    return ModelCheckpoint(f"{workdir}/{name}", every_n_train_steps=SAVE_AT, save_top_k=-1, filename="{step}")
+
+
 def _train(
-    devices: int, strategy: Any, dp: int = 1, **kwargs: Any
-) -> tuple[Any, StepRecorder, LoggedLoss, float, list]:
-    model, data = make_model_and_data(devices, dp_size=dp, n_layer=4)
+    devices: int, strategy: Any, dp: int = 1, callbacks: list[Callback] = (), evaluate: bool = True, **kwargs: Any
+) -> tuple[Any, StepRecorder, LoggedLoss, float, list | None]:
+    """Fit STEPS steps (validating after the last); with ``evaluate`` also ``validate`` and ``predict`` afterwards
+    (else the validation loss is fit's)."""
+    model, data = make_model_and_data(devices, dp_size=dp, n_layer=4, vocab_size=VOCAB)
     recorder, logged = StepRecorder(), LoggedLoss()
     trainer = L.Trainer(
-        **trainer_kwargs(devices, strategy=strategy, precision="64-true", gradient_clip_val=CLIP),
+        **trainer_kwargs(
+            devices,
+            strategy=strategy,
+            precision="64-true",
+            gradient_clip_val=CLIP,
+            enable_checkpointing=bool(callbacks),
+        ),
         max_steps=STEPS,
         val_check_interval=STEPS,  # one validation loop inside fit, after the last step
         check_val_every_n_epoch=None,
-        callbacks=[recorder, logged],
+        callbacks=[recorder, logged, *callbacks],
         **kwargs,
     )
     trainer.fit(model, data)
+    if not evaluate:
+        return model, recorder, logged, float(trainer.callback_metrics["val_loss"]), None
     val = trainer.validate(model, data.val_dataloader(), verbose=False)[0]["val_loss"]
     predictions = trainer.predict(model, data.val_dataloader())
     return model, recorder, logged, float(val), predictions
@@ -67,17 +87,29 @@ def _reference(**kwargs: Any) -> Callable[[int, str], dict[str, Any]]:
         suffix = "_accumulate" if kwargs else ""
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{workdir}/reference{suffix}.pt")
         torch.save(predictions, f"{workdir}/predictions{suffix}.pt")
-        return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "logged": logged.values, "val_loss": val}
+        return {
+            "losses": recorder.losses,
+            "grad_norms": recorder.grad_norms,
+            "logged": logged.values,
+            "val_loss": val,
+            "keys": sorted(model.state_dict()),
+        }
 
     return run
 
 
 def _pipeline(
-    schedule: str, dp: int = 1, options: dict[str, Any] | None = None, **kwargs: Any
+    schedule: str,
+    dp: int = 1,
+    options: dict[str, Any] | None = None,
+    save: bool = False,
+    evaluate: bool = True,
+    **kwargs: Any,
 ) -> Callable[[int, str], dict[str, Any]]:
     def run(devices: int, workdir: str) -> dict[str, Any]:
         strategy = PipelineStrategy(schedule=schedule, data_parallel_shard_size=dp, **(options or {}))
-        model, recorder, logged, val, predictions = _train(devices, strategy, dp, **kwargs)
+        callbacks = [_checkpoints(workdir, "pipeline")] if save else []
+        model, recorder, logged, val, predictions = _train(devices, strategy, dp, callbacks, evaluate, **kwargs)
         suffix = "_accumulate" if kwargs else ""
         expected = torch.load(f"{workdir}/reference{suffix}.pt")
         local = {k: _full(v.detach()) for k, v in model.state_dict().items()}
@@ -87,9 +119,10 @@ def _pipeline(
             "val_loss": val,
             "keys": sorted(local),
             "param_diff": max((local[k] - expected[k]).abs().max().item() for k in local),
-            "has_predictions": predictions[0] is not None,
         }
-        if predictions[0] is not None:
+        if predictions is not None:
+            result["has_predictions"] = predictions[0] is not None
+        if predictions is not None and predictions[0] is not None:
             ref = torch.load(f"{workdir}/predictions{suffix}.pt")
             result["predictions_equal"] = all(torch.equal(a, b) for a, b in zip(predictions, ref))
         gathered: list[Any] = [None] * dist.get_world_size()
@@ -99,20 +132,137 @@ def _pipeline(
     return run
 
 
+CHECKPOINT_STRATEGIES: dict[str, tuple[Callable[[], Any], int]] = {  # name: (strategy, data-parallel size)
+    "pipeline": (lambda: PipelineStrategy(), 1),
+    "fsdp2": (lambda: FSDP2Strategy(), 2),
+    "tensor_parallel": (lambda: TensorParallelStrategy(tensor_parallel_size=2), 1),
+}
+
+
+def _resume(source: str | None, target: str) -> Callable[[int, str], dict[str, Any]]:
+    """Train under ``target`` from the step-SAVE_AT checkpoint ``source`` saved to step STEPS (``source=None``: save
+    that checkpoint, training to step SAVE_AT only). Returns the losses and the gathered final parameters' largest
+    difference from the uninterrupted one-process run."""
+
+    def run(devices: int, workdir: str) -> dict[str, Any]:
+        make, dp = CHECKPOINT_STRATEGIES[target]
+        model, data = make_model_and_data(devices, dp_size=dp, n_layer=4, vocab_size=VOCAB)
+        recorder = StepRecorder()
+        trainer = L.Trainer(
+            **trainer_kwargs(
+                devices,
+                strategy=make(),
+                precision="64-true",
+                gradient_clip_val=CLIP,
+                limit_val_batches=0,
+                enable_checkpointing=not source,
+            ),
+            max_steps=STEPS if source else SAVE_AT,
+            callbacks=[recorder, *([] if source else [_checkpoints(workdir, target)])],
+        )
+        trainer.fit(model, data, ckpt_path=f"{workdir}/{source}/step={SAVE_AT}.ckpt" if source else None)
+        expected = torch.load(f"{workdir}/reference.pt")
+        diffs = [(_full(v.detach()) - expected[k]).abs().max().item() for k, v in model.state_dict().items()]
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, max(diffs))
+        return {"losses": recorder.losses, "param_diff": max(gathered), "params": len(expected)}
+
+    return run
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class TiedCopies(Callback):
+    """After every optimizer step, the largest difference between the copies of a tied parameter across ranks."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+        self.diffs: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        local = dict(pl_module.named_parameters())
+        mine = next(local[n] for n in self.names if n in local).detach()
+        copies = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(copies, mine)
+        self.diffs.append(max((c - copies[0]).abs().max().item() for c in copies))
+
+
+def _hf_train(devices: int, kind: str, strategy: Any) -> tuple[Any, StepRecorder, list[LoggedLoss], TiedCopies | None]:
+    from hf_causal_lm import HFCausalLM  # type: ignore[import-not-found]
+
+    _, data = make_model_and_data(devices, dp_size=1)
+    L.seed_everything(1234, verbose=False)
+    model = HFCausalLM(kind)
+    recorder, logged = StepRecorder(), [LoggedLoss("train_loss"), LoggedLoss("loss64")]
+    tied = (
+        TiedCopies(("model.transformer.wte.weight", "model.lm_head.weight")) if devices > 1 and kind == "gpt2" else None
+    )
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=strategy, precision="64-true", limit_val_batches=0),
+        max_steps=STEPS,
+        callbacks=[recorder, *logged, *([tied] if tied else [])],
+    )
+    trainer.fit(model, data)
+    return model, recorder, logged, tied
+
+
+def _hf_reference(kind: str) -> Callable[[int, str], dict[str, Any]]:
+    def run(devices: int, workdir: str) -> dict[str, Any]:
+        model, recorder, logged, _ = _hf_train(devices, kind, "auto")
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{workdir}/reference_{kind}.pt")
+        return {
+            "losses": recorder.losses,
+            "logged": logged[0].values,
+            "logged64": logged[1].values,
+            "keys": sorted(model.state_dict()),
+        }
+
+    return run
+
+
+def _hf_pipeline(kind: str) -> Callable[[int, str], dict[str, Any]]:
+    def run(devices: int, workdir: str) -> dict[str, Any]:
+        model, recorder, logged, tied = _hf_train(devices, kind, PipelineStrategy())
+        expected = torch.load(f"{workdir}/reference_{kind}.pt")
+        local = {k: v.detach() for k, v in model.state_dict().items()}
+        result = {
+            "losses": recorder.losses,
+            "logged": logged[0].values,
+            "logged64": logged[1].values,
+            "keys": sorted(local),
+            "param_diff": max((local[k] - expected[k]).abs().max().item() for k in local),
+            "tied_diffs": tied.diffs if tied else [],
+        }
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, result)
+        return {"per_rank": gathered}
+
+    return run
 
 
 SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "reference": _reference(),
     "reference_accumulate": _reference(accumulate_grad_batches=2),
-    "1f1b": _pipeline("1f1b"),
+    "1f1b": _pipeline("1f1b", save=True),  # also saves the checkpoint the resumes below start from
     "gpipe": _pipeline("gpipe"),
     "interleaved_1f1b": _pipeline("interleaved_1f1b"),
     "zbv_zero_bubble": _pipeline("zbv_zero_bubble"),
     "1f1b_accumulate": _pipeline("1f1b", accumulate_grad_batches=2),
-    "1f1b_dp2": _pipeline("1f1b", dp=2),  # 4 processes: pp=2 × dp_shard=2
+    # 4 processes (fit and its validation only): pp=2 × dp_shard=2, and pp=4 with one block per stage
+    "1f1b_dp2": _pipeline("1f1b", dp=2, evaluate=False),
+    "pp4_gpipe": _pipeline("gpipe", evaluate=False),
+    "pp4_1f1b": _pipeline("1f1b", evaluate=False),
     "1f1b_checkpointing": _pipeline("1f1b", options={"activation_checkpointing": True}),
+    "save_fsdp2": _resume(None, "fsdp2"),
+    "pipeline_as_fsdp2": _resume("pipeline", "fsdp2"),
+    "pipeline_as_tensor_parallel": _resume("pipeline", "tensor_parallel"),
+    "fsdp2_as_pipeline": _resume("fsdp2", "pipeline"),
+    "hf_llama_reference": _hf_reference("llama"),
+    "hf_gpt2_reference": _hf_reference("gpt2"),
+    "hf_llama": _hf_pipeline("llama"),
+    "hf_gpt2": _hf_pipeline("gpt2"),
 }
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from lightning_dist.parallel.pipeline.schedule import (
 from lightning_dist.parallel.pipeline.split import (
     StagePlan,
     find_pipeline_units,
+    find_pipelined_module,
     plan_stages,
     stage_ids_for_rank,
     stage_owner,
@@ -66,6 +67,7 @@ __all__ = [
     "cut_pipeline_stages",
     "default_n_microbatches",
     "find_pipeline_units",
+    "find_pipelined_module",
     "find_tied_parameters",
     "model_inputs_as_kwargs",
     "new_tie_groups",

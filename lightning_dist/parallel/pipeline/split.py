@@ -52,6 +52,20 @@ class StagePlan:
         return [f"stage {i}: {_compact(units)}" for i, units in enumerate(self.stages)]
 
 
+def find_pipelined_module(model: nn.Module) -> str:
+    """The qualified name of the module to pipeline: the innermost module holding every parameter of ``model``
+    (``""`` for ``model`` itself). A LightningModule that keeps a Hugging Face model in ``self.model`` pipelines
+    ``model``: its ``training_step`` may call ``self.model(...)`` directly or through ``self(...)``."""
+    name, module = "", model
+    while not any(True for _ in module.parameters(recurse=False)):
+        holders = [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
+        if len(holders) != 1 or isinstance(holders[0][1], (nn.ModuleList, nn.ModuleDict)):
+            break
+        child_name, module = holders[0]
+        name = f"{name}.{child_name}" if name else child_name
+    return name
+
+
 def find_pipeline_units(model: nn.Module) -> tuple[list[str], list[str]]:
     """Return ``(units, blocks)``: the qualified names of all units in registration order, and of the blocks.
 

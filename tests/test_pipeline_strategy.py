@@ -160,3 +160,27 @@ def test_registered_names_preset_the_schedule():
         trainer = L.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
         assert isinstance(trainer.strategy, PipelineStrategy)
         assert (trainer.strategy.schedule, trainer.strategy.stages_per_rank) == (schedule, per_rank)
+
+
+def test_plan_command_prints_the_stage_split(capsys):
+    """``lightning-dist plan`` on a pipeline strategy: one line per stage with its rank, modules and parameters,
+    from options or from the config (whose pp size follows trainer.devices), and the ties across stages."""
+    from lightning_dist.commands import run_tool
+
+    run_tool("plan", ["--config", "configs/pipeline.yaml"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("# pipeline plan of GPT: 2 stages, schedule 1f1b, pp=2, 1 stage(s) per rank")
+    assert lines[1].startswith("stage 0: tok_emb, pos_emb, blocks.0-1  (rank 0, ")
+    assert lines[2].startswith("stage 1: blocks.2-3, ln_f, head  (rank 1, ")
+    run_tool(
+        "plan", ["--model", "examples.gpt.GPT", "--strategy", "pipeline_zero_bubble", "--pipeline-parallel-size", "2"]
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("(rank ")[1][0] for line in lines[1:]] == ["0", "1", "1", "0"]  # the V placement
+    args = ["--model", "scenarios.hf_causal_lm.HFCausalLM", "--init-args", '{"kind": "gpt2"}', "--strategy", "pipeline"]
+    run_tool("plan", [*args, "--pipeline-parallel-size", "2"])
+    out = capsys.readouterr().out
+    assert "# pipelined module: model (GPT2LMHeadModel)" in out
+    assert "transformer.wte.weight (stage 0) = lm_head.weight (stage 1)" in out
+    with pytest.raises(SystemExit, match="give --pipeline-parallel-size N"):
+        run_tool("plan", ["--model", "examples.gpt.GPT", "--strategy", "pipeline"])

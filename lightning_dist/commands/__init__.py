@@ -15,7 +15,7 @@ from lightning_dist.checkpoint.layout import CheckpointError
 TOOLS: dict[str, tuple[str, str]] = {
     "consolidate": ("consolidate", "merge a sharded checkpoint into one file"),
     "inspect": ("inspect_checkpoint", "summarize a checkpoint"),
-    "plan": ("plan", "print the tensor-parallel plan of a model as YAML"),
+    "plan": ("plan", "print the tensor-parallel plan (as YAML) or the pipeline stage split of a model"),
 }
 
 

@@ -95,6 +95,10 @@ def _fused_split(spec: Any, tp: Any) -> str | None:
 
 
 def main(argv: list[str]) -> None:
+    from lightning_dist.commands import plan_pipeline
+
+    if plan_pipeline.wants_pipeline(argv):
+        return plan_pipeline.main(argv)
     args = _build_parser().parse_args(argv)
     if not args.strategy.startswith("tensor_parallel") and "TensorParallel" not in args.strategy:
         raise SystemExit(f"--strategy {args.strategy}: only the tensor_parallel strategies have a plan to print.")

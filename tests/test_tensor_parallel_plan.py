@@ -187,7 +187,12 @@ def test_transformer_encoder_layer_attention_is_sharded_by_heads_and_its_mlp_pla
     with pytest.raises(TensorParallelPlanError, match=r"layers.0.self_attn: attention heads.* = 2 is not divisible"):
         plan.validate(4)
     sp = infer_plan(model, sequence_parallel=True)  # the layer keeps its norms and residual stream inside
-    assert "is sharded by heads only without sequence_parallel" in sp.unplanned["layers.0.self_attn"]
+    assert sp.styles["layers.0.self_attn"] == {"style": "multihead_attention", "sequence_dim": 1}
+    assert sp.styles["layers.0.norm1"] == {"style": "sequence_parallel", "use_local_output": True}
+    assert not sp.unplanned and not sp.unreduced
+    seq_first = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, dim_feedforward=32), 2)
+    sp = infer_plan(seq_first, sequence_parallel=True)
+    assert "batch_first=False under sequence_parallel" in sp.unplanned["layers.0.self_attn"]
     with pytest.raises(TensorParallelPlanError, match=r"layers.0.self_attn.*only this rank's slice of the sequence"):
         sp.validate(2)
 

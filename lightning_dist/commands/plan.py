@@ -78,7 +78,7 @@ def _fused_split(spec: Any, tp: Any) -> str | None:
             "fused [gate|up] split into matching halves (each rank: its rows of gate and of up; rows permuted while"
             " sharded, checkpoints keep the original order)"
         )
-    if spec == "multihead_attention":
+    if spec == "multihead_attention" or isinstance(spec, dict) and spec.get("style") == "multihead_attention":
         return "nn.MultiheadAttention split by heads (in_proj by heads, rows permuted; out_proj row-wise)"
     if not isinstance(spec, dict) or spec.get("style") != "fused_colwise":
         return None

@@ -76,7 +76,8 @@ def build_style(spec: str | dict[str, Any], where: str = "?", module: nn.Module 
     if style == "fused_colwise":
         return FusedColwiseParallel(layout_from_spec(options), layouts.get("input_layouts"))
     if style == "multihead_attention":
-        return MultiheadAttentionParallel()
+        dim = options.get("sequence_dim")
+        return MultiheadAttentionParallel(None if dim is None else int(dim))
     if style == "fused_gate_up":
         return FusedGateUpParallel(layouts.get("input_layouts"))
     if style in ("colwise", "rowwise") and module is not None and is_conv1d(module):

@@ -10,7 +10,8 @@ A plan maps module names to *styles* (plain data: a string or a small dict, so i
 - ``"fused_colwise"``: shard a fused query/key/value projection by heads; the dict gives the row ``order``
   (``"blocks"``: ``[Q | K | V]``, ``"per_head"``: q, k, v of each head in turn), ``heads``, ``kv_heads`` and
   ``head_dim``.
-- ``"multihead_attention"``: shard an ``nn.MultiheadAttention`` by heads (its ``in_proj`` and ``out_proj``).
+- ``"multihead_attention"``: shard an ``nn.MultiheadAttention`` by heads (its ``in_proj`` and ``out_proj``); with
+  ``sequence_dim`` (sequence parallel) its inputs and output are this rank's slice of the sequence on that dim.
 - ``"fused_gate_up"``: shard a fused ``[gate | up]`` MLP projection (``nn.Linear``) so each rank holds matching rows
   of both halves.
 
@@ -56,7 +57,7 @@ _STYLE_KEYS = {
     "prepare_input": {"input_layouts", "desired_input_layouts", "use_local_output"},
     "prepare_output": {"output_layouts", "desired_output_layouts", "use_local_output"},
     "fused_colwise": {"order", "heads", "kv_heads", "head_dim", "input_layouts"},
-    "multihead_attention": set(),
+    "multihead_attention": {"sequence_dim"},
     "fused_gate_up": {"input_layouts"},
 }
 

@@ -5,6 +5,11 @@ is sharded row-wise, ``num_heads``/``embed_dim`` become the per-rank values, and
 :class:`TensorParallelMultiheadAttention`, whose forward computes this rank's heads and sums the output projection
 over the ranks. ``torch.nn.functional.multi_head_attention_forward`` cannot run on a shard: it takes the head width
 from the input's (whole) embedding dim. Parameter names and the checkpoint layout do not change.
+
+Under sequence parallel (``sequence_dim`` given) the inputs arrive as this rank's slice of the sequence: they are
+all-gathered on entry (backward: reduce-scatter), and the output projection's partial sums are reduce-scattered back
+to the slice (backward: all-gather) instead of all-reduced; the output bias then gets a partial gradient, summed over
+tp before the optimizer step.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_dist.parallel.fused_layouts import FusedLayout, rank_grouped_order
@@ -52,8 +57,56 @@ class _SumOverRanks(torch.autograd.Function):
         return grad, None
 
 
+class _GatherSequence(torch.autograd.Function):
+    """Forward: all-gather the sequence slices on ``dim``. Backward: reduce-scatter (each rank's slice, summed)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Forward: sum the partial outputs over the group, keep this rank's sequence slice. Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        parts = [
+            torch.empty_like(grad, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(ctx.group))
+        ]
+        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return torch.cat(parts, dim=ctx.dim), None, None
+
+
+def _reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    chunks = [c.contiguous() for c in x.chunk(dist.get_world_size(group), dim=dim)]
+    out = torch.empty_like(chunks[0])
+    dist.reduce_scatter(out, chunks, group=group)
+    return out
+
+
 class MultiheadAttentionParallel(ParallelStyle):
-    """Shard an ``nn.MultiheadAttention`` by heads (see the module docstring)."""
+    """Shard an ``nn.MultiheadAttention`` by heads (see the module docstring).
+
+    Args:
+        sequence_dim: Under sequence parallel, the dim of the (batched) inputs and output that holds the sequence
+            (1 with ``batch_first``, else 0); ``None`` without sequence parallel.
+    """
+
+    def __init__(self, sequence_dim: int | None = None) -> None:
+        super().__init__()
+        self.sequence_dim = sequence_dim
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.MultiheadAttention) or module.in_proj_weight is None:
@@ -76,6 +129,7 @@ class MultiheadAttentionParallel(ParallelStyle):
                 _register(out, "bias", out.bias, out.bias.requires_grad, device_mesh, Replicate())
         module.__class__ = TensorParallelMultiheadAttention
         module.tp_group = device_mesh.get_group()
+        module.sequence_dim = self.sequence_dim
         return module
 
 
@@ -88,6 +142,7 @@ class TensorParallelMultiheadAttention(nn.MultiheadAttention):
     """``nn.MultiheadAttention`` holding this rank's heads; inputs and output are whole (replicated) tensors."""
 
     tp_group: dist.ProcessGroup
+    sequence_dim: int | None = None
 
     def forward(  # type: ignore[override]
         self,
@@ -105,6 +160,13 @@ class TensorParallelMultiheadAttention(nn.MultiheadAttention):
             raise RuntimeError("Need attn_mask if specifying the is_causal hint (as nn.MultiheadAttention does)")
         batched = query.dim() == 3
         same_key, same_value = key is query, value is key
+        seq_dim = self.sequence_dim
+        if seq_dim is not None:  # sequence parallel: whole sequences from here on
+            if not batched:
+                raise ValueError("sequence-parallel nn.MultiheadAttention takes batched (3-D) inputs")
+            query = _GatherSequence.apply(query, seq_dim, self.tp_group)
+            key = query if same_key else _GatherSequence.apply(key, seq_dim, self.tp_group)
+            value = key if same_value else _GatherSequence.apply(value, seq_dim, self.tp_group)
         if not batched:
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
             key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
@@ -130,16 +192,24 @@ class TensorParallelMultiheadAttention(nn.MultiheadAttention):
         if self.training and self.dropout > 0:
             weights = F.dropout(weights, p=self.dropout)
         attended = (weights @ v).permute(2, 0, 1, 3).reshape(length, batch, heads * head_dim)
-        out = _SumOverRanks.apply(F.linear(attended, _local(self.out_proj.weight)), self.tp_group)
-        if self.out_proj.bias is not None:
-            out = out + _local(self.out_proj.bias)
+        out = F.linear(attended, _local(self.out_proj.weight))  # this rank's heads' share of the sum
         if self.batch_first and batched:
             out = out.transpose(0, 1)
+        bias = self.out_proj.bias
+        if seq_dim is not None:
+            out = _ReduceScatterSequence.apply(out, seq_dim, self.tp_group)
+            bias = bias.to_local(grad_placements=[Partial()]) if isinstance(bias, DTensor) else bias
+        else:
+            out = _SumOverRanks.apply(out, self.tp_group)
+        if bias is not None:
+            out = out + _local(bias)
         if not batched:
             out = out.squeeze(1)
         return out, self._gathered_weights(weights, average_attn_weights, batched) if need_weights else None
 
     def _to_ranks(self, x: Tensor) -> Tensor:
+        if self.sequence_dim is not None:  # gathered on entry: its backward sums the gradient already
+            return x
         return _CopyToRanks.apply(x, self.tp_group)
 
     def _local_mask(

@@ -9,6 +9,7 @@ on each rank make the plan refuse. Pure inspection.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import nn
@@ -16,6 +17,7 @@ from torch import nn
 from lightning_dist.parallel.model_structure import (
     Attention,
     ModelStructure,
+    is_norm,
     join,
     projection_features,
     recognize,
@@ -36,8 +38,8 @@ from lightning_dist.parallel.tensor_parallel_plan import (
 from lightning_dist.parallel.tp_fused import fused_spec
 
 _MHA_SEQUENCE_PARALLEL = (
-    "nn.MultiheadAttention is sharded by heads only without sequence_parallel (its layer keeps the residual stream"
-    " and its norms inside)"
+    "nn.MultiheadAttention with batch_first=False under sequence_parallel (the residual stream is split on dim 1,"
+    " its sequence dim is 0)"
 )
 _FUSED_UP_ODD = "fused gate/up projection with an odd number of outputs: no [gate | up] halves to shard"
 
@@ -61,10 +63,14 @@ def infer_plan(model: nn.Module, sequence_parallel: bool = False, loss_parallel:
     plan.unplanned.update(structure.unsupported)
     for name, attention in structure.attention.items():
         if isinstance(modules[name], nn.MultiheadAttention):
-            if sequence_parallel:
+            if sequence_parallel and not modules[name].batch_first:
                 plan.unplanned[name] = _MHA_SEQUENCE_PARALLEL
                 continue
-            plan.styles[name] = "multihead_attention"
+            # under sequence parallel it gathers its inputs' sequence and reduce-scatters its output itself
+            plan.styles[name] = (
+                {"style": "multihead_attention", "sequence_dim": 1} if sequence_parallel else "multihead_attention"
+            )
+            checked.add(name)
             plan.checks.append(
                 DivisibilityCheck(name, "attention heads (nn.MultiheadAttention.num_heads)", attention.num_heads)
             )
@@ -100,6 +106,10 @@ def infer_plan(model: nn.Module, sequence_parallel: bool = False, loss_parallel:
         if mlp.up == ("linear1",):  # nn.TransformerEncoderLayer / DecoderLayer
             linear1 = {"style": "colwise", "input_layouts": "shard(1)"} if sequence_parallel else "colwise"
             plan.styles[join(name, "linear1")] = linear1
+            if sequence_parallel:  # the layer keeps the residual stream and its norms inside
+                for child, module in modules[name].named_children():
+                    if is_norm(module):  # its output is the residual stream: a plain tensor, as the layer adds to it
+                        plan.styles[join(name, child)] = {"style": "sequence_parallel", "use_local_output": True}
         else:
             width = projection_features(modules[join(name, mlp.up[0])])[0]
             sharded = {*mlp.up, mlp.down}
@@ -115,7 +125,8 @@ def infer_plan(model: nn.Module, sequence_parallel: bool = False, loss_parallel:
         plan.styles[join(name, mlp.down)] = row_out()
         if sequence_parallel and mlp.up != ("linear1",):
             plan.styles[name] = dict(SEQUENCE_GATHER)
-    _plan_embeddings_and_head(modules, structure, plan, sequence_parallel, loss_parallel)
+    if _plan_embeddings_and_head(modules, structure, plan, sequence_parallel, loss_parallel):
+        checked.update(structure.other_embeddings)  # they see the whole sequence: split at the first block
     if sequence_parallel:
         for norm in structure.norms:
             plan.styles[norm] = "sequence_parallel"
@@ -240,9 +251,11 @@ def _plan_embeddings_and_head(
     plan: TensorParallelPlan,
     sequence_parallel: bool,
     loss_parallel: bool,
-) -> None:
+) -> bool:
+    """Plan the token embedding, other embeddings and the output head; returns whether the sequence is split at the
+    first block (the embeddings' outputs stay whole)."""
     token = structure.token_embedding
-    split_at_first_block = sequence_parallel and _positions_from_sequence_length(structure)
+    split_at_first_block = sequence_parallel and _positions_from_sequence_length(structure, modules)
     if token is not None:
         plan.token_embedding = token
         plan.styles[token] = {
@@ -281,15 +294,30 @@ def _plan_embeddings_and_head(
             spec["output_layouts"] = "replicate"
         plan.styles[head] = spec
         plan.checks.append(DivisibilityCheck(head, "vocabulary (Linear.out_features)", modules[head].out_features))
+    return split_at_first_block
 
 
-def _positions_from_sequence_length(structure: ModelStructure) -> bool:
+def _positions_from_sequence_length(structure: ModelStructure, modules: dict[str, nn.Module]) -> bool:
     """Whether a module enclosing the blocks takes positions, i.e. builds them (and its masks) from the sequence
-    length of the embeddings it hands the first block, as Hugging Face's ``LlamaModel``/``GPT2Model`` do."""
-    if structure.positions_argument is None or not structure.blocks or structure.other_embeddings:
-        return False  # learned positions are added to the token embedding: they are sliced with it instead
+    length of the embeddings it hands the first block, as Hugging Face's ``LlamaModel``/``GPT2Model`` do.
+
+    With learned positions added to the token embedding, only a module that also takes an ``attention_mask`` (and so
+    builds the blocks' mask from that length: GPT-2) counts; others (positions from the token ids, causal attention
+    without a mask) have their position embedding sliced with the token embedding instead.
+    """
+    if structure.positions_argument is None or not structure.blocks:
+        return False
     owner = structure.positions_argument[0]
-    return owner == "" or structure.blocks[0].startswith(f"{owner}.")
+    if not (owner == "" or structure.blocks[0].startswith(f"{owner}.")):
+        return False
+    return not structure.other_embeddings or "attention_mask" in _forward_parameters(modules[owner])
+
+
+def _forward_parameters(module: nn.Module) -> set[str]:
+    try:
+        return set(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 def _check_extra_parameters(

@@ -210,6 +210,12 @@ FUSED_SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "litgpt_save_tp": lambda d, w: checkpoint_save(d, w, "litgpt", "tp"),
     "litgpt_fsdp2_from_tp": lambda d, w: checkpoint_resume(d, w, "litgpt", "fsdp2", "tp"),
     "phi3": lambda d, w: train(d, w, "phi3", "phi3"),
+    "gpt2_sp": lambda d, w: train(d, w, "gpt2_sp", "gpt2", sequence_parallel=True),
+    "mha_sp": lambda d, w: train(d, w, "mha_sp", "mha", sequence_parallel=True),
+    "mha": lambda d, w: train(d, w, "mha", "mha"),
+    "litgpt_2d": lambda d, w: train(d, w, "litgpt_2d", "litgpt", dp=2),
+    "gpt2_tp4": lambda d, w: train(d, w, "gpt2_tp4", "gpt2"),  # at 4 devices
+    "neox_tp4": lambda d, w: train(d, w, "neox_tp4", "neox"),  # at 4 devices
     "litgpt_tp4": lambda d, w: train(d, w, "litgpt_tp4", "litgpt"),  # at 4 devices: 2 query groups < tp
     "phi3_tp4": lambda d, w: train(d, w, "phi3_tp4", "phi3"),  # at 4 devices: 2 key/value heads < tp
 }

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from lightning_dist.strategies.base import MeshParallelStrategy
 
 _ABORT_GRACE_SECONDS = 10.0
+_ROOT_CAUSE_WAIT_SECONDS = 3.0
 _setups = itertools.count()  # the same sequence on every rank: each setup of the same processes gets its own keys
 
 
@@ -90,14 +92,29 @@ def launched_rank_failure(strategy: MeshParallelStrategy) -> str | None:
 
 
 def explain_exception(strategy: MeshParallelStrategy, exception: BaseException) -> None:
-    """Publish this rank's exception; if another rank failed first, say that this one follows from it."""
+    """Publish this rank's exception; if another rank failed first, say that this one follows from it.
+
+    A communication error (a peer's connection closed) is usually the consequence of another rank's failure, which
+    may need a moment to become visible (a killed child not yet reaped): look for it first, so that the root cause,
+    not its echo, is what every rank reports.
+    """
     watchdog, rank = strategy._watchdog, strategy.global_rank
     if watchdog is None:
         return
-    peer = watchdog.peer_failure() or launched_rank_failure(strategy)
+    wait = _ROOT_CAUSE_WAIT_SECONDS if _is_communication_error(exception) else 0.0
+    deadline = time.monotonic() + wait
+    while (peer := watchdog.peer_failure() or launched_rank_failure(strategy)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
     watchdog.report(f"{type(exception).__name__}: {exception}".splitlines()[0][:500])
     if peer is not None:
         _say(rank, f"this rank's {type(exception).__name__} follows the failure of {peer}")
+
+
+def _is_communication_error(exception: BaseException) -> bool:
+    text = str(exception)
+    return isinstance(exception, dist.DistError) or any(
+        marker in text for marker in ("gloo/transport", "Connection reset", "Connection closed", "NCCL")
+    )
 
 
 def _end_this_rank(strategy: MeshParallelStrategy, rank: int, failure: str) -> None:

@@ -456,3 +456,12 @@ def test_memory_table_shows_cuda_peaks_when_measured() -> None:
     results["runs"][0]["peak_memory"]["cuda"] = {"max_allocated": 5 * 2**20}
     table = memory_table(memory_rows(results))
     assert "CUDA max allocated MiB" in table and "| 5.0 |" in table
+
+
+def test_checkpoint_integrity_benchmark_times_both_sides() -> None:
+    from benchmarks.checkpoint_integrity import measure
+
+    result = measure(mib=8, repeats=1)
+    assert result["save_with_checksums_s"] > 0 and result["save_plain_s"] > 0 and result["load_plain_s"] > 0
+    assert result["save_ratio"] == result["save_with_checksums_s"] / result["save_plain_s"]
+    assert result["load_ratio"] == result["load_verified_s"] / result["load_plain_s"]

@@ -214,7 +214,10 @@ SCRIPT = "tp_fused_runs.py"
 FP64_TOL = 1e-10
 CLIP = 0.5
 REFERENCE = ["litgpt", "phi3", "gpt2", "mha", "neox"]
-TWO_RANKS = ["litgpt", "litgpt_save_tp", "litgpt_fsdp2_from_tp", "phi3", "gpt2_sp", "mha_sp"]
+TWO_RANKS = [
+    *("litgpt", "litgpt_save_tp", "litgpt_fsdp2_from_tp", "litgpt_save_fsdp2", "litgpt_tp_from_fsdp2"),
+    *("phi3", "phi3_save_tp", "phi3_fsdp2_from_tp", "gpt2_sp", "mha_sp"),
+]
 FOUR_RANKS = ["litgpt_tp4", "phi3_tp4", "litgpt_2d", "gpt2_tp4", "neox_tp4"]  # tp4: 2 key/value heads < tp
 
 
@@ -286,20 +289,32 @@ def test_phi3_fused_qkv_and_gate_up_match_one_process(workdir, reference, two_ra
 
 
 @pytest.mark.slow
-def test_litgpt_checkpoint_resumes_under_fsdp2_and_loads_into_litgpt_gpt(workdir, two_ranks):
-    uninterrupted = two_ranks["litgpt_save_tp"]["losses"]
-    resumed = two_ranks["litgpt_fsdp2_from_tp"]
-    assert resumed["global_step"] == 6 and max_abs_diff(resumed["losses"], uninterrupted[3:]) <= FP64_TOL
+@pytest.mark.parametrize("model", ["litgpt", "phi3"])
+def test_fused_checkpoints_move_between_tensor_parallel_and_fsdp2_and_load_into_the_library_class(
+    workdir, two_ranks, model
+):
+    """The permuted rows (qkv by heads, gate_up by halves) are restored at the state-dict boundary: a tp=2 checkpoint
+    resumes under fsdp2 (and litgpt's fsdp2 checkpoint under tp=2) exactly, and the consolidated file loads into
+    litgpt's GPT / Phi3ForCausalLM strictly."""
+    resumed = two_ranks[f"{model}_fsdp2_from_tp"]
+    assert resumed["global_step"] == 6
+    assert max_abs_diff(resumed["losses"], two_ranks[f"{model}_save_tp"]["losses"][3:]) <= FP64_TOL
+    if model == "litgpt":
+        saved = two_ranks["litgpt_save_fsdp2"]["losses"]
+        assert max_abs_diff(saved, two_ranks["litgpt_save_tp"]["losses"]) <= FP64_TOL
+        back = two_ranks["litgpt_tp_from_fsdp2"]
+        assert back["global_step"] == 6 and max_abs_diff(back["losses"], saved[3:]) <= FP64_TOL
     sys.path.insert(0, str(Path(__file__).parent / "scenarios"))  # the scenario scripts' own imports
     from common import SEQ_LEN  # type: ignore[import-not-found]
-    from tp_library_models import litgpt_model  # type: ignore[import-not-found]
+    from tp_library_models import litgpt_model, phi3_model  # type: ignore[import-not-found]
 
     from lightning_dist.checkpoint.consolidate import load_full_checkpoint
 
-    full = load_full_checkpoint(workdir / "ckpt_litgpt_tp" / "step=3.ckpt")["state_dict"]
-    assert all(k.startswith("gpt.") for k in full)
-    original = litgpt_model(SEQ_LEN).double()
-    original.load_state_dict({k.removeprefix("gpt."): v for k, v in full.items()}, strict=True)
+    full = load_full_checkpoint(workdir / f"ckpt_{model}_tp" / "step=3.ckpt")["state_dict"]
+    prefix = "gpt." if model == "litgpt" else "hf."
+    assert all(k.startswith(prefix) for k in full)
+    original = (litgpt_model if model == "litgpt" else phi3_model)(SEQ_LEN).double()
+    original.load_state_dict({k.removeprefix(prefix): v for k, v in full.items()}, strict=True)
 
 
 @pytest.mark.slow

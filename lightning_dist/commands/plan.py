@@ -83,7 +83,7 @@ def _fused_split(spec: Any, tp: Any) -> str | None:
     if not isinstance(spec, dict) or spec.get("style") != "fused_colwise":
         return None
     heads, kv, width = spec["heads"], spec["kv_heads"], spec["head_dim"]
-    rows = "[Q|K|V]" if spec["order"] == "blocks" else "per-head (q, k, v)"
+    rows = {"blocks": "[Q|K|V]", "per_head": "per-head (q, k, v)"}.get(spec["order"], "per-group (q..., k, v)")
     line = f"fused {rows} split by heads: {heads} q + {kv} kv heads of {width}"
     if isinstance(tp, int) and heads % tp == 0 and kv % tp == 0:
         line += f"; {heads // tp} q + {kv // tp} kv per rank at tp={tp}"
@@ -95,8 +95,10 @@ def _fused_split(spec: Any, tp: Any) -> str | None:
 
 
 def main(argv: list[str]) -> None:
-    from lightning_dist.commands import plan_pipeline
+    from lightning_dist.commands import plan_mesh, plan_pipeline
 
+    if plan_mesh.wants_mesh(argv):
+        return plan_mesh.main(argv)
     if plan_pipeline.wants_pipeline(argv):
         return plan_pipeline.main(argv)
     args = _build_parser().parse_args(argv)

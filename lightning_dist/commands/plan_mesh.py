@@ -1,0 +1,105 @@
+"""``lightning-dist plan --devices N ...``: rank every mesh of N devices for a model, and recommend one.
+
+    lightning-dist plan --model examples.gpt.GPT --init-args '{"n_layer": 8}' --devices 8 --seq-len 1024 \\
+        --micro-batch 4 --global-batch 64 --memory-gib 80
+    lightning-dist plan --model transformers.LlamaForCausalLM --config-class transformers.LlamaConfig \\
+        --init-args '{"hidden_size": 4096, ...}' --devices 64 --nodes 8 --seq-len 8192 --global-batch 512
+
+The model is built on the meta device (no memory), so an 8B model plans on a laptop. For each mesh it prints the
+per-rank memory (parameters, gradients, optimizer state, activations, FSDP buffers) and the bytes each rank sends per
+step inside and across nodes, with the reason a mesh is ruled out; then the recommendation and one line of reasons.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+
+from lightning_dist.planning.estimate import COMPUTE_BYTES, GIB, OPTIMIZER_STATES, Hardware, Workload
+from lightning_dist.planning.model_facts import activation_facts, model_facts
+from lightning_dist.planning.search import plan, reason
+
+_DTYPES = {8: torch.float64, 4: torch.float32, 2: torch.bfloat16}
+
+
+def wants_mesh(argv: list[str]) -> bool:
+    """Whether ``lightning-dist plan`` was asked for meshes (``--devices``) rather than a TP or pipeline plan."""
+    return any(a == "--devices" or a.startswith("--devices=") for a in argv)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lightning-dist plan", description="Rank the meshes of N devices for a model.")
+    p.add_argument("--model", required=True, help="class path of the model (LightningModule or nn.Module)")
+    p.add_argument("--init-args", default="{}", help="JSON object of the constructor arguments")
+    p.add_argument("--config-class", help="class path of a config built from --init-args (Hugging Face models)")
+    p.add_argument("--devices", type=int, required=True, help="devices per node")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--memory-gib", type=float, default=80.0, help="memory per device")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--micro-batch", type=int, default=1, help="samples per rank per micro-step")
+    p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    p.add_argument("--precision", default="bf16-mixed", choices=sorted(COMPUTE_BYTES))
+    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--top", type=int, default=12, help="meshes to list")
+    return p
+
+
+def _build(args: argparse.Namespace) -> torch.nn.Module:
+    def load(path: str) -> Any:
+        module, _, name = path.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+    init_args = json.loads(args.init_args)
+    dtype = _DTYPES[COMPUTE_BYTES[args.precision]]
+    with torch.device("meta"):
+        if args.config_class:
+            return load(args.model)(load(args.config_class)(**init_args)).to(dtype)
+        return load(args.model)(**init_args).to(dtype)
+
+
+def main(argv: list[str]) -> None:
+    args = _parser().parse_args(argv)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    model = _build(args)
+    facts = model_facts(model)
+    workload = Workload(
+        args.seq_len, args.micro_batch, args.global_batch, args.precision, args.optimizer, args.activation_checkpointing
+    )
+    hardware = Hardware(args.devices, args.memory_gib * GIB)
+    world = args.devices * args.nodes
+
+    def activations_at(cp: int) -> Any:
+        return activation_facts(model, args.micro_batch, args.seq_len // cp)
+
+    ranked = plan(facts, activations_at, workload, hardware, world)
+    print(
+        f"# {args.model}: {facts.total_params / 1e6:.1f} M parameters, {facts.blocks} blocks; {world} devices"
+        f" ({args.nodes} node(s) × {args.devices}), {args.memory_gib:g} GiB each; seq {args.seq_len},"
+        f" micro-batch {args.micro_batch}, global batch {args.global_batch}, {args.precision}, {args.optimizer}"
+        f"{', activation checkpointing' if args.activation_checkpointing else ''}"
+    )
+    print("| mesh | params | grads | optimizer | activations | buffers | total GiB | GB sent in / across nodes"
+          " | est. step | ruled out because |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for c in ranked[: args.top]:
+        e = c.estimate
+        inside = sum(i for i, _ in e.comm.values()) / 1e9
+        across = sum(a for _, a in e.comm.values()) / 1e9
+        cells = [e.params, e.grads, e.optimizer, e.activations, e.buffers, e.memory]
+        print(
+            f"| {c.mesh} | " + " | ".join(f"{v / GIB:.2f}" for v in cells)
+            + f" | {inside:.2f} / {across:.2f} | {c.step_seconds * 1e3:.0f} ms | {'; '.join(c.problems) or '-'} |"
+        )  # fmt: skip
+    feasible = [c for c in ranked if c.feasible]
+    if not feasible:
+        print("\nNo mesh fits: add devices, use activation checkpointing, a smaller micro-batch or a lower precision.")
+        raise SystemExit(1)
+    print(f"\nRecommended: {reason(feasible[0], hardware)}.")

@@ -1,0 +1,183 @@
+"""Per-rank memory and per-step communication of one mesh, from :class:`~.model_facts.ModelFacts`.
+
+Placement follows the strategies: pipeline stages split the blocks evenly (embeddings on the first stage, final norm
+and head on the last; the worse stage is reported), tensor parallelism shards what its automatic plan shards, and
+FSDP2 shards every parameter of a stage over ``dp_shard × cp``. Activations are the meta-forward counts scaled to
+the local micro-batch and sequence (``seq / cp``), the inner part divided by ``tp``; a pipeline stage keeps the
+activations of the micro-batches in flight (1F1B: ``pp``, GPipe: all of them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from lightning_dist.parallel.mesh import MESH_AXES
+from lightning_dist.planning.model_facts import ActivationFacts, ModelFacts
+
+GIB = 1024**3
+
+PARAM_BYTES = {"64-true": 8, "32-true": 4, "bf16-mixed": 4, "16-mixed": 4, "bf16-true": 2, "16-true": 2}
+COMPUTE_BYTES = {"64-true": 8, "32-true": 4, "bf16-mixed": 2, "16-mixed": 2, "bf16-true": 2, "16-true": 2}
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Sizes of the five axes (outer to inner: pp, dp_replicate, dp_shard, cp, tp)."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def data_parallel(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def __str__(self) -> str:
+        parts = [f"{axis}{getattr(self, axis)}" for axis in MESH_AXES if getattr(self, axis) > 1]
+        return " × ".join(parts) or "1 rank"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one optimizer step processes, and how."""
+
+    seq_len: int
+    micro_batch: int  # samples per rank per micro-step
+    global_batch: int  # samples per optimizer step, over all data-parallel ranks
+    precision: str = "bf16-mixed"
+    optimizer: str = "adamw"
+    activation_checkpointing: bool = False
+    schedule: str = "1f1b"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Per-device memory and link bandwidths (defaults: an 80 GB GPU, NVLink inside a node, 400 Gb/s across)."""
+
+    devices_per_node: int
+    memory_bytes: float = 80 * GIB
+    intra_node_bytes_per_s: float = 300e9
+    inter_node_bytes_per_s: float = 50e9
+
+
+@dataclass
+class Estimate:
+    """Per-rank memory (bytes) and per-step communication (bytes sent per rank, by axis and inside/across nodes)."""
+
+    mesh: Mesh
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    buffers: float = 0.0
+    comm: dict[str, tuple[float, float]] = field(default_factory=dict)  # axis -> (inside a node, across nodes)
+
+    @property
+    def memory(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    @property
+    def states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    def comm_seconds(self, hardware: Hardware) -> float:
+        inside = sum(i for i, _ in self.comm.values())
+        across = sum(a for _, a in self.comm.values())
+        return inside / hardware.intra_node_bytes_per_s + across / hardware.inter_node_bytes_per_s
+
+
+def stage_params(facts: ModelFacts, mesh: Mesh) -> tuple[float, float]:
+    """Parameters (elements) on one rank of the fuller pipeline stage before FSDP sharding, and those of one block."""
+    blocks = math.ceil(facts.blocks / mesh.pp)
+    block = facts.block_tp_params / mesh.tp + (facts.block_params - facts.block_tp_params)
+    outer_tp_share = facts.outer_tp_params / max(1, facts.first_stage_params + facts.last_stage_params)
+    outer = facts.first_stage_params + facts.last_stage_params
+    if mesh.pp > 1:
+        outer = max(facts.first_stage_params, facts.last_stage_params)
+    outer *= (1 - outer_tp_share) + outer_tp_share / mesh.tp
+    return blocks * block + outer, block
+
+
+def estimate(
+    facts: ModelFacts, activations: ActivationFacts | None, mesh: Mesh, workload: Workload, hardware: Hardware
+) -> Estimate:
+    """Memory and communication of ``mesh`` (``activations``: counted at ``workload.micro_batch`` and
+    ``seq_len / mesh.cp``; ``None`` leaves activations out)."""
+    est = Estimate(mesh)
+    per_rank, block = stage_params(facts, mesh)
+    fsdp = mesh.dp_shard * mesh.cp
+    param_bytes = PARAM_BYTES[workload.precision]
+    compute_bytes = COMPUTE_BYTES[workload.precision]
+    est.params = per_rank / fsdp * param_bytes
+    est.grads = est.params
+    est.optimizer = est.params * OPTIMIZER_STATES[workload.optimizer]
+    if fsdp > 1:  # one unit gathered, the next prefetched, and the gradient unit being reduced
+        est.buffers = block * (2 * compute_bytes + 4)
+    microbatches = max(1, workload.global_batch // (mesh.data_parallel * workload.micro_batch))
+    if activations is not None:
+        est.activations = _activation_bytes(facts, activations, mesh, workload, microbatches)
+    est.comm = _communication(facts, mesh, workload, hardware, per_rank, microbatches)
+    return est
+
+
+def _activation_bytes(
+    facts: ModelFacts, act: ActivationFacts, mesh: Mesh, workload: Workload, microbatches: int
+) -> float:
+    blocks = math.ceil(facts.blocks / mesh.pp)
+    per_block = act.per_block_residual + act.per_block_inner / mesh.tp
+    in_flight = 1 if mesh.pp == 1 else (microbatches if workload.schedule == "gpipe" else min(mesh.pp, microbatches))
+    if workload.activation_checkpointing:  # block inputs kept; one block recomputed at a time in backward
+        kept = blocks * act.block_input * in_flight + per_block
+    else:
+        kept = blocks * per_block * in_flight
+    return kept + act.outside_blocks * in_flight
+
+
+def _communication(
+    facts: ModelFacts, mesh: Mesh, workload: Workload, hardware: Hardware, per_rank: float, microbatches: int
+) -> dict[str, tuple[float, float]]:
+    """Bytes one rank sends per optimizer step, by axis: ring collectives send ``(n − 1)/n`` of the buffer."""
+    compute = COMPUTE_BYTES[workload.precision]
+    reduce = 8 if workload.precision == "64-true" else 4
+    tokens = workload.micro_batch * workload.seq_len // mesh.cp
+    activation = tokens * facts.hidden * compute  # one [micro_batch, seq/cp, hidden] tensor
+    blocks = math.ceil(facts.blocks / mesh.pp)
+    fsdp = mesh.dp_shard * mesh.cp
+    sent: dict[str, float] = {}
+    if fsdp > 1:  # all-gather in forward and backward, reduce-scatter of the gradients, once per micro-batch
+        ring = (fsdp - 1) / fsdp
+        sent["dp_shard"] = microbatches * per_rank * ring * (2 * compute + reduce)
+    if mesh.dp_replicate > 1:  # all-reduce of the shard's gradients once per step
+        ring = (mesh.dp_replicate - 1) / mesh.dp_replicate
+        sent["dp_replicate"] = 2 * ring * per_rank / fsdp * reduce
+    if mesh.tp > 1:  # two all-reduces per block forward and two backward, of one activation each
+        ring = (mesh.tp - 1) / mesh.tp
+        sent["tp"] = microbatches * blocks * 4 * 2 * ring * activation
+    if mesh.cp > 1 and facts.kv_heads and facts.heads:  # ring: K/V around the ring forward, K/V + dK/dV backward
+        kv = activation * facts.kv_heads / facts.heads * 2
+        sent["cp"] = microbatches * blocks * (mesh.cp - 1) * kv * (2 + reduce / compute)
+    if mesh.pp > 1:  # activations forward, their gradients backward, at one stage boundary
+        sent["pp"] = microbatches * 2 * activation
+    return {axis: _split_by_node(axis, mesh, hardware, b) for axis, b in sent.items()}
+
+
+def _split_by_node(axis: str, mesh: Mesh, hardware: Hardware, sent: float) -> tuple[float, float]:
+    """Inside/across nodes. Ranks are numbered with tp innermost, so the members of an axis's groups are ``stride``
+    apart (the product of the axes inside it); ``k`` members share a node, and a ring crosses nodes at 1 hop in k.
+    The FSDP group (``dp_shard``) is ``dp_shard × cp``."""
+    size = mesh.dp_shard * mesh.cp if axis == "dp_shard" else getattr(mesh, axis)
+    inside_axes = {"pp": ("dp_replicate", "dp_shard", "cp", "tp"), "dp_replicate": ("dp_shard", "cp", "tp")}
+    inside_axes.update({"dp_shard": ("tp",), "cp": ("tp",), "tp": ()})
+    stride = math.prod(getattr(mesh, a) for a in inside_axes[axis])
+    k = min(size, max(1, hardware.devices_per_node // stride))
+    if k >= size:
+        return sent, 0.0
+    return sent * (1 - 1 / k), sent / k

@@ -1,0 +1,207 @@
+"""What the mesh planner needs to know about a model, read off a copy built on the meta device (no memory).
+
+Parameter counts come from the parameters themselves, split by where they live: inside the repeated blocks or
+outside (embeddings on the first pipeline stage, the head and final norm on the last), and by whether the automatic
+tensor-parallel plan shards them. Activations come from one forward on meta tensors with autograd's saved-tensor
+hooks: every distinct storage autograd keeps for backward, attributed to the block that was running, and split into
+the residual stream (``[..., hidden]``: every tp rank keeps all of it unless sequence parallel splits it) and the
+inner tensors (heads, the MLP's width: split by tp).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_dist.parallel.model_structure import recognize
+
+
+@dataclass(frozen=True)
+class ActivationFacts:
+    """Bytes autograd saves in one forward at a given micro-batch and (local) sequence length."""
+
+    per_block_residual: float  # largest block: tensors of shape [..., hidden]
+    per_block_inner: float  # largest block: the rest (split by tp)
+    block_input: float  # what activation checkpointing keeps per block: its input
+    outside_blocks: float  # embeddings, final norm, head (logits), on the first/last stage
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """Parameter counts and shapes of a model that decide how it parallelizes."""
+
+    blocks: int
+    block_params: int  # the largest block
+    block_tp_params: int  # of which tensor parallelism shards
+    first_stage_params: int  # outside the blocks, on the first stage (embeddings)
+    last_stage_params: int  # outside the blocks, on the last stage (final norm, head)
+    outer_tp_params: int  # outside the blocks, sharded by tp (vocabulary-parallel embedding and head)
+    hidden: int
+    heads: int | None
+    kv_heads: int | None
+    vocab: int | None
+
+    @property
+    def total_params(self) -> int:
+        return self.blocks * self.block_params + self.first_stage_params + self.last_stage_params
+
+
+def model_facts(model: nn.Module) -> ModelFacts:
+    """Counts of ``model`` (built on any device; the meta device costs nothing)."""
+    from lightning_dist.parallel.tensor_parallel import resolve_plan
+
+    structure = recognize(model)
+    if not structure.blocks:
+        raise ValueError(
+            f"{type(model).__name__} has no repeated blocks (a ModuleList of identical layers): the planner splits"
+            " models by their blocks."
+        )
+    modules = dict(model.named_modules())
+    sharded = {id(p) for name in _plan_modules(model, resolve_plan) for p in modules[name].parameters(recurse=True)}
+    in_blocks: set[int] = set()
+    block_sizes, block_tp = [], []
+    for name in structure.blocks:
+        params = list(modules[name].parameters())
+        in_blocks.update(id(p) for p in params)
+        block_sizes.append(sum(p.numel() for p in params))
+        block_tp.append(sum(p.numel() for p in params if id(p) in sharded))
+    head = structure.output_head
+    last_names = {n for n in (head, *structure.norms) if n and not any(n.startswith(f"{b}.") for b in structure.blocks)}
+    last_ids = {id(p) for n in last_names for p in modules[n].parameters()}
+    first = last = outer_tp = 0
+    seen: set[int] = set()
+    for p in model.parameters():  # tied weights once, on the first stage
+        if id(p) in in_blocks or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if id(p) in last_ids:
+            last += p.numel()
+        else:
+            first += p.numel()
+        outer_tp += p.numel() if id(p) in sharded else 0
+    attention = next(iter(structure.attention.values()), None)
+    embedding = modules.get(structure.token_embedding or "")
+    vocab = getattr(embedding, "num_embeddings", None)
+    hidden = getattr(embedding, "embedding_dim", None) or _hidden_of(modules[structure.blocks[0]])
+    return ModelFacts(
+        blocks=len(structure.blocks),
+        block_params=max(block_sizes),
+        block_tp_params=max(block_tp),
+        first_stage_params=first,
+        last_stage_params=last,
+        outer_tp_params=outer_tp,
+        hidden=hidden,
+        heads=attention.num_heads if attention else None,
+        kv_heads=(attention.num_kv_heads or attention.num_heads) if attention else None,
+        vocab=vocab,
+    )
+
+
+def activation_facts(model: nn.Module, micro_batch: int, seq_len: int) -> ActivationFacts:
+    """Saved-activation bytes of one training forward of ``model`` on token ids ``[micro_batch, seq_len]``.
+
+    The model is run as it is (put it on the meta device first: nothing is allocated) and called with the token ids
+    as its only argument, as causal LMs are; the loss's own saved tensor (log-probabilities, fp32) is added.
+    """
+    structure = recognize(model)
+    modules = dict(model.named_modules())
+    hidden = model_facts(model).hidden
+    counter = _SavedBytes(hidden, micro_batch, seq_len)
+    with counter.attributing(model, [modules[name] for name in structure.blocks]), _FlashAttentionSaves():
+        device = next(model.parameters()).device
+        output = model(torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device))
+    logits = getattr(output, "logits", output)
+    loss_bytes = logits.numel() * 4 if isinstance(logits, torch.Tensor) else 0
+    per_block = max(counter.blocks, key=lambda b: b[0] + b[1], default=(0.0, 0.0))
+    element = next(model.parameters()).element_size()
+    return ActivationFacts(
+        per_block_residual=per_block[0],
+        per_block_inner=per_block[1],
+        block_input=micro_batch * seq_len * hidden * element,
+        outside_blocks=counter.outside + loss_bytes,
+    )
+
+
+def _plan_modules(model: nn.Module, resolve_plan) -> list[str]:
+    try:
+        return list(resolve_plan(model).styles)
+    except Exception:  # noqa: BLE001 (a model the automatic plan refuses: nothing is tp-sharded)
+        return []
+
+
+def _hidden_of(block: nn.Module) -> int:
+    return max((m.normalized_shape[-1] for m in block.modules() if isinstance(m, nn.LayerNorm)), default=0)
+
+
+class _FlashAttention(torch.autograd.Function):
+    """Stands in for SDPA in the counting forward: saves what a flash kernel saves (q, k, v, the output and one fp32
+    log-sum-exp per query), not the ``S × S`` scores the math kernel (the only one on the meta device) would keep."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None]:  # never run: the forward is only counted
+        return None, None, None
+
+
+class _FlashAttentionSaves(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if getattr(func, "__name__", "") == "scaled_dot_product_attention":
+            return _FlashAttention.apply(*args[:3])
+        return func(*args, **(kwargs or {}))
+
+
+class _SavedBytes:
+    """Distinct storages saved for backward, by running block (residual vs inner), and outside the blocks."""
+
+    def __init__(self, hidden: int, micro_batch: int, seq_len: int) -> None:
+        self.hidden = hidden
+        self.residual_shapes = {(micro_batch, seq_len, hidden), (seq_len, micro_batch, hidden)}
+        self.blocks: list[tuple[float, float]] = []
+        self.outside = 0.0
+        self._current: list[float] | None = None
+        self._seen: set[int] = set()
+        self._params: set[int] = set()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()._cdata
+        if storage in self._seen or storage in self._params:
+            return t
+        self._seen.add(storage)
+        nbytes = t.untyped_storage().nbytes()
+        if self._current is None:
+            self.outside += nbytes
+        elif tuple(t.shape) in self.residual_shapes:
+            self._current[0] += nbytes
+        else:
+            self._current[1] += nbytes
+        return t
+
+    @contextmanager
+    def attributing(self, model: nn.Module, blocks: list[nn.Module]) -> Iterator[None]:
+        self._params = {p.untyped_storage()._cdata for p in model.parameters()}
+
+        def enter(module: nn.Module, args: object) -> None:
+            self._current = [0.0, 0.0]
+
+        def leave(module: nn.Module, args: object, output: object) -> None:
+            self.blocks.append((self._current[0], self._current[1]))  # type: ignore[index]
+            self._current = None
+
+        handles = [h for b in blocks for h in (b.register_forward_pre_hook(enter), b.register_forward_hook(leave))]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                yield
+        finally:
+            for h in handles:
+                h.remove()

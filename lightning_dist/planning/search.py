@@ -1,0 +1,128 @@
+"""Every mesh of ``world`` ranks, what rules each out, and which one to use.
+
+A mesh is ruled out when a size does not divide what it splits (heads and KV heads by tp, the vocabulary by tp, the
+sequence by 2·cp, the blocks by pp, the global batch by the data-parallel ranks times the micro-batch), when tp
+would span nodes, or when its estimated memory does not fit the device. The rest are ranked by an estimated step
+time: compute (6 · parameters · tokens, at ``mfu`` of the peak) stretched by the pipeline bubble, FSDP/HSDP traffic
+hidden behind compute up to its length, and tensor-, context- and pipeline-parallel traffic exposed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lightning_dist.planning.estimate import GIB, Estimate, Hardware, Mesh, Workload, estimate
+from lightning_dist.planning.model_facts import ActivationFacts, ModelFacts
+
+MEMORY_HEADROOM = 0.9  # of the device memory, for the allocator's fragmentation and the framework
+
+
+@dataclass
+class Candidate:
+    mesh: Mesh
+    estimate: Estimate
+    problems: list[str]
+    step_seconds: float
+
+    @property
+    def feasible(self) -> bool:
+        return not self.problems
+
+
+def meshes(world: int) -> list[Mesh]:
+    """Every assignment of ``world`` ranks to the five axes (sizes multiplying to ``world``)."""
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    found = []
+    for pp, rep, shard, cp in itertools.product(divisors, repeat=4):
+        rest = pp * rep * shard * cp
+        if world % rest == 0:
+            found.append(Mesh(pp, rep, shard, cp, world // rest))
+    return found
+
+
+def problems_of(facts: ModelFacts, mesh: Mesh, workload: Workload, hardware: Hardware) -> list[str]:
+    """Why ``mesh`` cannot run this model and workload (empty: it can), before memory."""
+    found = []
+    if mesh.tp > 1:
+        if facts.heads and facts.heads % mesh.tp:
+            found.append(f"tp={mesh.tp} does not divide the {facts.heads} heads")
+        kv = facts.kv_heads
+        if kv and kv % mesh.tp and mesh.tp % kv:
+            found.append(f"tp={mesh.tp} and the {kv} KV heads do not divide one another")
+        if facts.vocab and facts.vocab % mesh.tp:
+            found.append(f"tp={mesh.tp} does not divide the vocabulary of {facts.vocab}")
+        if mesh.tp > hardware.devices_per_node:
+            found.append(f"tp={mesh.tp} would span nodes of {hardware.devices_per_node} devices")
+    if mesh.cp > 1 and workload.seq_len % (2 * mesh.cp):
+        found.append(f"2·cp={2 * mesh.cp} does not divide the sequence of {workload.seq_len}")
+    if mesh.pp > facts.blocks:
+        found.append(f"pp={mesh.pp} is more stages than the {facts.blocks} blocks")
+    per_step = mesh.data_parallel * workload.micro_batch
+    if workload.global_batch % per_step:
+        found.append(f"the global batch {workload.global_batch} is not a multiple of dp·micro_batch={per_step}")
+    elif mesh.pp > 1 and workload.global_batch // per_step < mesh.pp:
+        found.append(f"{workload.global_batch // per_step} micro-batches cannot fill {mesh.pp} stages")
+    return found
+
+
+def step_seconds(facts: ModelFacts, est: Estimate, workload: Workload, hardware: Hardware, flops: float) -> float:
+    mesh = est.mesh
+    tokens = workload.global_batch * workload.seq_len
+    compute = 6 * facts.total_params * tokens / mesh.world / flops
+    microbatches = max(1, workload.global_batch // (mesh.data_parallel * workload.micro_batch))
+    bubble = (mesh.pp - 1) / (microbatches + mesh.pp - 1)
+    seconds = {
+        axis: (inside / hardware.intra_node_bytes_per_s + across / hardware.inter_node_bytes_per_s)
+        for axis, (inside, across) in est.comm.items()
+    }
+    hidden = seconds.pop("dp_shard", 0.0) + seconds.pop("dp_replicate", 0.0)
+    busy = compute / (1 - bubble) if bubble < 1 else float("inf")
+    return max(busy, hidden) + sum(seconds.values())
+
+
+def plan(
+    facts: ModelFacts,
+    activations_at: Callable[[int], ActivationFacts | None],
+    workload: Workload,
+    hardware: Hardware,
+    world: int,
+    flops: float = 989e12 * 0.4,
+) -> list[Candidate]:
+    """Every mesh, best first: feasible ones by estimated step time, then the others by memory.
+
+    ``activations_at(cp)`` returns the activation counts at the local sequence ``seq_len / cp`` (or ``None``).
+    """
+    cache: dict[int, ActivationFacts | None] = {}
+    candidates = []
+    for mesh in meshes(world):
+        found = problems_of(facts, mesh, workload, hardware)
+        if mesh.cp not in cache and not any("cp" in p for p in found):
+            cache[mesh.cp] = activations_at(mesh.cp)
+        est = estimate(facts, cache.get(mesh.cp), mesh, workload, hardware)
+        if est.memory > MEMORY_HEADROOM * hardware.memory_bytes:
+            found.append(
+                f"needs {est.memory / GIB:.1f} GiB of {hardware.memory_bytes / GIB:.0f} GiB"
+                f" ({MEMORY_HEADROOM:.0%} usable)"
+            )
+        candidates.append(Candidate(mesh, est, found, step_seconds(facts, est, workload, hardware, flops)))
+    return sorted(candidates, key=lambda c: (not c.feasible, *(_rank_key(c) if c.feasible else (c.estimate.memory,))))
+
+
+def _rank_key(c: Candidate) -> tuple[float, float, float]:
+    """Shortest step first; among equals (compute-bound meshes), fewer bytes across nodes, then less memory."""
+    return round(c.step_seconds, 4), sum(a for _, a in c.estimate.comm.values()), c.estimate.memory
+
+
+def reason(best: Candidate, hardware: Hardware) -> str:
+    """One line on why ``best`` was chosen."""
+    est = best.estimate
+    across = sum(a for _, a in est.comm.values())
+    exposed = [axis for axis in ("tp", "cp", "pp") if axis in est.comm]
+    return (
+        f"{best.mesh}: fits in {est.memory / GIB:.1f} of {hardware.memory_bytes / GIB:.0f} GiB per device,"
+        f" the shortest estimated step ({best.step_seconds * 1e3:.0f} ms) of the meshes that fit;"
+        f" {across / 1e9:.2f} GB per rank per step cross nodes;"
+        f" exposed traffic on {', '.join(exposed) if exposed else 'no axis'}"
+    )

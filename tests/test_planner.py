@@ -1,0 +1,74 @@
+"""The mesh planner (``lightning_dist.planning``, ``lightning-dist plan --devices``): model facts read off the meta
+device, state bytes against a real model, the rules that rule meshes out, and the ranked table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from examples.gpt import GPT
+from lightning_dist.commands import run_tool
+from lightning_dist.planning.estimate import Hardware, Mesh, Workload, estimate
+from lightning_dist.planning.model_facts import activation_facts, model_facts
+from lightning_dist.planning.search import meshes, problems_of
+
+GPT_ARGS = {"vocab_size": 64, "seq_len": 32, "d_model": 32, "n_layer": 4, "n_head": 4}
+
+
+def _gpt(device: str = "cpu") -> GPT:
+    with torch.device(device):
+        return GPT(**GPT_ARGS)
+
+
+def test_facts_count_every_parameter_once_by_stage():
+    model, facts = _gpt(), model_facts(_gpt("meta"))
+    assert facts.total_params == sum(p.numel() for p in model.parameters())
+    assert (facts.blocks, facts.heads, facts.vocab, facts.hidden) == (4, 4, 64, 32)
+    assert facts.first_stage_params == model.tok_emb.weight.numel() + model.pos_emb.weight.numel()
+    assert facts.last_stage_params == sum(p.numel() for p in (*model.head.parameters(), *model.ln_f.parameters()))
+
+
+def test_activations_counted_on_the_meta_device_equal_those_on_the_cpu():
+    assert activation_facts(_gpt("meta"), 2, 32) == activation_facts(_gpt(), 2, 32)
+
+
+def test_one_rank_state_bytes_equal_a_real_adamw_step():
+    model = _gpt()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 64, (2, 32))).sum().backward()
+    optimizer.step()
+    measured = sum(p.numel() * p.element_size() for p in model.parameters()) * 2  # parameters and gradients
+    measured += sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if t.dim())
+    est = estimate(model_facts(_gpt("meta")), None, Mesh(), Workload(32, 2, 2, "32-true"), Hardware(1))
+    assert est.states == measured
+
+
+def test_sharding_divides_the_states_by_the_fsdp_group_and_tp_the_planned_parameters():
+    facts, work, hw = model_facts(_gpt("meta")), Workload(32, 1, 8, "32-true"), Hardware(8)
+    one = estimate(facts, None, Mesh(), work, hw).params
+    assert estimate(facts, None, Mesh(dp_shard=4, cp=2), work, hw).params == pytest.approx(one / 8)
+    tp2 = estimate(facts, None, Mesh(tp=2), work, hw).params
+    assert one / 2 < tp2 < one * 0.52  # everything but norms and biases of row-wise layers is split
+
+
+def test_meshes_and_the_rules_that_rule_them_out():
+    assert all(m.world == 8 for m in meshes(8)) and Mesh(pp=2, dp_shard=2, tp=2) in meshes(8)
+    facts, hw = model_facts(_gpt("meta")), Hardware(4)
+    work = Workload(seq_len=30, micro_batch=1, global_batch=6)
+    assert problems_of(facts, Mesh(tp=8), work, hw) == [
+        "tp=8 does not divide the 4 heads",
+        "tp=8 would span nodes of 4 devices",
+    ]
+    assert problems_of(facts, Mesh(cp=4, dp_shard=2), work, hw) == [
+        "2·cp=8 does not divide the sequence of 30",
+        "the global batch 6 is not a multiple of dp·micro_batch=4",
+    ]
+    assert problems_of(facts, Mesh(pp=8), work, hw)[0] == "pp=8 is more stages than the 4 blocks"
+
+
+def test_plan_tool_ranks_meshes_and_recommends_one(capsys):
+    run_tool("plan", ["--model", "examples.gpt.GPT", "--init-args", '{"n_layer": 4, "d_model": 64, "n_head": 4}',
+                      "--devices", "4", "--seq-len", "64", "--global-batch", "8", "--memory-gib", "1"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "| mesh | params | grads | optimizer | activations |" in out
+    assert "\nRecommended: " in out and "fits in" in out

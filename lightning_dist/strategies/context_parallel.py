@@ -35,9 +35,17 @@ class ContextParallelStrategy(MeshParallelStrategy):
     layout, passes the model the *global* positions of its shard (to the outermost module whose ``forward`` takes
     ``position_ids``/``input_pos``/``positions``, when the caller passes none), routes every
     ``F.scaled_dot_product_attention`` to context-parallel attention from forward to the end of backward, and
-    shards the model with FSDP2 over ``dp_shard × cp`` so gradients are averaged over cp. Labels must be aligned
-    per position in the batch (shifting inside ``training_step`` would cross shard boundaries). Predict outputs
-    whose dim 1 is a shard are gathered back to the whole sequence.
+    shards the model with FSDP2 over ``dp_shard × cp`` so gradients are averaged over cp. Predict outputs whose
+    dim 1 is a shard are gathered back to the whole sequence.
+
+    Labels must be aligned per position in the batch (shifting them inside ``training_step`` would cross shard
+    boundaries), except for a Hugging Face causal LM given ``labels`` (``model(input_ids=x, labels=x)``): the
+    strategy shifts those over the whole sequence and passes ``shift_labels`` and ``num_items_in_batch`` (see
+    :mod:`lightning_dist.parallel.context_parallel_labels`), so the loss is the whole sequence's mean however
+    unevenly ``-100`` labels fall on the shards; the causal mask such a model builds from zigzag positions is
+    computed as causal attention over global positions (a padding ``attention_mask`` or packed ``position_ids`` are
+    refused). A loss computed in ``training_step`` from labels aligned per position is each shard's mean: equal to
+    the whole sequence's mean only when every shard counts the same number of labels.
 
     Args:
         context_parallel_size: Ranks a sequence is split over (``"auto"``: what ``data_parallel_shard_size`` leaves).

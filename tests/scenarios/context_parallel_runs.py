@@ -195,6 +195,14 @@ def checkpointed(devices: int, workdir: str, strategy: str, resume_from: str | N
     return _fit_checkpointed(devices, workdir, name, FSDP2Strategy(), devices, resume)
 
 
+def attention_counts(devices: int, workdir: str) -> dict[str, Any]:
+    """The context-parallel benchmark's counts (benchmarks/context_parallel.py) at a small size, in the process group
+    the Trainers of this launch left initialized."""
+    from benchmarks.context_parallel import Shape, measure
+
+    return measure(Shape(seq_len=256, head_dim=16), budget=1 << 18)
+
+
 class WithoutPositions(ContextParallelStrategy):
     """The control: the model builds its own (local) positions, as it would without the strategy's pre-hook."""
 
@@ -230,6 +238,7 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "ckpt_fsdp2": partial(checkpointed, strategy="fsdp2"),
     "resume_context_parallel_under_fsdp2": partial(checkpointed, strategy="fsdp2", resume_from="context_parallel"),
     "resume_fsdp2_under_context_parallel": partial(checkpointed, strategy="context_parallel", resume_from="fsdp2"),
+    "attention_counts": attention_counts,
     # 4 processes: cp=4, and 2 data-parallel replicas × cp=2 (FSDP2 over both), against the same references
     **{
         f"{model}_{mesh}_{attention}": partial(

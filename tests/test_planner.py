@@ -59,8 +59,8 @@ def test_meshes_and_the_rules_that_rule_them_out():
         "tp=8 does not divide the 4 heads",
         "tp=8 would span nodes of 4 devices",
     ]
-    assert problems_of(facts, Mesh(cp=4, dp_shard=2), work, hw) == [
-        "2·cp=8 does not divide the sequence of 30",
+    assert problems_of(facts, Mesh(cp=2, dp_shard=4), work, hw) == [
+        "2·cp=4 does not divide the sequence of 30",
         "the global batch 6 is not a multiple of dp·micro_batch=4",
     ]
     assert problems_of(facts, Mesh(pp=8), work, hw)[0] == "pp=8 is more stages than the 4 blocks"

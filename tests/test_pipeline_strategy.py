@@ -41,19 +41,20 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(workdir):
     names = sorted(set(REFERENCE.values()) | set(FOUR_RANKS.values())) + [f"hf_{m}_reference" for m in HF_MODELS]
+    names.append("precisions")
     return run_scenarios(SCRIPT, 1, workdir, names)
 
 
 @pytest.fixture(scope="module")
 def runs(workdir, references):
-    scenarios = [*REFERENCE, *(f"hf_{m}" for m in HF_MODELS), "save_fsdp2"]
+    scenarios = [*REFERENCE, *(f"hf_{m}" for m in HF_MODELS), "save_fsdp2", "precisions"]
     scenarios += [f"{source}_as_{target}" for source, target in RESUMES]
-    return {**references, **run_scenarios(SCRIPT, 2, workdir, scenarios)}
+    return {**references, "pipeline": run_scenarios(SCRIPT, 2, workdir, scenarios)}
 
 
 @pytest.fixture(scope="module")
 def four_ranks(workdir, references):
-    return {**references, **run_scenarios(SCRIPT, 4, workdir, list(FOUR_RANKS))}
+    return {**references, "pipeline": run_scenarios(SCRIPT, 4, workdir, list(FOUR_RANKS))}
 
 
 def _check_gpt_run(reference, ranks, replicas=1):
@@ -66,8 +67,9 @@ def _check_gpt_run(reference, ranks, replicas=1):
         assert max_abs_diff(rank["logged"], reference["logged"]) <= TOL  # the logged train_loss, on every rank
         assert rank["param_diff"] <= TOL
         assert abs(rank["val_loss"] - reference["val_loss"]) <= TOL  # validation through the forward-only pass
+        assert abs(rank["val_acc"] - reference["val_acc"]) <= TOL  # a torchmetrics Metric updated on the last stage
     if "has_predictions" not in ranks[0]:
-        return  # fit only (the 4-process runs)
+        return  # fit (with its validation) only
     # predict: the outputs, in batch order, on the ranks of the last stage only (one per data-parallel replica)
     assert sum(r["has_predictions"] for r in ranks) == replicas
     if replicas == 1:
@@ -79,10 +81,11 @@ def _check_gpt_run(reference, ranks, replicas=1):
 def test_pp2_matches_one_process(runs, schedule):
     """1f1b, gpipe, interleaved 1F1B and ZBV zero bubble (2 stages per rank), activation checkpointing, and 1f1b
     with accumulate_grad_batches=2 (gradients summed over two pipeline steps): losses, logged values, every final
-    parameter, validation loss and predictions."""
+    parameter, the validation loss and accuracy (a torchmetrics Metric) on every rank, and predictions (the runs
+    that also call validate and predict after fit)."""
     reference = runs[REFERENCE[schedule]]
     assert min(reference["grad_norms"]) > 0.05  # every step was clipped (by the norm over both stages)
-    _check_gpt_run(reference, runs[schedule]["per_rank"])
+    _check_gpt_run(reference, runs["pipeline"][schedule]["per_rank"])
 
 
 @pytest.mark.slow
@@ -90,7 +93,8 @@ def test_pp2_matches_one_process(runs, schedule):
 def test_four_ranks_match_one_process(four_ranks, scenario):
     """pp=4 (one block per stage) with gpipe and 1f1b, and pp=2 × dp_shard=2 (FSDP2 inside each stage): losses,
     logged values, every final parameter and fit's validation loss."""
-    _check_gpt_run(four_ranks[FOUR_RANKS[scenario]], four_ranks[scenario]["per_rank"], 2 if "dp2" in scenario else 1)
+    replicas = 2 if "dp2" in scenario else 1
+    _check_gpt_run(four_ranks[FOUR_RANKS[scenario]], four_ranks["pipeline"][scenario]["per_rank"], replicas)
 
 
 @pytest.mark.slow
@@ -100,7 +104,7 @@ def test_hugging_face_models_match_one_process(runs, model):
     configure_model whose training_step returns ``self.model(input_ids=x, labels=x).loss``: the pipelined module is
     ``self.model``. GPT-2's tied weight has a copy on each stage; the copies are equal after every step."""
     reference = runs[f"hf_{model}_reference"]
-    ranks = runs[f"hf_{model}"]["per_rank"]
+    ranks = runs["pipeline"][f"hf_{model}"]["per_rank"]
     assert set(ranks[0]["keys"]).union(ranks[1]["keys"]) == set(reference["keys"])
     for rank in ranks:
         assert rank["param_diff"] <= TOL
@@ -118,10 +122,20 @@ def test_hugging_face_models_match_one_process(runs, model):
 def test_checkpoint_resumes_under_another_strategy(runs, source, target):
     """A DCP checkpoint of step 2 (mid-epoch) saved under one strategy resumes under another in new Trainer runs,
     continuing the uninterrupted one-process run: steps 3-4 and every final parameter (gathered)."""
-    run, reference = runs[f"{source}_as_{target}"], runs["reference"]
+    run, reference = runs["pipeline"][f"{source}_as_{target}"], runs["reference"]
     assert max_abs_diff(run["losses"], reference["losses"][2:]) <= TOL
     assert run["param_diff"] <= TOL
     assert run["params"] == len(reference["keys"])
+
+
+@pytest.mark.slow
+def test_every_precision_flag_trains(runs):
+    """Each precision flag fsdp2 supports trains under the pipeline (32-true and 64-true: the tests above); the first
+    loss matches one process's to autocast rounding (mixed) or to a few half-precision steps at 4.3 (true)."""
+    reference, pipeline = runs["precisions"], runs["pipeline"]["precisions"]
+    for precision, loss in pipeline.items():
+        tolerance = 1e-4 if precision.endswith("mixed") else 0.1  # a bfloat16 step at 4.3 is 0.03
+        assert abs(loss - reference[precision]) <= tolerance, precision
 
 
 def _dims(world: int, pp: int | str = "auto", dp: int = 1) -> ParallelDims:

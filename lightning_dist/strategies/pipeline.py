@@ -13,9 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
-import torch.distributed as dist
-from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
@@ -24,15 +21,16 @@ from lightning_dist.parallel.fsdp import FSDPConfig, reshard_all
 from lightning_dist.parallel.mesh import ParallelDims, require_split_axis
 from lightning_dist.parallel.parallelize import ParallelizeConfig, parallelize
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
-from lightning_dist.strategies.pipeline_step import LogCapture, captured_log, join_outputs, slice_batch
+from lightning_dist.strategies.pipeline_step import PipelineSteps
 
 
-class PipelineStrategy(MeshParallelStrategy):
+class PipelineStrategy(PipelineSteps, MeshParallelStrategy):
     """Pipeline parallelism (with FSDP2 inside each stage) for an unchanged LightningModule.
 
     The step methods must call the model exactly once (``self(x)``); that call is pipelined. Manual optimization is
     not supported. ``predict_step`` returns the outputs in batch order on the ranks holding the last stage and
-    ``None`` on the others. Values logged as a torchmetrics ``Metric`` are logged on the loss stage only.
+    ``None`` on the others. A torchmetrics ``Metric`` logged on the loss stage is logged on every rank with the loss
+    stage's state (epoch values are exact; a step value is that of the last micro-batch).
 
     Args:
         pipeline_parallel_size: Ranks in one pipeline (``"auto"``: all processes not used by data parallelism).
@@ -147,110 +145,6 @@ class PipelineStrategy(MeshParallelStrategy):
         super().setup(trainer)
         # The schedule runs backward: Lightning's closure must neither zero the gradients nor call backward.
         trainer.fit_loop.epoch_loop.automatic_optimization._skip_backward = True
-
-    def _runner(self, batch_size: int, training: bool) -> pp.PipelineRunner:
-        m = self.microbatches_for(batch_size) if training else self._eval_microbatches(batch_size)
-        if m not in self._runners:
-            self.log_decision(f"{m} micro-batches for a per-replica batch of {batch_size}")
-            self._runners[m] = pp.PipelineRunner(
-                self.model_parts, self._stage_ids, self._plan.num_stages, self.schedule, m,
-                lambda out, target: self._step_fn(out, target), group=self.process_group("pp"),
-                device=self.root_device, scale_grads=False,
-            )  # fmt: skip
-        return self._runners[m]
-
-    def _eval_microbatches(self, batch_size: int) -> int:
-        if self.n_microbatches is not None:
-            return self.n_microbatches
-        return pp.default_n_microbatches("gpipe", batch_size, self.parallel_dims.pp, 1)
-
-    def _pipelined_call(self, step: str, args: tuple, training: bool) -> tuple[pp.PipelineRunner, dict, int]:
-        lm = self.lightning_module
-        for part in self.model_parts:
-            part.train(lm.training)
-        with captured_log(lm, None):
-            call = pp.capture_call(self._module, lambda: getattr(lm, step)(*args), what=f"{step}")
-        inputs = pp.model_inputs_as_kwargs(self._module, *call)
-        batch_size = max(t.shape[0] for t in inputs.values() if isinstance(t, Tensor) and t.dim() > 0)
-        return self._runner(batch_size, training), inputs, batch_size
-
-    def _run_step_per_microbatch(self, step: str, args: tuple, batch_size: int, capture: LogCapture) -> Any:
-        def run(output: Any, target: Tensor) -> Any:
-            start, stop = int(target[0]), int(target[-1]) + 1
-            microbatch = slice_batch(args[0], start, stop, batch_size)
-            with captured_log(self.lightning_module, capture), pp.substituted_forward(self._module, output, step):
-                return getattr(self.lightning_module, step)(microbatch, *args[1:])
-
-        return run
-
-    @override
-    def run_training_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
-        trainer = self.lightning_module.trainer
-        accumulate = trainer.accumulate_grad_batches
-        if batch_idx % accumulate == 0:
-            for optimizer in self.optimizers:
-                optimizer.zero_grad(set_to_none=True)
-        step_args = (batch, batch_idx, *args)
-        runner, inputs, batch_size = self._pipelined_call("training_step", step_args, True)
-        calls: list[tuple[Tensor, LogCapture]] = []
-
-        def loss_fn(output: Any, target: Tensor) -> Tensor:
-            capture = LogCapture()
-            result = self._run_step_per_microbatch("training_step", step_args, batch_size, capture)(output, target)
-            loss = result["loss"] if isinstance(result, dict) else result
-            calls.append((loss.detach(), capture))
-            # The mean over micro-batches and accumulated batches. (torch's scale_grads would also divide the
-            # gradients accumulated by earlier batches of the window, so it is off.)
-            return loss / (runner.n_microbatches * accumulate)
-
-        self._step_fn = loss_fn
-        runner.step(inputs, target=torch.arange(batch_size, device=self.root_device), losses=[])
-        # torch's first step of a schedule also calls loss_fn once to infer shapes (on placeholder values): the
-        # micro-batches are the last n_microbatches calls.
-        calls = calls[len(calls) - runner.n_microbatches :] if calls else []
-        loss = torch.stack([c[0] for c in calls]).mean() if calls else torch.zeros((), device=self.root_device)
-        return self._share_logs(LogCapture.merge([c[1] for c in calls]), loss)
-
-    @override
-    def run_backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        return closure_loss  # the schedule ran backward inside the training step
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        def closure_then_sync() -> Any:
-            result = closure()
-            pp.all_reduce_tied_gradients(self._module, self._ties, self._tie_groups)  # before clipping
-            return result
-
-        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
-
-    @override
-    def run_eval_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
-        runner, inputs, batch_size = self._pipelined_call(step, args, False)
-        capture, outputs = LogCapture(), []
-        self._step_fn = self._run_step_per_microbatch(step, args, batch_size, capture)
-        runner.eval(inputs, target=torch.arange(batch_size, device=self.root_device), losses=outputs)
-        if step == "predict_step":
-            return join_outputs(outputs) if runner.holds_last_stage else None
-        self._share_logs(capture, None)
-        return None
-
-    def _share_logs(self, capture: LogCapture, loss: Tensor | None) -> Tensor | None:
-        """Average the captured logs over micro-batches, send them from the loss stage and log them on every rank;
-        return the loss stage's ``loss``."""
-        lm, holds = self.lightning_module, self.mesh["pp"].get_local_rank() == self.loss_stage
-        payload = [None]
-        if holds:
-            logs = [(v.name, v.mean().cpu(), v.args, v.kwargs) for v in capture.logged.values() if not v.is_metric]
-            payload = [(None if loss is None else loss.detach().cpu(), logs)]
-        dist.broadcast_object_list(payload, group=self.process_group("pp"), group_src=self.loss_stage)
-        shared_loss, logs = payload[0]
-        for name, value, args, kwargs in logs:
-            lm.log(name, value.to(self.root_device), *args, **kwargs)
-        for value in capture.logged.values():
-            if value.is_metric:
-                lm.log(value.name, value.values[-1], *value.args, **value.kwargs)
-        return None if shared_loss is None else shared_loss.to(self.root_device)
 
     def _reshard_after_evaluation(self) -> None:
         for part in self.model_parts:

@@ -1,15 +1,122 @@
-"""Pure helpers of the pipeline strategy's steps: slicing a batch into micro-batches, capturing ``self.log`` calls
-made per micro-batch, averaging them, and putting per-micro-batch outputs back in batch order."""
+"""The pipeline strategy's steps: a training step runs the user's ``training_step`` up to its one model call to get
+the call's arguments, pipelines that call, and on the last stage runs ``training_step`` again per micro-batch with
+the model call returning the pipeline's output; its loss drives the schedule's backward. Evaluation steps do the
+same through the forward-only pass. Also the helpers that slice a batch into micro-batches and put predictions back
+in batch order."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_dist.parallel import pipeline as pp
+from lightning_dist.strategies.pipeline_logs import LogCapture, captured_log, share_logs
+
+if TYPE_CHECKING:
+    from lightning_dist.strategies.pipeline import PipelineStrategy
+
+    _Base = PipelineStrategy
+else:
+    _Base = object
+
+
+class PipelineSteps(_Base):
+    """The step methods of :class:`~lightning_dist.strategies.pipeline.PipelineStrategy` (a mixin before the base)."""
+
+    def _runner(self, batch_size: int, training: bool) -> pp.PipelineRunner:
+        m = self.microbatches_for(batch_size) if training else self._eval_microbatches(batch_size)
+        if m not in self._runners:
+            self.log_decision(f"{m} micro-batches for a per-replica batch of {batch_size}")
+            self._runners[m] = pp.PipelineRunner(
+                self.model_parts, self._stage_ids, self._plan.num_stages, self.schedule, m,
+                lambda out, target: self._step_fn(out, target), group=self.process_group("pp"),
+                device=self.root_device, scale_grads=False,
+            )  # fmt: skip
+        return self._runners[m]
+
+    def _eval_microbatches(self, batch_size: int) -> int:
+        if self.n_microbatches is not None:
+            return self.n_microbatches
+        return pp.default_n_microbatches("gpipe", batch_size, self.parallel_dims.pp, 1)
+
+    def _pipelined_call(self, step: str, args: tuple, training: bool) -> tuple[pp.PipelineRunner, dict, int]:
+        lm = self.lightning_module
+        for part in self.model_parts:
+            part.train(lm.training)
+        with captured_log(lm, None):
+            call = pp.capture_call(self._module, lambda: getattr(lm, step)(*args), what=f"{step}")
+        inputs = pp.model_inputs_as_kwargs(self._module, *call)
+        batch_size = max(t.shape[0] for t in inputs.values() if isinstance(t, Tensor) and t.dim() > 0)
+        return self._runner(batch_size, training), inputs, batch_size
+
+    def _run_step_per_microbatch(self, step: str, args: tuple, batch_size: int, capture: LogCapture) -> Any:
+        def run(output: Any, target: Tensor) -> Any:
+            start, stop = int(target[0]), int(target[-1]) + 1
+            microbatch = slice_batch(args[0], start, stop, batch_size)
+            with captured_log(self.lightning_module, capture), pp.substituted_forward(self._module, output, step):
+                return getattr(self.lightning_module, step)(microbatch, *args[1:])
+
+        return run
+
+    @override
+    def run_training_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
+        trainer = self.lightning_module.trainer
+        accumulate = trainer.accumulate_grad_batches
+        if batch_idx % accumulate == 0:
+            for optimizer in self.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+        step_args = (batch, batch_idx, *args)
+        runner, inputs, batch_size = self._pipelined_call("training_step", step_args, True)
+        calls: list[tuple[Tensor, LogCapture]] = []
+
+        def loss_fn(output: Any, target: Tensor) -> Tensor:
+            capture = LogCapture()
+            result = self._run_step_per_microbatch("training_step", step_args, batch_size, capture)(output, target)
+            loss = result["loss"] if isinstance(result, dict) else result
+            calls.append((loss.detach(), capture))
+            # The mean over micro-batches and accumulated batches. (torch's scale_grads would also divide the
+            # gradients accumulated by earlier batches of the window, so it is off.)
+            return loss / (runner.n_microbatches * accumulate)
+
+        self._step_fn = loss_fn
+        runner.step(inputs, target=torch.arange(batch_size, device=self.root_device), losses=[])
+        # torch's first step of a schedule also calls loss_fn once to infer shapes (on placeholder values): the
+        # micro-batches are the last n_microbatches calls.
+        calls = calls[len(calls) - runner.n_microbatches :] if calls else []
+        loss = torch.stack([c[0] for c in calls]).mean() if calls else torch.zeros((), device=self.root_device)
+        return self._share_logs(LogCapture.merge([c[1] for c in calls]), loss)
+
+    @override
+    def run_backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        return closure_loss  # the schedule ran backward inside the training step
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        def closure_then_sync() -> Any:
+            result = closure()
+            pp.all_reduce_tied_gradients(self._module, self._ties, self._tie_groups)  # before clipping
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+
+    @override
+    def run_eval_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
+        runner, inputs, batch_size = self._pipelined_call(step, args, False)
+        capture, outputs = LogCapture(), []
+        self._step_fn = self._run_step_per_microbatch(step, args, batch_size, capture)
+        runner.eval(inputs, target=torch.arange(batch_size, device=self.root_device), losses=outputs)
+        if step == "predict_step":
+            return join_outputs(outputs) if runner.holds_last_stage else None
+        self._share_logs(capture, None)
+        return None
+
+    def _share_logs(self, capture: LogCapture, loss: Tensor | None) -> Tensor | None:
+        """Log on every rank what the loss stage's step logged (averaged over micro-batches); return its loss."""
+        group = self.process_group("pp")
+        return share_logs(self.lightning_module, capture, loss, group, self.loss_stage, self.root_device)
 
 
 def slice_batch(batch: Any, start: int, stop: int, batch_size: int) -> Any:
@@ -25,66 +132,6 @@ def slice_batch(batch: Any, start: int, stop: int, batch_size: int) -> Any:
         items = [slice_batch(v, start, stop, batch_size) for v in batch]
         return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
     return batch
-
-
-@dataclass
-class LoggedValue:
-    """One ``self.log`` call: the name, the values of every micro-batch, and the call's other arguments."""
-
-    name: str
-    values: list[Any]
-    args: tuple
-    kwargs: dict[str, Any]
-
-    @property
-    def is_metric(self) -> bool:
-        from torchmetrics import Metric
-
-        return isinstance(self.values[-1], Metric)
-
-    def mean(self) -> Tensor:
-        """The mean over micro-batches (as one process computes it for the whole batch of equal micro-batches)."""
-        values = [torch.as_tensor(v.detach() if isinstance(v, Tensor) else v) for v in self.values]
-        dtype = torch.promote_types(values[0].dtype, torch.float32)
-        return torch.stack([v.to(dtype) for v in values]).mean(0)
-
-
-@dataclass
-class LogCapture:
-    """The ``self.log`` calls of a step run once per micro-batch, by name, in first-call order."""
-
-    logged: dict[str, LoggedValue] = field(default_factory=dict)
-
-    def record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        if name in self.logged:
-            self.logged[name].values.append(value)
-        else:
-            self.logged[name] = LoggedValue(name, [value], args, kwargs)
-
-    @classmethod
-    def merge(cls, captures: list[LogCapture]) -> LogCapture:
-        """One capture holding the calls of ``captures`` in order (one capture per micro-batch)."""
-        merged = cls()
-        for capture in captures:
-            for logged in capture.logged.values():
-                for value in logged.values:
-                    merged.record(logged.name, value, *logged.args, **logged.kwargs)
-        return merged
-
-
-@contextmanager
-def captured_log(module: nn.Module, capture: LogCapture | None) -> Iterator[None]:
-    """Inside the block ``module.log`` (and ``log_dict``, which calls it) records into ``capture`` (``None``:
-    discards) instead of logging."""
-    previous = module.__dict__.get("log")
-    module.log = capture.record if capture is not None else (lambda *a, **k: None)
-    try:
-        yield
-    finally:
-        if previous is None:
-            del module.log
-        else:
-            module.log = previous
 
 
 def join_outputs(outputs: list[Any]) -> Any:

@@ -53,7 +53,7 @@ def _checkpoints(workdir: str, name: str) -> ModelCheckpoint:
 
 def _train(
     devices: int, strategy: Any, dp: int = 1, callbacks: list[Callback] = (), evaluate: bool = True, **kwargs: Any
-) -> tuple[Any, StepRecorder, LoggedLoss, float, list | None]:
+) -> tuple[Any, StepRecorder, LoggedLoss, dict[str, float], list | None]:
     """Fit STEPS steps (validating after the last); with ``evaluate`` also ``validate`` and ``predict`` afterwards
     (else the validation loss is fit's)."""
     model, data = make_model_and_data(devices, dp_size=dp, n_layer=4, vocab_size=VOCAB)
@@ -74,10 +74,14 @@ def _train(
     )
     trainer.fit(model, data)
     if not evaluate:
-        return model, recorder, logged, float(trainer.callback_metrics["val_loss"]), None
-    val = trainer.validate(model, data.val_dataloader(), verbose=False)[0]["val_loss"]
+        return model, recorder, logged, _values(trainer.callback_metrics, ("val_loss", "val_acc")), None
+    val = _values(trainer.validate(model, data.val_dataloader(), verbose=False)[0], ("val_loss", "val_acc"))
     predictions = trainer.predict(model, data.val_dataloader())
-    return model, recorder, logged, float(val), predictions
+    return model, recorder, logged, val, predictions
+
+
+def _values(metrics: Any, keys: tuple[str, ...]) -> dict[str, float]:
+    return {k: float(metrics[k]) for k in keys}
 
 
 def _reference(**kwargs: Any) -> Callable[[int, str], dict[str, Any]]:
@@ -91,7 +95,7 @@ def _reference(**kwargs: Any) -> Callable[[int, str], dict[str, Any]]:
             "losses": recorder.losses,
             "grad_norms": recorder.grad_norms,
             "logged": logged.values,
-            "val_loss": val,
+            **val,
             "keys": sorted(model.state_dict()),
         }
 
@@ -116,7 +120,7 @@ def _pipeline(
         result: dict[str, Any] = {
             "losses": recorder.losses,
             "logged": logged.values,
-            "val_loss": val,
+            **val,
             "keys": sorted(local),
             "param_diff": max((local[k] - expected[k]).abs().max().item() for k in local),
         }
@@ -242,23 +246,44 @@ def _hf_pipeline(kind: str) -> Callable[[int, str], dict[str, Any]]:
     return run
 
 
+PRECISIONS = ("bf16-mixed", "16-mixed", "bf16-true", "16-true")  # 32-true and 64-true: every other scenario
+
+
+def _precisions(devices: int, workdir: str) -> dict[str, Any]:
+    """One training step under each precision flag fsdp2 supports: the loss (one process with ``devices=1``)."""
+    losses = {}
+    for precision in PRECISIONS:
+        model, data = make_model_and_data(devices, dp_size=1, n_layer=2, vocab_size=VOCAB)
+        recorder = StepRecorder()
+        strategy = PipelineStrategy() if devices > 1 else "auto"
+        trainer = L.Trainer(
+            **trainer_kwargs(devices, strategy=strategy, precision=precision, limit_val_batches=0),
+            max_steps=1,
+            callbacks=[recorder],
+        )
+        trainer.fit(model, data)
+        losses[precision] = recorder.losses[0]
+    return losses
+
+
 SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "reference": _reference(),
     "reference_accumulate": _reference(accumulate_grad_batches=2),
     "1f1b": _pipeline("1f1b", save=True),  # also saves the checkpoint the resumes below start from
     "gpipe": _pipeline("gpipe"),
-    "interleaved_1f1b": _pipeline("interleaved_1f1b"),
+    "interleaved_1f1b": _pipeline("interleaved_1f1b", evaluate=False),
     "zbv_zero_bubble": _pipeline("zbv_zero_bubble"),
     "1f1b_accumulate": _pipeline("1f1b", accumulate_grad_batches=2),
     # 4 processes (fit and its validation only): pp=2 × dp_shard=2, and pp=4 with one block per stage
     "1f1b_dp2": _pipeline("1f1b", dp=2, evaluate=False),
     "pp4_gpipe": _pipeline("gpipe", evaluate=False),
     "pp4_1f1b": _pipeline("1f1b", evaluate=False),
-    "1f1b_checkpointing": _pipeline("1f1b", options={"activation_checkpointing": True}),
+    "1f1b_checkpointing": _pipeline("1f1b", options={"activation_checkpointing": True}, evaluate=False),
     "save_fsdp2": _resume(None, "fsdp2"),
     "pipeline_as_fsdp2": _resume("pipeline", "fsdp2"),
     "pipeline_as_tensor_parallel": _resume("pipeline", "tensor_parallel"),
     "fsdp2_as_pipeline": _resume("fsdp2", "pipeline"),
+    "precisions": _precisions,  # with 1 process: the reference
     "hf_llama_reference": _hf_reference("llama"),
     "hf_gpt2_reference": _hf_reference("gpt2"),
     "hf_llama": _hf_pipeline("llama"),

@@ -1,0 +1,138 @@
+"""Capturing the ``self.log`` calls a step makes once per micro-batch on the loss stage, and logging them on every
+pipeline rank: plain values averaged over micro-batches, torchmetrics ``Metric`` objects with their state copied
+from the loss stage (so every rank computes, syncs and logs the same value)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+
+@dataclass
+class LoggedValue:
+    """One ``self.log`` call: the name, the values of every micro-batch, and the call's other arguments."""
+
+    name: str
+    values: list[Any]
+    args: tuple
+    kwargs: dict[str, Any]
+
+    @property
+    def is_metric(self) -> bool:
+        from torchmetrics import Metric
+
+        return isinstance(self.values[-1], Metric)
+
+    def mean(self) -> Tensor:
+        """The mean over micro-batches (as one process computes it for the whole batch of equal micro-batches)."""
+        values = [torch.as_tensor(v.detach() if isinstance(v, Tensor) else v) for v in self.values]
+        dtype = torch.promote_types(values[0].dtype, torch.float32)
+        return torch.stack([v.to(dtype) for v in values]).mean(0)
+
+
+@dataclass
+class LogCapture:
+    """The ``self.log`` calls of a step run once per micro-batch, by name, in first-call order."""
+
+    logged: dict[str, LoggedValue] = field(default_factory=dict)
+
+    def record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if name in self.logged:
+            self.logged[name].values.append(value)
+        else:
+            self.logged[name] = LoggedValue(name, [value], args, kwargs)
+
+    @classmethod
+    def merge(cls, captures: list[LogCapture]) -> LogCapture:
+        """One capture holding the calls of ``captures`` in order (one capture per micro-batch)."""
+        merged = cls()
+        for capture in captures:
+            for logged in capture.logged.values():
+                for value in logged.values:
+                    merged.record(logged.name, value, *logged.args, **logged.kwargs)
+        return merged
+
+
+@contextmanager
+def captured_log(module: nn.Module, capture: LogCapture | None) -> Iterator[None]:
+    """Inside the block ``module.log`` (and ``log_dict``, which calls it) records into ``capture`` (``None``:
+    discards) instead of logging."""
+    previous = module.__dict__.get("log")
+    module.log = capture.record if capture is not None else (lambda *a, **k: None)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del module.log
+        else:
+            module.log = previous
+
+
+def share_logs(
+    module: nn.Module, capture: LogCapture, loss: Tensor | None, group: Any, src: int, device: torch.device
+) -> Tensor | None:
+    """Log on every rank of ``group`` what the step logged on the rank ``src`` of ``group`` (the loss stage) and
+    return ``loss`` from there.
+
+    Plain values are averaged over micro-batches and sent; a logged torchmetrics ``Metric`` that is a submodule of
+    ``module`` gets the loss stage's state (every rank holds the metric object, as metrics have no parameters), so
+    Lightning's step value, epoch ``compute()`` and its sync over data-parallel peers agree on every rank.
+    """
+    holds = dist.get_rank(group) == src
+    payload: list[Any] = [None]
+    if holds:
+        names = {id(m): n for n, m in module.named_modules()}
+        logs = [(v.name, v.mean().cpu(), v.args, v.kwargs) for v in capture.logged.values() if not v.is_metric]
+        metrics = [
+            (v.name, names.get(id(v.values[-1])), _metric_state(v.values[-1]), v.args, v.kwargs)
+            for v in capture.logged.values()
+            if v.is_metric
+        ]
+        payload = [(None if loss is None else loss.detach().cpu(), logs, metrics)]
+    dist.broadcast_object_list(payload, group=group, group_src=src)
+    shared_loss, logs, metrics = payload[0]
+    for name, value, args, kwargs in logs:
+        module.log(name, value.to(device), *args, **kwargs)
+    for name, path, state, args, kwargs in metrics:
+        if holds:
+            module.log(name, capture.logged[name].values[-1], *args, **kwargs)
+        elif path is not None:  # a metric outside the module tree is logged on the loss stage only
+            metric = module.get_submodule(path)
+            _set_metric_state(metric, state, device)
+            module.log(name, metric, *args, **kwargs)
+    return None if shared_loss is None else shared_loss.to(device)
+
+
+def _metric_state(metric: Any) -> dict[str, Any]:
+    state = {k: _to_cpu(getattr(metric, k)) for k in metric._defaults}
+    return {"state": state, "count": metric._update_count, "cache": _to_cpu(metric._forward_cache)}
+
+
+def _set_metric_state(metric: Any, payload: dict[str, Any], device: torch.device) -> None:
+    for key, value in payload["state"].items():
+        setattr(metric, key, _to_device(value, device))
+    metric._update_count = payload["count"]
+    metric._forward_cache = _to_device(payload["cache"], device)
+    metric._computed = None
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    return value

@@ -3,7 +3,8 @@ Phi-3, litgpt and nn.MultiheadAttention, the rank-order permutation and its undo
 (without processes); and runs against one process (fp64, 1e-10 on losses, pre-clip gradient norms, every gathered
 gradient at every step and the final parameters): litgpt's GPT (fused qkv with grouped-query attention, LLaMAMLP) at
 tp=2, tp=4 (2 query groups shared by pairs of ranks) and dp2 × tp2, with its checkpoint resumed under fsdp2 and loaded
-into litgpt's GPT; Phi-3 (fused qkv_proj and gate_up_proj) at tp=2 and tp=4; GPT-2 and nn.TransformerEncoderLayer
+into litgpt's GPT; Phi-3 (fused qkv_proj and gate_up_proj) at tp=2 and tp=4; Falcon's query_key_value per group and
+multi-query; GPT-2 and nn.TransformerEncoderLayer
 under sequence parallel; GPT-2 and GPT-NeoX at tp=4. They share one reference launch, one 2-process and one
 4-process launch; the other GPT-2/NeoX/Llama runs are in test_tensor_parallel_parity.py."""
 
@@ -68,6 +69,23 @@ def test_fewer_key_value_heads_than_ranks_split_each_heads_rows_over_its_sharers
         plan.validate(3)
     neox = infer_plan(tiny_neox())  # per-head rows: no key/value head to share
     assert not neox.grouped_query
+
+
+def test_falcon_layouts_are_told_from_its_architecture_flags():
+    sys.path.insert(0, str(Path(__file__).parent / "scenarios"))
+    from tp_library_models import falcon_model  # type: ignore[import-not-found]
+
+    qkv = "transformer.h.*.self_attention.query_key_value"
+    grouped = infer_plan(falcon_model(16, new_decoder_architecture=True))
+    assert grouped.compact(falcon_model(16, True))[qkv]["order"] == "per_group"  # one group's q, k, v per rank
+    assert grouped.head_attributes["transformer.h.0.self_attention"] == {"num_heads": 4, "num_kv_heads": 2}
+    with pytest.raises(TensorParallelPlanError, match=r"key/value heads \(fused projection\) = 2 is not divisible by"):
+        grouped.validate(4)  # groups are whole: no sharing of a per-group layout
+    multi_query = infer_plan(falcon_model(16, new_decoder_architecture=False))
+    spec = multi_query.compact(falcon_model(16, False))[qkv]
+    assert (spec["order"], spec["kv_heads"]) == ("blocks", 1)
+    assert multi_query.styles["transformer.h.0.mlp.dense_h_to_4h"] == "colwise"  # FalconLinear is a projection
+    multi_query.validate(4)
 
 
 def test_fused_gate_up_rows_give_each_rank_matching_halves():
@@ -213,10 +231,10 @@ def test_sequence_parallel_on_a_hugging_face_decoder_splits_the_sequence_at_the_
 SCRIPT = "tp_fused_runs.py"
 FP64_TOL = 1e-10
 CLIP = 0.5
-REFERENCE = ["litgpt", "phi3", "gpt2", "mha", "neox"]
+REFERENCE = ["litgpt", "phi3", "gpt2", "mha", "neox", "falcon_gqa", "falcon_mqa"]
 TWO_RANKS = [
     *("litgpt", "litgpt_save_tp", "litgpt_fsdp2_from_tp", "litgpt_save_fsdp2", "litgpt_tp_from_fsdp2"),
-    *("phi3", "phi3_save_tp", "phi3_fsdp2_from_tp", "gpt2_sp", "mha_sp"),
+    *("phi3", "phi3_save_tp", "phi3_fsdp2_from_tp", "gpt2_sp", "mha_sp", "falcon_gqa", "falcon_mqa"),
 ]
 FOUR_RANKS = ["litgpt_tp4", "phi3_tp4", "litgpt_2d", "gpt2_tp4", "neox_tp4"]  # tp4: 2 key/value heads < tp
 
@@ -315,6 +333,18 @@ def test_fused_checkpoints_move_between_tensor_parallel_and_fsdp2_and_load_into_
     assert all(k.startswith(prefix) for k in full)
     original = (litgpt_model if model == "litgpt" else phi3_model)(SEQ_LEN).double()
     original.load_state_dict({k.removeprefix(prefix): v for k, v in full.items()}, strict=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["falcon_gqa", "falcon_mqa"])
+def test_falcon_query_key_value_matches_one_process(workdir, reference, two_ranks, name):
+    """Falcon's query_key_value per group (new_decoder_architecture, 2 key/value heads: one group per rank) and
+    multi-query ([Q | k | v]: the one key/value head's rows split over both ranks and gathered in forward)."""
+    run = two_ranks[name]
+    _assert_matches_one_process(workdir, run, reference[name], name, 2, name)
+    share = _per_rank_share(run, reference[name]["param_bytes_total"], 2)
+    assert share < 0.52
+    print(f"{name} tp=2: per-rank/total = {share:.4f}")
 
 
 @pytest.mark.slow

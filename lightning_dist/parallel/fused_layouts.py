@@ -5,10 +5,13 @@ Two orders occur in the common libraries:
 - ``"blocks"``: all query heads, then all key heads, then all value heads (``[Q | K | V]``): ``nn.MultiheadAttention``'s
   ``in_proj_weight``, Hugging Face GPT-2's ``c_attn`` (a ``Conv1D``), litgpt's ``qkv`` and Phi-3's ``qkv_proj`` (with
   fewer key/value heads under grouped-query attention).
-- ``"per_head"``: query, key and value of head 0, then of head 1, ... (GPT-NeoX/Pythia's ``query_key_value``).
+- ``"per_head"``: query, key and value of head 0, then of head 1, ... (GPT-NeoX/Pythia's ``query_key_value``, and
+  Falcon's in its original multi-head form).
+- ``"per_group"``: for each key/value head, the query heads that use it, then its key and its value (Falcon's
+  ``query_key_value`` with ``new_decoder_architecture``).
 
-Sharding by heads gives rank ``r`` the rows of its heads of q, k and v. For ``"per_head"`` those rows are contiguous
-already; for ``"blocks"`` they are three pieces, so the rows are permuted once (:func:`rank_grouped_order`) into rank
+Sharding by heads gives rank ``r`` the rows of its heads of q, k and v. For ``"per_head"`` and ``"per_group"`` those rows are
+contiguous already; for ``"blocks"`` they are three pieces, so the rows are permuted once (:func:`rank_grouped_order`) into rank
 order and sharded contiguously (:func:`block_rank_order` does the same for a fused ``[gate | up]`` MLP projection).
 Nothing here guesses: a layout not told apart by class and config is refused.
 """
@@ -22,7 +25,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-Order = Literal["blocks", "per_head"]
+Order = Literal["blocks", "per_head", "per_group"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,8 @@ def fused_layout(attention: nn.Module, child: str, projection: nn.Module) -> Fus
         if not (_count(kv) and _count(size) and rows == (heads + 2 * kv) * size):
             return f"{cls}.qkv_proj: no num_key_value_heads/head_dim matching its {rows} output features"
         return FusedLayout("blocks", heads, kv, size, {"config.num_attention_heads": heads, "num_key_value_heads": kv})
+    if child == "query_key_value" and cls.startswith("Falcon"):
+        return _falcon_layout(attention, rows)
     if child == "query_key_value" and "NeoX" in cls and _count(heads := getattr(config, "num_attention_heads", None)):
         size = getattr(attention, "head_size", None)
         if not (_count(size) and rows == 3 * heads * size):
@@ -80,7 +85,7 @@ def fused_layout(attention: nn.Module, child: str, projection: nn.Module) -> Fus
         return FusedLayout("per_head", heads, heads, size)
     return (
         f"the order of query/key/value rows in {cls}.{child} could not be told from the module and its config (known:"
-        " nn.MultiheadAttention, GPT-2 c_attn, GPT-NeoX query_key_value, litgpt qkv, Phi-3 qkv_proj); column-wise sharding would give"
+        " nn.MultiheadAttention, GPT-2 c_attn, GPT-NeoX and Falcon query_key_value, litgpt qkv, Phi-3 qkv_proj); column-wise sharding would give"
         " each rank a slice of [q|k|v] instead of whole heads"
     )
 
@@ -94,7 +99,7 @@ def rank_grouped_order(layout: FusedLayout, tp: int) -> Tensor | None:
     they gather in forward (:class:`~lightning_dist.parallel.tp_fused.FusedColwiseParallel`): every row is still held
     by exactly one rank.
     """
-    if layout.order == "per_head":
+    if layout.order != "blocks":
         return None
     d, kv = layout.head_dim, layout.num_kv_heads
     if kv >= tp:
@@ -129,6 +134,23 @@ def block_rank_order(blocks: Sequence[int], tp: int) -> Tensor:
         for start, size in zip(starts, blocks)
     ]
     return torch.cat(pieces)
+
+
+def _falcon_layout(attention: nn.Module, rows: int) -> FusedLayout | str:
+    """Falcon's three forms, told by the attention's own flags (its ``_split_heads`` reads the same ones)."""
+    heads, kv, size = (getattr(attention, a, None) for a in ("num_heads", "num_kv_heads", "head_dim"))
+    new, multi_query = getattr(attention, "new_decoder_architecture", None), getattr(attention, "multi_query", None)
+    if not (_count(heads) and _count(kv) and _count(size) and isinstance(new, bool) and isinstance(multi_query, bool)):
+        return f"{type(attention).__name__}.query_key_value: no num_heads/num_kv_heads/head_dim and architecture flags"
+    if new:
+        layout = FusedLayout("per_group", heads, kv, size, {"num_heads": heads, "num_kv_heads": kv})
+    elif multi_query:  # [Q | k | v]: one key/value head
+        layout = FusedLayout("blocks", heads, 1, size, {"num_heads": heads})
+    else:
+        layout = FusedLayout("per_head", heads, heads, size, {"num_heads": heads})
+    if rows != layout.rows:
+        return f"{type(attention).__name__}.query_key_value has {rows} output features, not {layout.rows}"
+    return layout
 
 
 def _output_features(projection: nn.Module) -> int:

@@ -149,8 +149,9 @@ def is_norm(module: nn.Module) -> bool:
 
 
 def is_projection(module: nn.Module) -> bool:
-    """An ``nn.Linear`` (exactly, not a subclass with other semantics) or Hugging Face's ``Conv1D``."""
-    return type(module) is nn.Linear or is_conv1d(module)
+    """An ``nn.Linear`` (exactly, not a subclass with other semantics, except Falcon's plain ``x @ W.T + b``) or
+    Hugging Face's ``Conv1D``."""
+    return type(module) is nn.Linear or type(module).__name__ == "FalconLinear" or is_conv1d(module)
 
 
 def is_conv1d(module: nn.Module) -> bool:

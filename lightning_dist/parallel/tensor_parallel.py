@@ -30,6 +30,7 @@ from lightning_dist.parallel.tensor_parallel_plan import (
     TensorParallelPlan,
     TensorParallelPlanError,
     normalize_style,
+    style_name,
 )
 from lightning_dist.parallel.tp_fused import (
     Conv1DParallel,
@@ -186,6 +187,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
         else:
             style = build_style(spec, name, modules[name])
         parallelize_module(modules[name], tp_mesh, style)
+        if type(modules[name]).__name__ == "FalconLinear" and style_name(spec) == "rowwise":
+            # Falcon adds the attention output to the MLP's in place; a local output is a view DTensor made
+            modules[name].register_forward_hook(_owned_output)
     _retie(model, tied)
     changed: dict[str, str] = {}
     for name, attrs in plan.head_attributes.items():
@@ -206,6 +210,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
     if plan.loss_parallel_head is not None:
         modules[plan.loss_parallel_head].register_forward_hook(_full_logits_outside_training)
     return changed
+
+
+def _owned_output(module: nn.Module, args: Any, output: Any) -> Any:
+    return output.clone() if isinstance(output, Tensor) and not isinstance(output, DTensor) else output
 
 
 def set_count(module: nn.Module, attribute: str, value: int) -> None:

@@ -8,7 +8,8 @@ A plan maps module names to *styles* (plain data: a string or a small dict, so i
 - ``"replicate"``: parameters replicated on every tp rank (as DTensors), inputs and outputs left as they are.
 - ``"prepare_input"`` / ``"prepare_output"``: only change the layout of a module's first input / its output.
 - ``"fused_colwise"``: shard a fused query/key/value projection by heads; the dict gives the row ``order``
-  (``"blocks"``: ``[Q | K | V]``, ``"per_head"``: q, k, v of each head in turn), ``heads``, ``kv_heads`` and
+  (``"blocks"``: ``[Q | K | V]``, ``"per_head"``: q, k, v of each head in turn, ``"per_group"``: the query
+  heads of each key/value head, then its k and v), ``heads``, ``kv_heads`` and
   ``head_dim``.
 - ``"multihead_attention"``: shard an ``nn.MultiheadAttention`` by heads (its ``in_proj`` and ``out_proj``); with
   ``sequence_dim`` (sequence parallel) its inputs and output are this rank's slice of the sequence on that dim.

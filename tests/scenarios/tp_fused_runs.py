@@ -1,8 +1,8 @@
 """Tensor parallel on fused attention projections: Hugging Face GPT-2 (Conv1D c_attn, tied embeddings) and
 GPT-NeoX (query_key_value) against one process; stock LlamaForCausalLM with sequence parallel and with 2 key/value
-heads at tp=4; litgpt's GPT (fused qkv, grouped-query attention); fused-QKV checkpoints (GPT-2,
-nn.MultiheadAttention, litgpt) moving between tensor_parallel and fsdp2, and consolidated into the library's own
-class. tp_runs.py runs the GPT-2/NeoX/Llama ones in its launches, test_tp_fused.py the library ones in its own.
+heads at tp=4; litgpt's GPT (fused qkv, grouped-query attention), Phi-3 (qkv_proj, gate_up_proj), Falcon
+(query_key_value per group and multi-query); fused-QKV checkpoints (GPT-2, nn.MultiheadAttention, litgpt, Phi-3)
+moving between tensor_parallel and fsdp2, and consolidated into the library's own class. tp_runs.py runs the GPT-2/NeoX/Llama ones in its launches, test_tp_fused.py the library ones in its own.
 
 python tests/scenarios/tp_fused_runs.py --devices 2 --out r.json --workdir DIR --scenarios gpt2,neox
 """
@@ -27,7 +27,7 @@ from common import (  # type: ignore[import-not-found]
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from llama_like import EncoderLM, LlamaLike  # type: ignore[import-not-found]
 from torch.distributed.tensor import DTensor, Shard
-from tp_library_models import LitGPTLM, phi3_model  # type: ignore[import-not-found]
+from tp_library_models import LitGPTLM, falcon_model, phi3_model  # type: ignore[import-not-found]
 
 from examples.data import TextDataModule
 from lightning_dist import FSDP2Strategy, TensorParallelStrategy
@@ -52,6 +52,8 @@ def hf_model(kind: str) -> torch.nn.Module:
 
     if kind == "phi3":
         return phi3_model(SEQ_LEN)
+    if kind.startswith("falcon"):
+        return falcon_model(SEQ_LEN, new_decoder_architecture=kind == "falcon_gqa")
     if kind == "gpt2":
         config = GPT2Config(
             vocab_size=VOCAB, n_positions=SEQ_LEN, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -214,6 +216,8 @@ FUSED_SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "phi3": lambda d, w: train(d, w, "phi3", "phi3"),
     "phi3_save_tp": lambda d, w: checkpoint_save(d, w, "phi3", "tp"),
     "phi3_fsdp2_from_tp": lambda d, w: checkpoint_resume(d, w, "phi3", "fsdp2", "tp"),
+    "falcon_gqa": lambda d, w: train(d, w, "falcon_gqa", "falcon_gqa"),
+    "falcon_mqa": lambda d, w: train(d, w, "falcon_mqa", "falcon_mqa"),
     "gpt2_sp": lambda d, w: train(d, w, "gpt2_sp", "gpt2", sequence_parallel=True),
     "mha_sp": lambda d, w: train(d, w, "mha_sp", "mha", sequence_parallel=True),
     "mha": lambda d, w: train(d, w, "mha", "mha"),

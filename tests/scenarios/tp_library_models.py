@@ -40,6 +40,20 @@ def phi3_model(seq_len: int) -> torch.nn.Module:
     return Phi3ForCausalLM(config)
 
 
+def falcon_model(seq_len: int, new_decoder_architecture: bool) -> torch.nn.Module:
+    """``FalconForCausalLM``, 4 heads: ``new_decoder_architecture`` (2 key/value heads, query_key_value per group) or
+    multi-query (one key/value head, ``[Q | k | v]``)."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+        new_decoder_architecture=new_decoder_architecture, multi_query=not new_decoder_architecture,
+        max_position_embeddings=seq_len, hidden_dropout=0.0, attention_dropout=0.0, ffn_hidden_size=64, bias=False,
+        parallel_attn=True, alibi=False, attn_implementation="eager",
+    )  # fmt: skip
+    return FalconForCausalLM(config)
+
+
 class LitGPTLM(LlamaLike):
     """litgpt's ``GPT`` (``gpt``) with LlamaLike's training and validation steps."""
 

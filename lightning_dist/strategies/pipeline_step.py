@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -25,6 +26,8 @@ else:
 
 class PipelineSteps(_Base):
     """The step methods of :class:`~lightning_dist.strategies.pipeline.PipelineStrategy` (a mixin before the base)."""
+
+    _warned_labels = False
 
     def _runner(self, batch_size: int, training: bool) -> pp.PipelineRunner:
         m = self.microbatches_for(batch_size) if training else self._eval_microbatches(batch_size)
@@ -70,6 +73,13 @@ class PipelineSteps(_Base):
                 optimizer.zero_grad(set_to_none=True)
         step_args = (batch, batch_idx, *args)
         runner, inputs, batch_size = self._pipelined_call("training_step", step_args, True)
+        if not self._warned_labels and (counts := uneven_label_counts(inputs.get("labels"), runner.n_microbatches)):
+            self._warned_labels = True
+            rank_zero_warn(
+                f"pipeline: the micro-batches hold {counts} labels other than -100 (ignore_index). A loss averaged"
+                " over each micro-batch's tokens (Hugging Face's labels=) then differs from the whole batch's: the"
+                " pipeline averages the micro-batch means. Equal counts per micro-batch make them equal."
+            )
         calls: list[tuple[Tensor, LogCapture]] = []
 
         def loss_fn(output: Any, target: Tensor) -> Tensor:
@@ -117,6 +127,16 @@ class PipelineSteps(_Base):
         """Log on every rank what the loss stage's step logged (averaged over micro-batches); return its loss."""
         group = self.process_group("pp")
         return share_logs(self.lightning_module, capture, loss, group, self.loss_stage, self.root_device)
+
+
+def uneven_label_counts(labels: Any, n_microbatches: int, ignore_index: int = -100) -> list[int] | None:
+    """The number of labels other than ``ignore_index`` in each micro-batch of ``labels``, or ``None`` when they are
+    all equal (or ``labels`` is not an integer tensor): only equal counts make the mean of per-micro-batch token means
+    the whole batch's token mean."""
+    if not isinstance(labels, Tensor) or labels.dim() == 0 or labels.is_floating_point():
+        return None
+    counts = [int((chunk != ignore_index).sum()) for chunk in torch.tensor_split(labels, n_microbatches)]
+    return counts if len(set(counts)) > 1 else None
 
 
 def slice_batch(batch: Any, start: int, stop: int, batch_size: int) -> Any:

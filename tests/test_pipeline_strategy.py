@@ -63,12 +63,14 @@ def four_ranks(workdir, references):
 def _check_gpt_run(reference, ranks, replicas=1):
     keys = [set(rank["keys"]) for rank in ranks]
     assert set().union(*keys) == set(reference["keys"])  # every parameter is compared, on the rank holding it
+    assert set().union(*(rank["grad_keys"] for rank in ranks)) == set(reference["grad_keys"])
     if replicas == 1:
         assert not any(keys[i] & keys[j] for i in range(len(keys)) for j in range(i))  # each rank: its stages only
     for rank in ranks:
         assert max_abs_diff(rank["losses"], reference["losses"]) <= TOL  # the step output, on every rank
         assert max_abs_diff(rank["logged"], reference["logged"]) <= TOL  # the logged train_loss, on every rank
         assert rank["param_diff"] <= TOL
+        assert rank["grad_diff"] <= TOL  # every gradient of the first step, unsharded, before clipping
         assert abs(rank["val_loss"] - reference["val_loss"]) <= TOL  # validation through the forward-only pass
         assert abs(rank["val_acc"] - reference["val_acc"]) <= TOL  # a torchmetrics Metric updated on the last stage
     if "has_predictions" not in ranks[0]:
@@ -83,8 +85,8 @@ def _check_gpt_run(reference, ranks, replicas=1):
 @pytest.mark.parametrize("schedule", list(REFERENCE))
 def test_pp2_matches_one_process(runs, schedule):
     """1f1b, gpipe, interleaved 1F1B and ZBV zero bubble (2 stages per rank), activation checkpointing, and 1f1b
-    with accumulate_grad_batches=2 (gradients summed over two pipeline steps): losses, logged values, every final
-    parameter, the validation loss and accuracy (a torchmetrics Metric) on every rank, and predictions (the runs
+    with accumulate_grad_batches=2 (gradients summed over two pipeline steps): losses, logged values, every gradient
+    of the first step and every final parameter, the validation loss and accuracy (a torchmetrics Metric) on every rank, and predictions (the runs
     that also call validate and predict after fit)."""
     reference = runs[REFERENCE[schedule]]
     assert min(reference["grad_norms"]) > 0.05  # every step was clipped (by the norm over both stages)
@@ -94,8 +96,8 @@ def test_pp2_matches_one_process(runs, schedule):
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario", list(FOUR_RANKS))
 def test_four_ranks_match_one_process(four_ranks, scenario):
-    """pp=4 (one block per stage) with 1f1b, and pp=2 × dp_shard=2 (FSDP2 inside each stage): losses,
-    logged values, every final parameter and fit's validation loss."""
+    """pp=4 (one block per stage) with 1f1b, and pp=2 × dp_shard=2 (FSDP2 inside each stage): losses, logged
+    values, every gradient of the first step and final parameter, fit's validation loss and accuracy."""
     replicas = 2 if "dp2" in scenario else 1
     _check_gpt_run(four_ranks[FOUR_RANKS[scenario]], four_ranks["pipeline"][scenario]["per_rank"], replicas)
 

@@ -46,6 +46,18 @@ class LoggedLoss(Callback):
         self._read(trainer)
 
 
+class FirstGradients(Callback):
+    """This rank's gradients (unsharded) at the first optimizer step, before clipping, by parameter name."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, torch.Tensor] | None = None
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if self.grads is None:
+            named = pl_module.named_parameters()
+            self.grads = {n: _full(p.grad).detach().clone() for n, p in named if p.grad is not None}
+
+
 def _checkpoints(workdir: str, name: str) -> ModelCheckpoint:
     """Saves at step SAVE_AT (mid-epoch) into ``workdir/name/step=SAVE_AT.ckpt``."""
     return ModelCheckpoint(f"{workdir}/{name}", every_n_train_steps=SAVE_AT, save_top_k=-1, filename="{step}")
@@ -57,7 +69,8 @@ def _train(
     """Fit STEPS steps (validating after the last); with ``evaluate`` also ``validate`` and ``predict`` afterwards
     (else the validation loss is fit's)."""
     model, data = make_model_and_data(devices, dp_size=dp, n_layer=4, vocab_size=VOCAB)
-    recorder, logged = StepRecorder(), LoggedLoss()
+    recorder, logged, grads = StepRecorder(), LoggedLoss(), FirstGradients()
+    recorder.first_grads = grads
     trainer = L.Trainer(
         **trainer_kwargs(
             devices,
@@ -69,7 +82,7 @@ def _train(
         max_steps=STEPS,
         val_check_interval=STEPS,  # one validation loop inside fit, after the last step
         check_val_every_n_epoch=None,
-        callbacks=[recorder, logged, *callbacks],
+        callbacks=[recorder, logged, grads, *callbacks],
         **kwargs,
     )
     trainer.fit(model, data)
@@ -91,12 +104,14 @@ def _reference(**kwargs: Any) -> Callable[[int, str], dict[str, Any]]:
         suffix = "_accumulate" if kwargs else ""
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{workdir}/reference{suffix}.pt")
         torch.save(predictions, f"{workdir}/predictions{suffix}.pt")
+        torch.save(recorder.first_grads.grads, f"{workdir}/grads{suffix}.pt")
         return {
             "losses": recorder.losses,
             "grad_norms": recorder.grad_norms,
             "logged": logged.values,
             **val,
             "keys": sorted(model.state_dict()),
+            "grad_keys": sorted(recorder.first_grads.grads),
         }
 
     return run
@@ -117,12 +132,15 @@ def _pipeline(
         suffix = "_accumulate" if kwargs else ""
         expected = torch.load(f"{workdir}/reference{suffix}.pt")
         local = {k: _full(v.detach()) for k, v in model.state_dict().items()}
+        grads, expected_grads = recorder.first_grads.grads, torch.load(f"{workdir}/grads{suffix}.pt")
         result: dict[str, Any] = {
             "losses": recorder.losses,
             "logged": logged.values,
             **val,
             "keys": sorted(local),
             "param_diff": max((local[k] - expected[k]).abs().max().item() for k in local),
+            "grad_diff": max((grads[k] - expected_grads[k]).abs().max().item() for k in grads),
+            "grad_keys": sorted(grads),
         }
         if predictions is not None:
             result["has_predictions"] = predictions[0] is not None

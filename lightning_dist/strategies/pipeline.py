@@ -27,9 +27,10 @@ from lightning_dist.strategies.pipeline_step import PipelineSteps
 class PipelineStrategy(PipelineSteps, MeshParallelStrategy):
     """Pipeline parallelism (with FSDP2 inside each stage) for an unchanged LightningModule.
 
-    The step methods must call the model exactly once (``self(x)``); that call is pipelined. Manual optimization is
-    not supported. ``predict_step`` returns the outputs in batch order on the ranks holding the last stage and
-    ``None`` on the others. A torchmetrics ``Metric`` logged on the loss stage is logged on every rank with the loss
+    The step methods must call the model exactly once (``self(x)``, or ``self.model(input_ids=x, labels=y)`` for a
+    Hugging Face model in ``self.model``: the innermost module holding every parameter is pipelined). Manual
+    optimization is not supported. ``predict_step`` returns the outputs in batch order on the ranks holding the last
+    stage and ``None`` on the others. A torchmetrics ``Metric`` logged on the loss stage is logged on every rank with the loss
     stage's state (epoch values are exact; a step value is that of the last micro-batch).
 
     Args:

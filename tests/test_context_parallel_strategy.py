@@ -40,7 +40,12 @@ TOL = 1e-10  # fp64: the same operations in another order across two processes
 # cast down), in the one-process reference too: loss values agree to a few fp32 ulps (2.4e-7 at losses in [2, 4)).
 # Its gradient is exact (the per-token fp32 gradients are those of one process times cp, a power of two), so
 # gradient norms and parameters are compared at TOL.
-HF_LOSS_TOL = 2e-6
+HF_LOSS_RTOL = 1e-6  # about 8 fp32 epsilons, relative
+
+
+def _max_relative_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 def _trainer(strategy, devices: int = 2) -> L.Trainer:
@@ -159,12 +164,12 @@ def test_learned_positions_without_a_positions_argument_fail_before_launch(monke
         _trainer("context_parallel_ulysses").fit(_gpt(d_model=48, n_head=3))
 
 
-def _tiny_llama():
+def _tiny_llama(**options):
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
     config = LlamaConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=2, **options,
     )  # fmt: skip
     return LlamaForCausalLM(config), LlamaModel(config)
 
@@ -177,6 +182,15 @@ def test_hugging_face_causal_lms_are_recognised_by_their_loss():
     assert not is_causal_lm(base) and find_causal_lm(_gpt()) is None  # no loss from labels / not Hugging Face
     lm.loss_function = lambda logits, labels, **kwargs: logits.sum()  # a custom loss: its shift is unknown
     assert not is_causal_lm(lm)
+
+
+def test_a_hugging_face_model_whose_attention_is_not_sdpa_is_refused_before_launch():
+    wrapper = nn.Module()
+    wrapper.model = _tiny_llama(attn_implementation="eager")[0]
+    with pytest.raises(
+        ValueError, match=r"model \(LlamaForCausalLM\) computes attention with attn_implementation='eager'"
+    ):
+        _trainer("context_parallel").strategy.check_model(wrapper)
 
 
 def test_padding_masks_and_packed_positions_are_refused_for_a_causal_lm():
@@ -265,10 +279,13 @@ def test_cp2_trains_a_stock_hf_llama_that_shifts_labels_inside(runs, name):
     reference, result = _reference(runs, name), runs[name]
     assert result["causal_lm"] == "model" and result["explicit_masks"] == "causal"
     assert result["positions"] == ["model", "position_ids"]
+    # with the attention mask of ones the strategy passes, the model builds no mask: SDPA gets is_causal and the
+    # 2 key/value heads unexpanded (4 query heads), which is what ring and all-gather send
+    assert result["attention_heads"] == [[4, 2]] and not result["explicit_mask_seen"]
     assert result["same_keys"] and result["param_diff"] <= TOL
     assert max_abs_diff(result["grad_norms"], reference["grad_norms"]) <= TOL
-    assert max_abs_diff(result["losses"], reference["losses"]) <= HF_LOSS_TOL
-    assert abs(result["val"]["val_loss"] - reference["val"]["val_loss"]) <= HF_LOSS_TOL
+    assert _max_relative_diff(result["losses"], reference["losses"]) <= HF_LOSS_RTOL
+    assert _max_relative_diff([result["val"]["val_loss"]], [reference["val"]["val_loss"]]) <= HF_LOSS_RTOL
 
 
 @pytest.mark.slow
@@ -302,9 +319,13 @@ def test_cp4_and_dp2_cp2_train_as_one_process(runs, runs4, name):
     assert result["mesh"] == {"cp": cp, "dp_shard": dp}
     assert result["same_keys"] and result["param_diff"] <= TOL
     assert max_abs_diff(result["grad_norms"], reference["grad_norms"]) <= TOL
-    loss_tol = HF_LOSS_TOL if name.startswith("hf") else TOL
-    assert max_abs_diff(result["losses"], reference["losses"]) <= loss_tol
-    assert abs(result["val"]["val_loss"] - reference["val"]["val_loss"]) <= loss_tol
+    losses = [*result["losses"], result["val"]["val_loss"]]
+    expected = [*reference["losses"], reference["val"]["val_loss"]]
+    if name.startswith("hf"):
+        assert result["attention_heads"] == [[4, 2]] and not result["explicit_mask_seen"]
+        assert _max_relative_diff(losses, expected) <= HF_LOSS_RTOL
+    else:
+        assert max_abs_diff(losses, expected) <= TOL
 
 
 @pytest.mark.slow

@@ -78,7 +78,11 @@ def shift_labels_hook(
     labels and their count, as described in the module docstring.
 
     It also refuses what plain causal attention over the shards cannot compute: a padding ``attention_mask``
-    (any zero) and ``position_ids`` other than the global positions of the shard (packed sequences).
+    (any zero) and ``position_ids`` other than the global positions of the shard (packed sequences). When the call
+    passes no ``attention_mask`` it passes one of ones: Hugging Face then builds no mask (its SDPA call is
+    ``is_causal=True`` with grouped-query key/value heads left unexpanded) instead of reading the zigzag positions
+    as packed sequences and building an explicit mask (for which it expands key/value heads to the query heads,
+    multiplying what ring and all-gather attention send).
 
     Args:
         module: the causal LM (its ``forward`` signature binds the call's arguments).
@@ -94,19 +98,48 @@ def shift_labels_hook(
         bound = signature.bind_partial(*args, **kwargs).arguments
         extra = bound.get(var_keyword, {})
         check_plain_causal(type(mod).__name__, bound, seq_len, cp, rank, layout)
+        added: dict[str, Any] = {}
+        tokens = next((bound[n] for n in ("input_ids", "inputs_embeds") if isinstance(bound.get(n), Tensor)), None)
+        if bound.get("attention_mask") is None and "attention_mask" in signature.parameters and tokens is not None:
+            added["attention_mask"] = torch.ones(tokens.shape[:2], dtype=torch.long, device=tokens.device)
         labels = bound.get("labels")
-        if labels is None or "shift_labels" in extra or "num_items_in_batch" in extra:
+        if labels is not None and "shift_labels" not in extra and "num_items_in_batch" not in extra:
+            shifted, count = shift_whole_sequence(labels, group, layout, extra.get("ignore_index", -100))
+            added["shift_labels"] = shard_sequence(shifted, cp, rank, layout).contiguous()
+            added["num_items_in_batch"] = count.to(torch.float32) / cp  # exact: count < 2**24, cp a power of two
+        if not added:
             return None
-        ignore_index = extra.get("ignore_index", -100)
-        shifted, count = shift_whole_sequence(labels, group, layout, ignore_index)
-        items = count.to(torch.float32) / cp  # exact for counts below 2**24 and cp a power of two
-        return args, {
-            **kwargs,
-            "shift_labels": shard_sequence(shifted, cp, rank, layout).contiguous(),
-            "num_items_in_batch": items,
-        }
+        return _with_arguments(signature, args, kwargs, added)
 
     return hook
+
+
+def _with_arguments(
+    signature: inspect.Signature, args: tuple, kwargs: dict, added: dict[str, Any]
+) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with ``added`` set: by position where the call passed that parameter positionally."""
+    positional = [
+        p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    args = list(args)
+    for name in list(added):
+        index = positional.index(name) if name in positional else None
+        if index is not None and index < len(args):
+            args[index] = added.pop(name)
+    return tuple(args), {**kwargs, **added}
+
+
+def check_attention_implementation(name: str, module: nn.Module) -> None:
+    """Refuse a Hugging Face model whose attention does not call ``F.scaled_dot_product_attention`` (``eager``,
+    ``flash_attention_2``...): context parallelism routes SDPA, and any other attention would attend within each
+    rank's shard only."""
+    implementation = getattr(module.config, "_attn_implementation", "sdpa")
+    if implementation != "sdpa":
+        raise ValueError(
+            f"Context parallel: {name} ({type(module).__name__}) computes attention with"
+            f" attn_implementation={implementation!r}, which context parallelism cannot route: each rank would attend"
+            " to its own shard only. Load or build the model with attn_implementation='sdpa'."
+        )
 
 
 def shift_whole_sequence(

@@ -18,7 +18,12 @@ from lightning_dist.parallel.context_parallel_batch import (
     sequence_entries,
     shard_batch,
 )
-from lightning_dist.parallel.context_parallel_labels import find_causal_lm, is_causal_decoder, shift_labels_hook
+from lightning_dist.parallel.context_parallel_labels import (
+    check_attention_implementation,
+    find_causal_lm,
+    is_causal_decoder,
+    shift_labels_hook,
+)
 from lightning_dist.parallel.fsdp import FSDPConfig, is_fully_sharded
 from lightning_dist.parallel.mesh import ParallelDims, require_split_axis
 from lightning_dist.parallel.model_structure import recognize
@@ -101,6 +106,7 @@ class ContextParallelStrategy(MeshParallelStrategy):
     @override
     def check_model(self, model: Module) -> None:
         self._find_positions(model)
+        self._recognize_causal_lm(model, log=False)
 
     def _find_positions(self, model: Module) -> tuple[str, str] | None:
         structure = recognize(model)
@@ -157,19 +163,23 @@ class ContextParallelStrategy(MeshParallelStrategy):
         )
         return model
 
-    def _recognize_causal_lm(self, model: Module) -> None:
+    def _recognize_causal_lm(self, model: Module, log: bool = True) -> None:
         self._causal_lm = find_causal_lm(model)
         if self._causal_lm is None:
             return
         lm = model.get_submodule(self._causal_lm)
         name = self._causal_lm or type(model).__name__
+        check_attention_implementation(name, lm)
         if is_causal_decoder(lm):
             self._explicit_masks = "causal"
+        if not log:
+            return
         self.log_decision(
             f"{name} ({type(lm).__name__}) shifts its labels itself: each step its labels are shifted over the whole"
-            " sequence and passed as shift_labels, with num_items_in_batch = non-ignored labels of the sequence / cp"
+            " sequence and passed as shift_labels, with num_items_in_batch = non-ignored labels of the sequence / cp;"
+            " an attention_mask of ones is passed when the call passes none (no explicit mask is built)"
             + (
-                "; the causal mask it builds from positions is computed as causal attention over global positions"
+                "; a causal mask it builds anyway is computed as causal attention over global positions"
                 if self._explicit_masks == "causal"
                 else ""
             )

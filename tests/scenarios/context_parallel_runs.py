@@ -7,7 +7,8 @@ python tests/scenarios/context_parallel_runs.py --devices 2 --out r.json --workd
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from common import (  # type: ignore[import-not-found]
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_dist import ContextParallelStrategy, FSDP2Strategy
-from lightning_dist.parallel.context_parallel import shard_sequence
+from lightning_dist.parallel.context_parallel import ContextParallelAttention, shard_sequence
 
 STEPS = 4
 
@@ -131,6 +132,25 @@ def _counted_labels_per_shard(ignore_below: int) -> list[int]:
     return [int((shard_sequence(shifted, 2, r) != -100).sum()) for r in range(2)]
 
 
+@contextmanager
+def attention_calls() -> Iterator[dict[str, set]]:
+    """What reaches the intercepted SDPA: ``(query heads, key/value heads)`` and whether an explicit mask came."""
+    seen: dict[str, set] = {"heads": set(), "masked": set()}
+    original = ContextParallelAttention.attention
+
+    def attention(self: ContextParallelAttention, *args: Any, **kwargs: Any) -> torch.Tensor:
+        query, key = args[0], args[1]
+        seen["heads"].add((query.shape[-3], key.shape[-3]))
+        seen["masked"].add(kwargs.get("attn_mask", args[3] if len(args) > 3 else None) is not None)
+        return original(self, *args, **kwargs)
+
+    ContextParallelAttention.attention = attention  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        ContextParallelAttention.attention = original  # type: ignore[method-assign]
+
+
 def context_parallel(
     devices: int,
     workdir: str,
@@ -142,7 +162,10 @@ def context_parallel(
 ) -> dict[str, Any]:
     strategy = (control or ContextParallelStrategy)(**options)
     later = LaterBatchProbe() if probe else None
-    result, state, predictions = _run(devices, strategy, hf, options.get("data_parallel_shard_size", 1), later)
+    with attention_calls() as calls:
+        result, state, predictions = _run(devices, strategy, hf, options.get("data_parallel_shard_size", 1), later)
+    result["attention_heads"] = sorted(calls["heads"])
+    result["explicit_mask_seen"] = any(calls["masked"])
     if later is not None:
         result["later_batches"] = later.seen
     expected = torch.load(f"{workdir}/{reference}.pt")
@@ -213,8 +236,8 @@ class WithoutPositions(ContextParallelStrategy):
 class WithoutLabelShift(ContextParallelStrategy):
     """The control: the causal LM shifts its labels within each shard and averages over the shard's own labels."""
 
-    def _recognize_causal_lm(self, model: torch.nn.Module) -> None:
-        super()._recognize_causal_lm(model)
+    def _recognize_causal_lm(self, model: torch.nn.Module, log: bool = True) -> None:
+        super()._recognize_causal_lm(model, log)
         self._causal_lm = None
 
 

@@ -3,7 +3,7 @@
 A mesh is ruled out when a size does not divide what it splits (heads and KV heads by tp, the vocabulary by tp, the
 sequence by 2·cp, the blocks by pp, the global batch by the data-parallel ranks times the micro-batch), when tp
 would span nodes, or when its estimated memory does not fit the device. The rest are ranked by an estimated step
-time: compute (6 · parameters · tokens, at ``mfu`` of the peak) stretched by the pipeline bubble, FSDP/HSDP traffic
+time: compute (6 · parameters · tokens, 8 with activation checkpointing, at 40% of a 989 TFLOP/s peak) stretched by the pipeline bubble, FSDP/HSDP traffic
 hidden behind compute up to its length, and tensor-, context- and pipeline-parallel traffic exposed.
 """
 
@@ -70,7 +70,8 @@ def problems_of(facts: ModelFacts, mesh: Mesh, workload: Workload, hardware: Har
 def step_seconds(facts: ModelFacts, est: Estimate, workload: Workload, hardware: Hardware, flops: float) -> float:
     mesh = est.mesh
     tokens = workload.global_batch * workload.seq_len
-    compute = 6 * facts.total_params * tokens / mesh.world / flops
+    flops_per_token = 8 if workload.activation_checkpointing else 6  # checkpointing runs every forward twice
+    compute = flops_per_token * facts.total_params * tokens / mesh.world / flops
     microbatches = max(1, workload.global_batch // (mesh.data_parallel * workload.micro_batch))
     bubble = (mesh.pp - 1) / (microbatches + mesh.pp - 1)
     seconds = {

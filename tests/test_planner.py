@@ -8,7 +8,8 @@ import torch
 
 from examples.gpt import GPT
 from lightning_dist.commands import run_tool
-from lightning_dist.planning.estimate import Hardware, Mesh, Workload, estimate
+from lightning_dist.parallel.mesh import ParallelDims
+from lightning_dist.planning.estimate import Hardware, Workload, estimate
 from lightning_dist.planning.model_facts import activation_facts, model_facts
 from lightning_dist.planning.search import meshes, problems_of
 
@@ -39,31 +40,31 @@ def test_one_rank_state_bytes_equal_a_real_adamw_step():
     optimizer.step()
     measured = sum(p.numel() * p.element_size() for p in model.parameters()) * 2  # parameters and gradients
     measured += sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if t.dim())
-    est = estimate(model_facts(_gpt("meta")), None, Mesh(), Workload(32, 2, 2, "32-true"), Hardware(1))
+    est = estimate(model_facts(_gpt("meta")), None, ParallelDims(), Workload(32, 2, 2, "32-true"), Hardware(1))
     assert est.states == measured
 
 
 def test_sharding_divides_the_states_by_the_fsdp_group_and_tp_the_planned_parameters():
     facts, work, hw = model_facts(_gpt("meta")), Workload(32, 1, 8, "32-true"), Hardware(8)
-    one = estimate(facts, None, Mesh(), work, hw).params
-    assert estimate(facts, None, Mesh(dp_shard=4, cp=2), work, hw).params == pytest.approx(one / 8)
-    tp2 = estimate(facts, None, Mesh(tp=2), work, hw).params
+    one = estimate(facts, None, ParallelDims(), work, hw).params
+    assert estimate(facts, None, ParallelDims(dp_shard=4, cp=2), work, hw).params == pytest.approx(one / 8)
+    tp2 = estimate(facts, None, ParallelDims(tp=2), work, hw).params
     assert one / 2 < tp2 < one * 0.52  # everything but norms and biases of row-wise layers is split
 
 
 def test_meshes_and_the_rules_that_rule_them_out():
-    assert all(m.world == 8 for m in meshes(8)) and Mesh(pp=2, dp_shard=2, tp=2) in meshes(8)
+    assert all(m.world_size == 8 for m in meshes(8)) and ParallelDims(pp=2, dp_shard=2, tp=2) in meshes(8)
     facts, hw = model_facts(_gpt("meta")), Hardware(4)
     work = Workload(seq_len=30, micro_batch=1, global_batch=6)
-    assert problems_of(facts, Mesh(tp=8), work, hw) == [
+    assert problems_of(facts, ParallelDims(tp=8), work, hw) == [
         "tp=8 does not divide the 4 heads",
         "tp=8 would span nodes of 4 devices",
     ]
-    assert problems_of(facts, Mesh(cp=2, dp_shard=4), work, hw) == [
+    assert problems_of(facts, ParallelDims(cp=2, dp_shard=4), work, hw) == [
         "2·cp=4 does not divide the sequence of 30",
         "the global batch 6 is not a multiple of dp·micro_batch=4",
     ]
-    assert problems_of(facts, Mesh(pp=8), work, hw)[0] == "pp=8 is more stages than the 4 blocks"
+    assert problems_of(facts, ParallelDims(pp=8), work, hw)[0] == "pp=8 is more stages than the 4 blocks"
 
 
 def test_plan_tool_ranks_meshes_and_recommends_one(capsys):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from lightning_dist.parallel.mesh import MESH_AXES
+from lightning_dist.parallel.mesh import ParallelDims
 from lightning_dist.planning.model_facts import ActivationFacts, ModelFacts
 
 GIB = 1024**3
@@ -20,29 +20,6 @@ GIB = 1024**3
 PARAM_BYTES = {"64-true": 8, "32-true": 4, "bf16-mixed": 4, "16-mixed": 4, "bf16-true": 2, "16-true": 2}
 COMPUTE_BYTES = {"64-true": 8, "32-true": 4, "bf16-mixed": 2, "16-mixed": 2, "bf16-true": 2, "16-true": 2}
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
-
-
-@dataclass(frozen=True)
-class Mesh:
-    """Sizes of the five axes (outer to inner: pp, dp_replicate, dp_shard, cp, tp)."""
-
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    tp: int = 1
-
-    @property
-    def world(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
-
-    @property
-    def data_parallel(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    def __str__(self) -> str:
-        parts = [f"{axis}{getattr(self, axis)}" for axis in MESH_AXES if getattr(self, axis) > 1]
-        return " × ".join(parts) or "1 rank"
 
 
 @dataclass(frozen=True)
@@ -72,7 +49,7 @@ class Hardware:
 class Estimate:
     """Per-rank memory (bytes) and per-step communication (bytes sent per rank, by axis and inside/across nodes)."""
 
-    mesh: Mesh
+    mesh: ParallelDims
     params: float = 0.0
     grads: float = 0.0
     optimizer: float = 0.0
@@ -94,7 +71,7 @@ class Estimate:
         return inside / hardware.intra_node_bytes_per_s + across / hardware.inter_node_bytes_per_s
 
 
-def stage_params(facts: ModelFacts, mesh: Mesh) -> tuple[float, float]:
+def stage_params(facts: ModelFacts, mesh: ParallelDims) -> tuple[float, float]:
     """Parameters (elements) on one rank of the fuller pipeline stage before FSDP sharding, and those of one block."""
     blocks = math.ceil(facts.blocks / mesh.pp)
     block = facts.block_tp_params / mesh.tp + (facts.block_params - facts.block_tp_params)
@@ -107,7 +84,7 @@ def stage_params(facts: ModelFacts, mesh: Mesh) -> tuple[float, float]:
 
 
 def estimate(
-    facts: ModelFacts, activations: ActivationFacts | None, mesh: Mesh, workload: Workload, hardware: Hardware
+    facts: ModelFacts, activations: ActivationFacts | None, mesh: ParallelDims, workload: Workload, hardware: Hardware
 ) -> Estimate:
     """Memory and communication of ``mesh`` (``activations``: counted at ``workload.micro_batch`` and
     ``seq_len / mesh.cp``; ``None`` leaves activations out)."""
@@ -121,7 +98,7 @@ def estimate(
     est.optimizer = est.params * OPTIMIZER_STATES[workload.optimizer]
     if fsdp > 1:  # one unit gathered, the next prefetched, and the gradient unit being reduced
         est.buffers = block * (2 * compute_bytes + 4)
-    microbatches = max(1, workload.global_batch // (mesh.data_parallel * workload.micro_batch))
+    microbatches = max(1, workload.global_batch // (mesh.batch * workload.micro_batch))
     if activations is not None:
         est.activations = _activation_bytes(facts, activations, mesh, workload, microbatches)
     est.comm = _communication(facts, mesh, workload, hardware, per_rank, microbatches)
@@ -129,7 +106,7 @@ def estimate(
 
 
 def _activation_bytes(
-    facts: ModelFacts, act: ActivationFacts, mesh: Mesh, workload: Workload, microbatches: int
+    facts: ModelFacts, act: ActivationFacts, mesh: ParallelDims, workload: Workload, microbatches: int
 ) -> float:
     blocks = math.ceil(facts.blocks / mesh.pp)
     per_block = act.per_block_residual + act.per_block_inner / mesh.tp
@@ -142,7 +119,7 @@ def _activation_bytes(
 
 
 def _communication(
-    facts: ModelFacts, mesh: Mesh, workload: Workload, hardware: Hardware, per_rank: float, microbatches: int
+    facts: ModelFacts, mesh: ParallelDims, workload: Workload, hardware: Hardware, per_rank: float, microbatches: int
 ) -> dict[str, tuple[float, float]]:
     """Bytes one rank sends per optimizer step, by axis: ring collectives send ``(n − 1)/n`` of the buffer."""
     compute = COMPUTE_BYTES[workload.precision]
@@ -169,7 +146,7 @@ def _communication(
     return {axis: _split_by_node(axis, mesh, hardware, b) for axis, b in sent.items()}
 
 
-def _split_by_node(axis: str, mesh: Mesh, hardware: Hardware, sent: float) -> tuple[float, float]:
+def _split_by_node(axis: str, mesh: ParallelDims, hardware: Hardware, sent: float) -> tuple[float, float]:
     """Inside/across nodes. Ranks are numbered with tp innermost, so the members of an axis's groups are ``stride``
     apart (the product of the axes inside it); ``k`` members share a node, and a ring crosses nodes at 1 hop in k.
     The FSDP group (``dp_shard``) is ``dp_shard × cp``."""

@@ -13,7 +13,8 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lightning_dist.planning.estimate import GIB, Estimate, Hardware, Mesh, Workload, estimate
+from lightning_dist.parallel.mesh import ParallelDims
+from lightning_dist.planning.estimate import GIB, Estimate, Hardware, Workload, estimate
 from lightning_dist.planning.model_facts import ActivationFacts, ModelFacts
 
 MEMORY_HEADROOM = 0.9  # of the device memory, for the allocator's fragmentation and the framework
@@ -21,7 +22,7 @@ MEMORY_HEADROOM = 0.9  # of the device memory, for the allocator's fragmentation
 
 @dataclass
 class Candidate:
-    mesh: Mesh
+    mesh: ParallelDims
     estimate: Estimate
     problems: list[str]
     step_seconds: float
@@ -31,18 +32,18 @@ class Candidate:
         return not self.problems
 
 
-def meshes(world: int) -> list[Mesh]:
+def meshes(world: int) -> list[ParallelDims]:
     """Every assignment of ``world`` ranks to the five axes (sizes multiplying to ``world``)."""
     divisors = [d for d in range(1, world + 1) if world % d == 0]
     found = []
     for pp, rep, shard, cp in itertools.product(divisors, repeat=4):
         rest = pp * rep * shard * cp
         if world % rest == 0:
-            found.append(Mesh(pp, rep, shard, cp, world // rest))
+            found.append(ParallelDims(pp, rep, shard, cp, world // rest))
     return found
 
 
-def problems_of(facts: ModelFacts, mesh: Mesh, workload: Workload, hardware: Hardware) -> list[str]:
+def problems_of(facts: ModelFacts, mesh: ParallelDims, workload: Workload, hardware: Hardware) -> list[str]:
     """Why ``mesh`` cannot run this model and workload (empty: it can), before memory."""
     found = []
     if mesh.tp > 1:
@@ -59,7 +60,7 @@ def problems_of(facts: ModelFacts, mesh: Mesh, workload: Workload, hardware: Har
         found.append(f"2·cp={2 * mesh.cp} does not divide the sequence of {workload.seq_len}")
     if mesh.pp > facts.blocks:
         found.append(f"pp={mesh.pp} is more stages than the {facts.blocks} blocks")
-    per_step = mesh.data_parallel * workload.micro_batch
+    per_step = mesh.batch * workload.micro_batch
     if workload.global_batch % per_step:
         found.append(f"the global batch {workload.global_batch} is not a multiple of dp·micro_batch={per_step}")
     elif mesh.pp > 1 and workload.global_batch // per_step < mesh.pp:
@@ -71,8 +72,8 @@ def step_seconds(facts: ModelFacts, est: Estimate, workload: Workload, hardware:
     mesh = est.mesh
     tokens = workload.global_batch * workload.seq_len
     flops_per_token = 8 if workload.activation_checkpointing else 6  # checkpointing runs every forward twice
-    compute = flops_per_token * facts.total_params * tokens / mesh.world / flops
-    microbatches = max(1, workload.global_batch // (mesh.data_parallel * workload.micro_batch))
+    compute = flops_per_token * facts.total_params * tokens / mesh.world_size / flops
+    microbatches = max(1, workload.global_batch // (mesh.batch * workload.micro_batch))
     bubble = (mesh.pp - 1) / (microbatches + mesh.pp - 1)
     seconds = {
         axis: (inside / hardware.intra_node_bytes_per_s + across / hardware.inter_node_bytes_per_s)

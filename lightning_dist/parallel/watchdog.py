@@ -84,11 +84,16 @@ class FailureWatchdog:
     def peer_failure(self) -> str | None:
         """The failure another rank published, if any (``"rank r: <error>"``)."""
         with contextlib.suppress(Exception):
-            if self._store.check([self._key(FAILED_KEY)]):
-                failure = self._store.get(self._key(FAILED_KEY)).decode()
-                if failure and not failure.startswith(f"rank {self._rank}:"):
-                    return failure
+            failure = self._published()
+            if failure and not failure.startswith(f"rank {self._rank}:"):
+                return failure
         return None
+
+    def _published(self) -> str:
+        """The failure published under this prefix ("" if none); raises if the store cannot be reached."""
+        if not self._store.check([self._key(FAILED_KEY)]):
+            return ""
+        return self._store.get(self._key(FAILED_KEY)).decode()
 
     def _key(self, name: str) -> str:
         return f"{self._prefix}/{name}"
@@ -106,12 +111,9 @@ class FailureWatchdog:
 
     def _poll(self) -> str | None:
         self._store.add(self._key(f"heartbeat/{self._rank}"), 1)
-        if self._store.check([self._key(FAILED_KEY)]):
-            failure = self._store.get(self._key(FAILED_KEY)).decode()
-            if failure and not failure.startswith(f"rank {self._rank}:"):
-                return failure
-            if failure:
-                return None  # this rank's own failure: its main thread is already handling it
+        failure = self._published()
+        if failure:  # this rank's own failure is already being handled by its main thread
+            return None if failure.startswith(f"rank {self._rank}:") else failure
         local = self._check_local() if self._check_local is not None else None
         if local is not None:
             self._store.compare_set(self._key(FAILED_KEY), "", local)

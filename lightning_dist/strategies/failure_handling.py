@@ -23,6 +23,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from lightning_dist.compat import abort_process_groups, default_store
 from lightning_dist.parallel.watchdog import FailureWatchdog
@@ -66,7 +67,7 @@ def restart_store_kwargs(cluster_environment: Any, timeout: timedelta | None) ->
         cluster_environment.main_port,
         cluster_environment.world_size(),
         is_master=False,
-        timeout=timeout or timedelta(minutes=30),
+        timeout=timeout or default_pg_timeout,
     )
     return {"store": dist.PrefixStore(f"lightning_dist/attempt_{attempt}", store)}
 
@@ -81,9 +82,8 @@ def _key_prefix() -> str:
 def launched_rank_failure(strategy: MeshParallelStrategy) -> str | None:
     """``"rank r: ..."`` for the first rank this process launched that has exited with an error (Lightning's launcher
     starts local ranks 1..N-1 from local rank 0), else ``None``."""
-    procs = getattr(strategy.launcher, "procs", None) or []
     first_rank = strategy.node_rank * strategy.num_processes
-    for local_rank, proc in enumerate(procs, start=1):
+    for local_rank, proc in enumerate(_launched_procs(strategy), start=1):
         code = proc.poll()
         if code:
             how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
@@ -126,8 +126,13 @@ def _end_this_rank(strategy: MeshParallelStrategy, rank: int, failure: str) -> N
     os._exit(1)
 
 
+def _launched_procs(strategy: MeshParallelStrategy) -> list[Any]:
+    """The processes of the other local ranks, when this process launched them (Lightning's subprocess launcher)."""
+    return getattr(strategy.launcher, "procs", None) or []
+
+
 def _kill_launched_ranks(strategy: MeshParallelStrategy) -> None:
-    for proc in getattr(strategy.launcher, "procs", []) or []:
+    for proc in _launched_procs(strategy):
         with contextlib.suppress(Exception):  # already gone
             proc.kill()
 

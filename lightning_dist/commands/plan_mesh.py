@@ -13,7 +13,6 @@ step inside and across nodes, with the reason a mesh is ruled out; then the reco
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -52,9 +51,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _build(args: argparse.Namespace) -> torch.nn.Module:
-    def load(path: str) -> Any:
-        module, _, name = path.rpartition(".")
-        return getattr(importlib.import_module(module), name)
+    from lightning_dist.commands.plan import _import as load
 
     init_args = json.loads(args.init_args)
     dtype = _DTYPES[COMPUTE_BYTES[args.precision]]

@@ -62,15 +62,12 @@ def _gpt(**kwargs: Any) -> GPT:
     return GPT(**{"vocab_size": 64, "seq_len": 16, "d_model": 32, "n_layer": 2, "n_head": 4, **kwargs})
 
 
-def _fit(strategy: Any, model: Any = None, devices: int = 2, **trainer_kwargs: Any) -> None:
+def _fit(
+    strategy: Any, model: Any = None, devices: int = 2, ckpt_path: Path | None = None, **trainer_kwargs: Any
+) -> None:
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, logger=False, max_steps=1, **trainer_kwargs
     )
-    trainer.fit(model if model is not None else _gpt(), **trainer_kwargs.pop("fit", {}))
-
-
-def _fit_from(strategy: Any, ckpt_path: Path, model: Any = None) -> None:
-    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False, max_steps=1)
     trainer.fit(model if model is not None else _gpt(), ckpt_path=ckpt_path)
 
 
@@ -201,9 +198,9 @@ ROWS: list[BadInput] = [
     BadInput("A precision plugin of another strategy family", lambda t: _deepspeed_precision(),
              ValueError, r"DeepSpeedPrecision.*cannot be used with lightning_dist strategies\. Pass `precision=` with one of: 32-true"),
     # --- checkpoints and callbacks
-    BadInput("A ckpt_path that does not exist", lambda t: _fit_from("fsdp2", t / "epoch=3.ckpt"),
+    BadInput("A ckpt_path that does not exist", lambda t: _fit("fsdp2", ckpt_path=t / "epoch=3.ckpt"),
              CheckpointError, r"Checkpoint not found: '.*epoch=3\.ckpt' does not exist"),
-    BadInput("A ckpt_path of an unfinished save", lambda t: _fit_from("fsdp2", _unfinished(t)),
+    BadInput("A ckpt_path of an unfinished save", lambda t: _fit("fsdp2", ckpt_path=_unfinished(t)),
              CheckpointError, r"not a complete checkpoint"),
     BadInput("save_last='link' with the async checkpoint plugin",
              lambda t: _fit("fsdp2", plugins=[AsyncDistributedCheckpointIO()], callbacks=[ModelCheckpoint(save_last="link")]),

@@ -59,24 +59,12 @@ def _fit(devices: int, workdir: str, fault: str, rank: int) -> None:
     trainer.fit(model, data)
 
 
-def raise_in_step(devices: int, workdir: str) -> dict[str, Any]:
-    _fit(devices, workdir, "raise", 1)
-    return {}
+def _failing(fault: str, rank: int) -> Any:
+    def scenario(devices: int, workdir: str) -> dict[str, Any]:
+        _fit(devices, workdir, fault, rank)
+        return {}
 
-
-def raise_in_backward(devices: int, workdir: str) -> dict[str, Any]:
-    _fit(devices, workdir, "backward", 1)
-    return {}
-
-
-def rank0_raises(devices: int, workdir: str) -> dict[str, Any]:
-    _fit(devices, workdir, "raise", 0)
-    return {}
-
-
-def sigkill(devices: int, workdir: str) -> dict[str, Any]:
-    _fit(devices, workdir, "sigkill", 1)
-    return {}
+    return scenario
 
 
 def stuck_after_raise(devices: int, workdir: str) -> dict[str, Any]:
@@ -91,10 +79,10 @@ def stuck_after_raise(devices: int, workdir: str) -> dict[str, Any]:
 
 
 SCENARIOS = {
-    "raise_in_step": raise_in_step,
-    "raise_in_backward": raise_in_backward,
-    "rank0_raises": rank0_raises,
-    "sigkill": sigkill,
+    "raise_in_step": _failing("raise", 1),
+    "raise_in_backward": _failing("backward", 1),
+    "rank0_raises": _failing("raise", 0),
+    "sigkill": _failing("sigkill", 1),
     "stuck_after_raise": stuck_after_raise,
 }
 

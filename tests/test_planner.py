@@ -11,6 +11,7 @@ from lightning_dist.commands import run_tool
 from lightning_dist.parallel.mesh import ParallelDims
 from lightning_dist.planning.estimate import Hardware, Workload, estimate
 from lightning_dist.planning.model_facts import activation_facts, model_facts
+from lightning_dist.planning.recommend import NoMeshFits, plan_meshes, recommend_mesh
 from lightning_dist.planning.search import meshes, problems_of
 
 GPT_ARGS = {"vocab_size": 64, "seq_len": 32, "d_model": 32, "n_layer": 4, "n_head": 4}
@@ -73,3 +74,38 @@ def test_plan_tool_ranks_meshes_and_recommends_one(capsys):
     out = capsys.readouterr().out
     assert "| mesh | params | grads | optimizer | activations |" in out
     assert "\nRecommended: " in out and "fits in" in out
+
+
+def test_recommend_mesh_works_on_a_real_or_meta_model_without_touching_it():
+    from tests.scenarios.llama_like import LlamaLike
+
+    torch.manual_seed(0)
+    model = LlamaLike(vocab_size=64, hidden_size=32, num_layers=4, num_heads=8, num_key_value_heads=4)
+    before = {n: (p.device, p.dtype, p.data_ptr(), p.clone()) for n, p in model.named_parameters()}
+    kwargs = {"seq_len": 32, "micro_batch": 2, "global_batch": 8, "device_memory_gib": 1.0, "precision": "bf16-mixed"}
+    mesh, why = recommend_mesh(model, 4, 1, **kwargs)
+    for n, p in model.named_parameters():  # not moved, cast or rewritten
+        device, dtype, ptr, value = before[n]
+        assert (p.device, p.dtype, p.data_ptr()) == (device, dtype, ptr) and torch.equal(p, value)
+    with torch.device("meta"):
+        meta = LlamaLike(vocab_size=64, hidden_size=32, num_layers=4, num_heads=8, num_key_value_heads=4)
+    assert recommend_mesh(meta, 4, 1, **kwargs) == (mesh, why)  # same answer from the meta model, and every call
+    assert mesh.world_size == 4 and why.startswith(f"{mesh}: fits in ")
+    assert why == plan_meshes(model, 4, 1, **kwargs).best()[1]
+    # no global batch: world_size × micro_batch; no memory: not checked
+    mesh, why = recommend_mesh(model, 4, seq_len=32, micro_batch=2, global_batch=None, device_memory_gib=None,
+                               precision="32-true")  # fmt: skip
+    assert "memory not checked" in why
+
+
+def test_recommend_mesh_says_why_every_mesh_was_ruled_out():
+    kwargs = {"seq_len": 30, "micro_batch": 1, "global_batch": 3, "device_memory_gib": 1e-4, "precision": "32-true"}
+    with pytest.raises(ValueError, match="No mesh of 4 devices fits") as err:
+        recommend_mesh(_gpt("meta"), 4, 2, **kwargs)
+    assert isinstance(err.value, NoMeshFits)
+    message = str(err.value)
+    assert len([line for line in message.splitlines() if line.startswith("  ")]) == len(meshes(4))
+    assert "  dp_shard=4: the global batch 3 is not a multiple of dp·micro_batch=4; needs " in message
+    assert "tp=4 would span nodes of 2 devices" in message
+    with pytest.raises(ValueError, match="multiple of num_nodes"):
+        recommend_mesh(_gpt("meta"), 4, 3, **kwargs)

@@ -16,15 +16,11 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
 
 import torch
 
-from lightning_dist.planning.estimate import COMPUTE_BYTES, GIB, OPTIMIZER_STATES, Hardware, Workload
-from lightning_dist.planning.model_facts import activation_facts, model_facts
-from lightning_dist.planning.search import plan, reason
-
-_DTYPES = {8: torch.float64, 4: torch.float32, 2: torch.bfloat16}
+from lightning_dist.planning.estimate import COMPUTE_BYTES, GIB, OPTIMIZER_STATES
+from lightning_dist.planning.recommend import NoMeshFits, plan_meshes
 
 
 def wants_mesh(argv: list[str]) -> bool:
@@ -54,11 +50,10 @@ def _build(args: argparse.Namespace) -> torch.nn.Module:
     from lightning_dist.commands.plan import _import as load
 
     init_args = json.loads(args.init_args)
-    dtype = _DTYPES[COMPUTE_BYTES[args.precision]]
-    with torch.device("meta"):
+    with torch.device("meta"):  # plan_meshes casts its own meta copy to the compute dtype
         if args.config_class:
-            return load(args.model)(load(args.config_class)(**init_args)).to(dtype)
-        return load(args.model)(**init_args).to(dtype)
+            return load(args.model)(load(args.config_class)(**init_args))
+        return load(args.model)(**init_args)
 
 
 def main(argv: list[str]) -> None:
@@ -66,17 +61,20 @@ def main(argv: list[str]) -> None:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     model = _build(args)
-    facts = model_facts(model)
-    workload = Workload(
-        args.seq_len, args.micro_batch, args.global_batch, args.precision, args.optimizer, args.activation_checkpointing
-    )
-    hardware = Hardware(args.devices, args.memory_gib * GIB)
     world = args.devices * args.nodes
-
-    def activations_at(cp: int) -> Any:
-        return activation_facts(model, args.micro_batch, args.seq_len // cp)
-
-    ranked = plan(facts, activations_at, workload, hardware, world)
+    planned = plan_meshes(
+        model,
+        world,
+        args.nodes,
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch,
+        global_batch=args.global_batch,
+        device_memory_gib=args.memory_gib,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        activation_checkpointing=args.activation_checkpointing,
+    )
+    facts, ranked = planned.facts, planned.candidates
     print(
         f"# {args.model}: {facts.total_params / 1e6:.1f} M parameters, {facts.blocks} blocks; {world} devices"
         f" ({args.nodes} node(s) × {args.devices}), {args.memory_gib:g} GiB each; seq {args.seq_len},"
@@ -95,8 +93,9 @@ def main(argv: list[str]) -> None:
             f"| {c.mesh} | " + " | ".join(f"{v / GIB:.2f}" for v in cells)
             + f" | {inside:.2f} / {across:.2f} | {c.step_seconds * 1e3:.0f} ms | {'; '.join(c.problems) or '-'} |"
         )  # fmt: skip
-    feasible = [c for c in ranked if c.feasible]
-    if not feasible:
+    try:
+        _, why = planned.best()
+    except NoMeshFits:
         print("\nNo mesh fits: add devices, use activation checkpointing, a smaller micro-batch or a lower precision.")
-        raise SystemExit(1)
-    print(f"\nRecommended: {reason(feasible[0], hardware)}.")
+        raise SystemExit(1) from None
+    print(f"\nRecommended: {why}.")

@@ -10,6 +10,7 @@ hidden behind compute up to its length, and tensor-, context- and pipeline-paral
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -113,8 +114,9 @@ def plan(
 
 
 def _rank_key(c: Candidate) -> tuple[float, float, float]:
-    """Shortest step first; among equals (compute-bound meshes), fewer bytes across nodes, then less memory."""
-    return round(c.step_seconds, 4), sum(a for _, a in c.estimate.comm.values()), c.estimate.memory
+    """Shortest step first; among equals (compute-bound meshes), fewer bytes across nodes, then less memory. Steps
+    are compared to 4 significant digits (not to a fixed 0.1 ms, under which every mesh of a small model ties)."""
+    return float(f"{c.step_seconds:.4g}"), sum(a for _, a in c.estimate.comm.values()), c.estimate.memory
 
 
 def reason(best: Candidate, hardware: Hardware) -> str:
@@ -122,8 +124,12 @@ def reason(best: Candidate, hardware: Hardware) -> str:
     est = best.estimate
     across = sum(a for _, a in est.comm.values())
     exposed = [axis for axis in ("tp", "cp", "pp") if axis in est.comm]
+    if math.isinf(hardware.memory_bytes):
+        fits = f"needs {est.memory / GIB:.1f} GiB per device (memory not checked)"
+    else:
+        fits = f"fits in {est.memory / GIB:.1f} of {hardware.memory_bytes / GIB:.0f} GiB per device"
     return (
-        f"{best.mesh}: fits in {est.memory / GIB:.1f} of {hardware.memory_bytes / GIB:.0f} GiB per device,"
+        f"{best.mesh}: {fits},"
         f" the shortest estimated step ({best.step_seconds * 1e3:.0f} ms) of the meshes that fit;"
         f" {across / 1e9:.2f} GB per rank per step cross nodes;"
         f" exposed traffic on {', '.join(exposed) if exposed else 'no axis'}"

@@ -102,6 +102,11 @@ def strip_orig_mod(key: str) -> str:
     return key.replace(ORIG_MOD_PREFIX, "")
 
 
+def describe_compile_options(options: Mapping[str, Any]) -> str:
+    """``torch.compile(mode='max-autotune')`` for log lines (``torch.compile()`` for the defaults)."""
+    return f"torch.compile({', '.join(f'{k}={v!r}' for k, v in options.items())})"
+
+
 def compile_modules(modules: Iterable[nn.Module], options: Mapping[str, Any]) -> int:
     """Compile each module in place (:meth:`torch.nn.Module.compile`); returns how many were compiled."""
     count = 0

@@ -350,19 +350,21 @@ class MeshParallelStrategy(ShardedCheckpointing, MeshCollectives, StepProtocol, 
         if not unwrapped:
             return
         names = ", ".join(name for name, _ in unwrapped)
+        verb = "was" if len(unwrapped) == 1 else "were"
         if self.compile_options is not None:
             self.log_decision(
-                f"{names} was compiled with torch.compile(): unwrapped, compiled per block by compile="
+                f"{names} {verb} compiled with torch.compile(): unwrapped, compiled per block by compile="
                 f"{self.compile_options or True} instead"
             )
             return
         keep_user_compilation(unwrapped)
         rank_zero_warn(
-            f"{names} was compiled with torch.compile() before {type(self).__name__} parallelized it. The"
-            " compilation is kept on the module itself (checkpoint keys stay free of '_orig_mod.'), but it traces the"
-            " whole module and breaks its graph at every FSDP unit, so it gains little (on one H100: +5% over no compile,"
-            " where compiling each block before sharding gained +20%). Leave the model uncompiled and pass the strategy"
-            " compile=True (or a dict of torch.compile arguments) instead.",
+            f"{names} {verb} compiled with torch.compile() before {type(self).__name__} parallelized the model. The"
+            " compilation is kept, applied to the same modules in place (names and checkpoint keys get no"
+            " '_orig_mod.'). Around FSDP2's units (a whole model compiled in configure_model) it breaks its graph at"
+            " every unit and gains little: +5% over no compile on one H100, where compiling each block before"
+            " sharding gained +20%. Leave the model uncompiled and pass the strategy compile=True (or a dict of"
+            " torch.compile arguments): it then compiles each block before sharding it.",
             category=UserWarning,
         )
 

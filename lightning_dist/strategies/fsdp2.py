@@ -159,6 +159,11 @@ class FSDP2Strategy(MeshParallelStrategy):
             self.log_decision(
                 "the model's configure_model already applied fully_shard; keeping that sharding (its mixed-precision"
                 " policy is the one configure_model chose)"
+                + (
+                    "; compile is not applied: call block.compile() in configure_model before fully_shard instead"
+                    if self.compile_options is not None
+                    else ""
+                )
             )
             return model
         config = self.parallelize_config(model)
@@ -166,6 +171,8 @@ class FSDP2Strategy(MeshParallelStrategy):
         record = parallelize(model, self.mesh, config)
         if record.checkpointed:
             self.log_decision(f"activation checkpointing on {record.checkpointed}")
+        if record.compiled:
+            self.log_decision(record.compiled)
         dims, fsdp = self.parallel_dims, config.fsdp
         assert fsdp is not None
         where = f"dp_shard={dims.dp_shard}" + (f" × cp={dims.cp}" if dims.cp > 1 else "")
@@ -188,6 +195,7 @@ class FSDP2Strategy(MeshParallelStrategy):
         return ParallelizeConfig(
             units=units,
             activation_checkpointing=self.activation_checkpointing,
+            compile=self.compile_options,
             fsdp=self.fsdp_config,
             root_mp_policy=self.precision_plugin.root_mp_policy,
             extra_units=self.extra_shard_units(model, units),

@@ -170,6 +170,7 @@ class TensorParallelStrategy(MeshParallelStrategy):
             units=blocks,
             tp_plan=plan,
             activation_checkpointing=self.activation_checkpointing,
+            compile=self.compile_options,
             fsdp=fsdp,
             root_mp_policy=self.precision_plugin.root_mp_policy,
         )
@@ -178,6 +179,8 @@ class TensorParallelStrategy(MeshParallelStrategy):
             self._log_plan(model, plan, record.tp_changes)
         if record.checkpointed:
             self.log_decision(f"activation checkpointing on {record.checkpointed}")
+        if record.compiled:
+            self.log_decision(record.compiled)
         if record.units is not None:
             self.log_decision(
                 f"2D: FSDP2 over dp_shard={dims.dp_shard} on {record.units} + root {root},"

@@ -6,6 +6,7 @@ Usage (from the repository root)::
     python -m benchmarks.run                         # full: every size timed, 5 repeats (about 20-30 min on 2 cores)
     python -m benchmarks.run --out DIR --world-sizes 1,2,4 --workloads fsdp2,mp_fsdp
     python -m benchmarks.run --report-only DIR/results.json   # rebuild the report from saved results
+    python -m benchmarks.run --gpu                   # one-GPU throughput comparison (CUDA only; see benchmarks.gpu)
 
 One launch per world size runs every configuration of that world size in the same processes (a torchrun-style
 launch, so Lightning's Trainers and the raw PyTorch loop share them): first one measured step per (workload, size)
@@ -112,10 +113,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--update-readme", action="store_true", help="also put the measured tables into README.md's Performance section"
     )
     p.add_argument("--report-only", metavar="RESULTS_JSON", help="only rebuild the report from saved results")
+    p.add_argument(
+        "--gpu",
+        action="store_true",
+        help="run the one-GPU throughput comparison instead (benchmarks/gpu.py: fsdp2 with and without compile,"
+        " Lightning auto with and without torch.compile, ModelParallelStrategy); needs CUDA. Its own options:"
+        " python -m benchmarks.gpu --help",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
+    given = sys.argv[1:] if argv is None else argv
+    if "--gpu" in given:  # its own options (sizes, setups, steps) are parsed by benchmarks.gpu
+        from benchmarks import gpu
+
+        return gpu.main(given)
     args = parse_args(argv)
     if args.report_only:
         path = Path(args.report_only)

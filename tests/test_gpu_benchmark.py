@@ -1,0 +1,69 @@
+"""``python -m benchmarks.run --gpu``: argument parsing, the refusal without CUDA, and the model and table arithmetic.
+The GPU run itself needs a CUDA machine (see benchmarks/gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import gpu, run
+
+
+def test_arguments_and_their_errors():
+    args = gpu.parse_args(["--gpu"])
+    assert args.sizes == "0.5b,2.4b" and args.setups.split(",") == list(gpu.SETUPS)
+    assert (args.seq_len, args.warmup, args.steps, args.precision) == (2048, 5, 25, "bf16-mixed")
+    assert (
+        gpu.parse_args(["--gpu", "--sizes", "0.5b", "--setups", "fsdp2,fsdp2_compile"]).setups == "fsdp2,fsdp2_compile"
+    )
+    for bad in (["--sizes", "7b"], ["--setups", "deepspeed"]):
+        with pytest.raises(SystemExit):
+            gpu.parse_args(["--gpu", *bad])
+    assert run.parse_args(["--gpu"]).gpu and not run.parse_args([]).gpu
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+@pytest.mark.parametrize("entry", [run.main, gpu.main])
+def test_without_cuda_it_says_it_needs_a_gpu(entry, tmp_path):
+    with pytest.raises(SystemExit, match=r"needs a CUDA GPU.*python -m benchmarks.run \[--quick\]"):
+        entry(["--gpu", "--out", str(tmp_path)])
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize("name", list(gpu.SIZES))
+def test_parameter_count_is_the_transformers_model_s(name):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    size = gpu.SIZES[name]
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**size.config_kwargs()))
+    assert sum(p.numel() for p in model.parameters()) == size.num_parameters
+    embedding = model.model.embed_tokens.weight.numel()
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+    assert size.num_matmul_parameters == size.num_parameters - embedding - norms
+
+
+def test_table_ratios_are_against_auto_compile():
+    rows = [
+        {
+            "setup": "auto_compile",
+            "size": "0.5b",
+            "tokens_per_s": 2000.0,
+            "mfu": 0.4,
+            "peak_memory_gib": 30.0,
+            "first_step_s": 40.0,
+        },
+        {
+            "setup": "fsdp2",
+            "size": "0.5b",
+            "tokens_per_s": 1500.0,
+            "mfu": 0.3,
+            "peak_memory_gib": 29.0,
+            "first_step_s": 2.0,
+        },
+        {"setup": "fsdp2_compile", "size": "2.4b", "error": "out of memory"},
+    ]
+    assert gpu.ratios(rows) == {("0.5b", "auto_compile"): 1.0, ("0.5b", "fsdp2"): 0.75}
+    table = gpu.to_markdown(rows)
+    assert "| 0.5b | fsdp2 | 1.5k | 30.0% | 29.0 | 2.0 | 0.75× |" in table
+    assert "| 2.4b | fsdp2_compile | out of memory |" in table

@@ -48,6 +48,26 @@ def test_a_bad_compile_value_is_refused_at_construction(value, error, match):
         resolve_compile_options(value)
 
 
+@pytest.mark.parametrize("cls", [FSDP2Strategy, TensorParallelStrategy, ZeroPPStrategy])
+def test_compile_from_yaml(cls):
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(cls, "strategy")
+    for text, expected in (
+        ("true", {}),
+        ("false", None),
+        (
+            "{mode: max-autotune-no-cudagraphs, dynamic: false}",
+            {"mode": "max-autotune-no-cudagraphs", "dynamic": False},
+        ),
+    ):
+        parsed = parser.parse_string(f"strategy:\n  compile: {text}\n")
+        assert parser.instantiate_classes(parsed).strategy.compile_options == expected
+    with pytest.raises(Exception, match="compile"):
+        parser.parse_string("strategy:\n  compile: often\n")
+
+
 class _Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -20,6 +20,7 @@ from lightning_dist.plugins import (
 from lightning_dist.strategies import (
     ContextParallelStrategy,
     FSDP2Strategy,
+    Hybrid3DStrategy,
     MeshParallelStrategy,
     PipelineStrategy,
     TensorParallelStrategy,
@@ -37,6 +38,7 @@ __all__ = [
     "FSDP2Precision",
     "FSDP2Strategy",
     "FullStateCheckpointIO",
+    "Hybrid3DStrategy",
     "MeshParallelStrategy",
     "PipelineStrategy",
     "TensorParallelStrategy",

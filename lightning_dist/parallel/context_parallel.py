@@ -132,6 +132,8 @@ class ContextParallelAttention:
     def attention(self, *args: Any, **kwargs: Any) -> Tensor:
         """``F.scaled_dot_product_attention``'s signature, computed over the context-parallel group."""
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_arguments(*args, **kwargs)
+        if query.device.type == "meta":  # a shape-only run (a pipeline stage's stand-in for an earlier stage)
+            return query.new_empty((*query.shape[:-1], value.shape[-1]))
         if attn_mask is not None and self.explicit_masks == "causal":
             attn_mask, is_causal = None, True
         if attn_mask is not None:

@@ -164,6 +164,10 @@ class MeshParallelStrategy(ShardedCheckpointing, MeshCollectives, StepProtocol, 
         it. A pipeline strategy also sets :attr:`model_parts` to the stages it kept on this rank."""
         raise NotImplementedError
 
+    def mesh_is_known(self) -> bool:
+        """Whether the mesh sizes can be resolved now (``mesh="auto"`` needs the model, known only at ``fit``)."""
+        return True
+
     def check_model(self, model: Module) -> None:
         """Check ``model`` against this strategy's options before any process is launched (e.g. that the classes to
         wrap exist, that head counts divide the TP size). Only called for models whose layers all exist already
@@ -248,7 +252,7 @@ class MeshParallelStrategy(ShardedCheckpointing, MeshCollectives, StepProtocol, 
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-        if self.num_processes:
+        if self.num_processes and self.mesh_is_known():
             # The Trainer calls this while it is being constructed: a mesh that cannot fit fails here, before any
             # process is launched, instead of in every launched process.
             self._dims = None

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning.pytorch as pl
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_dist.parallel import pipeline as pp
-from lightning_dist.parallel.fsdp import FSDPConfig, reshard_all
+from lightning_dist.parallel.fsdp import FSDPConfig
 from lightning_dist.parallel.mesh import ParallelDims, require_split_axis
 from lightning_dist.parallel.parallelize import ParallelizeConfig, parallelize
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
@@ -60,20 +58,10 @@ class PipelineStrategy(PipelineSteps, MeshParallelStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.schedule = schedule.lower()
-        self.info = pp.schedule_info(self.schedule)  # refuses an unknown name
-        self.stages_per_rank = pp.resolve_stages_per_rank(self.schedule, stages_per_rank)
-        if n_microbatches is not None and (isinstance(n_microbatches, bool) or int(n_microbatches) < 1):
-            raise ValueError(f"n_microbatches must be a positive int, got {n_microbatches!r}.")
+        self.init_pipeline(schedule, n_microbatches, stages_per_rank, split)
         self.pipeline_parallel_size = pipeline_parallel_size
         self.data_parallel_shard_size = data_parallel_shard_size
-        self.n_microbatches = n_microbatches
-        self.split = split
         self.activation_checkpointing = activation_checkpointing
-        self._runners: dict[int, pp.PipelineRunner] = {}
-        self._ties: list[pp.TiedParameter] = []
-        self._tie_groups: list[Any] = []
-        self._step_fn: Any = None  # what the runners' loss_fn runs on the last stage, per micro-batch
 
     @override
     def mesh_sizes(self) -> dict[str, MeshSize]:
@@ -83,70 +71,18 @@ class PipelineStrategy(PipelineSteps, MeshParallelStrategy):
     def validate_mesh(self, dims: ParallelDims) -> None:
         require_split_axis(dims, "pp", "pipeline_parallel_size", "pipeline parallelism")
 
-    @property
-    @override
-    def loss_stage(self) -> int:
-        return 0 if self.info.placement == "v" else self.parallel_dims.pp - 1  # V: rank 0 holds the last stage
-
-    def microbatches_for(self, batch_size: int) -> int:
-        """The number of micro-batches for a per-replica batch of ``batch_size`` (refuses an invalid setting)."""
-        p, v = self.parallel_dims.pp, self.stages_per_rank
-        if self.n_microbatches is None:
-            return pp.default_n_microbatches(self.schedule, batch_size, p, v)
-        pp.validate_microbatching(self.schedule, batch_size, self.n_microbatches, p, v)
-        return self.n_microbatches
-
     @override
     def parallelize(self, model: Module) -> Module:
-        dims, v = self.parallel_dims, self.stages_per_rank
-        where = pp.find_pipelined_module(model)
-        self._module = model.get_submodule(where)  # the module whose one call the steps make, pipelined
-        plan = pp.plan_stages(self._module, dims.pp * v, self.split)
-        self._plan = plan
-        self._ties = pp.find_tied_parameters(self._module, plan)
-        ranks = self.mesh.world.mesh.movedim(0, -1).reshape(-1, dims.pp).tolist()  # every pipeline group
-        self._tie_groups = pp.new_tie_groups(self._ties, ranks, v, self.info.placement)
-        self._stage_ids = pp.stage_ids_for_rank(self.mesh["pp"].get_local_rank(), dims.pp, v, self.info.placement)
-        parts = pp.cut_pipeline_stages(self._module, plan, self._stage_ids, self.root_device)
-        for part, stage in zip(parts, self._stage_ids):
-            local = set(plan.stages[stage]) & set(plan.blocks)  # not the stand-ins of other stages' blocks
-            blocks = [(n, m) for n, m in part.named_modules() if n in local]
-            fsdp = FSDPConfig(mp_policy=self.precision_plugin.mp_policy) if dims.dp_shard > 1 else None
+        dims = self.parallel_dims
+        stages = self.cut_stages(model)
+        for part, blocks in stages:
+            fsdp = FSDPConfig(mp_policy=self.precision_plugin.mp_policy) if dims.fsdp > 1 else None
             config = ParallelizeConfig(units=blocks, activation_checkpointing=self.activation_checkpointing, fsdp=fsdp)
             config.root_mp_policy = self.precision_plugin.root_mp_policy if fsdp else None
             parallelize(part, self.mesh, config)
-        self.model_parts = parts
-        if where:
-            self.log_decision(f"pipelining {where} ({type(self._module).__name__}), the module holding every parameter")
+        self.model_parts = [part for part, _ in stages]
         if self.activation_checkpointing:
             self.log_decision("activation checkpointing on every local block")
-        if dims.dp_shard > 1:
+        if dims.fsdp > 1:
             self.log_decision(f"FSDP2 inside each stage over dp_shard={dims.dp_shard} (blocks, then the stage root)")
-        self.log_decision(
-            f"schedule {self.schedule}, {v} stage(s) per rank over pp={dims.pp}, placement {self.info.placement}"
-        )
-        for line in plan.describe():
-            self.log_decision(line)
-        for tie in self._ties:
-            self.log_decision(f"tied across stages, gradients summed: {tie.describe()}")
         return model
-
-    @override
-    def _make_replicas_equal(self) -> None:
-        super()._make_replicas_equal()
-        pp.broadcast_tied_parameters(self._module, self._ties, self._tie_groups)
-
-    @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        if not trainer.lightning_module.automatic_optimization:
-            raise RuntimeError(
-                "The pipeline strategy runs forward and backward inside its schedule and does not support manual"
-                " optimization (automatic_optimization=False). Use automatic optimization or another strategy."
-            )
-        super().setup(trainer)
-        # The schedule runs backward: Lightning's closure must neither zero the gradients nor call backward.
-        trainer.fit_loop.epoch_loop.automatic_optimization._skip_backward = True
-
-    def _reshard_after_evaluation(self) -> None:
-        for part in self.model_parts:
-            reshard_all(part)

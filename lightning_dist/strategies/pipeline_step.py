@@ -6,7 +6,7 @@ in batch order."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -15,17 +15,11 @@ from typing_extensions import override
 
 from lightning_dist.parallel import pipeline as pp
 from lightning_dist.strategies.pipeline_logs import LogCapture, captured_log, share_logs
-
-if TYPE_CHECKING:
-    from lightning_dist.strategies.pipeline import PipelineStrategy
-
-    _Base = PipelineStrategy
-else:
-    _Base = object
+from lightning_dist.strategies.pipeline_stages import PipelineStages
 
 
-class PipelineSteps(_Base):
-    """The step methods of :class:`~lightning_dist.strategies.pipeline.PipelineStrategy` (a mixin before the base)."""
+class PipelineSteps(PipelineStages):
+    """The step methods of a pipeline strategy (a mixin before the base); Lightning's own when ``pp == 1``."""
 
     _warned_labels = False
 
@@ -51,9 +45,14 @@ class PipelineSteps(_Base):
             part.train(lm.training)
         with captured_log(lm, None):
             call = pp.capture_call(self._module, lambda: getattr(lm, step)(*args), what=f"{step}")
-        inputs = pp.model_inputs_as_kwargs(self._module, *call)
+        inputs = self.pipeline_inputs(pp.model_inputs_as_kwargs(self._module, *call))
         batch_size = max(t.shape[0] for t in inputs.values() if isinstance(t, Tensor) and t.dim() > 0)
         return self._runner(batch_size, training), inputs, batch_size
+
+    def pipeline_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The pipelined call's arguments before they are split into micro-batches (context parallel adds the
+        global positions here)."""
+        return inputs
 
     def _run_step_per_microbatch(self, step: str, args: tuple, batch_size: int, capture: LogCapture) -> Any:
         def run(output: Any, target: Tensor) -> Any:
@@ -66,6 +65,8 @@ class PipelineSteps(_Base):
 
     @override
     def run_training_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
+        if not self.pipelined:
+            return super().run_training_step(batch, batch_idx, *args)
         trainer = self.lightning_module.trainer
         accumulate = trainer.accumulate_grad_batches
         if batch_idx % accumulate == 0:
@@ -101,10 +102,15 @@ class PipelineSteps(_Base):
 
     @override
     def run_backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if not self.pipelined:
+            return super().run_backward(closure_loss, optimizer, *args, **kwargs)
         return closure_loss  # the schedule ran backward inside the training step
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if not self.pipelined:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
         def closure_then_sync() -> Any:
             result = closure()
             pp.all_reduce_tied_gradients(self._module, self._ties, self._tie_groups)  # before clipping
@@ -114,6 +120,8 @@ class PipelineSteps(_Base):
 
     @override
     def run_eval_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
+        if not self.pipelined:
+            return super().run_eval_step(step, *args, **kwargs)
         runner, inputs, batch_size = self._pipelined_call(step, args, False)
         capture, outputs = LogCapture(), []
         self._step_fn = self._run_step_per_microbatch(step, args, batch_size, capture)

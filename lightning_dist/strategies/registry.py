@@ -10,6 +10,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dist.strategies.context_parallel import ContextParallelStrategy
 from lightning_dist.strategies.fsdp2 import FSDP2Strategy
+from lightning_dist.strategies.hybrid3d import Hybrid3DStrategy
 from lightning_dist.strategies.pipeline import PipelineStrategy
 from lightning_dist.strategies.tensor_parallel import TensorParallelStrategy
 from lightning_dist.strategies.zeropp import ZeroPPStrategy
@@ -105,6 +106,12 @@ STRATEGY_NAMES: list[tuple[str, type, str, dict[str, Any]]] = [
         PipelineStrategy,
         "Pipeline parallelism, zero-bubble ZBV schedule (2 stages per rank, V placement)",
         {"schedule": "zbv_zero_bubble"},
+    ),
+    (
+        "hybrid3d",
+        Hybrid3DStrategy,
+        "Any mesh of pp × dp_replicate × dp_shard × cp × tp (sizes, mesh_shape or mesh='auto')",
+        {},
     ),
 ]
 

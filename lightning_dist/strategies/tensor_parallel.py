@@ -2,40 +2,22 @@
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 from typing import Any
 
-import lightning.pytorch as pl
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from typing_extensions import override
 
 from lightning_dist.parallel.fsdp import FSDPConfig, is_fully_sharded
-from lightning_dist.parallel.loss_parallel import (
-    VocabParallelCrossEntropy,
-    check_local_loss,
-    explain_loss_parallel_failure,
-)
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims, require_split_axis
 from lightning_dist.parallel.module_selection import find_repeated_blocks
 from lightning_dist.parallel.parallelize import ParallelizeConfig, parallelize
-from lightning_dist.parallel.tensor_parallel import (
-    TensorParallelPlan,
-    TensorParallelPlanError,
-    build_style,
-    resolve_plan,
-)
 from lightning_dist.parallel.validation import check_bool
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
-
-PlanSpec = dict[str, str | dict[str, Any]]
-# The applied plan, kept on the model next to the base strategy's "parallelized" marker: a later Trainer reusing the
-# model skips `parallelize` and restores loss parallel and autocast from it.
-_TP_PLAN = "_lightning_dist_tp_plan"
+from lightning_dist.strategies.tensor_parallel_steps import PlanSpec, TensorParallelSteps
 
 
-class TensorParallelStrategy(MeshParallelStrategy):
+class TensorParallelStrategy(TensorParallelSteps, MeshParallelStrategy):
     """Tensor parallelism (Megatron-style) for an unchanged LightningModule, optionally 2D with FSDP2.
 
     The strategy inspects the model and shards attention projections (query/key/value column-wise, output row-wise),
@@ -74,19 +56,11 @@ class TensorParallelStrategy(MeshParallelStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        for key, spec in (plan or {}).items():
-            try:  # a misspelt style or layout fails at construction, before any launch
-                build_style(spec, key)
-            except TensorParallelPlanError as err:
-                raise TensorParallelPlanError(str(err) if str(err).startswith("plan[") else f"plan[{key!r}]: {err}")
+        self.init_tensor_parallel(plan, sequence_parallel, loss_parallel)
         self.tensor_parallel_size = tensor_parallel_size
         self.data_parallel_size = data_parallel_size
-        self.plan = dict(plan) if plan else None
-        self.sequence_parallel = check_bool("sequence_parallel", sequence_parallel)
-        self.loss_parallel = check_bool("loss_parallel", loss_parallel)
         self.activation_checkpointing = check_bool("activation_checkpointing", activation_checkpointing)
         self.reshard_after_forward = check_bool("reshard_after_forward", reshard_after_forward)
-        self._tp_plan: TensorParallelPlan | None = None
 
     @override
     def mesh_sizes(self) -> dict[str, MeshSize]:
@@ -109,39 +83,11 @@ class TensorParallelStrategy(MeshParallelStrategy):
         require_split_axis(dims, "tp", "tensor_parallel_size", "tensor parallelism")
 
     # ------------------------------------------------------------------ parallelizing
-    def tensor_parallel_plan(self, model: Module) -> TensorParallelPlan:
-        """The plan this strategy applies to ``model`` (explicit ``plan=`` or the automatic one); sizes are checked
-        against the mesh when it is applied."""
-        plan = resolve_plan(model, self.plan, self.sequence_parallel, self.loss_parallel)
-        if self.plan and self.loss_parallel and plan.loss_parallel_head is None:
-            raise TensorParallelPlanError(
-                "loss_parallel=True, but the explicit plan keeps no output head's logits sharded on the vocabulary."
-                " Give the head {style: colwise, output_layouts: shard(-1), use_local_output: false}."
-            )
-        if self.loss_parallel and plan.loss_parallel_head is None:
-            raise TensorParallelPlanError(
-                "loss_parallel=True, but the automatic plan recognised no output head (an nn.Linear named one of"
-                " lm_head, head, output, embed_out, ...). Pass an explicit `plan=` giving the head {style: colwise,"
-                " output_layouts: shard(-1), use_local_output: false}, or turn loss_parallel off."
-            )
-        if self.plan and self.sequence_parallel and not plan.sequence_parallel:
-            raise TensorParallelPlanError(
-                "sequence_parallel=True, but the explicit plan has no sequence_parallel entries. Print the automatic"
-                " plan with `lightning-dist plan --model ... --sequence-parallel` and start from it."
-            )
-        return plan
-
     @override
     def check_model(self, model: Module) -> None:
         if is_fully_sharded(model) or any(isinstance(p, DTensor) for p in model.parameters()):
             return  # parallelized by the model's own code: parallelize() decides
         self.tensor_parallel_plan(model).validate(self.parallel_dims.tp)
-
-    @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        super().setup(trainer)
-        if self._tp_plan is None:  # a model an earlier Trainer parallelized: loss parallel needs its plan
-            self._tp_plan = getattr(self.model, _TP_PLAN, None)
 
     @override
     def parallelize(self, model: Module) -> Module:
@@ -176,7 +122,7 @@ class TensorParallelStrategy(MeshParallelStrategy):
         )
         record = parallelize(model, self.mesh, config)
         if plan is not None:
-            self._log_plan(model, plan, record.tp_changes)
+            self.log_tensor_parallel_plan(model, plan, record.tp_changes)
         if record.checkpointed:
             self.log_decision(f"activation checkpointing on {record.checkpointed}")
         if record.compiled:
@@ -187,49 +133,3 @@ class TensorParallelStrategy(MeshParallelStrategy):
                 f" precision={self.precision_plugin.precision}"
             )
         return model
-
-    def _log_plan(self, model: Module, plan: TensorParallelPlan, changed: dict[str, str]) -> None:
-        self._tp_plan = plan
-        object.__setattr__(model, _TP_PLAN, plan)
-        if (message := plan.unplanned_message()) is not None:
-            rank_zero_warn(message)
-        extras = [
-            name
-            for name, on in (
-                ("sequence_parallel", plan.sequence_parallel),
-                ("loss_parallel", bool(plan.loss_parallel_head)),
-            )
-            if on
-        ]
-        self.log_decision(
-            f"{'explicit' if self.plan else 'auto'} plan over tp={self.parallel_dims.tp}: {plan.summary()}"
-            + (f"; {_summarize_changes(changed)}" if changed else "")
-            + (f"; {', '.join(extras)}" if extras else "")
-            + " (full plan: `lightning-dist plan`)"
-        )
-
-    # ------------------------------------------------------------------ steps
-    @override
-    def train_context(self) -> ExitStack:
-        stack = super().train_context()
-        if self._tp_plan is not None and self._tp_plan.loss_parallel_head is not None:
-            stack.enter_context(VocabParallelCrossEntropy())
-        return stack
-
-    @override
-    def run_training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._tp_plan is None or self._tp_plan.loss_parallel_head is None:
-            return super().run_training_step(*args, **kwargs)
-        with explain_loss_parallel_failure(self._tp_plan.loss_parallel_head):
-            output = super().run_training_step(*args, **kwargs)
-        check_local_loss(output)
-        return output
-
-
-def _summarize_changes(changed: dict[str, str]) -> str:
-    """``"n_head 4 → 2 in 3 modules"`` from ``{"blocks.0.attn.n_head": "4 → 2", ...}``."""
-    counts: dict[str, int] = {}
-    for name, change in changed.items():
-        key = f"{name.rpartition('.')[2]} {change}"
-        counts[key] = counts.get(key, 0) + 1
-    return ", ".join(f"{key} in {n} module{'s' if n > 1 else ''}" for key, n in counts.items())

@@ -1,0 +1,327 @@
+"""Hybrid3DStrategy: any mesh of ``pp × dp_replicate × dp_shard × cp × tp`` for an unchanged LightningModule.
+
+The single strategies are presets of the same pieces; this one turns every axis on at once. Per pipeline stage,
+in torchtitan's order: the pipeline split → tensor parallelism → activation checkpointing → compile → FSDP2 (HSDP
+with ``dp_replicate``) over ``dp_shard × cp`` → the schedule. Each stage shards over its own tp and fsdp groups
+(a stage's ranks share a pp coordinate). Steps: a context-parallel batch is sharded on the sequence first, its
+global positions join the pipelined call's arguments, and attention is dispatched to the cp group for the whole
+step; the pipeline then runs that call through its schedule (see the pipeline and context-parallel strategies).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from torch.nn import Module
+from typing_extensions import override
+
+from lightning_dist.parallel.fsdp import FSDPConfig, is_fully_sharded
+from lightning_dist.parallel.mesh import MESH_AXES, MeshConfigError, ParallelDims
+from lightning_dist.parallel.module_selection import select_modules
+from lightning_dist.parallel.parallelize import ParallelizeConfig, parallelize
+from lightning_dist.parallel.validation import check_bool
+from lightning_dist.parallel.zeropp import QuantizedAllGather
+from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
+from lightning_dist.strategies.context_parallel_steps import ContextParallelSteps
+from lightning_dist.strategies.pipeline_stages import Split
+from lightning_dist.strategies.pipeline_step import PipelineSteps
+from lightning_dist.strategies.tensor_parallel_steps import PlanSpec, TensorParallelSteps
+
+# Names a mesh_shape may use for an axis (the mesh's own names, and "dp" for the sharded data-parallel axis).
+_AXIS_ALIASES = {**{axis: axis for axis in MESH_AXES}, "dp": "dp_shard"}
+_SIZE_OPTIONS = {
+    "pp": "pipeline_parallel_size",
+    "dp_replicate": "data_parallel_replicate_size",
+    "dp_shard": "data_parallel_shard_size",
+    "cp": "context_parallel_size",
+    "tp": "tensor_parallel_size",
+}
+
+
+class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps, MeshParallelStrategy):
+    """Pipeline, data (FSDP2/HSDP), context and tensor parallelism in one mesh, for an unchanged LightningModule.
+
+    Give the mesh as sizes (one may be ``"auto"``: it takes the processes the others leave; by default
+    ``data_parallel_shard_size``), as ``mesh_shape: [[2, 2, 2], ["pp", "dp_shard", "tp"]]``, or as ``mesh="auto"``
+    to use the planner's recommendation (``lightning-dist plan --devices``) for the model, the number of processes
+    and ``sequence_length``. The other options are those of the single strategies, under the same names; each
+    applies only where its axis has more than one rank.
+
+    Limits: the pipelined call under ``pp × cp`` must be the module that takes the positions argument, and a Hugging
+    Face causal LM computing its loss from ``labels=`` is refused under ``pp × cp`` (its label shift crosses shard
+    and micro-batch boundaries); ``zeropp`` quantizes the FSDP2 all-gather of weights (qwZ), not the gradients.
+
+    Args:
+        pipeline_parallel_size: Pipeline stages' ranks (``pp``).
+        data_parallel_replicate_size: Replica groups of HSDP (``dp_replicate``): parameters are replicated across
+            them and sharded inside each.
+        data_parallel_shard_size: FSDP2 ranks that see different samples (``dp_shard``); default ``"auto"``.
+        context_parallel_size: Ranks a sequence is split over (``cp``); FSDP2 shards over ``dp_shard × cp``.
+        tensor_parallel_size: Ranks a layer is split over (``tp``).
+        mesh_shape: ``[sizes, axis names]`` instead of the size options (names: pp, dp_replicate, dp_shard or dp,
+            cp, tp; axes left out have size 1).
+        mesh: ``"auto"``: the planner chooses the sizes (needs ``sequence_length``); the choice is logged.
+        schedule: Pipeline schedule (see the ``pipeline`` strategy).
+        n_microbatches: Micro-batches per step; default chosen from the per-replica batch size.
+        stages_per_rank: Pipeline stages each rank holds (multi-stage schedules).
+        split: Where pipeline stages begin: ``"auto"``, module names, or one list of module names per stage.
+        attention: Context-parallel attention: ``"ring"``, ``"allgather"`` or ``"ulysses"``.
+        load_balance: ``"zigzag"`` or ``"contiguous"`` sequence layout.
+        sequence_keys: Batch entries that carry the sequence (see the ``context_parallel`` strategy).
+        plan: Explicit tensor-parallel plan (see the ``tensor_parallel`` strategy); default: the automatic one.
+        sequence_parallel: Norms and the residual stream run on a slice of the sequence over ``tp``.
+        loss_parallel: The head's logits stay sharded on the vocabulary for the cross-entropy.
+        activation_checkpointing: Recompute the repeated blocks' activations in backward.
+        reshard_after_forward: FSDP2 re-gathers block parameters in backward (``True``) or keeps them.
+        zeropp: Quantize FSDP2's weight all-gather to int8 (ZeRO++ qwZ) over ``dp_shard × cp``.
+        sequence_length: Tokens per sample, for ``mesh="auto"`` (also checked against ``2·cp`` before launch).
+        micro_batch_size: Samples per data-parallel rank per forward, for ``mesh="auto"``.
+        device_memory_gib: Memory per device for ``mesh="auto"``; default: the GPU's, unchecked on CPU.
+        **kwargs: Options of :class:`~lightning_dist.strategies.base.MeshParallelStrategy`.
+    """
+
+    log_name = "hybrid3d"
+
+    def __init__(
+        self,
+        pipeline_parallel_size: MeshSize = 1,
+        data_parallel_replicate_size: MeshSize = 1,
+        data_parallel_shard_size: MeshSize = "auto",
+        context_parallel_size: MeshSize = 1,
+        tensor_parallel_size: MeshSize = 1,
+        mesh_shape: list[list[int | str]] | None = None,
+        mesh: Literal["auto"] | None = None,
+        schedule: str = "1f1b",
+        n_microbatches: int | None = None,
+        stages_per_rank: int | None = None,
+        split: Split = "auto",
+        attention: str = "ring",
+        load_balance: str = "zigzag",
+        sequence_keys: list[str] | None = None,
+        plan: PlanSpec | None = None,
+        sequence_parallel: bool = False,
+        loss_parallel: bool = False,
+        activation_checkpointing: bool = False,
+        reshard_after_forward: bool = True,
+        zeropp: bool = False,
+        sequence_length: int | None = None,
+        micro_batch_size: int = 1,
+        device_memory_gib: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.init_pipeline(schedule, n_microbatches, stages_per_rank, split)
+        self.init_context_parallel(attention, load_balance, sequence_keys)
+        self.init_tensor_parallel(plan, sequence_parallel, loss_parallel)
+        sizes = {
+            "pp": pipeline_parallel_size,
+            "dp_replicate": data_parallel_replicate_size,
+            "dp_shard": data_parallel_shard_size,
+            "cp": context_parallel_size,
+            "tp": tensor_parallel_size,
+        }
+        if mesh not in (None, "auto"):
+            raise ValueError(f"mesh={mesh!r}: pass 'auto' for the planner's mesh, or leave it out and give the sizes.")
+        self.mesh_choice = mesh
+        self._sizes = _sizes_from_options(sizes, mesh_shape, mesh)
+        self.mesh_shape = mesh_shape
+        self.activation_checkpointing = check_bool("activation_checkpointing", activation_checkpointing)
+        self.reshard_after_forward = check_bool("reshard_after_forward", reshard_after_forward)
+        self.zeropp = check_bool("zeropp", zeropp)
+        if mesh == "auto" and sequence_length is None:
+            raise ValueError(
+                "mesh='auto' needs sequence_length (tokens per sample) to estimate activation memory; also set"
+                " micro_batch_size (default 1) and, off GPU, device_memory_gib."
+            )
+        self.sequence_length = sequence_length
+        self.micro_batch_size = micro_batch_size
+        self.device_memory_gib = device_memory_gib
+
+    # ------------------------------------------------------------------ mesh
+    @override
+    def mesh_sizes(self) -> dict[str, MeshSize]:
+        if self.mesh_choice == "auto":
+            return self._recommended_sizes()
+        return dict(self._sizes)
+
+    @override
+    def mesh_is_known(self) -> bool:
+        return self.mesh_choice != "auto" or self.lightning_module is not None
+
+    def _recommended_sizes(self) -> dict[str, MeshSize]:
+        from lightning_dist.planning.recommend import recommend_mesh
+
+        if self.lightning_module is None:
+            raise MeshConfigError("mesh='auto' is chosen for a model: it is known once the Trainer runs fit.")
+        memory = self.device_memory_gib
+        if memory is None and self.root_device.type == "cuda":
+            import torch
+
+            memory = torch.cuda.get_device_properties(self.root_device).total_memory / 2**30
+        dims, reason = recommend_mesh(
+            self.lightning_module,
+            self.num_processes * self.num_nodes,
+            self.num_nodes,
+            seq_len=int(self.sequence_length),  # type: ignore[arg-type]
+            micro_batch=self.micro_batch_size,
+            global_batch=None,
+            device_memory_gib=memory,
+            precision=str(self.precision_plugin.precision),
+            activation_checkpointing=self.activation_checkpointing,
+        )
+        self.log_decision(f"mesh='auto': the planner chose {dims} ({reason})")
+        return dims.as_dict()
+
+    @override
+    def validate_mesh(self, dims: ParallelDims) -> None:
+        cp = dims.cp
+        if self.sequence_length is not None and cp > 1:
+            multiple = cp if self.load_balance == "contiguous" else 2 * cp
+            if self.sequence_length % multiple:
+                raise MeshConfigError(
+                    f"sequence_length={self.sequence_length} is not divisible by {multiple}"
+                    f" ({'cp' if multiple == cp else '2·cp'} with context_parallel_size={cp}, {self.load_balance}"
+                    " layout). Choose a sequence length or context_parallel_size that divides."
+                )
+
+    # ------------------------------------------------------------------ the model
+    @override
+    def check_model(self, model: Module) -> None:
+        dims = self.parallel_dims
+        if dims.tp > 1:
+            self.tensor_parallel_plan(model).validate(dims.tp)
+        if dims.cp > 1:
+            self.check_context_parallel_model(model)
+        if dims.pp > 1:
+            from lightning_dist.parallel import pipeline as pp
+
+            pp.plan_stages(
+                model.get_submodule(pp.find_pipelined_module(model)), dims.pp * self.stages_per_rank, self.split
+            )
+
+    @override
+    def parallelize(self, model: Module) -> Module:
+        if is_fully_sharded(model):
+            raise ValueError(
+                "The model's configure_model already applied fully_shard; the hybrid3d strategy applies tensor"
+                " parallelism and FSDP2 itself, in that order. Remove fully_shard from configure_model."
+            )
+        dims = self.parallel_dims
+        if dims.cp > 1:
+            self.prepare_context_parallel(model)
+        if self.pipelined:
+            stages = self.cut_stages(model)
+            self._check_pipelined_context_parallel(model)
+        else:
+            stages = [(model, select_modules(model, what="shard"))]
+        last = self._plan.num_stages - 1 if self.pipelined else 0
+        for (part, blocks), stage in zip(stages, self._stage_ids if self.pipelined else [0]):
+            plan = self.tensor_parallel_plan(part, needs_head=stage == last) if dims.tp > 1 else None
+            record = parallelize(part, self.mesh, self._parallelize_config(blocks, plan))
+            if plan is not None:
+                self.log_tensor_parallel_plan(model, plan, record.tp_changes)
+        self.model_parts = [part for part, _ in stages]
+        self._log_layout(record)
+        return model
+
+    def _parallelize_config(self, blocks: list[tuple[str, Module]], plan: Any) -> ParallelizeConfig:
+        dims = self.parallel_dims
+        sharded = dims.fsdp > 1 or dims.dp_replicate > 1
+        fsdp = None
+        if sharded:
+            fsdp = FSDPConfig(
+                reshard_after_forward=self.reshard_after_forward, mp_policy=self.precision_plugin.mp_policy
+            )
+        config = ParallelizeConfig(
+            units=blocks,
+            tp_plan=plan,
+            activation_checkpointing=self.activation_checkpointing,
+            fsdp=fsdp,
+            root_mp_policy=self.precision_plugin.root_mp_policy if sharded else None,
+            compile=self.compile_options,
+        )
+        if self.zeropp and dims.fsdp > 1:
+            config.all_gather = QuantizedAllGather(dims.fsdp)
+        return config
+
+    def _check_pipelined_context_parallel(self, model: Module) -> None:
+        """Under ``pp × cp`` the positions join the pipelined call's arguments, so they must be its own."""
+        if self.parallel_dims.cp == 1:
+            return
+        if self._causal_lm is not None:
+            raise ValueError(
+                "hybrid3d: pipeline × context parallelism cannot pass a Hugging Face causal LM its labels (the label"
+                " shift crosses both the sequence shards and the micro-batches). Compute the loss in training_step"
+                " from the logits with labels aligned per position, or drop one of pp and cp."
+            )
+        if self._positions is not None and model.get_submodule(self._positions[0]) is not self._module:
+            raise ValueError(
+                f"hybrid3d: under pipeline × context parallelism the module that takes the positions"
+                f" ({self._positions[0]!r}.{self._positions[1]}) must be the pipelined module"
+                f" ({type(self._module).__name__}). Give the pipelined module's forward a positions argument."
+            )
+
+    def _log_layout(self, record: Any) -> None:
+        dims = self.parallel_dims
+        done = []
+        if record.checkpointed:
+            done.append(f"activation checkpointing on {record.checkpointed}")
+        if record.units is not None:
+            where = f"dp_shard={dims.dp_shard} × cp={dims.cp}" if dims.cp > 1 else f"dp_shard={dims.dp_shard}"
+            kind = f"HSDP (dp_replicate={dims.dp_replicate}) " if dims.dp_replicate > 1 else "FSDP2 "
+            done.append(
+                f"{kind}over {where} on {record.units} per stage"
+                if self.pipelined
+                else f"{kind}over {where} on {record.units}"
+            )
+        if self.zeropp and dims.fsdp > 1:
+            done.append(f"int8 weight all-gather (qwZ) on {record.comms_units} units")
+        if dims.cp > 1:
+            done.append(f"{self.attention} attention over cp={dims.cp} ({self.load_balance} layout)")
+        done.append(f"precision={self.precision_plugin.precision}")
+        self.log_decision("; ".join(done))
+
+    # ------------------------------------------------------------------ steps
+    @override
+    def pipeline_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        if not self.context_parallel or self._positions is None or self._seq_len is None:
+            return inputs
+        filled = self.positions_hook(self._module)(self._module, (), inputs)
+        return inputs if filled is None else filled[1]
+
+
+def _sizes_from_options(
+    sizes: dict[str, MeshSize], mesh_shape: list[list[int | str]] | None, mesh: str | None
+) -> dict[str, MeshSize]:
+    """The requested axis sizes from the size options or ``mesh_shape`` (refusing both, or a malformed shape)."""
+    given = {axis: size for axis, size in sizes.items() if size != (1 if axis != "dp_shard" else "auto")}
+    if mesh_shape is not None or mesh == "auto":
+        what = "mesh_shape" if mesh_shape is not None else "mesh='auto'"
+        if given:
+            options = ", ".join(f"{_SIZE_OPTIONS[a]}={s!r}" for a, s in given.items())
+            raise MeshConfigError(f"Give the mesh either as {what} or as sizes, not both ({options} was also set).")
+        if mesh_shape is not None and mesh == "auto":
+            raise MeshConfigError("Give either mesh_shape or mesh='auto', not both.")
+    if mesh_shape is None:
+        autos = [axis for axis, size in given.items() if size == "auto"]
+        if autos and sizes["dp_shard"] == "auto" and "dp_shard" not in given:
+            sizes = {**sizes, "dp_shard": 1}  # the default "auto" gives way to the one the user asked for
+        return sizes
+    if len(mesh_shape) != 2 or len(mesh_shape[0]) != len(mesh_shape[1]):
+        raise MeshConfigError(
+            f"mesh_shape={mesh_shape!r}: give two lists of equal length, the sizes and the axis names, e.g."
+            " [[2, 2, 2], ['pp', 'dp_shard', 'tp']]."
+        )
+    shape: dict[str, MeshSize] = dict.fromkeys(MESH_AXES, 1)
+    seen: set[str] = set()
+    for size, name in zip(*mesh_shape):
+        axis = _AXIS_ALIASES.get(str(name))
+        if axis is None:
+            raise MeshConfigError(
+                f"mesh_shape names the axis {name!r}; the axes are {list(MESH_AXES)} (or 'dp' for dp_shard)."
+            )
+        if axis in seen:
+            raise MeshConfigError(f"mesh_shape names the axis {axis!r} twice.")
+        seen.add(axis)
+        shape[axis] = size  # type: ignore[assignment]
+    return shape

@@ -1,0 +1,112 @@
+"""The pipeline half of a strategy's set-up (a mixin before the shared base): options, the stage cut of an
+unchanged model, tied weights across stages, and what changes in Lightning's loop when a schedule runs backward.
+Used by ``pipeline`` and ``hybrid3d``; inactive on a mesh whose ``pp`` axis has one rank."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+from torch.nn import Module
+from typing_extensions import override
+
+from lightning_dist.parallel import pipeline as pp
+from lightning_dist.parallel.fsdp import reshard_all
+
+if TYPE_CHECKING:
+    from lightning_dist.strategies.base import MeshParallelStrategy
+
+    _Base = MeshParallelStrategy
+else:
+    _Base = object
+
+Split = str | list[str] | list[list[str]]
+
+
+class PipelineStages(_Base):
+    """Stage cutting and set-up of a pipeline strategy, when ``pp > 1``."""
+
+    def init_pipeline(
+        self, schedule: str, n_microbatches: int | None, stages_per_rank: int | None, split: Split
+    ) -> None:
+        """Check and keep the pipeline options (called from the strategy's ``__init__``)."""
+        self.schedule = schedule.lower()
+        self.info = pp.schedule_info(self.schedule)  # refuses an unknown name
+        self.stages_per_rank = pp.resolve_stages_per_rank(self.schedule, stages_per_rank)
+        if n_microbatches is not None and (isinstance(n_microbatches, bool) or int(n_microbatches) < 1):
+            raise ValueError(f"n_microbatches must be a positive int, got {n_microbatches!r}.")
+        self.n_microbatches = n_microbatches
+        self.split = split
+        self._runners: dict[int, pp.PipelineRunner] = {}
+        self._ties: list[pp.TiedParameter] = []
+        self._tie_groups: list[Any] = []
+        self._step_fn: Any = None  # what the runners' loss_fn runs on the last stage, per micro-batch
+        self._module: Module | None = None  # the module whose one call the steps make, pipelined
+
+    @property
+    def pipelined(self) -> bool:
+        return self.parallel_dims.pp > 1
+
+    @property
+    @override
+    def loss_stage(self) -> int:
+        return 0 if self.info.placement == "v" else self.parallel_dims.pp - 1  # V: rank 0 holds the last stage
+
+    def microbatches_for(self, batch_size: int) -> int:
+        """The number of micro-batches for a per-replica batch of ``batch_size`` (refuses an invalid setting)."""
+        p, v = self.parallel_dims.pp, self.stages_per_rank
+        if self.n_microbatches is None:
+            return pp.default_n_microbatches(self.schedule, batch_size, p, v)
+        pp.validate_microbatching(self.schedule, batch_size, self.n_microbatches, p, v)
+        return self.n_microbatches
+
+    def cut_stages(self, model: Module) -> list[tuple[Module, list[tuple[str, Module]]]]:
+        """Cut this rank's stages out of ``model`` in place (see :mod:`lightning_dist.parallel.pipeline`): each
+        stage module with its local blocks (to parallelize next), in stage order. Logs the split."""
+        dims, v = self.parallel_dims, self.stages_per_rank
+        where = pp.find_pipelined_module(model)
+        self._module = model.get_submodule(where)
+        plan = pp.plan_stages(self._module, dims.pp * v, self.split)
+        self._plan = plan
+        self._ties = pp.find_tied_parameters(self._module, plan)
+        ranks = self.mesh.world.mesh.movedim(0, -1).reshape(-1, dims.pp).tolist()  # every pipeline group
+        self._tie_groups = pp.new_tie_groups(self._ties, ranks, v, self.info.placement)
+        self._stage_ids = pp.stage_ids_for_rank(self.mesh["pp"].get_local_rank(), dims.pp, v, self.info.placement)
+        parts = pp.cut_pipeline_stages(self._module, plan, self._stage_ids, self.root_device)
+        stages = []
+        for part, stage in zip(parts, self._stage_ids):
+            local = set(plan.stages[stage]) & set(plan.blocks)  # not the stand-ins of other stages' blocks
+            stages.append((part, [(n, m) for n, m in part.named_modules() if n in local]))
+        if where:
+            self.log_decision(f"pipelining {where} ({type(self._module).__name__}), the module holding every parameter")
+        self.log_decision(
+            f"schedule {self.schedule}, {v} stage(s) per rank over pp={dims.pp}, placement {self.info.placement}"
+        )
+        for line in plan.describe():
+            self.log_decision(line)
+        for tie in self._ties:
+            self.log_decision(f"tied across stages, gradients summed: {tie.describe()}")
+        return stages
+
+    @override
+    def _make_replicas_equal(self) -> None:
+        super()._make_replicas_equal()
+        if self.pipelined:
+            pp.broadcast_tied_parameters(self._module, self._ties, self._tie_groups)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if self.pipelined and not trainer.lightning_module.automatic_optimization:
+            raise RuntimeError(
+                "The pipeline strategy runs forward and backward inside its schedule and does not support manual"
+                " optimization (automatic_optimization=False). Use automatic optimization or another strategy."
+            )
+        super().setup(trainer)
+        if self.pipelined:
+            # The schedule runs backward: Lightning's closure must neither zero the gradients nor call backward.
+            trainer.fit_loop.epoch_loop.automatic_optimization._skip_backward = True
+
+    @override
+    def _reshard_after_evaluation(self) -> None:
+        for part in self.model_parts:
+            reshard_all(part)

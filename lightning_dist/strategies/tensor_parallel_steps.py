@@ -1,0 +1,134 @@
+"""The tensor-parallel half of a strategy (a mixin before the shared base): the plan, its log line, and loss
+parallel's cross-entropy around the step. Used by ``tensor_parallel`` and ``hybrid3d``; inactive until a plan with
+a vocabulary-sharded head has been applied."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.nn import Module
+from typing_extensions import override
+
+from lightning_dist.parallel.loss_parallel import (
+    VocabParallelCrossEntropy,
+    check_local_loss,
+    explain_loss_parallel_failure,
+)
+from lightning_dist.parallel.tensor_parallel import (
+    TensorParallelPlan,
+    TensorParallelPlanError,
+    build_style,
+    resolve_plan,
+)
+from lightning_dist.parallel.validation import check_bool
+
+if TYPE_CHECKING:
+    from lightning_dist.strategies.base import MeshParallelStrategy
+
+    _Base = MeshParallelStrategy
+else:
+    _Base = object
+
+PlanSpec = dict[str, str | dict[str, Any]]
+# The applied plan, kept on the model next to the base strategy's "parallelized" marker: a later Trainer reusing the
+# model skips `parallelize` and restores loss parallel and autocast from it.
+_TP_PLAN = "_lightning_dist_tp_plan"
+
+
+class TensorParallelSteps(_Base):
+    """The tensor-parallel plan of a strategy and loss parallel around its training step."""
+
+    def init_tensor_parallel(self, plan: PlanSpec | None, sequence_parallel: bool, loss_parallel: bool) -> None:
+        """Check and keep the tensor-parallel options (called from the strategy's ``__init__``): a misspelt style
+        or layout fails here, before any launch."""
+        for key, spec in (plan or {}).items():
+            try:
+                build_style(spec, key)
+            except TensorParallelPlanError as err:
+                raise TensorParallelPlanError(str(err) if str(err).startswith("plan[") else f"plan[{key!r}]: {err}")
+        self.plan = dict(plan) if plan else None
+        self.sequence_parallel = check_bool("sequence_parallel", sequence_parallel)
+        self.loss_parallel = check_bool("loss_parallel", loss_parallel)
+        self._tp_plan: TensorParallelPlan | None = None
+
+    def tensor_parallel_plan(self, model: Module, needs_head: bool = True) -> TensorParallelPlan:
+        """The plan this strategy applies to ``model`` (explicit ``plan=`` or the automatic one); sizes are checked
+        against the mesh when it is applied. ``needs_head=False``: a pipeline stage without the output head."""
+        plan = resolve_plan(model, self.plan, self.sequence_parallel, self.loss_parallel)
+        if self.plan and self.loss_parallel and plan.loss_parallel_head is None and needs_head:
+            raise TensorParallelPlanError(
+                "loss_parallel=True, but the explicit plan keeps no output head's logits sharded on the vocabulary."
+                " Give the head {style: colwise, output_layouts: shard(-1), use_local_output: false}."
+            )
+        if self.loss_parallel and plan.loss_parallel_head is None and needs_head:
+            raise TensorParallelPlanError(
+                "loss_parallel=True, but the automatic plan recognised no output head (an nn.Linear named one of"
+                " lm_head, head, output, embed_out, ...). Pass an explicit `plan=` giving the head {style: colwise,"
+                " output_layouts: shard(-1), use_local_output: false}, or turn loss_parallel off."
+            )
+        if self.plan and self.sequence_parallel and not plan.sequence_parallel:
+            raise TensorParallelPlanError(
+                "sequence_parallel=True, but the explicit plan has no sequence_parallel entries. Print the automatic"
+                " plan with `lightning-dist plan --model ... --sequence-parallel` and start from it."
+            )
+        return plan
+
+    def log_tensor_parallel_plan(self, model: Module, plan: TensorParallelPlan, changed: dict[str, str]) -> None:
+        """Keep the applied plan (on the strategy and the model) and log it in one line."""
+        if plan.loss_parallel_head is not None or self._tp_plan is None:
+            self._tp_plan = plan
+        object.__setattr__(model, _TP_PLAN, self._tp_plan)
+        if (message := plan.unplanned_message()) is not None:
+            rank_zero_warn(message)
+        extras = [
+            name
+            for name, on in (
+                ("sequence_parallel", plan.sequence_parallel),
+                ("loss_parallel", bool(plan.loss_parallel_head)),
+            )
+            if on
+        ]
+        self.log_decision(
+            f"{'explicit' if self.plan else 'auto'} plan over tp={self.parallel_dims.tp}: {plan.summary()}"
+            + (f"; {_summarize_changes(changed)}" if changed else "")
+            + (f"; {', '.join(extras)}" if extras else "")
+            + " (full plan: `lightning-dist plan`)"
+        )
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if self._tp_plan is None:  # a model an earlier Trainer parallelized: loss parallel needs its plan
+            self._tp_plan = getattr(self.model, _TP_PLAN, None)
+
+    @property
+    def _loss_parallel_head(self) -> str | None:
+        return self._tp_plan.loss_parallel_head if self._tp_plan is not None else None
+
+    @override
+    def train_context(self) -> ExitStack:
+        stack = super().train_context()
+        if self._loss_parallel_head is not None:
+            stack.enter_context(VocabParallelCrossEntropy())
+        return stack
+
+    @override
+    def run_training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._loss_parallel_head is None:
+            return super().run_training_step(*args, **kwargs)
+        with explain_loss_parallel_failure(self._loss_parallel_head):
+            output = super().run_training_step(*args, **kwargs)
+        check_local_loss(output)
+        return output
+
+
+def _summarize_changes(changed: dict[str, str]) -> str:
+    """``"n_head 4 → 2 in 3 modules"`` from ``{"blocks.0.attn.n_head": "4 → 2", ...}``."""
+    counts: dict[str, int] = {}
+    for name, change in changed.items():
+        key = f"{name.rpartition('.')[2]} {change}"
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{key} in {n} module{'s' if n > 1 else ''}" for key, n in counts.items())

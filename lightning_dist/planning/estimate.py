@@ -95,6 +95,10 @@ def estimate(
     compute_bytes = COMPUTE_BYTES[workload.precision]
     est.params = per_rank / fsdp * param_bytes
     est.grads = est.params
+    if mesh.tp > 1 and fsdp == 1:
+        # The vocabulary-parallel embedding's gradient comes back as the whole table on every tp rank (its local
+        # tensor is [vocab, hidden]; measured with torch 2.13). Under FSDP the reduce-scatter shards it again.
+        est.grads += facts.embedding_tp_params * (1 - 1 / mesh.tp) * param_bytes
     est.optimizer = est.params * OPTIMIZER_STATES[workload.optimizer]
     if fsdp > 1:  # one unit gathered, the next prefetched, and the gradient unit being reduced
         est.buffers = block * (2 * compute_bytes + 4)
@@ -108,14 +112,24 @@ def estimate(
 def _activation_bytes(
     facts: ModelFacts, act: ActivationFacts, mesh: ParallelDims, workload: Workload, microbatches: int
 ) -> float:
+    """The fuller pipeline stage: the first keeps the embeddings' and its blocks' activations of every micro-batch in
+    flight (1F1B: ``pp``), the last those of the head and loss too, but of one micro-batch (1F1B runs its backward
+    right after its forward); GPipe keeps every micro-batch on every stage."""
     blocks = math.ceil(facts.blocks / mesh.pp)
     per_block = act.per_block_residual + act.per_block_inner / mesh.tp
-    in_flight = 1 if mesh.pp == 1 else (microbatches if workload.schedule == "gpipe" else min(mesh.pp, microbatches))
-    if workload.activation_checkpointing:  # block inputs kept; one block recomputed at a time in backward
-        kept = blocks * act.block_input * in_flight + per_block
-    else:
-        kept = blocks * per_block * in_flight
-    return kept + act.outside_blocks * in_flight
+
+    def stage(in_flight: int, outside: float) -> float:
+        if workload.activation_checkpointing:  # block inputs kept; one block recomputed at a time in backward
+            kept = blocks * act.block_input * in_flight + per_block
+        else:
+            kept = blocks * per_block * in_flight
+        return kept + outside * in_flight
+
+    if mesh.pp == 1:
+        return stage(1, act.outside_blocks)
+    first = microbatches if workload.schedule == "gpipe" else min(mesh.pp, microbatches)
+    last = microbatches if workload.schedule == "gpipe" else 1
+    return max(stage(first, act.before_blocks), stage(last, act.after_blocks))
 
 
 def _communication(

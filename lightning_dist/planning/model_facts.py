@@ -29,7 +29,12 @@ class ActivationFacts:
     per_block_residual: float  # largest block: tensors of shape [..., hidden]
     per_block_inner: float  # largest block: the rest (split by tp)
     block_input: float  # what activation checkpointing keeps per block: its input
-    outside_blocks: float  # embeddings, final norm, head (logits), on the first/last stage
+    before_blocks: float  # embeddings: on the first pipeline stage
+    after_blocks: float  # final norm, head and the loss's log-probabilities: on the last pipeline stage
+
+    @property
+    def outside_blocks(self) -> float:
+        return self.before_blocks + self.after_blocks
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,7 @@ class ModelFacts:
     heads: int | None
     kv_heads: int | None
     vocab: int | None
+    embedding_tp_params: int = 0  # of outer_tp_params, the token embedding's
 
     @property
     def total_params(self) -> int:
@@ -87,6 +93,7 @@ def model_facts(model: nn.Module) -> ModelFacts:
         outer_tp += p.numel() if id(p) in sharded else 0
     attention = next(iter(structure.attention.values()), None)
     embedding = modules.get(structure.token_embedding or "")
+    embedding_tp = sum(p.numel() for p in embedding.parameters() if id(p) in sharded) if embedding else 0
     vocab = getattr(embedding, "num_embeddings", None)
     hidden = getattr(embedding, "embedding_dim", None) or _hidden_of(modules[structure.blocks[0]])
     return ModelFacts(
@@ -100,6 +107,7 @@ def model_facts(model: nn.Module) -> ModelFacts:
         heads=attention.num_heads if attention else None,
         kv_heads=(attention.num_kv_heads or attention.num_heads) if attention else None,
         vocab=vocab,
+        embedding_tp_params=embedding_tp,
     )
 
 
@@ -124,7 +132,8 @@ def activation_facts(model: nn.Module, micro_batch: int, seq_len: int) -> Activa
         per_block_residual=per_block[0],
         per_block_inner=per_block[1],
         block_input=micro_batch * seq_len * hidden * element,
-        outside_blocks=counter.outside + loss_bytes,
+        before_blocks=counter.before,
+        after_blocks=counter.after + loss_bytes,
     )
 
 
@@ -162,13 +171,14 @@ class _FlashAttentionSaves(TorchFunctionMode):
 
 
 class _SavedBytes:
-    """Distinct storages saved for backward, by running block (residual vs inner), and outside the blocks."""
+    """Distinct storages saved for backward, by running block (residual vs inner), and before/after the blocks."""
 
     def __init__(self, hidden: int, micro_batch: int, seq_len: int) -> None:
         self.hidden = hidden
         self.residual_shapes = {(micro_batch, seq_len, hidden), (seq_len, micro_batch, hidden)}
         self.blocks: list[tuple[float, float]] = []
-        self.outside = 0.0
+        self.before = 0.0  # saved before the first block runs
+        self.after = 0.0  # and after a block has run
         self._current: list[float] | None = None
         self._seen: set[int] = set()
         self._params: set[int] = set()
@@ -180,7 +190,10 @@ class _SavedBytes:
         self._seen.add(storage)
         nbytes = t.untyped_storage().nbytes()
         if self._current is None:
-            self.outside += nbytes
+            if self.blocks:
+                self.after += nbytes
+            else:
+                self.before += nbytes
         elif tuple(t.shape) in self.residual_shapes:
             self._current[0] += nbytes
         else:

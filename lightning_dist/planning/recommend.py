@@ -16,7 +16,15 @@ import torch
 from torch import nn
 
 from lightning_dist.parallel.mesh import ParallelDims
-from lightning_dist.planning.estimate import COMPUTE_BYTES, GIB, OPTIMIZER_STATES, Hardware, Workload
+from lightning_dist.planning.estimate import (
+    COMPUTE_BYTES,
+    GIB,
+    OPTIMIZER_STATES,
+    Estimate,
+    Hardware,
+    Workload,
+    estimate,
+)
 from lightning_dist.planning.model_facts import ActivationFacts, ModelFacts, activation_facts, model_facts
 from lightning_dist.planning.search import Candidate, plan, reason
 
@@ -164,6 +172,28 @@ def recommend_mesh(
         optimizer=optimizer,
         activation_checkpointing=activation_checkpointing,
     ).best()
+
+
+def estimate_mesh(
+    model: nn.Module,
+    mesh: ParallelDims,
+    num_nodes: int = 1,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    global_batch: int,
+    precision: str,
+    optimizer: str = "adamw",
+    activation_checkpointing: bool = False,
+    schedule: str = "1f1b",
+) -> Estimate:
+    """The planner's per-rank memory and communication of ``model`` on one given ``mesh`` (a meta copy, as above)."""
+    meta = meta_copy(model, _DTYPES[COMPUTE_BYTES[precision]])
+    meta.train()
+    workload = Workload(seq_len, micro_batch, global_batch, precision, optimizer, activation_checkpointing, schedule)
+    hardware = Hardware(mesh.world_size // num_nodes, math.inf)
+    activations = activation_facts(meta, micro_batch, seq_len // mesh.cp)
+    return estimate(model_facts(meta), activations, mesh, workload, hardware)
 
 
 def _memory_label(hardware: Hardware) -> str:

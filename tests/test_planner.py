@@ -109,3 +109,30 @@ def test_recommend_mesh_says_why_every_mesh_was_ruled_out():
     assert "tp=4 would span nodes of 2 devices" in message
     with pytest.raises(ValueError, match="multiple of num_nodes"):
         recommend_mesh(_gpt("meta"), 4, 3, **kwargs)
+
+
+def test_a_pipeline_stage_keeps_the_head_and_loss_of_one_micro_batch_and_the_embeddings_of_pp():
+    facts, act = model_facts(_gpt("meta")), activation_facts(_gpt("meta"), 1, 32)
+    assert act.before_blocks > 0 and act.after_blocks > 64 * 32 * 4  # the loss's fp32 log-probabilities, after
+    per_block = act.per_block_residual + act.per_block_inner
+    hw = Hardware(4)
+    one_f_one_b = estimate(facts, act, ParallelDims(pp=2), Workload(32, 1, 8, "32-true"), hw).activations
+    first, last = 2 * (2 * per_block + act.before_blocks), 2 * per_block + act.after_blocks
+    assert one_f_one_b == max(first, last)
+    gpipe = estimate(facts, act, ParallelDims(pp=2), Workload(32, 1, 8, "32-true", schedule="gpipe"), hw).activations
+    assert gpipe == 8 * (2 * per_block + max(act.before_blocks, act.after_blocks))
+
+
+@pytest.mark.slow
+def test_state_bytes_estimate_matches_a_real_tensor_parallel_run(tmp_path):
+    """Two processes, tp=2, one AdamW step of the smallest Llama of ``benchmarks.planner_accuracy``: the estimated
+    per-rank parameters, gradients and optimizer state are within 1% of the bytes the ranks hold (the issue's bar is
+    10%), and the activation peak within 25%."""
+    from benchmarks.planner_accuracy import KEYS, estimated, launch
+
+    measured = launch("tp=2", ["S"], tmp_path, steps=1)["S"]
+    est = estimated("S", "tp=2")
+    for key in KEYS[:3]:
+        worst = max(rank[key] for rank in measured)
+        assert est[key] == pytest.approx(worst, rel=0.01), key
+    assert est["activations"] == pytest.approx(max(r["activations_by_step"][-1] for r in measured), rel=0.25)

@@ -18,12 +18,16 @@ __all__ = [
     "TESTED_TORCH",
     "TorchDispatchMode",
     "aten_attention_op",
+    "compile_like",
+    "compile_mode_names",
+    "compiled_module_class",
     "composable_checkpoint",
     "current_dispatch_mode",
     "flatten_mesh",
     "fsdp_collective_protocols",
     "fully_shard_module",
     "gather_full_state",
+    "is_compiled_in_place",
     "load_dcp_without_process_group",
     "load_functional_collectives",
     "resolve_process_group",
@@ -84,6 +88,36 @@ def fully_shard_module() -> ModuleType:
     from torch.distributed.fsdp._fully_shard import _fully_shard
 
     return _fully_shard
+
+
+# ---------------------------------------------------------------------------------------------------- torch.compile
+def compiled_module_class() -> type[torch.nn.Module]:
+    """The wrapper class ``torch.compile(module)`` returns (it holds the module as ``_orig_mod``)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return OptimizedModule
+
+
+def compile_mode_names() -> list[str]:
+    """The ``mode=`` values ``torch.compile`` accepts (inductor's list)."""
+    from torch._inductor import list_mode_options
+
+    return list(list_mode_options())
+
+
+def compile_like(wrapper: torch.nn.Module, module: torch.nn.Module) -> None:
+    """Compile ``module`` in place with the settings (backend, mode, options) of ``wrapper``, a
+    ``torch.compile(module)`` result: what ``module.compile(...)`` does with the same arguments."""
+    dynamo_ctx = getattr(wrapper, "dynamo_ctx", None)
+    if dynamo_ctx is None:  # a torch without the attribute: the defaults
+        module.compile()
+    else:
+        module._compiled_call_impl = dynamo_ctx(module._call_impl)
+
+
+def is_compiled_in_place(module: torch.nn.Module) -> bool:
+    """Whether ``module.compile()`` was called on ``module``."""
+    return getattr(module, "_compiled_call_impl", None) is not None
 
 
 # ---------------------------------------------------------------------------------------------------- activation checkpointing

@@ -14,6 +14,7 @@ from launch import max_abs_diff, run_scenarios
 from torch import nn
 
 from lightning_dist import FSDP2Strategy, TensorParallelStrategy, ZeroPPStrategy
+from lightning_dist.compat import is_compiled_in_place
 from lightning_dist.parallel.compile import resolve_compile_options, unwrap_user_compiled
 from lightning_dist.parallel.parallelize import ParallelizeConfig, parallelize
 
@@ -89,8 +90,8 @@ def test_parallelize_compiles_each_unit_in_place_and_names_stay():
     names = [n for n, _ in net.named_parameters()]
     config = ParallelizeConfig(units=list(net.blocks.named_children()), compile={"dynamic": False})
     record = parallelize(net, None, config)  # type: ignore[arg-type]  # no axis on: no mesh needed
-    assert all(b._compiled_call_impl is not None for b in net.blocks)
-    assert net.head._compiled_call_impl is None  # outside the blocks: eager (see parallelize's docstring)
+    assert all(is_compiled_in_place(b) for b in net.blocks)
+    assert not is_compiled_in_place(net.head)  # outside the blocks: eager (see parallelize's docstring)
     assert [n for n, _ in net.named_parameters()] == names
     assert record.compiled is not None and "compiled 2 × _Block with torch.compile(dynamic=False)" in record.compiled
     assert parallelize(_Net(), None, ParallelizeConfig()).compiled is None  # type: ignore[arg-type]

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._dynamo.eval_frame import OptimizedModule
+
+from lightning_dist.compat import compile_like, compile_mode_names, compiled_module_class
 
 #: The prefix ``torch.compile(module)`` puts in front of every name of the module it wraps.
 ORIG_MOD_PREFIX = "_orig_mod."
@@ -50,8 +51,8 @@ def resolve_compile_options(compile: bool | Mapping[str, Any] | None) -> dict[st
         if "backend" in compile and not (isinstance(compile["backend"], str) or callable(compile["backend"])):
             raise ValueError(f"compile: backend={compile['backend']!r} is neither a backend name nor a callable.")
         if "mode" in compile and compile["mode"] is not None:
-            modes = list(torch._inductor.list_mode_options()) if hasattr(torch, "_inductor") else []
-            if modes and compile["mode"] not in modes:
+            modes = compile_mode_names()
+            if compile["mode"] not in modes:
                 raise ValueError(f"compile: mode={compile['mode']!r} is not one of {modes}.")
         return dict(compile)
     raise TypeError(
@@ -62,39 +63,35 @@ def resolve_compile_options(compile: bool | Mapping[str, Any] | None) -> dict[st
 
 def is_user_compiled(module: nn.Module) -> bool:
     """Whether ``module`` is (or holds) an ``OptimizedModule`` made by ``torch.compile(module)``."""
-    return any(isinstance(m, OptimizedModule) for m in module.modules())
+    wrapper = compiled_module_class()
+    return any(isinstance(m, wrapper) for m in module.modules())
 
 
-def unwrap_user_compiled(module: nn.Module) -> list[tuple[str, OptimizedModule]]:
+def unwrap_user_compiled(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """Replace every ``OptimizedModule`` below ``module`` by the module it wraps, in place (outermost first).
 
     Returns ``(name, wrapper)`` for each, named without ``_orig_mod.``. Parameters are the wrapped module's own, so
     nothing is copied and an optimizer built over them stays valid.
     """
-    replaced: list[tuple[str, OptimizedModule]] = []
+    wrapper_class = compiled_module_class()
+    replaced: list[tuple[str, nn.Module]] = []
     stack: list[tuple[str, nn.Module]] = [("", module)]
     while stack:
         prefix, parent = stack.pop()
         for child_name, child in list(parent.named_children()):
-            while isinstance(child, OptimizedModule):
-                name = f"{prefix}{child_name}"
-                replaced.append((name, child))
+            while isinstance(child, wrapper_class):
+                replaced.append((f"{prefix}{child_name}", child))
                 setattr(parent, child_name, child._orig_mod)
                 child = child._orig_mod
             stack.append((f"{prefix}{child_name}.", child))
     return replaced
 
 
-def keep_user_compilation(unwrapped: Iterable[tuple[str, OptimizedModule]]) -> None:
-    """Compile each unwrapped module in place with the settings of the user's ``torch.compile`` call (its dynamo
-    context: backend, mode, options), as :meth:`torch.nn.Module.compile` would with the same arguments."""
+def keep_user_compilation(unwrapped: Iterable[tuple[str, nn.Module]]) -> None:
+    """Compile each unwrapped module in place with the settings of the user's ``torch.compile`` call (backend,
+    mode, options), as :meth:`torch.nn.Module.compile` would with the same arguments."""
     for _, wrapper in unwrapped:
-        module = wrapper._orig_mod
-        dynamo_ctx = getattr(wrapper, "dynamo_ctx", None)
-        if dynamo_ctx is None:  # a torch without the attribute: the defaults
-            module.compile()
-        else:
-            module._compiled_call_impl = dynamo_ctx(module._call_impl)
+        compile_like(wrapper, wrapper._orig_mod)
 
 
 def strip_orig_mod(key: str) -> str:

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from examples.gpt import GPT
 from lightning_dist import FSDP2Strategy, TensorParallelStrategy
+from lightning_dist.compat import is_compiled_in_place
 
 STEPS = 3
 PRECISION = "64-true"  # inductor generates fp64 C++ kernels on CPU
@@ -98,7 +99,7 @@ def _fit(
             "losses": recorder.losses,
             "grad_norms": recorder.grad_norms,
             "step_seconds": timer.seconds,
-            "compiled_blocks": sum(b._compiled_call_impl is not None for b in model.blocks),
+            "compiled_blocks": sum(is_compiled_in_place(b) for b in model.blocks),
             "log": [line for line in logs.lines if "compile" in line],
             "names_with_orig_mod": [n for n, _ in model.named_parameters() if "_orig_mod" in n],
         },
@@ -167,7 +168,7 @@ def user_compiled(devices: int, workdir: str) -> dict[str, Any]:
         "keys": checkpoint_keys(f"{workdir}/user_compiled.ckpt"),
         "log": [line for line in logs.lines if "compile" in line],
         "names_with_orig_mod": [n for n, _ in model.named_parameters() if "_orig_mod" in n],
-        "compiled_blocks": sum(b._compiled_call_impl is not None for b in model.blocks),
+        "compiled_blocks": sum(is_compiled_in_place(b) for b in model.blocks),
     }
 
 

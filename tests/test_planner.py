@@ -136,3 +136,11 @@ def test_state_bytes_estimate_matches_a_real_tensor_parallel_run(tmp_path):
         worst = max(rank[key] for rank in measured)
         assert est[key] == pytest.approx(worst, rel=0.01), key
     assert est["activations"] == pytest.approx(max(r["activations_by_step"][-1] for r in measured), rel=0.25)
+
+
+def test_recommend_mesh_runs_the_inner_model_of_a_lightning_module_without_forward():
+    from tests.scenarios.hf_causal_lm import HFCausalLM  # no forward: its training_step calls self.model
+
+    kwargs = {"seq_len": 32, "micro_batch": 2, "global_batch": 8, "device_memory_gib": None, "precision": "32-true"}
+    mesh, why = recommend_mesh(HFCausalLM("llama"), 2, **kwargs)
+    assert mesh.world_size == 2 and why.startswith(f"{mesh}: needs ") and " 0 ms)" not in why

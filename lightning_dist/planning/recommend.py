@@ -118,8 +118,10 @@ def plan_meshes(
     memory = math.inf if device_memory_gib is None else device_memory_gib * GIB
     hardware = Hardware(world_size // num_nodes, memory)
 
+    forward = _forward_module(meta)
+
     def activations_at(cp: int) -> ActivationFacts:
-        return activation_facts(meta, micro_batch, seq_len // cp)
+        return activation_facts(forward, micro_batch, seq_len // cp)
 
     return MeshPlan(facts, workload, hardware, world_size, plan(facts, activations_at, workload, hardware, world_size))
 
@@ -192,8 +194,28 @@ def estimate_mesh(
     meta.train()
     workload = Workload(seq_len, micro_batch, global_batch, precision, optimizer, activation_checkpointing, schedule)
     hardware = Hardware(mesh.world_size // num_nodes, math.inf)
-    activations = activation_facts(meta, micro_batch, seq_len // mesh.cp)
+    activations = activation_facts(_forward_module(meta), micro_batch, seq_len // mesh.cp)
     return estimate(model_facts(meta), activations, mesh, workload, hardware)
+
+
+def _forward_module(model: nn.Module) -> nn.Module:
+    """What to call on token ids: the model, or for a module without a ``forward`` of its own (a LightningModule whose
+    ``training_step`` calls ``self.model``) the child that holds every parameter."""
+    if type(model).forward is not nn.Module.forward and not _is_lightning_default_forward(model):
+        return model
+    total = sum(p.numel() for p in model.parameters())
+    for child in model.children():
+        if sum(p.numel() for p in child.parameters()) == total:
+            return child
+    return model
+
+
+def _is_lightning_default_forward(model: nn.Module) -> bool:
+    try:
+        from lightning.pytorch import LightningModule
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, LightningModule) and type(model).forward is LightningModule.forward
 
 
 def _memory_label(hardware: Hardware) -> str:

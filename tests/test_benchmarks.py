@@ -465,3 +465,101 @@ def test_checkpoint_integrity_benchmark_times_both_sides() -> None:
     assert result["save_with_checksums_s"] > 0 and result["save_plain_s"] > 0 and result["load_plain_s"] > 0
     assert result["save_ratio"] == result["save_with_checksums_s"] / result["save_plain_s"]
     assert result["load_ratio"] == result["load_verified_s"] / result["load_plain_s"]
+
+
+# ---------------------------------------------------------------------------------------------------------- pipeline
+
+
+def _small_gpt() -> GPT:
+    return GPT(vocab_size=16, seq_len=8, d_model=16, n_layer=4, n_head=2)
+
+
+def test_pipeline_benchmark_counts_each_ranks_parameters_exactly() -> None:
+    from benchmarks.pipeline import bytes_per_rank
+
+    counted = bytes_per_rank(sizes=(2, 4), schedules=(("1f1b", "auto"), ("1f1b", "even")), build=_small_gpt)
+    model = _small_gpt()
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    assert counted["whole"] == whole
+    for (split, pp), rows in _group(counted["rows"]).items():
+        assert [r["rank"] for r in rows] == list(range(pp))
+        assert sum(r["bytes"] for r in rows) == whole  # no tied weights: every parameter on exactly one rank
+        for row in rows:  # each rank's bytes, counted again from the unchanged model's modules of its stages
+            names = [n.strip() for n in row["modules"].split(",")]
+            assert row["bytes"] == sum(_module_bytes(model, name) for name in names), (split, pp, row)
+    even4 = {r["rank"]: r["modules"] for r in counted["rows"] if r["split"] == "even" and r["pp"] == 4}
+    assert even4 == {0: "tok_emb, pos_emb, blocks.0", 1: "blocks.1", 2: "blocks.2", 3: "blocks.3, ln_f, head"}
+
+
+def _group(rows: list[dict[str, Any]]) -> dict[tuple[str, int], list[dict[str, Any]]]:
+    out: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for row in rows:
+        out.setdefault((row["split"], row["pp"]), []).append(row)
+    return out
+
+
+def _module_bytes(model: nn.Module, name: str) -> int:
+    """Bytes of ``name`` (``blocks.1-3`` is a range of blocks), counted on the whole model."""
+    if name.startswith("blocks.") and "-" in name:
+        first, last = map(int, name.removeprefix("blocks.").split("-"))
+        return sum(_module_bytes(model, f"blocks.{i}") for i in range(first, last + 1))
+    return sum(p.numel() * p.element_size() for p in model.get_submodule(name).parameters())
+
+
+def _bubble_worker(rank: int, port: int, out: str) -> None:
+    from benchmarks.pipeline import measure_bubble
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        result = measure_bubble(rank, 2, 4, steps=1, schedules=["1f1b", "zbv_zero_bubble"], build=_small_gpt)
+        if rank == 0:
+            Path(out).write_text(json.dumps(result))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_pipeline_bubble_instrument_on_two_processes(tmp_path: Path) -> None:
+    """The benchmark's bubble instrument on 2 real gloo processes (tiny GPT, one timed step per schedule)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "bubble.json"
+    mp.start_processes(_bubble_worker, args=(port, str(out)), nprocs=2, join=True, start_method="fork")
+    result = json.loads(out.read_text())
+    assert result["1f1b"]["formula"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1) with p=2, m=4
+    assert result["zbv_zero_bubble"]["formula"] == pytest.approx(1 / 9)  # the interleaved figure, v=2, shown for scale
+    assert result["zbv_zero_bubble"]["stages_per_rank"] == 2
+    for row in result.values():
+        assert len(row["per_rank"]) == 2 and all(0 <= x < 1 for x in row["per_rank"]) and row["step_ms"] > 0
+        assert row["measured"] == pytest.approx(sum(row["per_rank"]) / 2)
+
+
+def test_pipeline_benchmark_tables_from_a_known_result() -> None:
+    from benchmarks.pipeline import to_markdown
+
+    bubble = {"measured": 0.25, "per_rank": [0.3, 0.2], "step_ms": 10.0, "formula": 0.2, "stages_per_rank": 1}
+    times = {"pipeline": {"wall": [0.2, 0.3, 0.2], "cpu": [0.2, 0.2, 0.2]},
+             "ddp": {"wall": [0.1, 0.1, 0.1], "cpu": [0.1, 0.1, 0.1]}}  # fmt: skip
+    result = {
+        "world": 2, "load_start": "1.00, 1.00, 1.00", "load_end": "2.00, 2.00, 2.00",
+        "bubble": {"4": {"1f1b": bubble, "zbv_zero_bubble": {**bubble, "formula": 1 / 9, "stages_per_rank": 2},
+                         "dualpipev": {"error": "m too small", "stages_per_rank": 2}}},
+        "bytes": {"whole": 100, "rows": [{"schedule": "1f1b", "split": "auto", "pp": 2, "rank": r, "stages": [r],
+                                          "modules": "m", "bytes": 50} for r in range(2)]},
+        "held_by_trainer": {"pipeline": [50, 50]}, "microbatches": {"pipeline": 4}, "times": times,
+        "config": {"bubble_steps": 1, "microbatch_size": 2, "global_batch": 16, "warmup": 1, "steps": 3, "repeats": 3,
+                   "cpus": 2},
+    }  # fmt: skip
+    table = to_markdown(result)
+    assert "| `1f1b` | 1 | 4 | **25.0%** | 20.0% | (p−1)/(m+p−1) | 30.0% / 20.0% | 10.0 |" in table
+    assert "| `zbv_zero_bubble` | 2 | 4 | **25.0%** | ≈ 0 (11.1%) |" in table
+    assert "| `dualpipev` | 2 | 4 | not run: m too small |" in table
+    assert "| `1f1b` | auto | 2 | 1 | 1 | m | 50 | **0.500** | 0.500 | 50 |" in table
+    assert "| `pipeline` / `ddp` | **2.000** | 2.000 – 3.000 (n=3) | 200.0 | 100.0 | 2.000 |" in table
+    assert "CPU/gloo — not a GPU figure" in table and "load average (1/5/15 min) 1.00, 1.00, 1.00" in table

@@ -36,11 +36,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lightning_dist.parallel.pipeline import (
-    BusyTimer,
     PipelineRunner,
     all_reduce_tied_gradients,
-    bubble_fraction,
-    bubble_fraction_formula,
     cut_pipeline_stages,
     find_tied_parameters,
     model_inputs_as_kwargs,
@@ -280,56 +277,11 @@ def worker(rank: int, world: int, port: int, cases: list[str], out: str) -> None
         dist.destroy_process_group()
 
 
-BUBBLE_SCHEDULES = [
-    "gpipe",
-    "1f1b",
-    "interleaved_1f1b",
-    "looped_bfs",
-    "interleaved_zero_bubble",
-    "zbv_zero_bubble",
-    "dualpipev",
-]
-
-
-def measure_bubble(rank: int, world: int, n_microbatches: int, steps: int = 4) -> dict[str, Any]:
-    """Idle share of a training step per schedule (busy = time inside stage compute), for the README; not a test."""
-    results = {}
-    for schedule in BUBBLE_SCHEDULES:
-        torch.manual_seed(0)
-        model = GPT_BIG()
-        per_rank = resolve_stages_per_rank(schedule, None)
-        plan = plan_stages(model, world * per_rank)
-        stage_ids = stage_ids_for_rank(rank, world, per_rank, schedule_info(schedule).placement)
-        parts = cut_pipeline_stages(model, plan, stage_ids, "cpu")
-        runner = PipelineRunner(parts, stage_ids, plan.num_stages, schedule, n_microbatches, logits_loss)
-        ids = torch.randint(0, VOCAB, (2 * n_microbatches, 64))
-        timer, fractions = BusyTimer(), []
-        for step in range(steps + 1):
-            dist.barrier()
-            timer.instrument(runner.stages)
-            timer.take()
-            start = time.perf_counter()
-            runner.step({"input_ids": ids}, target=ids)
-            wall = time.perf_counter() - start
-            if step:  # the first step builds the stages and infers shapes
-                fractions.append(bubble_fraction(timer.take(), wall))
-            model.zero_grad()
-        mine = torch.tensor(sum(fractions) / len(fractions), dtype=torch.float64)
-        dist.all_reduce(mine)
-        results[schedule] = {
-            "measured": float(mine) / world,
-            "formula": bubble_fraction_formula(schedule, world, n_microbatches, per_rank),
-        }
-    return results
-
-
-def GPT_BIG() -> nn.Module:
-    from examples.gpt import GPT
-
-    return GPT(vocab_size=VOCAB, seq_len=64, d_model=128, n_layer=8, n_head=4)
-
-
 def bubble_worker(rank: int, world: int, port: int, n_microbatches: int, out: str) -> None:
+    """The bubble instrument of ``benchmarks/pipeline.py`` (``python -m benchmarks.pipeline`` prints it with the
+    formulas); kept here as ``--bubble M`` for a quick look without Lightning."""
+    from benchmarks.pipeline import measure_bubble
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -358,6 +310,8 @@ def main() -> None:
     parser.add_argument("--bubble", type=int, default=0, help="measure the bubble with this many micro-batches")
     args = parser.parse_args()
     if args.bubble:
+        from benchmarks.pipeline import GPT_BIG
+
         GPT_BIG()
         mp.start_processes(
             bubble_worker, args=(2, free_port(), args.bubble, args.out), nprocs=2, join=True, start_method="fork"

@@ -1,10 +1,13 @@
-"""Context-parallel attention, counted (not timed): per-rank activation memory, the longest sequence a per-rank
-budget holds, and the bytes each rank sends per layer next to their formulas, for cp = 1, 2, 4 and each algorithm.
+"""Context-parallel attention, counted: per-rank activation memory, the longest sequence a per-rank budget holds,
+and the bytes each rank sends per layer next to their formulas, for cp = 1, 2, 4 and each algorithm; and timed: the
+step time of ``Trainer(strategy="context_parallel")`` at cp=2 against one process, as a CPU/gloo ratio.
 
-Usage (from the repository root; 4 CPU processes over gloo, a few seconds)::
+Usage (from the repository root; 4 CPU processes over gloo for the counts, a few seconds; then 2 processes for the
+step time, a few minutes on 2 cores)::
 
     python -m benchmarks.context_parallel                    # prints the tables
     python -m benchmarks.context_parallel --out benchmarks/results/context_parallel.md
+    python -m benchmarks.context_parallel --no-time          # the counts only
 
 What is measured, on one attention layer (``q: [B, H, S/cp, D]``, ``k, v: [B, G, S/cp, D]``, causal, zigzag layout
 for ring/all-gather, contiguous for Ulysses):
@@ -18,7 +21,13 @@ for ring/all-gather, contiguous for Ulysses):
 * **bytes sent**: the collectives' own counters (:func:`lightning_dist.parallel.attention.count_bytes_sent`),
   forward and backward, next to :func:`lightning_dist.parallel.attention.bytes_per_layer`.
 
-Nothing here is a speed: CPU processes on a shared host say nothing about GPU step time.
+The step time (:func:`time_step`, 2 processes): ``Trainer.fit`` of the example GPT (:data:`TIMED_MODEL`) on one
+global batch and sequence length, once with ``context_parallel`` / ``context_parallel_allgather`` /
+``context_parallel_ulysses`` over both processes (cp=2: each rank holds half of every sequence; FSDP2 over the cp
+ranks averages the gradients) and once in one process (a ``SingleDeviceStrategy`` on rank 0 while rank 1 waits), in
+the same launch, repeats interleaved, warm-up steps excluded, reported as ratios of medians. Every process runs one
+thread, so the ideal ratio is 1/cp = 0.5 plus communication. This is a CPU/gloo figure on a small shared host: it
+says nothing about GPU step time.
 """
 
 from __future__ import annotations
@@ -29,7 +38,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import warnings
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +58,8 @@ from lightning_dist.parallel.context_parallel import shard_sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 CP_SIZES = (1, 2, 4)
+TIMED = ("context_parallel", "context_parallel_allgather", "context_parallel_ulysses", "one_process")  # last: baseline
+TIMED_MODEL = {"vocab_size": 64, "seq_len": 512, "d_model": 128, "n_layer": 4, "n_head": 4}
 
 
 @dataclass(frozen=True)
@@ -187,10 +200,55 @@ def to_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _worker(out: str) -> None:
-    dist.init_process_group("gloo")
+def time_step(batch_size: int = 4, warmup: int = 2, steps: int = 5, repeats: int = 5) -> dict[str, Any]:
+    """Step times of every :data:`TIMED` configuration on this launch's 2 processes (an initialized process group),
+    for a global batch of ``batch_size`` sequences of ``TIMED_MODEL["seq_len"]`` tokens; rank 0's result is whole."""
+    from benchmarks.pipeline import load_average, time_fits
+    from examples.data import TextDataModule
+    from examples.gpt import GPT
+
+    load_start = load_average()
+    samples = batch_size * (warmup + steps)
+    times = time_fits(
+        {name: {"strategy": name, "batch_size": batch_size} for name in TIMED},  # cp keeps the whole batch per rank
+        lambda: GPT(**TIMED_MODEL, lr=1e-3, warmup_steps=2),
+        lambda b: TextDataModule(seq_len=TIMED_MODEL["seq_len"], batch_size=b, train_samples=samples, seed=0),
+        warmup,
+        steps,
+        repeats,
+    )
+    return {
+        "times": times,
+        "world": dist.get_world_size(),
+        "load_start": load_start,
+        "load_end": load_average(),
+        "config": {"model": TIMED_MODEL, "global_batch": batch_size, "warmup": warmup, "steps": steps,
+                   "repeats": repeats, "cpus": os.cpu_count(), "torch": torch.__version__},
+    }  # fmt: skip
+
+
+def time_markdown(result: dict[str, Any]) -> str:
+    """The step-time table of :func:`time_step`'s result."""
+    from benchmarks.pipeline import ratio_table, time_header
+
+    m, c = result["config"]["model"], result["config"]
+    what = (
+        f"the example GPT ({m['n_layer']} blocks, d_model {m['d_model']}, {m['n_head']} heads), global batch"
+        f" {c['global_batch']} × {m['seq_len']} tokens; cp=2 (each rank {m['seq_len'] // 2} tokens of every"
+        " sequence) against one process holding the whole sequence; ideal ratio 0.5"
+    )
+    return "\n".join(ratio_table(result["times"], TIMED[-1], time_header(result, what))) + "\n"
+
+
+def _worker(out: str, timed: dict[str, int] | None = None) -> None:
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", timeout=timedelta(minutes=10))
     try:
-        result = measure()
+        if timed is not None:
+            torch.set_num_threads(1)
+            result = time_step(**timed)
+        else:
+            result = measure()
         if dist.get_rank() == 0:
             Path(out).write_text(json.dumps(result))
     finally:
@@ -200,23 +258,39 @@ def _worker(out: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the tables (markdown) and the numbers (.json beside it) here")
+    parser.add_argument("--no-time", action="store_true", help="only the counts, no step-time table")
+    parser.add_argument("--batch-size", type=int, default=4, help="global batch of the step-time table")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--timed-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    timed = {"batch_size": args.batch_size, "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats}
     if args.worker:
-        _worker(args.worker)
+        _worker(args.worker, timed if args.timed_worker else None)
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        result_path = Path(tmp, "result.json")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
-        subprocess.run([*command, "-m", "benchmarks.context_parallel", "--worker", str(result_path)], env=env,
-                       cwd=ROOT, check=True)  # fmt: skip
-        result = json.loads(result_path.read_text())
+    result = _launch(4, [])
     table = to_markdown(result)
+    if not args.no_time:
+        options = ["--timed-worker", *(f"--{k.replace('_', '-')}={v}" for k, v in timed.items())]
+        result["time"] = _launch(2, options)
+        table += "\n" + time_markdown(result["time"])
     print(table)
     if args.out:
         Path(args.out).write_text(table)
         Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=1))
+
+
+def _launch(nproc: int, options: list[str]) -> dict[str, Any]:
+    """Run this module's worker on ``nproc`` CPU processes (torchrun) and return rank 0's result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = Path(tmp, "result.json")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        subprocess.run([*command, "-m", "benchmarks.context_parallel", "--worker", str(result_path), *options],
+                       env=env, cwd=ROOT, check=True)  # fmt: skip
+        return json.loads(result_path.read_text())
 
 
 if __name__ == "__main__":

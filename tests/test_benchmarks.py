@@ -563,3 +563,21 @@ def test_pipeline_benchmark_tables_from_a_known_result() -> None:
     assert "| `1f1b` | auto | 2 | 1 | 1 | m | 50 | **0.500** | 0.500 | 50 |" in table
     assert "| `pipeline` / `ddp` | **2.000** | 2.000 – 3.000 (n=3) | 200.0 | 100.0 | 2.000 |" in table
     assert "CPU/gloo — not a GPU figure" in table and "load average (1/5/15 min) 1.00, 1.00, 1.00" in table
+
+
+def test_context_parallel_step_time_table_from_a_known_result() -> None:
+    from benchmarks.context_parallel import TIMED, TIMED_MODEL, time_markdown
+
+    times = {name: {"wall": [0.6, 0.6], "cpu": [0.5, 0.5]} for name in TIMED}
+    times["one_process"] = {"wall": [1.0, 1.2], "cpu": [1.0, 1.0]}
+    result = {
+        "times": times, "world": 2, "load_start": "0.50, 0.50, 0.50", "load_end": "0.70, 0.60, 0.50",
+        "config": {"model": TIMED_MODEL, "global_batch": 4, "warmup": 1, "steps": 2, "repeats": 2, "cpus": 2},
+    }  # fmt: skip
+    table = time_markdown(result)
+    assert (
+        "| `context_parallel_ulysses` / `one_process` | **0.545** | 0.500 – 0.600 (n=2) | 600.0 | 1100.0 | 0.500 |"
+        in table
+    )
+    assert "CPU/gloo — not a GPU figure" in table and "ideal ratio 0.5" in table
+    assert table.count("/ `one_process` |") == 3

@@ -55,7 +55,8 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         pipeline_parallel_size: Pipeline stages' ranks (``pp``).
         data_parallel_replicate_size: Replica groups of HSDP (``dp_replicate``): parameters are replicated across
             them and sharded inside each.
-        data_parallel_shard_size: FSDP2 ranks that see different samples (``dp_shard``); default ``"auto"``.
+        data_parallel_shard_size: FSDP2 ranks that see different samples (``dp_shard``); default: the processes
+            the other sizes leave (1 when another size is ``"auto"``).
         context_parallel_size: Ranks a sequence is split over (``cp``); FSDP2 shards over ``dp_shard × cp``.
         tensor_parallel_size: Ranks a layer is split over (``tp``).
         mesh_shape: ``[sizes, axis names]`` instead of the size options (names: pp, dp_replicate, dp_shard or dp,
@@ -86,7 +87,7 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         self,
         pipeline_parallel_size: MeshSize = 1,
         data_parallel_replicate_size: MeshSize = 1,
-        data_parallel_shard_size: MeshSize = "auto",
+        data_parallel_shard_size: MeshSize | None = None,
         context_parallel_size: MeshSize = 1,
         tensor_parallel_size: MeshSize = 1,
         mesh_shape: list[list[int | str]] | None = None,
@@ -291,10 +292,10 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
 
 
 def _sizes_from_options(
-    sizes: dict[str, MeshSize], mesh_shape: list[list[int | str]] | None, mesh: str | None
+    sizes: dict[str, MeshSize | None], mesh_shape: list[list[int | str]] | None, mesh: str | None
 ) -> dict[str, MeshSize]:
     """The requested axis sizes from the size options or ``mesh_shape`` (refusing both, or a malformed shape)."""
-    given = {axis: size for axis, size in sizes.items() if size != (1 if axis != "dp_shard" else "auto")}
+    given = {axis: size for axis, size in sizes.items() if size not in (1, None)}
     if mesh_shape is not None or mesh == "auto":
         what = "mesh_shape" if mesh_shape is not None else "mesh='auto'"
         if given:
@@ -303,9 +304,8 @@ def _sizes_from_options(
         if mesh_shape is not None and mesh == "auto":
             raise MeshConfigError("Give either mesh_shape or mesh='auto', not both.")
     if mesh_shape is None:
-        autos = [axis for axis, size in given.items() if size == "auto"]
-        if autos and sizes["dp_shard"] == "auto" and "dp_shard" not in given:
-            sizes = {**sizes, "dp_shard": 1}  # the default "auto" gives way to the one the user asked for
+        if sizes["dp_shard"] is None:  # the default: what the others leave, unless another axis takes it
+            sizes = {**sizes, "dp_shard": 1 if "auto" in given.values() else "auto"}
         return sizes
     if len(mesh_shape) != 2 or len(mesh_shape[0]) != len(mesh_shape[1]):
         raise MeshConfigError(

@@ -21,8 +21,16 @@ from common import (  # type: ignore[import-not-found]
     run_scenario_script,
     trainer_kwargs,
 )
+from context_parallel_runs import HFLlama  # type: ignore[import-not-found]
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_dist import Hybrid3DStrategy
+from lightning_dist import (
+    ContextParallelStrategy,
+    FSDP2Strategy,
+    Hybrid3DStrategy,
+    PipelineStrategy,
+    TensorParallelStrategy,
+)
 from lightning_dist.parallel.grad_clip import total_grad_norm
 
 STEPS = 4
@@ -46,8 +54,13 @@ class AllStagesRecorder(StepRecorder):
         self.grad_norms.append(float(total_grad_norm(pl_module.parameters(), stage_group=group)))
 
 
-def _run(devices: int, strategy: Any, batch_replicas: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def _run(
+    devices: int, strategy: Any, batch_replicas: int, hf: bool = False
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     model, data = make_model_and_data(devices, dp_size=batch_replicas, vocab_size=64)  # tp=2 divides 64 (data: 63)
+    if hf:  # a stock transformers LlamaForCausalLM (4 heads, 2 KV heads) that shifts the labels itself
+        L.seed_everything(1234, verbose=False)
+        model = HFLlama(64)
     recorder = AllStagesRecorder()
     trainer = L.Trainer(
         **trainer_kwargs(devices, strategy=strategy, precision="64-true", callbacks=[recorder]),
@@ -59,27 +72,75 @@ def _run(devices: int, strategy: Any, batch_replicas: int) -> tuple[dict[str, An
     return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "val": metrics}, full_state(model)
 
 
-def reference(devices: int, workdir: str) -> dict[str, Any]:
+def reference(hf: bool, devices: int, workdir: str) -> dict[str, Any]:
     """One process, the whole batch and sequence: what every mesh must match."""
-    result, state = _run(1, "auto", 1)
-    torch.save(state, f"{workdir}/reference.pt")
+    result, state = _run(1, "auto", 1, hf)
+    torch.save(state, f"{workdir}/{'hf_' if hf else ''}reference.pt")
     return result
 
 
 def hybrid(name: str, devices: int, workdir: str) -> dict[str, Any]:
-    options = mesh_options(name)
-    strategy = Hybrid3DStrategy(**options)
-    replicas = options["data_parallel_shard_size"] * options.get("data_parallel_replicate_size", 1)
-    result, state = _run(devices, strategy, replicas)
+    strategy, replicas = _strategy(name.removeprefix("hf_"))
+    result, state = _run(devices, strategy, replicas, hf=name.startswith("hf_"))
     torch.save(state, f"{workdir}/{name}.rank{strategy.global_rank}.pt")  # a pipeline rank holds its stages only
     result["mesh"] = str(strategy.parallel_dims)
     result["local_parameters"] = sum(p.numel() for p in strategy.lightning_module.parameters())
     return result
 
 
-MESHES = ["pp2_dp2", "pp2_tp2", "pp2_cp2", "dp2_tp2", "dp2_cp2", "cp2_tp2", "hsdp2", "pp2_dp2_tp2", "pp2_cp2_dp2",
-          "dp2_cp2_tp2"]  # fmt: skip
-SCENARIOS: dict[str, Any] = {"reference": reference, **{name: partial(hybrid, name) for name in MESHES}}
+SAVE_AT = 2
+
+
+def _strategy(name: str) -> tuple[Any, int]:
+    """A strategy by scenario name (a mesh for hybrid3d, else a single strategy on 4 ranks) and its replica count."""
+    single = {
+        "fsdp2": (lambda: FSDP2Strategy(), 4),
+        "tensor_parallel": (lambda: TensorParallelStrategy(tensor_parallel_size=2, data_parallel_size=2), 2),
+        "pipeline": (lambda: PipelineStrategy(data_parallel_shard_size=2), 2),
+        "context_parallel": (lambda: ContextParallelStrategy(data_parallel_shard_size=2), 2),
+    }
+    if name in single:
+        make, replicas = single[name]
+        return make(), replicas
+    options = mesh_options(name)
+    return Hybrid3DStrategy(**options), options["data_parallel_shard_size"] * options.get(
+        "data_parallel_replicate_size", 1
+    )
+
+
+def resume(source: str | None, target: str, devices: int, workdir: str) -> dict[str, Any]:
+    """Train under ``target`` from the step-SAVE_AT checkpoint ``source`` saved, to step STEPS (``source=None``:
+    train to SAVE_AT and save it). The final parameters are compared with the uninterrupted one-process run."""
+    strategy, replicas = _strategy(target)
+    model, data = make_model_and_data(devices, dp_size=replicas, vocab_size=64)
+    recorder = AllStagesRecorder()
+    callbacks = (
+        [] if source else [ModelCheckpoint(f"{workdir}/{target}", every_n_train_steps=SAVE_AT, filename="{step}")]
+    )
+    trainer = L.Trainer(
+        **trainer_kwargs(
+            devices, strategy=strategy, precision="64-true", limit_val_batches=0, enable_checkpointing=not source
+        ),
+        max_steps=STEPS if source else SAVE_AT,
+        callbacks=[recorder, *callbacks],
+    )
+    trainer.fit(model, data, ckpt_path=f"{workdir}/{source}/step={SAVE_AT}.ckpt" if source else None)
+    torch.save(full_state(model), f"{workdir}/{target}-from-{source}.rank{strategy.global_rank}.pt")
+    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms}
+
+
+class _ByName(dict):
+    """Scenarios by name: ``reference``/``hf_reference``, a mesh (``pp2_tp2``, ``hf_cp2_tp2``), or a checkpoint
+    move ``<target>-from-<source>`` (``pp2_tp2-from-None`` saves, ``fsdp2-from-pp2_tp2`` resumes)."""
+
+    def __missing__(self, name: str) -> Any:
+        if name in ("reference", "hf_reference"):
+            return partial(reference, name == "hf_reference")
+        if "-from-" in name:
+            target, source = name.split("-from-")
+            return partial(resume, None if source == "None" else source, target)
+        return partial(hybrid, name)
+
 
 if __name__ == "__main__":
-    run_scenario_script(SCENARIOS)
+    run_scenario_script(_ByName())

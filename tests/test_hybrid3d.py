@@ -1,0 +1,204 @@
+"""Hybrid3DStrategy: options and early errors (no launch), and real Trainers (tests/scenarios/hybrid3d_runs.py)
+training exactly as one process trains the whole batch and sequence (fp64):
+
+* 4 processes: every pair of axes (pp×dp, pp×tp, pp×cp, dp×tp, dp×cp, cp×tp, HSDP) for the example GPT, pp×tp and
+  cp×tp for a stock ``transformers`` ``LlamaForCausalLM``, and checkpoints moving between hybrid3d and every
+  single strategy;
+* 8 processes: pp2 × dp2 × tp2, pp2 × cp2 × dp2 and dp2 × cp2 × tp2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from launch import max_abs_diff, run_scenarios
+from lightning.pytorch.strategies import StrategyRegistry
+
+from examples.gpt import GPT
+from lightning_dist import Hybrid3DStrategy
+from lightning_dist.parallel.mesh import MeshConfigError
+from lightning_dist.parallel.tensor_parallel import TensorParallelPlanError
+
+SCRIPT = "hybrid3d_runs.py"
+TOL = 1e-10  # fp64: the same operations in another order across processes
+# transformers' ForCausalLMLoss computes the loss in fp32 (also in the one-process reference): loss values agree to
+# a few fp32 ulps; gradients and parameters are fp64 and compared at TOL.
+HF_LOSS_RTOL = 1e-6
+# scenario name (see the script): the mesh it must build
+FOUR_RANKS = {
+    "pp2_dp2": "pp=2 × dp_shard=2",
+    "pp2_tp2": "pp=2 × tp=2",
+    "pp2_cp2": "pp=2 × cp=2",
+    "dp2_tp2": "dp_shard=2 × tp=2",
+    "dp2_cp2": "dp_shard=2 × cp=2",
+    "cp2_tp2": "cp=2 × tp=2",
+    "hsdp2": "dp_replicate=2 × dp_shard=2",
+}
+EIGHT_RANKS = {
+    "pp2_dp2_tp2": "pp=2 × dp_shard=2 × tp=2",
+    "pp2_cp2_dp2": "pp=2 × dp_shard=2 × cp=2",
+    "dp2_cp2_tp2": "dp_shard=2 × cp=2 × tp=2",
+}
+HF_MESHES = ["hf_pp2_tp2", "hf_cp2_tp2"]  # a stock transformers LlamaForCausalLM
+CHECKPOINTS = [  # (saved by, resumed by): a mid-epoch checkpoint at step 2 of 4
+    (None, "pp2_tp2"),
+    *[("pp2_tp2", single) for single in ("fsdp2", "tensor_parallel", "pipeline", "context_parallel")],
+    (None, "fsdp2"),
+    ("fsdp2", "pp2_cp2"),
+]
+
+
+def _trainer(strategy, devices: int = 4) -> L.Trainer:
+    return L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, logger=False, max_steps=1)
+
+
+def _gpt(**kwargs) -> GPT:
+    return GPT(**{"vocab_size": 64, "seq_len": 16, "d_model": 32, "n_layer": 2, "n_head": 4, **kwargs})
+
+
+# ---------------------------------------------------------------------------------------------------- no launch
+def test_registered_and_sizes_given_three_ways():
+    assert StrategyRegistry["hybrid3d"]["strategy"] is Hybrid3DStrategy
+    dims = _trainer(
+        Hybrid3DStrategy(pipeline_parallel_size=2, tensor_parallel_size=2), devices=8
+    ).strategy.parallel_dims
+    assert (dims.pp, dims.dp_shard, dims.tp) == (2, 2, 2)  # data_parallel_shard_size="auto" took what was left
+    shape = Hybrid3DStrategy(mesh_shape=[[2, 2], ["tp", "dp"]])
+    assert _trainer(shape).strategy.parallel_dims.as_dict() == {
+        "pp": 1,
+        "dp_replicate": 1,
+        "dp_shard": 2,
+        "cp": 1,
+        "tp": 2,
+    }
+    # another axis 'auto': the default 'auto' of data_parallel_shard_size gives way
+    dims = _trainer(
+        Hybrid3DStrategy(context_parallel_size="auto", tensor_parallel_size=2), devices=8
+    ).strategy.parallel_dims
+    assert (dims.dp_shard, dims.cp, dims.tp) == (1, 4, 2)
+    # ranks that differ only in pp, cp or tp see the same samples
+    strategy = _trainer(Hybrid3DStrategy(mesh_shape=[[2, 2], ["dp_replicate", "cp"]])).strategy
+    assert strategy.distributed_sampler_kwargs["num_replicas"] == 2
+
+
+@pytest.mark.parametrize(
+    ("options", "devices", "error", "match"),
+    [
+        ({"pipeline_parallel_size": 3}, 4, MeshConfigError, r"pipeline_parallel_size=3.*4 is not divisible by 3"),
+        (
+            {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "data_parallel_shard_size": 2},
+            4,
+            MeshConfigError,
+            r"make a mesh of 8 ranks, but 4 processes",
+        ),
+        (
+            {"pipeline_parallel_size": "auto", "data_parallel_shard_size": "auto"},
+            4,
+            MeshConfigError,
+            r"Only one size can be 'auto'.*pipeline_parallel_size.*data_parallel_shard_size",
+        ),
+        ({"mesh_shape": [[2, 2], ["pp", "xp"]]}, 4, MeshConfigError, r"names the axis 'xp'"),
+        ({"mesh_shape": [[2, 2], ["pp"]]}, 4, MeshConfigError, r"two lists of equal length"),
+        ({"mesh_shape": [[2, 2], ["pp", "pp"]]}, 4, MeshConfigError, r"names the axis 'pp' twice"),
+        (
+            {"mesh_shape": [[4], ["tp"]], "tensor_parallel_size": 4},
+            4,
+            MeshConfigError,
+            r"either as mesh_shape or as sizes, not both \(tensor_parallel_size=4",
+        ),
+        (
+            {"context_parallel_size": 4, "sequence_length": 12},
+            4,
+            MeshConfigError,
+            r"sequence_length=12 is not divisible by 8 \(2·cp with context_parallel_size=4",
+        ),
+        ({"mesh": "auto"}, 4, ValueError, r"mesh='auto' needs sequence_length"),
+        ({"mesh": "fixed"}, 4, ValueError, r"mesh='fixed': pass 'auto'"),
+        ({"schedule": "2f2b"}, 4, ValueError, r"2f2b"),
+        ({"attention": "flash"}, 4, ValueError, r"attention='flash' is not one of"),
+    ],
+)
+def test_bad_meshes_and_options_fail_while_the_trainer_is_built(options, devices, error, match):
+    with pytest.raises(error, match=match):
+        _trainer(Hybrid3DStrategy(**options), devices=devices)
+
+
+def test_heads_and_layers_that_do_not_divide_are_named_before_launch():
+    model = _gpt(n_head=2, d_model=32)
+    trainer = _trainer(Hybrid3DStrategy(tensor_parallel_size=4))
+    with pytest.raises(TensorParallelPlanError, match=r"tensor_parallel_size=4"):
+        trainer.strategy.check_model(model)
+    trainer = _trainer(Hybrid3DStrategy(pipeline_parallel_size=4))
+    with pytest.raises(ValueError, match=r"(?i)stage"):
+        trainer.strategy.check_model(_gpt(n_layer=1))
+    trainer = _trainer(Hybrid3DStrategy(mesh_shape=[[2, 2], ["cp", "tp"]], attention="ulysses"))
+    with pytest.raises(ValueError, match=r"splits heads over cp=2 per tensor-parallel rank \(tp=2\), but .* 2 heads"):
+        trainer.strategy.check_model(_gpt(n_head=2))
+
+
+def test_mesh_auto_takes_the_planners_mesh_once_the_model_is_known():
+    trainer = _trainer(Hybrid3DStrategy(mesh="auto", sequence_length=16, device_memory_gib=80.0), devices=4)
+    strategy = trainer.strategy
+    assert strategy._dims is None  # not resolved while the Trainer is built: the model is not known yet
+    strategy._lightning_module = _gpt()
+    from lightning_dist.planning.recommend import recommend_mesh
+
+    expected, _ = recommend_mesh(
+        _gpt(), 4, 1, seq_len=16, micro_batch=1, global_batch=None, device_memory_gib=80.0, precision="32-true"
+    )
+    assert strategy.parallel_dims == expected
+
+
+# ---------------------------------------------------------------------------------------------------- launches
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    workdir = tmp_path_factory.mktemp("hybrid3d")
+    references = run_scenarios(SCRIPT, 1, workdir, ["reference", "hf_reference"])
+    checkpoints = [f"{target}-from-{source}" for source, target in CHECKPOINTS]
+    four = run_scenarios(SCRIPT, 4, workdir, [*FOUR_RANKS, *HF_MESHES, *checkpoints])
+    eight = run_scenarios(SCRIPT, 8, workdir, list(EIGHT_RANKS))
+    return {"workdir": workdir, **references, **four, **eight}
+
+
+def _parameters(workdir: Path, name: str) -> dict[str, torch.Tensor]:
+    """The final parameters of a run, merged over the ranks (each pipeline rank saved its own stages)."""
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(workdir.glob(f"{name}.rank*.pt")):
+        state.update(torch.load(path))
+    return state
+
+
+def _largest_parameter_diff(workdir: Path, name: str, reference: str) -> float:
+    expected, state = torch.load(workdir / f"{reference}.pt"), _parameters(workdir, name)
+    assert sorted(state) == sorted(expected), f"{name}: parameters missing or extra"
+    return max((state[k] - expected[k]).abs().max().item() for k in expected)
+
+
+@pytest.mark.parametrize(("mesh", "dims"), [*FOUR_RANKS.items(), *EIGHT_RANKS.items()])
+def test_every_mesh_trains_as_one_process(runs, mesh, dims):
+    result, reference = runs[mesh], runs["reference"]
+    assert result["mesh"] == dims
+    assert max_abs_diff(result["losses"], reference["losses"]) < TOL
+    assert max_abs_diff(result["grad_norms"], reference["grad_norms"]) < TOL
+    assert abs(result["val"]["val_loss"] - reference["val"]["val_loss"]) < TOL
+    assert result["val"]["val_acc"] == reference["val"]["val_acc"]
+    assert _largest_parameter_diff(runs["workdir"], mesh, "reference") < TOL
+
+
+@pytest.mark.parametrize("mesh", HF_MESHES)
+def test_a_stock_transformers_llama_trains_as_one_process(runs, mesh):
+    result, reference = runs[mesh], runs["hf_reference"]
+    assert all(abs(a - b) <= HF_LOSS_RTOL * abs(b) for a, b in zip(result["losses"], reference["losses"]))
+    assert max_abs_diff(result["grad_norms"], reference["grad_norms"]) < TOL
+    assert _largest_parameter_diff(runs["workdir"], mesh, "hf_reference") < TOL
+
+
+@pytest.mark.parametrize(("source", "target"), [c for c in CHECKPOINTS if c[0] is not None])
+def test_checkpoints_move_between_hybrid3d_and_the_single_strategies(runs, source, target):
+    result, reference = runs[f"{target}-from-{source}"], runs["reference"]
+    assert len(result["losses"]) == 2  # resumed at step 2 of 4, mid-epoch
+    assert max_abs_diff(result["losses"], reference["losses"][2:]) < TOL
+    assert _largest_parameter_diff(runs["workdir"], f"{target}-from-{source}", "reference") < TOL

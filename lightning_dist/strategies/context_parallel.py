@@ -92,10 +92,13 @@ class ContextParallelStrategy(ContextParallelSteps, MeshParallelStrategy):
             activation_checkpointing=self.activation_checkpointing,
             fsdp=FSDPConfig(reshard_after_forward=True, mp_policy=self.precision_plugin.mp_policy),
             root_mp_policy=self.precision_plugin.root_mp_policy,
+            compile=self.compile_options,
         )
         record = parallelize(model, self.mesh, config)
         if record.checkpointed:
             self.log_decision(f"activation checkpointing on {record.checkpointed}")
+        if record.compiled:
+            self.log_decision(record.compiled)
         self.log_decision(
             f"{self.attention} attention over cp={dims.cp} ({self.load_balance} layout); FSDP2 over"
             f" dp_shard={dims.dp_shard} × cp={dims.cp} on {record.units} + root {root} (gradients averaged over"

@@ -267,6 +267,8 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         done = []
         if record.checkpointed:
             done.append(f"activation checkpointing on {record.checkpointed}")
+        if record.compiled:
+            done.append(record.compiled)
         if record.units is not None:
             where = f"dp_shard={dims.dp_shard} × cp={dims.cp}" if dims.cp > 1 else f"dp_shard={dims.dp_shard}"
             kind = f"HSDP (dp_replicate={dims.dp_replicate}) " if dims.dp_replicate > 1 else "FSDP2 "

@@ -77,10 +77,17 @@ class PipelineStrategy(PipelineSteps, MeshParallelStrategy):
         stages = self.cut_stages(model)
         for part, blocks in stages:
             fsdp = FSDPConfig(mp_policy=self.precision_plugin.mp_policy) if dims.fsdp > 1 else None
-            config = ParallelizeConfig(units=blocks, activation_checkpointing=self.activation_checkpointing, fsdp=fsdp)
+            config = ParallelizeConfig(
+                units=blocks,
+                activation_checkpointing=self.activation_checkpointing,
+                fsdp=fsdp,
+                compile=self.compile_options,
+            )
             config.root_mp_policy = self.precision_plugin.root_mp_policy if fsdp else None
-            parallelize(part, self.mesh, config)
+            record = parallelize(part, self.mesh, config)
         self.model_parts = [part for part, _ in stages]
+        if record.compiled:
+            self.log_decision(record.compiled)
         if self.activation_checkpointing:
             self.log_decision("activation checkpointing on every local block")
         if dims.fsdp > 1:

@@ -150,11 +150,16 @@ def _hidden_of(block: nn.Module) -> int:
 
 class _FlashAttention(torch.autograd.Function):
     """Stands in for SDPA in the counting forward: saves what a flash kernel saves (q, k, v, the output and one fp32
-    log-sum-exp per query), not the ``S × S`` scores the math kernel (the only one on the meta device) would keep."""
+    log-sum-exp per query), not the ``S × S`` scores the math kernel (the only one on the meta device) would keep.
+    The output takes the query's memory layout, as CPU's flash kernel gives it (observed, torch 2.13): for a query
+    that is a transposed ``[batch, seq, heads, dim]`` projection, the usual ``transpose(1, 2).reshape(...)`` before
+    the output projection is then a view, not a copy (a contiguous ``[batch, heads, seq, dim]`` output counted one
+    more ``[batch, seq, hidden]`` tensor per block than the real run keeps)."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        same_dim = v.shape[-1] == q.shape[-1]
+        out = torch.empty_like(q) if same_dim else q.new_empty((*q.shape[:-1], v.shape[-1]))
         ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
         return out
 

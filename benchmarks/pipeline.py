@@ -15,9 +15,11 @@ What is measured, on the example GPT (``examples/gpt.py``, :data:`MODEL`):
   ranks, next to :func:`~lightning_dist.parallel.pipeline.bubble_fraction_formula`: ``(p−1)/(m+p−1)`` with one
   stage per rank, ``(p−1)/(v·m+p−1)`` with ``v`` stages per rank. The idle time includes sending and receiving
   activations and the schedule's own bookkeeping, so it bounds the schedule's bubble from above. The zero-bubble
-  schedules split backward into input- and weight-gradient work to fill the bubble; their theoretical figure is 0
-  (ZB-V with ``m ≥ 2p`` and equal F/B/W times, Qi et al. 2024), shown next to the interleaved figure of the same
-  ``v`` for scale.
+  schedules split backward into input-gradient (B) and weight-gradient (W) work and fill the bubble with W; their
+  theoretical figure is ≈ 0 (equal F, B and W times, enough micro-batches; Qi et al., "Zero Bubble Pipeline
+  Parallelism", ICLR 2024), shown next to the interleaved figure of the same ``v`` (which is what
+  ``bubble_fraction_formula`` returns for them) for scale. On a loaded host the idle share also counts time a rank
+  was descheduled while its peer computed: note the load average printed with the tables.
 * **parameter bytes per rank**: counted exactly from the stage modules :func:`cut_pipeline_stages` leaves on each
   rank (distinct parameters), for pp = 2 and 4 against the whole model; at pp=2 also read off the
   ``Trainer(strategy="pipeline")`` ranks of the timed run (``strategy.model_parts``).
@@ -471,7 +473,8 @@ def time_header(result: dict[str, Any], what: str) -> str:
         f"**Step time, CPU/gloo — not a GPU figure**: {what}; {result['world']} processes × 1 thread on a"
         f" {c['cpus']}-core host; {c['repeats']} interleaved repeats of {c['warmup']} warm-up + {c['steps']} timed"
         f" steps (median per repeat, rank 0); load average (1/5/15 min) {result['load_start']} at the start,"
-        f" {result['load_end']} at the end"
+        f" {result['load_end']} at the end. The CPU-time ratio compares each process's CPU seconds per step (time"
+        " spent waiting for a peer or for a free core left out): steadier than wall time on a loaded host"
     )
 
 

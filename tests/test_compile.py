@@ -1,9 +1,10 @@
 """The ``compile`` option: validation, the compile step of ``parallelize``, user-compiled models, and real runs.
 
-The runs (marked slow) compile with inductor on the CPU (gcc builds the kernels) in fp64: fsdp2 and tensor_parallel
+The runs (marked slow) compile with inductor on the CPU (gcc builds the kernels) in fp64. fsdp2 and tensor_parallel
 (2 ranks, one launch) must match one process to 1e-10 absolute, the tolerance of the uncompiled parity tests (the
-generated kernels change only the order of fp64 reductions). Checkpoints move between compiled and uncompiled runs
-with the uncompiled model's keys. Compilation on 2 cores dominates the launch: the first step's time is printed.
+generated kernels change only the order of fp64 reductions; observed ≤ 1e-15), and zeropp (quantized collectives)
+its own uncompiled run to the same 1e-10. Checkpoints move between compiled and uncompiled runs with the uncompiled
+model's keys. Compilation on 2 cores dominates the launch: the first step's time is printed.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def runs(workdir):
     reference = run_scenarios(SCRIPT, 1, workdir, ["reference"])["reference"]
-    scenarios = ["fsdp2", "tensor_parallel", "uncompiled_load", "user_compiled", "user_compiled_kept"]
+    scenarios = ["fsdp2", "tensor_parallel", "zeropp", "uncompiled_load", "user_compiled", "user_compiled_kept"]
     return {"reference": reference, **run_scenarios(SCRIPT, 2, workdir, scenarios)}
 
 
@@ -138,6 +139,12 @@ def test_compiled_runs_match_one_process(runs, workdir, name):
     assert max((params[n] - ref_params[n]).abs().max().item() for n in params) < FP64_TOL
     first, rest = run["step_seconds"][0], run["step_seconds"][1:]
     print(f"\n{name} compile=True: first step {first:.1f} s (compiles), later steps {max(rest):.2f} s at most")
+
+
+@pytest.mark.slow
+def test_zeropp_custom_collectives_give_the_same_losses_compiled(runs):
+    eager, compiled = runs["zeropp"]["eager"], runs["zeropp"]["on"]
+    assert max_abs_diff(compiled, eager) < FP64_TOL
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@ uncompiled runs, and a model the user compiled with ``torch.compile`` (inductor 
 
 python tests/scenarios/compile_runs.py --devices 1 --out ref.json --workdir DIR --scenarios reference
 python tests/scenarios/compile_runs.py --devices 2 --out r.json --workdir DIR \
-    --scenarios fsdp2,tensor_parallel,uncompiled_load,user_compiled,user_compiled_kept
+    --scenarios fsdp2,tensor_parallel,zeropp,uncompiled_load,user_compiled,user_compiled_kept
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.distributed.checkpoint import FileSystemReader
 
 from examples.gpt import GPT
-from lightning_dist import FSDP2Strategy, TensorParallelStrategy
+from lightning_dist import FSDP2Strategy, TensorParallelStrategy, ZeroPPStrategy
 from lightning_dist.compat import is_compiled_in_place
 
 STEPS = 3
@@ -132,6 +132,13 @@ def tensor_parallel(devices: int, workdir: str) -> dict[str, Any]:
     return result
 
 
+def zeropp(devices: int, workdir: str) -> dict[str, Any]:
+    """ZeRO++'s quantized collectives sit at the FSDP units' edges, outside the compiled blocks: the same losses."""
+    return {
+        name: _fit(devices, ZeroPPStrategy(compile=on))[2]["losses"] for name, on in (("eager", False), ("on", True))
+    }
+
+
 def _validate_from(devices: int, workdir: str, strategy: Any, model: GPT, ckpt: str) -> dict[str, Any]:
     """Load ``ckpt`` through ``validate(ckpt_path=...)`` and compare the loaded parameters with fsdp2's."""
     _, data = make_model_and_data(devices, **MODEL)
@@ -192,6 +199,7 @@ if __name__ == "__main__":
             "reference": reference,
             "fsdp2": fsdp2,
             "tensor_parallel": tensor_parallel,
+            "zeropp": zeropp,
             "uncompiled_load": uncompiled_load,
             "user_compiled": user_compiled,
             "user_compiled_kept": user_compiled_kept,

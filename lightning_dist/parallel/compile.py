@@ -6,8 +6,10 @@ dict of ``torch.compile`` keyword arguments (``{"mode": "max-autotune-no-cudagra
 process is launched.
 
 Modules are compiled in place with :meth:`torch.nn.Module.compile`, never by wrapping them in an
-``OptimizedModule``: module and parameter names (and so checkpoint keys) stay those of the uncompiled model.
-Pure PyTorch, no Lightning.
+``OptimizedModule``: module and parameter names (and so checkpoint keys) stay those of the uncompiled model. A
+user's ``torch.compile(module)`` wrappers inside the model are taken apart by :func:`unwrap_user_compiled` (the
+strategy then compiles per block, or keeps the user's settings on the same module with
+:func:`keep_user_compilation`). Pure PyTorch, no Lightning.
 """
 
 from __future__ import annotations
@@ -20,9 +22,6 @@ import torch
 from torch import nn
 
 from lightning_dist.compat import compile_like, compile_mode_names, compiled_module_class
-
-#: The prefix ``torch.compile(module)`` puts in front of every name of the module it wraps.
-ORIG_MOD_PREFIX = "_orig_mod."
 
 
 def compile_keyword_names() -> list[str]:
@@ -61,12 +60,6 @@ def resolve_compile_options(compile: bool | Mapping[str, Any] | None) -> dict[st
     )
 
 
-def is_user_compiled(module: nn.Module) -> bool:
-    """Whether ``module`` is (or holds) an ``OptimizedModule`` made by ``torch.compile(module)``."""
-    wrapper = compiled_module_class()
-    return any(isinstance(m, wrapper) for m in module.modules())
-
-
 def unwrap_user_compiled(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """Replace every ``OptimizedModule`` below ``module`` by the module it wraps, in place (outermost first).
 
@@ -92,11 +85,6 @@ def keep_user_compilation(unwrapped: Iterable[tuple[str, nn.Module]]) -> None:
     mode, options), as :meth:`torch.nn.Module.compile` would with the same arguments."""
     for _, wrapper in unwrapped:
         compile_like(wrapper, wrapper._orig_mod)
-
-
-def strip_orig_mod(key: str) -> str:
-    """``key`` without the ``_orig_mod.`` segments ``torch.compile(module)`` adds to every name below it."""
-    return key.replace(ORIG_MOD_PREFIX, "")
 
 
 def describe_compile_options(options: Mapping[str, Any]) -> str:

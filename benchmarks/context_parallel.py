@@ -200,9 +200,12 @@ def to_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def time_step(batch_size: int = 4, warmup: int = 2, steps: int = 5, repeats: int = 5) -> dict[str, Any]:
+def time_step(
+    batch_size: int = 4, warmup: int = 2, steps: int = 5, repeats: int = 5, seq_len: int = TIMED_MODEL["seq_len"]
+) -> dict[str, Any]:
     """Step times of every :data:`TIMED` configuration on this launch's 2 processes (an initialized process group),
-    for a global batch of ``batch_size`` sequences of ``TIMED_MODEL["seq_len"]`` tokens; rank 0's result is whole."""
+    for a global batch of ``batch_size`` sequences of ``seq_len`` tokens; rank 0's result is whole."""
+    model = {**TIMED_MODEL, "seq_len": seq_len}
     from benchmarks.pipeline import load_average, time_fits
     from examples.data import TextDataModule
     from examples.gpt import GPT
@@ -211,8 +214,8 @@ def time_step(batch_size: int = 4, warmup: int = 2, steps: int = 5, repeats: int
     samples = batch_size * (warmup + steps)
     times = time_fits(
         {name: {"strategy": name, "batch_size": batch_size} for name in TIMED},  # cp keeps the whole batch per rank
-        lambda: GPT(**TIMED_MODEL, lr=1e-3, warmup_steps=2),
-        lambda b: TextDataModule(seq_len=TIMED_MODEL["seq_len"], batch_size=b, train_samples=samples, seed=0),
+        lambda: GPT(**model, lr=1e-3, warmup_steps=2),
+        lambda b: TextDataModule(seq_len=seq_len, batch_size=b, train_samples=samples, seed=0),
         warmup,
         steps,
         repeats,
@@ -222,7 +225,7 @@ def time_step(batch_size: int = 4, warmup: int = 2, steps: int = 5, repeats: int
         "world": dist.get_world_size(),
         "load_start": load_start,
         "load_end": load_average(),
-        "config": {"model": TIMED_MODEL, "global_batch": batch_size, "warmup": warmup, "steps": steps,
+        "config": {"model": model, "global_batch": batch_size, "warmup": warmup, "steps": steps,
                    "repeats": repeats, "cpus": os.cpu_count(), "torch": torch.__version__},
     }  # fmt: skip
 
@@ -260,13 +263,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="also write the tables (markdown) and the numbers (.json beside it) here")
     parser.add_argument("--no-time", action="store_true", help="only the counts, no step-time table")
     parser.add_argument("--batch-size", type=int, default=4, help="global batch of the step-time table")
+    parser.add_argument("--seq-len", type=int, default=TIMED_MODEL["seq_len"], help="sequence length (step time)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--timed-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    timed = {"batch_size": args.batch_size, "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats}
+    timed = {
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "repeats": args.repeats,
+    }
     if args.worker:
         _worker(args.worker, timed if args.timed_worker else None)
         return

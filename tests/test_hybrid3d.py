@@ -152,6 +152,27 @@ def test_mesh_auto_takes_the_planners_mesh_once_the_model_is_known():
     assert strategy.parallel_dims == expected
 
 
+@pytest.mark.parametrize("config", ["configs/hybrid3d.yaml", "configs/hybrid3d_auto.yaml"])
+def test_yaml_configs_build_the_strategy(config):
+    from lightning.pytorch.cli import LightningCLI
+
+    cli = LightningCLI(
+        L.LightningModule,
+        L.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        run=False,
+        args=["--config", config, "--trainer.logger=false"],
+    )
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, Hybrid3DStrategy)
+    if strategy.mesh_choice == "auto":
+        strategy._lightning_module = cli.model  # as fit connects it: the planner's mesh for this model
+    assert strategy.parallel_dims.world_size == cli.trainer.num_devices
+    if strategy.mesh_shape is not None:
+        assert (strategy.parallel_dims.pp, strategy.parallel_dims.dp_shard, strategy.parallel_dims.tp) == (2, 2, 2)
+
+
 # ---------------------------------------------------------------------------------------------------- launches
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:

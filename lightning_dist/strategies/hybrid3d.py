@@ -124,6 +124,7 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         if mesh not in (None, "auto"):
             raise ValueError(f"mesh={mesh!r}: pass 'auto' for the planner's mesh, or leave it out and give the sizes.")
         self.mesh_choice = mesh
+        self._recommended: dict[str, MeshSize] | None = None
         self._sizes = _sizes_from_options(sizes, mesh_shape, mesh)
         self.mesh_shape = mesh_shape
         self.activation_checkpointing = check_bool("activation_checkpointing", activation_checkpointing)
@@ -152,6 +153,8 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
     def _recommended_sizes(self) -> dict[str, MeshSize]:
         from lightning_dist.planning.recommend import recommend_mesh
 
+        if self._recommended is not None:  # the launching process asked before launch (preflight) already
+            return self._recommended
         if self.lightning_module is None:
             raise MeshConfigError("mesh='auto' is chosen for a model: it is known once the Trainer runs fit.")
         memory = self.device_memory_gib
@@ -171,7 +174,8 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
             activation_checkpointing=self.activation_checkpointing,
         )
         self.log_decision(f"mesh='auto': the planner chose {dims} ({reason})")
-        return dims.as_dict()
+        self._recommended = dict(dims.as_dict())
+        return self._recommended
 
     @override
     def validate_mesh(self, dims: ParallelDims) -> None:

@@ -1,6 +1,6 @@
 """Hybrid3DStrategy in a real Trainer: the unchanged example GPT on meshes that combine two or three of pp, dp, cp
 and tp, each against one process on the same global batch (fp64). A scenario name is a mesh, ``pp2_tp2`` or
-``pp2_dp2_tp2`` (``hsdp2`` for dp_replicate=2 × dp_shard=2); every rank saves its final parameters (whole tensors of its stages) for the test.
+``pp2_dp2_tp2`` (``hsdp2`` for dp_replicate=2 × dp_shard=2; ``zeropp_`` in front: with ``zeropp=True``); every rank saves its final parameters (whole tensors of its stages) for the test.
 
 python tests/scenarios/hybrid3d_runs.py --devices 1 --out r.json --workdir DIR --scenarios reference
 python tests/scenarios/hybrid3d_runs.py --devices 4 --out r.json --workdir DIR --scenarios pp2_dp2,pp2_tp2,...
@@ -102,10 +102,10 @@ def _strategy(name: str) -> tuple[Any, int]:
     if name in single:
         make, replicas = single[name]
         return make(), replicas
-    options = mesh_options(name)
-    return Hybrid3DStrategy(**options), options["data_parallel_shard_size"] * options.get(
-        "data_parallel_replicate_size", 1
-    )
+    options = mesh_options(name.removeprefix("zeropp_"))
+    return Hybrid3DStrategy(**options, zeropp=name.startswith("zeropp_")), options[
+        "data_parallel_shard_size"
+    ] * options.get("data_parallel_replicate_size", 1)
 
 
 def resume(source: str | None, target: str, devices: int, workdir: str) -> dict[str, Any]:

@@ -1,18 +1,21 @@
 """How close the mesh planner's per-rank estimates are to real multi-process runs (CPU, gloo, ``32-true``).
 
 For each mesh, one launch of ``world_size`` processes (Lightning's launcher re-runs this file per rank) trains each
-model size for one optimizer step under the strategy that runs that mesh today, and measures on every rank:
+model size for ``--steps`` (2) optimizer steps under the strategy that runs that mesh today, and measures on every
+rank:
 
-- state bytes after the step, exactly: the storages of the parameters the optimizer steps (DTensors: their local
-  shard, padding included), of their gradients, and of the optimizer's state tensors (AdamW's ``step`` included);
-- the activation peak: the most bytes autograd held saved for backward at once during the step (a saved-tensor
-  hook counts each distinct storage from the moment it is saved until autograd lets it go; parameters and views of
-  them are not activations).
+- state bytes after the first step, exactly: the storages of the parameters the optimizer steps (DTensors: their
+  local shard, padding included), of their gradients, and of the optimizer's state tensors (AdamW's ``step``
+  included);
+- the activation peak of each step: the most bytes autograd held saved for backward at once (a saved-tensor hook
+  counts each distinct storage from the moment it is saved until autograd lets it go; parameters and views of them
+  are not activations). The last step's is compared; the first step's is shown too (under ``pipeline`` torch's
+  stage set-up runs one extra forward whose graph stays partly alive through the first step).
 
 The largest value over the ranks (the fuller pipeline stage) is compared with :func:`~lightning_dist.planning.
 recommend.estimate_mesh` for the same model, mesh and workload. Usage::
 
-    python -m benchmarks.planner_accuracy                       # 3 sizes × 4 meshes, a markdown table
+    python -m benchmarks.planner_accuracy                       # 3 sizes × 5 meshes, a markdown table
     python -m benchmarks.planner_accuracy --meshes tp=2 --sizes S
 """
 
@@ -380,8 +383,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(found, indent=1))
     print(
-        f"Per rank (largest over ranks), one AdamW step, {PRECISION}, seq {SEQ_LEN}, micro-batch {MICRO_BATCH}"
-        f" (pp: {PIPELINE_MICROBATCHES} micro-batches, 1F1B); ratio = estimated / measured."
+        f"Per rank (largest over ranks), AdamW, {PRECISION}, seq {SEQ_LEN}, micro-batch {MICRO_BATCH}"
+        f" (pp: {PIPELINE_MICROBATCHES} micro-batches, 1F1B); states after step 1, activations of step {args.steps};"
+        " ratio = estimated / measured."
     )
     print(table(found))
 

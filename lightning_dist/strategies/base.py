@@ -47,8 +47,9 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_dist.parallel.compile import keep_user_compilation, resolve_compile_options, unwrap_user_compiled
-from lightning_dist.parallel.fsdp import is_fully_sharded
+from lightning_dist.parallel.fsdp import FSDPConfig, is_fully_sharded
 from lightning_dist.parallel.mesh import AXIS_OPTIONS, ParallelDims, ParallelMesh
+from lightning_dist.parallel.parallelize import ParallelizeConfig
 from lightning_dist.parallel.placement import place_model
 from lightning_dist.parallel.replicated_state import broadcast_replicated_state, tp_replicated_parameters
 from lightning_dist.plugins.precision import FSDP2Precision, to_fsdp2_precision
@@ -72,6 +73,7 @@ from lightning_dist.strategies.step_protocol import NonFiniteMode, StepProtocol
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from lightning_dist.parallel.tensor_parallel import TensorParallelPlan
     from lightning_dist.parallel.watchdog import FailureWatchdog
 
 MeshSize = int | Literal["auto"]
@@ -163,6 +165,28 @@ class MeshParallelStrategy(ShardedCheckpointing, MeshCollectives, StepProtocol, 
         """Apply this strategy's parallelism to ``model`` in place (on every rank, after the mesh exists) and return
         it. A pipeline strategy also sets :attr:`model_parts` to the stages it kept on this rank."""
         raise NotImplementedError
+
+    def standard_parallelize_config(
+        self,
+        units: list[tuple[str, Module]],
+        activation_checkpointing: bool,
+        tp_plan: TensorParallelPlan | None = None,
+        reshard_after_forward: bool = True,
+    ) -> ParallelizeConfig:
+        """The :class:`~lightning_dist.parallel.parallelize.ParallelizeConfig` most strategies apply: ``units`` as
+        the blocks, FSDP2 (HSDP with ``dp_replicate``) wherever the mesh has data-parallel ranks, this strategy's
+        precision policies and ``compile`` option."""
+        dims = self.parallel_dims
+        sharded = dims.fsdp > 1 or dims.dp_replicate > 1
+        mp_policy = self.precision_plugin.mp_policy
+        return ParallelizeConfig(
+            units=units,
+            tp_plan=tp_plan,
+            activation_checkpointing=activation_checkpointing,
+            fsdp=FSDPConfig(reshard_after_forward=reshard_after_forward, mp_policy=mp_policy) if sharded else None,
+            root_mp_policy=self.precision_plugin.root_mp_policy if sharded else None,
+            compile=self.compile_options,
+        )
 
     def mesh_is_known(self) -> bool:
         """Whether the mesh sizes can be resolved now (``mesh="auto"`` needs the model, known only at ``fit``)."""

@@ -7,10 +7,10 @@ from typing import Any
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_dist.parallel.fsdp import FSDPConfig, is_fully_sharded
+from lightning_dist.parallel.fsdp import is_fully_sharded
 from lightning_dist.parallel.mesh import ParallelDims, require_split_axis
 from lightning_dist.parallel.module_selection import select_modules
-from lightning_dist.parallel.parallelize import ParallelizeConfig, parallelize
+from lightning_dist.parallel.parallelize import parallelize
 from lightning_dist.parallel.validation import check_bool
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
 from lightning_dist.strategies.context_parallel_steps import ContextParallelSteps
@@ -87,13 +87,7 @@ class ContextParallelStrategy(ContextParallelSteps, MeshParallelStrategy):
         self.prepare_context_parallel(model)
         dims, root = self.parallel_dims, type(model).__name__
         units = select_modules(model, what="shard")
-        config = ParallelizeConfig(
-            units=units,
-            activation_checkpointing=self.activation_checkpointing,
-            fsdp=FSDPConfig(reshard_after_forward=True, mp_policy=self.precision_plugin.mp_policy),
-            root_mp_policy=self.precision_plugin.root_mp_policy,
-            compile=self.compile_options,
-        )
+        config = self.standard_parallelize_config(units, self.activation_checkpointing)
         record = parallelize(model, self.mesh, config)
         if record.checkpointed:
             self.log_decision(f"activation checkpointing on {record.checkpointed}")

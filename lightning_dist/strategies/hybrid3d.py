@@ -15,7 +15,7 @@ from typing import Any, Literal
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_dist.parallel.fsdp import FSDPConfig, is_fully_sharded
+from lightning_dist.parallel.fsdp import is_fully_sharded
 from lightning_dist.parallel.mesh import MESH_AXES, MeshConfigError, ParallelDims
 from lightning_dist.parallel.module_selection import select_modules
 from lightning_dist.parallel.parallelize import ParallelizeConfig, parallelize
@@ -230,21 +230,10 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         return model
 
     def _parallelize_config(self, blocks: list[tuple[str, Module]], plan: Any) -> ParallelizeConfig:
-        dims = self.parallel_dims
-        sharded = dims.fsdp > 1 or dims.dp_replicate > 1
-        fsdp = None
-        if sharded:
-            fsdp = FSDPConfig(
-                reshard_after_forward=self.reshard_after_forward, mp_policy=self.precision_plugin.mp_policy
-            )
-        config = ParallelizeConfig(
-            units=blocks,
-            tp_plan=plan,
-            activation_checkpointing=self.activation_checkpointing,
-            fsdp=fsdp,
-            root_mp_policy=self.precision_plugin.root_mp_policy if sharded else None,
-            compile=self.compile_options,
+        config = self.standard_parallelize_config(
+            blocks, self.activation_checkpointing, plan, reshard_after_forward=self.reshard_after_forward
         )
+        dims = self.parallel_dims
         if self.zeropp and dims.fsdp > 1:
             config.all_gather = QuantizedAllGather(dims.fsdp)
         return config

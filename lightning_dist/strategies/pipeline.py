@@ -15,9 +15,8 @@ from typing import Any
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_dist.parallel.fsdp import FSDPConfig
 from lightning_dist.parallel.mesh import ParallelDims, require_split_axis
-from lightning_dist.parallel.parallelize import ParallelizeConfig, parallelize
+from lightning_dist.parallel.parallelize import parallelize
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
 from lightning_dist.strategies.pipeline_step import PipelineSteps
 
@@ -76,14 +75,7 @@ class PipelineStrategy(PipelineSteps, MeshParallelStrategy):
         dims = self.parallel_dims
         stages = self.cut_stages(model)
         for part, blocks in stages:
-            fsdp = FSDPConfig(mp_policy=self.precision_plugin.mp_policy) if dims.fsdp > 1 else None
-            config = ParallelizeConfig(
-                units=blocks,
-                activation_checkpointing=self.activation_checkpointing,
-                fsdp=fsdp,
-                compile=self.compile_options,
-            )
-            config.root_mp_policy = self.precision_plugin.root_mp_policy if fsdp else None
+            config = self.standard_parallelize_config(blocks, self.activation_checkpointing)
             record = parallelize(part, self.mesh, config)
         self.model_parts = [part for part, _ in stages]
         if record.compiled:

@@ -8,10 +8,10 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_dist.parallel.fsdp import FSDPConfig, is_fully_sharded
+from lightning_dist.parallel.fsdp import is_fully_sharded
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims, require_split_axis
 from lightning_dist.parallel.module_selection import find_repeated_blocks
-from lightning_dist.parallel.parallelize import ParallelizeConfig, parallelize
+from lightning_dist.parallel.parallelize import parallelize
 from lightning_dist.parallel.validation import check_bool
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
 from lightning_dist.strategies.tensor_parallel_steps import PlanSpec, TensorParallelSteps
@@ -107,18 +107,8 @@ class TensorParallelStrategy(TensorParallelSteps, MeshParallelStrategy):
         else:
             plan = self.tensor_parallel_plan(model)
         blocks, root = find_repeated_blocks(model), type(model).__name__
-        fsdp = None
-        if dims.fsdp > 1:
-            fsdp = FSDPConfig(
-                reshard_after_forward=self.reshard_after_forward, mp_policy=self.precision_plugin.mp_policy
-            )
-        config = ParallelizeConfig(
-            units=blocks,
-            tp_plan=plan,
-            activation_checkpointing=self.activation_checkpointing,
-            compile=self.compile_options,
-            fsdp=fsdp,
-            root_mp_policy=self.precision_plugin.root_mp_policy,
+        config = self.standard_parallelize_config(
+            blocks, self.activation_checkpointing, plan, reshard_after_forward=self.reshard_after_forward
         )
         record = parallelize(model, self.mesh, config)
         if plan is not None:

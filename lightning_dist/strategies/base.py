@@ -363,6 +363,7 @@ class MeshParallelStrategy(ShardedCheckpointing, MeshCollectives, StepProtocol, 
         model = self.lightning_module
         if model is None:
             return
+        self._adopt_user_compiled(model)  # compiled before fit: checked (and named) without `_orig_mod.`
         applied = getattr(model, PARALLELIZED, None)
         if applied is not None:
             check_same_parallelism(self, applied)

@@ -144,3 +144,35 @@ def test_recommend_mesh_runs_the_inner_model_of_a_lightning_module_without_forwa
     kwargs = {"seq_len": 32, "micro_batch": 2, "global_batch": 8, "device_memory_gib": None, "precision": "32-true"}
     mesh, why = recommend_mesh(HFCausalLM("llama"), 2, **kwargs)
     assert mesh.world_size == 2 and why.startswith(f"{mesh}: needs ") and " 0 ms)" not in why
+
+
+def test_a_tiny_model_gets_pure_data_parallelism():
+    """The example GPT on 4 devices: every message costs NCCL's latency, so a pipeline's sends and a smaller
+    all-reduce do not buy back their messages (the bandwidth-only model picked pp=2 × dp_replicate=2)."""
+    model = GPT(vocab_size=64, seq_len=64, d_model=64, n_layer=4, n_head=4)
+    kwargs = {"seq_len": 64, "micro_batch": 8, "global_batch": None, "device_memory_gib": 16, "precision": "32-true"}
+    for world in (2, 4):
+        mesh, _ = recommend_mesh(model, world, 1, **kwargs)
+        assert mesh in (ParallelDims(dp_replicate=world), ParallelDims(dp_shard=world)), mesh
+
+
+def test_a_pipeline_is_recommended_where_pure_data_parallelism_does_not_fit():
+    """A model whose pure data-parallel meshes do not fit: a pipeline, not the slower tp or cp meshes that fit too."""
+    model = GPT(vocab_size=8192, seq_len=64, d_model=64, n_layer=4, n_head=4)
+    kwargs = {"seq_len": 64, "micro_batch": 8, "global_batch": None, "precision": "32-true"}
+    ranked = plan_meshes(model, 4, 1, device_memory_gib=30.5 / 1024, **kwargs).candidates
+    pure_dp = [c for c in ranked if c.mesh.batch == 4]
+    assert pure_dp and all(any("needs" in p for p in c.problems) for c in pure_dp)
+    assert any(c.feasible and (c.mesh.tp > 1 or c.mesh.cp > 1) for c in ranked)  # they fit, and are slower
+    assert ranked[0].feasible and ranked[0].mesh.pp > 1
+    assert recommend_mesh(model, 4, 1, device_memory_gib=None, **kwargs)[0].pp == 1  # memory is why
+
+
+def test_step_time_counts_a_latency_per_message():
+    facts, work, hw = model_facts(_gpt("meta")), Workload(32, 1, 8, "32-true"), Hardware(4)
+    est = estimate(facts, None, ParallelDims(pp=2, dp_replicate=2), work, hw)
+    assert est.messages["pp"] == (2 * (4 + 2 - 1), 2 * (4 + 2 - 1), 0.0)  # a send per slot, forward and backward
+    assert est.messages["dp_replicate"] == (3, 3 * 2, 0.0)  # an all-reduce per unit: 2 blocks and the rest
+    free = Hardware(4, op_latency_s=0.0, intra_node_step_latency_s=0.0)
+    pp_free, pp_paid = est.axis_seconds(free)["pp"], est.axis_seconds(hw)["pp"]
+    assert pp_paid - pp_free == pytest.approx(10 * (hw.op_latency_s + hw.intra_node_step_latency_s))

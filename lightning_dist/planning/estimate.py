@@ -37,12 +37,22 @@ class Workload:
 
 @dataclass(frozen=True)
 class Hardware:
-    """Per-device memory and link bandwidths (defaults: an 80 GB GPU, NVLink inside a node, 400 Gb/s across)."""
+    """Per-device memory, link bandwidths and latencies (defaults: an 80 GB GPU, NVLink inside a node, 400 Gb/s
+    across).
+
+    The latencies are NCCL's own cost model for small messages (ring algorithm, LL protocol, which NCCL picks when
+    latency dominates; ``baseLat`` and ``hwLat`` in NCCL's ``src/graph/tuning.cc``): 6.6 µs per collective or send,
+    plus 0.6 µs per ring step over NVLink and 2.7 µs per step over the network. They are NCCL's lowest, so they never
+    overstate what small meshes lose to latency; for large messages bandwidth dominates either way.
+    """
 
     devices_per_node: int
     memory_bytes: float = 80 * GIB
     intra_node_bytes_per_s: float = 300e9
     inter_node_bytes_per_s: float = 50e9
+    op_latency_s: float = 6.6e-6
+    intra_node_step_latency_s: float = 0.6e-6
+    inter_node_step_latency_s: float = 2.7e-6
 
 
 @dataclass
@@ -56,6 +66,8 @@ class Estimate:
     activations: float = 0.0
     buffers: float = 0.0
     comm: dict[str, tuple[float, float]] = field(default_factory=dict)  # axis -> (inside a node, across nodes)
+    # axis -> (collectives and sends, their ring steps inside a node, across nodes) per rank per step
+    messages: dict[str, tuple[float, float, float]] = field(default_factory=dict)
 
     @property
     def memory(self) -> float:
@@ -65,10 +77,22 @@ class Estimate:
     def states(self) -> float:
         return self.params + self.grads + self.optimizer
 
+    def axis_seconds(self, hardware: Hardware) -> dict[str, float]:
+        """Seconds each axis communicates per step: its bytes over the links' bandwidth plus its messages' latency."""
+        seconds = {}
+        for axis, (inside, across) in self.comm.items():
+            ops, steps_inside, steps_across = self.messages.get(axis, (0.0, 0.0, 0.0))
+            seconds[axis] = (
+                inside / hardware.intra_node_bytes_per_s
+                + across / hardware.inter_node_bytes_per_s
+                + ops * hardware.op_latency_s
+                + steps_inside * hardware.intra_node_step_latency_s
+                + steps_across * hardware.inter_node_step_latency_s
+            )
+        return seconds
+
     def comm_seconds(self, hardware: Hardware) -> float:
-        inside = sum(i for i, _ in self.comm.values())
-        across = sum(a for _, a in self.comm.values())
-        return inside / hardware.intra_node_bytes_per_s + across / hardware.inter_node_bytes_per_s
+        return sum(self.axis_seconds(hardware).values())
 
 
 def stage_params(facts: ModelFacts, mesh: ParallelDims) -> tuple[float, float]:
@@ -106,6 +130,7 @@ def estimate(
     if activations is not None:
         est.activations = _activation_bytes(facts, activations, mesh, workload, microbatches)
     est.comm = _communication(facts, mesh, workload, hardware, per_rank, microbatches)
+    est.messages = _messages(facts, mesh, hardware, microbatches)
     return est
 
 
@@ -158,6 +183,33 @@ def _communication(
     if mesh.pp > 1:  # activations forward, their gradients backward, at one stage boundary
         sent["pp"] = microbatches * 2 * activation
     return {axis: _split_by_node(axis, mesh, hardware, b) for axis, b in sent.items()}
+
+
+def _messages(
+    facts: ModelFacts, mesh: ParallelDims, hardware: Hardware, microbatches: int
+) -> dict[str, tuple[float, float, float]]:
+    """Collectives and sends per step on one rank's critical path, by axis, as ``(operations, ring steps inside a
+    node, across nodes)``, counted as :func:`_communication` counts their bytes. FSDP2 gathers and reduces one unit
+    per block and one for the modules outside the blocks; a ring all-gather or reduce-scatter over ``n`` ranks takes
+    ``n − 1`` steps, an all-reduce ``2(n − 1)``, a send one. The pipeline's sends on the critical path: one per
+    forward and one per backward of each of the ``m + pp − 1`` slots of the schedule (the bubble's slots included)."""
+    blocks = math.ceil(facts.blocks / mesh.pp)
+    fsdp = mesh.dp_shard * mesh.cp
+    found: dict[str, tuple[float, float]] = {}  # axis -> (operations, ring steps)
+    if fsdp > 1:  # all-gather forward, all-gather backward, reduce-scatter, per unit and micro-batch
+        found["dp_shard"] = (3 * (blocks + 1) * microbatches, 3 * (blocks + 1) * microbatches * (fsdp - 1))
+    if mesh.dp_replicate > 1:  # one all-reduce per unit per step
+        found["dp_replicate"] = (blocks + 1, (blocks + 1) * 2 * (mesh.dp_replicate - 1))
+    if mesh.tp > 1:  # four all-reduces per block
+        ops = 4 * blocks * microbatches
+        found["tp"] = (ops, ops * 2 * (mesh.tp - 1))
+    if mesh.cp > 1 and facts.kv_heads and facts.heads:  # one send per ring step, forward and backward, per block
+        ops = 2 * blocks * microbatches * (mesh.cp - 1)
+        found["cp"] = (ops, ops)
+    if mesh.pp > 1:
+        ops = 2 * (microbatches + mesh.pp - 1)
+        found["pp"] = (ops, ops)
+    return {axis: (ops, *_split_by_node(axis, mesh, hardware, steps)) for axis, (ops, steps) in found.items()}
 
 
 def _split_by_node(axis: str, mesh: ParallelDims, hardware: Hardware, sent: float) -> tuple[float, float]:

@@ -3,8 +3,10 @@
 A mesh is ruled out when a size does not divide what it splits (heads and KV heads by tp, the vocabulary by tp, the
 sequence by 2·cp, the blocks by pp, the global batch by the data-parallel ranks times the micro-batch), when tp
 would span nodes, or when its estimated memory does not fit the device. The rest are ranked by an estimated step
-time: compute (6 · parameters · tokens, 8 with activation checkpointing, at 40% of a 989 TFLOP/s peak) stretched by the pipeline bubble, FSDP/HSDP traffic
-hidden behind compute up to its length, and tensor-, context- and pipeline-parallel traffic exposed.
+time: compute (6 · parameters · tokens, 8 with activation checkpointing, at 40% of a 989 TFLOP/s peak) stretched by
+the pipeline bubble, FSDP/HSDP traffic hidden behind compute up to its length, and tensor-, context- and
+pipeline-parallel traffic exposed. Traffic costs its bytes over the link's bandwidth plus a latency per collective,
+send and ring step (:class:`.estimate.Hardware`): a small model's many small messages are what its step waits on.
 """
 
 from __future__ import annotations
@@ -76,10 +78,7 @@ def step_seconds(facts: ModelFacts, est: Estimate, workload: Workload, hardware:
     compute = flops_per_token * facts.total_params * tokens / mesh.world_size / flops
     microbatches = max(1, workload.global_batch // (mesh.batch * workload.micro_batch))
     bubble = (mesh.pp - 1) / (microbatches + mesh.pp - 1)
-    seconds = {
-        axis: (inside / hardware.intra_node_bytes_per_s + across / hardware.inter_node_bytes_per_s)
-        for axis, (inside, across) in est.comm.items()
-    }
+    seconds = est.axis_seconds(hardware)
     hidden = seconds.pop("dp_shard", 0.0) + seconds.pop("dp_replicate", 0.0)
     busy = compute / (1 - bubble) if bubble < 1 else float("inf")
     return max(busy, hidden) + sum(seconds.values())

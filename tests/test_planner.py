@@ -3,6 +3,8 @@ device, state bytes against a real model, the rules that rule meshes out, and th
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from lightning_dist.parallel.mesh import ParallelDims
 from lightning_dist.planning.estimate import Hardware, Workload, estimate
 from lightning_dist.planning.model_facts import activation_facts, model_facts
 from lightning_dist.planning.recommend import NoMeshFits, plan_meshes, recommend_mesh
-from lightning_dist.planning.search import meshes, problems_of
+from lightning_dist.planning.search import meshes, problems_of, step_seconds
 
 GPT_ARGS = {"vocab_size": 64, "seq_len": 32, "d_model": 32, "n_layer": 4, "n_head": 4}
 
@@ -176,3 +178,12 @@ def test_step_time_counts_a_latency_per_message():
     free = Hardware(4, op_latency_s=0.0, intra_node_step_latency_s=0.0)
     pp_free, pp_paid = est.axis_seconds(free)["pp"], est.axis_seconds(hw)["pp"]
     assert pp_paid - pp_free == pytest.approx(10 * (hw.op_latency_s + hw.intra_node_step_latency_s))
+
+
+def test_a_pipeline_runs_at_the_pace_of_its_heaviest_stage():
+    facts, work, hw = model_facts(_gpt("meta")), Workload(32, 1, 12, "32-true"), Hardware(4)
+    free = Hardware(4, intra_node_bytes_per_s=math.inf, op_latency_s=0.0, intra_node_step_latency_s=0.0)
+    one = step_seconds(facts, estimate(facts, None, ParallelDims(), work, hw), work, free, 1e12)
+    pp3 = step_seconds(facts, estimate(facts, None, ParallelDims(pp=3), work, hw), work, free, 1e12)
+    heaviest = 2 * facts.block_params + max(facts.first_stage_params, facts.last_stage_params)  # 4 blocks over 3
+    assert pp3 == pytest.approx(one * heaviest / facts.total_params * (12 + 2) / 12)  # 12 micro-batches, bubble 2

@@ -3,10 +3,11 @@
 A mesh is ruled out when a size does not divide what it splits (heads and KV heads by tp, the vocabulary by tp, the
 sequence by 2·cp, the blocks by pp, the global batch by the data-parallel ranks times the micro-batch), when tp
 would span nodes, or when its estimated memory does not fit the device. The rest are ranked by an estimated step
-time: compute (6 · parameters · tokens, 8 with activation checkpointing, at 40% of a 989 TFLOP/s peak) stretched by
-the pipeline bubble, FSDP/HSDP traffic hidden behind compute up to its length, and tensor-, context- and
-pipeline-parallel traffic exposed. Traffic costs its bytes over the link's bandwidth plus a latency per collective,
-send and ring step (:class:`.estimate.Hardware`): a small model's many small messages are what its step waits on.
+time: compute (6 · parameters · tokens, 8 with activation checkpointing, at 40% of a 989 TFLOP/s peak; a pipeline at
+the pace of its heaviest stage) stretched by the pipeline bubble, FSDP/HSDP traffic hidden behind compute up to its
+length, and tensor-, context- and pipeline-parallel traffic exposed. Traffic costs its bytes over the link's bandwidth
+plus a latency per collective, send and ring step (:class:`.estimate.Hardware`): a small model's many small messages
+are what its step waits on.
 """
 
 from __future__ import annotations
@@ -76,6 +77,10 @@ def step_seconds(facts: ModelFacts, est: Estimate, workload: Workload, hardware:
     tokens = workload.global_batch * workload.seq_len
     flops_per_token = 8 if workload.activation_checkpointing else 6  # checkpointing runs every forward twice
     compute = flops_per_token * facts.total_params * tokens / mesh.world_size / flops
+    if mesh.pp > 1:  # the schedule runs at the pace of the heaviest stage, not of the average one
+        heaviest = math.ceil(facts.blocks / mesh.pp) * facts.block_params
+        heaviest += max(facts.first_stage_params, facts.last_stage_params)
+        compute *= mesh.pp * heaviest / facts.total_params
     microbatches = max(1, workload.global_batch // (mesh.batch * workload.micro_batch))
     bubble = (mesh.pp - 1) / (microbatches + mesh.pp - 1)
     seconds = est.axis_seconds(hardware)

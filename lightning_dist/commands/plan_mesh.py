@@ -21,6 +21,7 @@ import torch
 
 from lightning_dist.planning.estimate import COMPUTE_BYTES, GIB, OPTIMIZER_STATES
 from lightning_dist.planning.recommend import NoMeshFits, plan_meshes
+from lightning_dist.planning.search import milliseconds
 
 
 def wants_mesh(argv: list[str]) -> bool:
@@ -91,7 +92,7 @@ def main(argv: list[str]) -> None:
         cells = [e.params, e.grads, e.optimizer, e.activations, e.buffers, e.memory]
         print(
             f"| {c.mesh} | " + " | ".join(f"{v / GIB:.2f}" for v in cells)
-            + f" | {inside:.2f} / {across:.2f} | {c.step_seconds * 1e3:.0f} ms | {'; '.join(c.problems) or '-'} |"
+            + f" | {inside:.2f} / {across:.2f} | {milliseconds(c.step_seconds)} | {'; '.join(c.problems) or '-'} |"
         )  # fmt: skip
     try:
         _, why = planned.best()

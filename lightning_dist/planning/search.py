@@ -134,11 +134,11 @@ def reason(best: Candidate, hardware: Hardware) -> str:
         fits = f"fits in {est.memory / GIB:.1f} of {hardware.memory_bytes / GIB:.0f} GiB per device"
     return (
         f"{best.mesh}: {fits},"
-        f" the shortest estimated step ({_ms(best.step_seconds)}) of the meshes that fit;"
+        f" the shortest estimated step ({milliseconds(best.step_seconds)}) of the meshes that fit;"
         f" {across / 1e9:.2f} GB per rank per step cross nodes;"
         f" exposed traffic on {', '.join(exposed) if exposed else 'no axis'}"
     )
 
 
-def _ms(seconds: float) -> str:
+def milliseconds(seconds: float) -> str:
     return f"{seconds * 1e3:.0f} ms" if seconds >= 1e-3 else f"{seconds * 1e3:.3g} ms"

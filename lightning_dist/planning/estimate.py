@@ -119,10 +119,6 @@ def estimate(
     compute_bytes = COMPUTE_BYTES[workload.precision]
     est.params = per_rank / fsdp * param_bytes
     est.grads = est.params
-    if mesh.tp > 1 and fsdp == 1:
-        # The vocabulary-parallel embedding's gradient comes back as the whole table on every tp rank (its local
-        # tensor is [vocab, hidden]; measured with torch 2.13). Under FSDP the reduce-scatter shards it again.
-        est.grads += facts.embedding_tp_params * (1 - 1 / mesh.tp) * param_bytes
     est.optimizer = est.params * OPTIMIZER_STATES[workload.optimizer]
     if fsdp > 1:  # one unit gathered, the next prefetched, and the gradient unit being reduced
         est.buffers = block * (2 * compute_bytes + 4)

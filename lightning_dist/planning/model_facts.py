@@ -51,7 +51,6 @@ class ModelFacts:
     heads: int | None
     kv_heads: int | None
     vocab: int | None
-    embedding_tp_params: int = 0  # of outer_tp_params, the token embedding's
 
     @property
     def total_params(self) -> int:
@@ -93,7 +92,6 @@ def model_facts(model: nn.Module) -> ModelFacts:
         outer_tp += p.numel() if id(p) in sharded else 0
     attention = next(iter(structure.attention.values()), None)
     embedding = modules.get(structure.token_embedding or "")
-    embedding_tp = sum(p.numel() for p in embedding.parameters() if id(p) in sharded) if embedding else 0
     vocab = getattr(embedding, "num_embeddings", None)
     hidden = getattr(embedding, "embedding_dim", None) or _hidden_of(modules[structure.blocks[0]])
     return ModelFacts(
@@ -107,7 +105,6 @@ def model_facts(model: nn.Module) -> ModelFacts:
         heads=attention.num_heads if attention else None,
         kv_heads=(attention.num_kv_heads or attention.num_heads) if attention else None,
         vocab=vocab,
-        embedding_tp_params=embedding_tp,
     )
 
 

@@ -174,18 +174,9 @@ def test_a_plugin_that_cannot_write_shards_is_refused():
 
 
 def test_yaml_config_selects_a_plugin(tmp_path):
-    from lightning.pytorch.cli import LightningCLI
+    from yaml_configs import cli_from_config
 
-    config = Path(__file__).parents[1] / "configs" / "fsdp2_async_checkpoints.yaml"
-    cli = LightningCLI(
-        L.LightningModule,
-        L.LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        run=False,
-        args=["--config", str(config), "--trainer.devices=2", "--trainer.logger=false"],
-        save_config_callback=None,
-    )
+    cli = cli_from_config("configs/fsdp2_async_checkpoints.yaml", "--trainer.devices=2")
     assert isinstance(cli.trainer.strategy.checkpoint_io, AsyncDistributedCheckpointIO)
 
 

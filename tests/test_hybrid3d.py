@@ -16,6 +16,7 @@ import pytest
 import torch
 from launch import max_abs_diff, run_scenarios
 from lightning.pytorch.strategies import StrategyRegistry
+from yaml_configs import cli_from_config
 
 from examples.gpt import GPT
 from lightning_dist import Hybrid3DStrategy
@@ -154,16 +155,7 @@ def test_mesh_auto_takes_the_planners_mesh_once_the_model_is_known():
 
 @pytest.mark.parametrize("config", ["configs/hybrid3d.yaml", "configs/hybrid3d_auto.yaml"])
 def test_yaml_configs_build_the_strategy(config):
-    from lightning.pytorch.cli import LightningCLI
-
-    cli = LightningCLI(
-        L.LightningModule,
-        L.LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        run=False,
-        args=["--config", config, "--trainer.logger=false"],
-    )
+    cli = cli_from_config(config)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, Hybrid3DStrategy)
     if strategy.mesh_choice == "auto":

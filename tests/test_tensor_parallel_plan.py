@@ -10,9 +10,9 @@ import lightning as L
 import pytest
 import torch
 import yaml
-from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
+from yaml_configs import cli_from_config
 
 from examples.gpt import GPT
 from lightning_dist import TensorParallelStrategy
@@ -306,14 +306,7 @@ def test_registered_names_and_mesh_sizes():
 
 @pytest.mark.parametrize("config", ["configs/tensor_parallel.yaml", "configs/tensor_parallel_2d.yaml"])
 def test_yaml_configs_build_the_strategy(config):
-    cli = LightningCLI(
-        L.LightningModule,
-        L.LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        run=False,
-        args=["--config", config, "--trainer.logger=false"],
-    )
+    cli = cli_from_config(config)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, TensorParallelStrategy)
     with open(config) as f:

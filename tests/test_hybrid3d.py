@@ -47,6 +47,10 @@ HF_MESHES = ["hf_pp2_tp2", "hf_cp2_tp2"]  # a stock transformers LlamaForCausalL
 CHECKPOINTS = [  # (saved by, resumed by): a mid-epoch checkpoint at step 2 of 4
     (None, "pp2_tp2"),
     *[("pp2_tp2", single) for single in ("fsdp2", "tensor_parallel", "pipeline", "context_parallel")],
+    (None, "hsdp2"),
+    ("hsdp2", "pipeline"),
+    (None, "cp2_tp2"),
+    ("cp2_tp2", "fsdp2"),
     (None, "fsdp2"),
     ("fsdp2", "pp2_cp2"),
 ]

@@ -4,7 +4,8 @@ training exactly as one process trains the whole batch and sequence (fp64):
 * 4 processes: every pair of axes (pp×dp, pp×tp, pp×cp, dp×tp, dp×cp, cp×tp, HSDP) for the example GPT, pp×tp and
   cp×tp for a stock ``transformers`` ``LlamaForCausalLM``, and checkpoints moving between hybrid3d and every
   single strategy;
-* 8 processes: pp2 × dp2 × tp2, pp2 × cp2 × dp2 and dp2 × cp2 × tp2.
+* 8 processes: pp2 × dp2 × tp2, pp2 × cp2 × dp2 and dp2 × cp2 × tp2 (the Llama at the first and last), and
+  pp2 × dp2 × tp2 with gradient accumulation and clipping.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ EIGHT_RANKS = {
     "pp2_cp2_dp2": "pp=2 × dp_shard=2 × cp=2",
     "dp2_cp2_tp2": "dp_shard=2 × cp=2 × tp=2",
 }
-HF_MESHES = ["hf_pp2_tp2", "hf_cp2_tp2"]  # a stock transformers LlamaForCausalLM
+HF_MESHES = ["hf_pp2_tp2", "hf_cp2_tp2"]  # a stock transformers LlamaForCausalLM, 4 ranks
+HF_EIGHT_RANKS = ["hf_pp2_dp2_tp2", "hf_dp2_cp2_tp2"]
 CHECKPOINTS = [  # (saved by, resumed by): a mid-epoch checkpoint at step 2 of 4
     (None, "pp2_tp2"),
     *[("pp2_tp2", single) for single in ("fsdp2", "tensor_parallel", "pipeline", "context_parallel")],
@@ -173,10 +175,10 @@ def test_yaml_configs_build_the_strategy(config):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     workdir = tmp_path_factory.mktemp("hybrid3d")
-    references = run_scenarios(SCRIPT, 1, workdir, ["reference", "hf_reference"])
+    references = run_scenarios(SCRIPT, 1, workdir, ["reference", "hf_reference", "acc_reference"])
     checkpoints = [f"{target}-from-{source}" for source, target in CHECKPOINTS]
     four = run_scenarios(SCRIPT, 4, workdir, [*FOUR_RANKS, *HF_MESHES, *checkpoints, "zeropp_pp2_dp2"])
-    eight = run_scenarios(SCRIPT, 8, workdir, list(EIGHT_RANKS))
+    eight = run_scenarios(SCRIPT, 8, workdir, [*EIGHT_RANKS, *HF_EIGHT_RANKS, "acc_pp2_dp2_tp2"])
     return {"workdir": workdir, **references, **four, **eight}
 
 
@@ -205,12 +207,22 @@ def test_every_mesh_trains_as_one_process(runs, mesh, dims):
     assert _largest_parameter_diff(runs["workdir"], mesh, "reference") < TOL
 
 
-@pytest.mark.parametrize("mesh", HF_MESHES)
+@pytest.mark.parametrize("mesh", [*HF_MESHES, *HF_EIGHT_RANKS])
 def test_a_stock_transformers_llama_trains_as_one_process(runs, mesh):
     result, reference = runs[mesh], runs["hf_reference"]
     assert all(abs(a - b) <= HF_LOSS_RTOL * abs(b) for a, b in zip(result["losses"], reference["losses"]))
     assert max_abs_diff(result["grad_norms"], reference["grad_norms"]) < TOL
     assert _largest_parameter_diff(runs["workdir"], mesh, "hf_reference") < TOL
+
+
+def test_gradient_accumulation_and_clipping_on_three_axes(runs):
+    """pp2 × dp2 × tp2 with accumulate_grad_batches=2 and gradient_clip_val=0.05 (below every step's norm, so each
+    step is clipped by the norm over both stages and the tp and FSDP shards)."""
+    result, reference = runs["acc_pp2_dp2_tp2"], runs["acc_reference"]
+    assert len(result["losses"]) == 8 and min(reference["grad_norms"]) > 0.05
+    assert max_abs_diff(result["losses"], reference["losses"]) < TOL
+    assert max_abs_diff(result["grad_norms"], reference["grad_norms"]) < TOL
+    assert _largest_parameter_diff(runs["workdir"], "acc_pp2_dp2_tp2", "acc_reference") < TOL
 
 
 def test_zeropp_quantizes_the_weight_all_gather_inside_each_stage(runs):

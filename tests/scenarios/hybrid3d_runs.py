@@ -1,6 +1,7 @@
 """Hybrid3DStrategy in a real Trainer: the unchanged example GPT on meshes that combine two or three of pp, dp, cp
 and tp, each against one process on the same global batch (fp64). A scenario name is a mesh, ``pp2_tp2`` or
-``pp2_dp2_tp2`` (``hsdp2`` for dp_replicate=2 × dp_shard=2; ``zeropp_`` in front: with ``zeropp=True``); every rank saves its final parameters (whole tensors of its stages) for the test.
+``pp2_dp2_tp2`` (``hsdp2`` for dp_replicate=2 × dp_shard=2), optionally behind a variant prefix of ``VARIANTS``
+(``hf_``, ``acc_``, ``zeropp_``); every rank saves its final parameters (whole tensors of its stages) for the test.
 
 python tests/scenarios/hybrid3d_runs.py --devices 1 --out r.json --workdir DIR --scenarios reference
 python tests/scenarios/hybrid3d_runs.py --devices 4 --out r.json --workdir DIR --scenarios pp2_dp2,pp2_tp2,...
@@ -54,34 +55,51 @@ class AllStagesRecorder(StepRecorder):
         self.grad_norms.append(float(total_grad_norm(pl_module.parameters(), stage_group=group)))
 
 
+VARIANTS = {  # scenario-name prefix: what changes against the plain run (the reference gets the same)
+    "hf": {},  # a stock transformers LlamaForCausalLM (4 heads, 2 KV heads) that shifts the labels itself
+    "acc": {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05},  # clipping active at every step
+    "zeropp": {},  # Hybrid3DStrategy(zeropp=True); compared with the plain reference
+}
+
+
+def _variant(name: str) -> tuple[str, str]:
+    """``"acc_pp2_dp2_tp2"`` → ``("acc", "pp2_dp2_tp2")``; no prefix → ``("", name)``."""
+    kind, _, rest = name.partition("_")
+    return (kind, rest) if kind in VARIANTS else ("", name)
+
+
 def _run(
-    devices: int, strategy: Any, batch_replicas: int, hf: bool = False
+    devices: int, strategy: Any, batch_replicas: int, kind: str = ""
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     model, data = make_model_and_data(devices, dp_size=batch_replicas, vocab_size=64)  # tp=2 divides 64 (data: 63)
-    if hf:  # a stock transformers LlamaForCausalLM (4 heads, 2 KV heads) that shifts the labels itself
+    if kind == "hf":
         L.seed_everything(1234, verbose=False)
         model = HFLlama(64)
     recorder = AllStagesRecorder()
+    options = VARIANTS.get(kind, {})
+    batches = STEPS * options.get("accumulate_grad_batches", 1)
     trainer = L.Trainer(
         **trainer_kwargs(devices, strategy=strategy, precision="64-true", callbacks=[recorder]),
         max_steps=STEPS,
-        val_check_interval=STEPS,
+        val_check_interval=batches,
+        **options,
     )
     trainer.fit(model, data)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
     return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "val": metrics}, full_state(model)
 
 
-def reference(hf: bool, devices: int, workdir: str) -> dict[str, Any]:
+def reference(kind: str, devices: int, workdir: str) -> dict[str, Any]:
     """One process, the whole batch and sequence: what every mesh must match."""
-    result, state = _run(1, "auto", 1, hf)
-    torch.save(state, f"{workdir}/{'hf_' if hf else ''}reference.pt")
+    result, state = _run(1, "auto", 1, kind)
+    torch.save(state, f"{workdir}/{kind + '_' if kind else ''}reference.pt")
     return result
 
 
 def hybrid(name: str, devices: int, workdir: str) -> dict[str, Any]:
-    strategy, replicas = _strategy(name.removeprefix("hf_"))
-    result, state = _run(devices, strategy, replicas, hf=name.startswith("hf_"))
+    kind, mesh = _variant(name)
+    strategy, replicas = _strategy(mesh, zeropp=kind == "zeropp")
+    result, state = _run(devices, strategy, replicas, kind)
     torch.save(state, f"{workdir}/{name}.rank{strategy.global_rank}.pt")  # a pipeline rank holds its stages only
     result["mesh"] = str(strategy.parallel_dims)
     result["local_parameters"] = sum(p.numel() for p in strategy.lightning_module.parameters())
@@ -91,7 +109,7 @@ def hybrid(name: str, devices: int, workdir: str) -> dict[str, Any]:
 SAVE_AT = 2
 
 
-def _strategy(name: str) -> tuple[Any, int]:
+def _strategy(name: str, zeropp: bool = False) -> tuple[Any, int]:
     """A strategy by scenario name (a mesh for hybrid3d, else a single strategy on 4 ranks) and its replica count."""
     single = {
         "fsdp2": (lambda: FSDP2Strategy(), 4),
@@ -102,10 +120,10 @@ def _strategy(name: str) -> tuple[Any, int]:
     if name in single:
         make, replicas = single[name]
         return make(), replicas
-    options = mesh_options(name.removeprefix("zeropp_"))
-    return Hybrid3DStrategy(**options, zeropp=name.startswith("zeropp_")), options[
-        "data_parallel_shard_size"
-    ] * options.get("data_parallel_replicate_size", 1)
+    options = mesh_options(name)
+    return Hybrid3DStrategy(**options, zeropp=zeropp), options["data_parallel_shard_size"] * options.get(
+        "data_parallel_replicate_size", 1
+    )
 
 
 def resume(source: str | None, target: str, devices: int, workdir: str) -> dict[str, Any]:
@@ -134,8 +152,8 @@ class _ByName(dict):
     move ``<target>-from-<source>`` (``pp2_tp2-from-None`` saves, ``fsdp2-from-pp2_tp2`` resumes)."""
 
     def __missing__(self, name: str) -> Any:
-        if name in ("reference", "hf_reference"):
-            return partial(reference, name == "hf_reference")
+        if name.endswith("reference"):
+            return partial(reference, _variant(name)[0])
         if "-from-" in name:
             target, source = name.split("-from-")
             return partial(resume, None if source == "None" else source, target)

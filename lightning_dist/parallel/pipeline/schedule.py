@@ -160,7 +160,9 @@ def build_schedule(
 
 def bubble_fraction_formula(name: str, pp_size: int, n_microbatches: int, stages_per_rank: int) -> float:
     """Idle share of the step predicted for equal forward/backward times: ``(p−1)/(m+p−1)`` for one stage per
-    rank, ``(p−1)/(v·m + p − 1)`` interleaved (``v`` stages per rank)."""
+    rank, ``(p−1)/(v·m + p − 1)`` interleaved (``v`` stages per rank). For the zero-bubble schedules this is the
+    interleaved figure, an upper bound: with backward split into equal input- and weight-gradient halves their ideal
+    is about 0 (Qi et al., 2024)."""
     v = stages_per_rank if schedule_info(name).multi_stage else 1
     return (pp_size - 1) / (v * n_microbatches + pp_size - 1)
 

@@ -183,10 +183,13 @@ def runs(tmp_path_factory) -> dict:
 
 
 def _parameters(workdir: Path, name: str) -> dict[str, torch.Tensor]:
-    """The final parameters of a run, merged over the ranks (each pipeline rank saved its own stages)."""
+    """The final parameters of a run, merged over the ranks (each pipeline rank saved its own stages). Ranks holding
+    the same parameter (replicas over dp, cp or tp) must hold bitwise the same values."""
     state: dict[str, torch.Tensor] = {}
     for path in sorted(workdir.glob(f"{name}.rank*.pt")):
-        state.update(torch.load(path))
+        for key, value in torch.load(path).items():
+            assert key not in state or torch.equal(state[key], value), f"{name}: {key} differs between ranks"
+            state[key] = value
     return state
 
 

@@ -149,11 +149,12 @@ def test_recommend_mesh_runs_the_inner_model_of_a_lightning_module_without_forwa
 
 
 def test_a_tiny_model_gets_pure_data_parallelism():
-    """The example GPT on 4 devices: every message costs NCCL's latency, so a pipeline's sends and a smaller
-    all-reduce do not buy back their messages (the bandwidth-only model picked pp=2 × dp_replicate=2)."""
+    """The example GPT on 2, 4 and 8 devices: every message costs NCCL's latency, so a pipeline's sends and a smaller
+    all-reduce do not buy back their messages, nor the schedule's host time per action (the bandwidth-only model
+    picked pp=2 × dp_replicate=2)."""
     model = GPT(vocab_size=64, seq_len=64, d_model=64, n_layer=4, n_head=4)
     kwargs = {"seq_len": 64, "micro_batch": 8, "global_batch": None, "device_memory_gib": 16, "precision": "32-true"}
-    for world in (2, 4):
+    for world in (2, 4, 8):
         mesh, _ = recommend_mesh(model, world, 1, **kwargs)
         assert mesh in (ParallelDims(dp_replicate=world), ParallelDims(dp_shard=world)), mesh
 
@@ -182,8 +183,14 @@ def test_step_time_counts_a_latency_per_message():
 
 def test_a_pipeline_runs_at_the_pace_of_its_heaviest_stage():
     facts, work, hw = model_facts(_gpt("meta")), Workload(32, 1, 12, "32-true"), Hardware(4)
-    free = Hardware(4, intra_node_bytes_per_s=math.inf, op_latency_s=0.0, intra_node_step_latency_s=0.0)
+    free = Hardware(
+        4, intra_node_bytes_per_s=math.inf, op_latency_s=0.0, intra_node_step_latency_s=0.0, pipeline_action_s=0.0
+    )
     one = step_seconds(facts, estimate(facts, None, ParallelDims(), work, hw), work, free, 1e12)
     pp3 = step_seconds(facts, estimate(facts, None, ParallelDims(pp=3), work, hw), work, free, 1e12)
     heaviest = 2 * facts.block_params + max(facts.first_stage_params, facts.last_stage_params)  # 4 blocks over 3
     assert pp3 == pytest.approx(one * heaviest / facts.total_params * (12 + 2) / 12)  # 12 micro-batches, bubble 2
+    # the schedule's host time: a forward and a backward action per micro-batch
+    busy = Hardware(4, intra_node_bytes_per_s=math.inf, op_latency_s=0.0, intra_node_step_latency_s=0.0)
+    pp3_busy = step_seconds(facts, estimate(facts, None, ParallelDims(pp=3), work, hw), work, busy, 1e12)
+    assert pp3_busy - pp3 == pytest.approx(2 * 12 * busy.pipeline_action_s)

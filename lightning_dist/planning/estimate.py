@@ -44,6 +44,10 @@ class Hardware:
     latency dominates; ``baseLat`` and ``hwLat`` in NCCL's ``src/graph/tuning.cc``): 6.6 µs per collective or send,
     plus 0.6 µs per ring step over NVLink and 2.7 µs per step over the network. They are NCCL's lowest, so they never
     overstate what small meshes lose to latency; for large messages bandwidth dominates either way.
+    ``pipeline_action_s`` is the host time a pipeline schedule spends per action (one micro-batch's forward or
+    backward on one stage) outside the kernels: Python dispatch and P2P bookkeeping in
+    ``torch.distributed.pipelining``. It is an order-of-magnitude figure, not a measurement; it matters only where
+    the compute per action is tiny.
     """
 
     devices_per_node: int
@@ -53,6 +57,7 @@ class Hardware:
     op_latency_s: float = 6.6e-6
     intra_node_step_latency_s: float = 0.6e-6
     inter_node_step_latency_s: float = 2.7e-6
+    pipeline_action_s: float = 20e-6
 
 
 @dataclass

@@ -86,6 +86,8 @@ def step_seconds(facts: ModelFacts, est: Estimate, workload: Workload, hardware:
     seconds = est.axis_seconds(hardware)
     hidden = seconds.pop("dp_shard", 0.0) + seconds.pop("dp_replicate", 0.0)
     busy = compute / (1 - bubble) if bubble < 1 else float("inf")
+    if mesh.pp > 1:  # the schedule's forward and backward actions of every micro-batch, on the busiest rank
+        busy += 2 * microbatches * hardware.pipeline_action_s
     return max(busy, hidden) + sum(seconds.values())
 
 

@@ -212,34 +212,28 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
     return changed
 
 
-def keep_gradients_sharded(model: nn.Module) -> int:
-    """Make the gradient of every tensor-parallel parameter keep the parameter's layout (see
-    :func:`_grad_in_parameter_layout`); parameters FSDP2 manages are left to it. Call it after the model is placed on
-    its device: moving a module swaps its DTensor parameters' storage, which drops hooks registered before. Returns
-    how many parameters got the hook (once per parameter)."""
-    count = 0
-    for param in {id(p): p for p in model.parameters()}.values():
-        sharded = isinstance(param, DTensor) and any(isinstance(pl, Shard) for pl in param.placements)
-        if not sharded or param.device_mesh.ndim > 1 or getattr(param, "_lightning_dist_grad_layout", False):
+def tp_sharded_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters tensor parallelism sharded (1-D ``tp`` mesh; FSDP2's 2-D parameters are left to FSDP2)."""
+    return [
+        p
+        for p in {id(p): p for p in model.parameters()}.values()
+        if isinstance(p, DTensor) and p.device_mesh.ndim == 1 and any(isinstance(pl, Shard) for pl in p.placements)
+    ]
+
+
+def shard_gradients_like_parameters(parameters: list[nn.Parameter]) -> None:
+    """Give each gradient its parameter's layout. torch 2.13 returns the gradient of a vocabulary-sharded
+    ``nn.Embedding`` replicated: left so, every tp rank would hold the whole ``[V, H]`` table until the next step
+    (2 GiB per rank for a 128K × 4096 fp32 embedding) and the optimizer would slice it at every update.
+    Replicated → sharded is a local slice (no communication), copied so the full table's storage is freed."""
+    for param in parameters:
+        grad = param.grad
+        if not isinstance(grad, DTensor) or grad.placements == param.placements:
             continue
-        param.register_post_accumulate_grad_hook(_grad_in_parameter_layout)
-        param._lightning_dist_grad_layout = True
-        count += 1
-    return count
-
-
-def _grad_in_parameter_layout(param: Tensor) -> None:
-    """Keep a sharded parameter's gradient in the parameter's layout. torch 2.13 returns the gradient of a
-    vocabulary-sharded ``nn.Embedding`` replicated: without this every tp rank would hold the whole ``[V, H]``
-    table until the next step (2 GiB per rank for a 128K × 4096 fp32 embedding). Replicated → sharded is a local
-    slice (no communication); it is copied so the full table's storage is freed."""
-    grad = param.grad
-    if not isinstance(grad, DTensor) or not isinstance(param, DTensor) or grad.placements == param.placements:
-        return
-    local = grad.redistribute(param.device_mesh, param.placements).to_local().clone()
-    param.grad = DTensor.from_local(
-        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-    )
+        local = grad.redistribute(param.device_mesh, param.placements).to_local().clone()
+        param.grad = DTensor.from_local(
+            local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
 
 
 def _owned_output(module: nn.Module, args: Any, output: Any) -> Any:

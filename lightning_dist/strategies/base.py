@@ -52,7 +52,7 @@ from lightning_dist.parallel.mesh import AXIS_OPTIONS, ParallelDims, ParallelMes
 from lightning_dist.parallel.parallelize import ParallelizeConfig
 from lightning_dist.parallel.placement import place_model
 from lightning_dist.parallel.replicated_state import broadcast_replicated_state, tp_replicated_parameters
-from lightning_dist.parallel.tensor_parallel import keep_gradients_sharded
+from lightning_dist.parallel.tensor_parallel import tp_sharded_parameters
 from lightning_dist.plugins.precision import FSDP2Precision, to_fsdp2_precision
 from lightning_dist.strategies.checkpointing import ShardedCheckpointing
 from lightning_dist.strategies.collectives import MeshCollectives
@@ -151,6 +151,7 @@ class MeshParallelStrategy(ShardedCheckpointing, MeshCollectives, StepProtocol, 
         self._resume_position: dict[str, Any] | None = None
         self._resume_loader_index = 0
         self._tp_replicated: list[torch.nn.Parameter] = []
+        self._tp_sharded: list[torch.nn.Parameter] = []
         self._watchdog: FailureWatchdog | None = None
         self.num_nodes = 1
 
@@ -340,8 +341,8 @@ class MeshParallelStrategy(ShardedCheckpointing, MeshCollectives, StepProtocol, 
         if not is_fully_sharded(self.model):  # no FSDP2 policy to cast parameters: mixed precision is autocast
             self.precision_plugin.use_autocast(self.root_device.type)
         self._tp_replicated = tp_replicated_parameters(self.model, self.mesh)
-        if self.parallel_dims.tp > 1 and not is_fully_sharded(self.model):
-            keep_gradients_sharded(self.model)
+        tp_alone = self.parallel_dims.tp > 1 and not is_fully_sharded(self.model)
+        self._tp_sharded = tp_sharded_parameters(self.model) if tp_alone else []
         # Each pipeline stage holds different parameters: the norm to clip by sums over the stages.
         self.precision_plugin.stage_group = self.process_group("pp") if self.parallel_dims.pp > 1 else None
         # DTensor/FSDP2 parameters cannot be used under inference_mode (their version counters); Lightning only

@@ -27,6 +27,7 @@ from lightning_dist.parallel.fsdp import reshard_all
 from lightning_dist.parallel.gradient_sync import AccumulationSync, deferred_gradient_sync
 from lightning_dist.parallel.nonfinite import NonFiniteError, gather_non_finite, gradients_are_finite
 from lightning_dist.parallel.replicated_state import average_gradients
+from lightning_dist.parallel.tensor_parallel import shard_gradients_like_parameters
 
 NonFiniteMode = Literal["ignore", "skip", "stop"]
 
@@ -126,6 +127,8 @@ class StepProtocol:
         def closure_then_reshard() -> Any:
             result = closure()
             reshard_all(self.model)
+            if self._tp_sharded:  # before clipping and the update (see shard_gradients_like_parameters)
+                shard_gradients_like_parameters(self._tp_sharded)
             if self._tp_replicated:  # before clipping and the update: the copies must see identical gradients
                 average_gradients(self._tp_replicated, self.process_group("tp"))
             if self.on_nonfinite != "ignore":

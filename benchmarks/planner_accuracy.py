@@ -205,28 +205,12 @@ class SavedPeak:
         self._ctx.__exit__(*exc)
 
 
-def state_of(optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes of the parameters ``optimizer`` steps, their gradients and its state, each storage once."""
-    from lightning_dist.profiling.memory import _local, _storage_key_and_bytes
+def state_of(trainer: Any) -> dict[str, int]:
+    """Bytes of this rank's parameters, their gradients and the optimizer state, each storage once."""
+    from lightning_dist.profiling import state_bytes
 
-    seen: set[Any] = set()
-
-    def count(tensors: Any) -> int:
-        total = 0
-        for t in tensors:
-            key, nbytes = _storage_key_and_bytes(_local(t))
-            if key not in seen:
-                seen.add(key)
-                total += nbytes
-        return total
-
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    states = [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
-    return {
-        "params": count(params),
-        "grads": count(p.grad for p in params if p.grad is not None),
-        "optimizer": count(states),
-    }
+    counted = state_bytes(trainer.lightning_module, trainer.optimizers)
+    return {"params": counted["parameters"], "grads": counted["gradients"], "optimizer": counted["optimizer_state"]}
 
 
 def _measure_callback() -> Any:
@@ -246,7 +230,7 @@ def _measure_callback() -> Any:
             self.peak.__exit__(None, None, None)
             self.result["activations_by_step"].append(self.peak.peak)
             if len(self.result["activations_by_step"]) == 1:
-                self.result.update(state_of(trainer.optimizers[0]))
+                self.result.update(state_of(trainer))
 
     return Measure()
 

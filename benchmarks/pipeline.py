@@ -52,6 +52,7 @@ from torch import nn
 
 from benchmarks.measure import StepTimer, interleaved_order, ratio_stats
 from lightning_dist.parallel.pipeline import (
+    SCHEDULES,
     BusyTimer,
     PipelineRunner,
     bubble_fraction,
@@ -65,15 +66,7 @@ from lightning_dist.parallel.pipeline import (
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"vocab_size": 64, "seq_len": 64, "d_model": 128, "n_layer": 8, "n_head": 4}
-BUBBLE_SCHEDULES = [
-    "gpipe",
-    "1f1b",
-    "interleaved_1f1b",
-    "looped_bfs",
-    "interleaved_zero_bubble",
-    "zbv_zero_bubble",
-    "dualpipev",
-]
+BUBBLE_SCHEDULES = list(SCHEDULES)  # every schedule torch 2.13 offers
 ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 BYTES_SIZES = (2, 4)
 # (schedule, split): "auto" balances the blocks counting the embeddings and the head as one block each; "even"

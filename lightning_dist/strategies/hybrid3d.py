@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import torch
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_dist.parallel import pipeline as pp
 from lightning_dist.parallel.fsdp import is_fully_sharded
 from lightning_dist.parallel.mesh import MESH_AXES, MeshConfigError, ParallelDims
 from lightning_dist.parallel.module_selection import select_modules
@@ -159,8 +161,6 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
             raise MeshConfigError("mesh='auto' is chosen for a model: it is known once the Trainer runs fit.")
         memory = self.device_memory_gib
         if memory is None and self.root_device.type == "cuda":
-            import torch
-
             memory = torch.cuda.get_device_properties(self.root_device).total_memory / 2**30
         dims, reason = recommend_mesh(
             self.lightning_module,
@@ -198,8 +198,6 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         if dims.cp > 1:
             self.check_context_parallel_model(model)
         if dims.pp > 1:
-            from lightning_dist.parallel import pipeline as pp
-
             pp.plan_stages(
                 model.get_submodule(pp.find_pipelined_module(model)), dims.pp * self.stages_per_rank, self.split
             )

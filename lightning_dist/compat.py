@@ -24,6 +24,7 @@ __all__ = [
     "composable_checkpoint",
     "current_dispatch_mode",
     "flatten_mesh",
+    "forget_mesh_process_groups",
     "fsdp_collective_protocols",
     "fully_shard_module",
     "gather_full_state",
@@ -73,6 +74,14 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
 def unflatten_mesh(mesh: Any, dim: int, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
     """Split dim ``dim`` of ``mesh`` into named dims of ``sizes`` (``DeviceMesh._unflatten``)."""
     return mesh._unflatten(dim, sizes, names)
+
+
+def forget_mesh_process_groups(mesh: Any) -> None:
+    """Drop the references a root mesh keeps to its process groups (``DeviceMesh._pg_registry``, which torch 2.13
+    fills for tracing). ``destroy_process_group`` leaves them there, and a mesh lives as long as DTensor's caches."""
+    registry = getattr(mesh, "_pg_registry", None)
+    if isinstance(registry, dict):
+        registry.clear()
 
 
 # ---------------------------------------------------------------------------------------------------- FSDP2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -10,13 +11,26 @@ from launch import run_training_command
 pytestmark = pytest.mark.slow
 
 RUNS = 3
+ABORT_MARKERS = ("terminate called", "AbortHandler")  # libstdc++'s line; torch's, under TORCH_CUSTOM_TERMINATE=1
 
 
 def test_repeated_two_process_fits_all_exit_cleanly(tmp_path):
     cmd = [sys.executable, "examples/train.py", "--strategy", "fsdp2", "--devices", "2", "--accelerator", "cpu"]
     for run in range(RUNS):
         out = run_training_command([*cmd, "--max-steps", "2", "--seed", str(run)], tmp_path, max_steps=2)
-        assert "terminate called" not in out, f"run {run}:\n{out[-3000:]}"
+        assert not any(marker in out for marker in ABORT_MARKERS), f"run {run}:\n{out[-6000:]}"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names are read from Linux's /proc")
+@pytest.mark.parametrize("strategy", ["fsdp2", "tensor_parallel", "hybrid3d"])
+def test_no_communication_thread_is_left_running_at_exit(tmp_path, strategy):
+    """Each rank's process groups are destroyed and their threads joined before the interpreter shuts down: the
+    groups a finished run kept (a root mesh holds its groups, DTensor's caches hold the mesh, the metric-sync
+    module holds the loss group) once outlived ``destroy_process_group`` and ran through the C++ teardown."""
+    cmd = [sys.executable, "tests/scenarios/exit_threads.py", strategy]
+    out = run_training_command(cmd, tmp_path, max_steps=2)
+    for rank in (0, 1):
+        assert f"rank {rank}: communication threads at exit: []" in out, out[-3000:]
 
 
 def test_an_nn_transformer_model_trains_without_fsdp_view_warnings(tmp_path):

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
@@ -48,7 +47,7 @@ from typing_extensions import override
 
 from lightning_dist.parallel.compile import keep_user_compilation, resolve_compile_options, unwrap_user_compiled
 from lightning_dist.parallel.fsdp import FSDPConfig, is_fully_sharded
-from lightning_dist.parallel.mesh import AXIS_OPTIONS, ParallelDims, ParallelMesh
+from lightning_dist.parallel.mesh import AXIS_OPTIONS, ParallelDims, ParallelMesh, destroy_process_groups
 from lightning_dist.parallel.parallelize import ParallelizeConfig
 from lightning_dist.parallel.placement import place_model
 from lightning_dist.parallel.replicated_state import broadcast_replicated_state, tp_replicated_parameters
@@ -58,6 +57,7 @@ from lightning_dist.strategies.checkpointing import ShardedCheckpointing
 from lightning_dist.strategies.collectives import MeshCollectives
 from lightning_dist.strategies.data_position import LIGHTNING_NOT_RESUMABLE_WARNING, skip_trained_batches
 from lightning_dist.strategies.failure_handling import explain_exception, restart_store_kwargs, start_watchdog
+from lightning_dist.strategies.metric_sync import gather_over_data_parallel, use_metric_group
 from lightning_dist.strategies.preflight import (
     PARALLELIZED,
     PreflightLauncher,
@@ -416,8 +416,6 @@ class MeshParallelStrategy(ShardedCheckpointing, MeshCollectives, StepProtocol, 
         gather over ``loss`` instead."""
         from torchmetrics import Metric
 
-        from lightning_dist.strategies.metric_sync import gather_over_data_parallel, use_metric_group
-
         dims = self.parallel_dims
         if self.lightning_module is None or dims.world_size == dims.batch * dims.cp:
             return
@@ -495,14 +493,14 @@ class MeshParallelStrategy(ShardedCheckpointing, MeshCollectives, StepProtocol, 
 def _destroy_process_groups_at_exit() -> None:
     """Destroy every process group when the interpreter exits (registered once per process).
 
-    Groups left alive at exit are torn down by C++ destructors while their worker threads may still be joinable,
-    which can abort an otherwise finished run ("terminate called without an active exception", a non-zero exit code
-    that schedulers read as a failed job). Teardown keeps them alive on purpose: ``fit`` then ``test`` on one Trainer
-    reuses the mesh. Background checkpoint writers are joined in ``teardown`` before this runs.
+    Groups still alive when the process exits have their worker threads running through the C++ teardown, which
+    can abort a finished run in a rank whose peers exit first ("terminate called without an active exception": a
+    non-zero exit code that schedulers read as a failed job). Teardown keeps them alive on purpose: ``fit`` then
+    ``test`` on one Trainer reuses the mesh. Background checkpoint writers are joined in ``teardown`` before this runs.
     """
 
-    def destroy() -> None:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+    def release() -> None:
+        use_metric_group(None)  # a module-level reference to the loss group: it would keep that group's threads
+        destroy_process_groups()
 
-    atexit.register(destroy)
+    atexit.register(release)

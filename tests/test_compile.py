@@ -1,10 +1,11 @@
 """The ``compile`` option: validation, the compile step of ``parallelize``, user-compiled models, and real runs.
 
-The runs (marked slow) compile with inductor on the CPU (gcc builds the kernels) in fp64. fsdp2 and tensor_parallel
-(2 ranks, one launch) must match one process to 1e-10 absolute, the tolerance of the uncompiled parity tests (the
-generated kernels change only the order of fp64 reductions; observed ≤ 1e-15), and zeropp (quantized collectives)
-its own uncompiled run to the same 1e-10. Checkpoints move between compiled and uncompiled runs with the uncompiled
-model's keys. Compilation on 2 cores dominates the launch: the first step's time is printed.
+The runs (marked slow) compile with inductor on the CPU (gcc builds the kernels) in fp64, 2 ranks in one launch.
+fsdp2, tensor_parallel, pipeline (pp=2) and context parallel (cp=2, through hybrid3d) must match one process to 1e-10
+absolute, the tolerance of the uncompiled parity tests (the generated kernels change only the order of fp64
+reductions; observed ≤ 4e-14 on parameters), and zeropp (quantized collectives) its own uncompiled run to the same
+1e-10. Checkpoints move between compiled and uncompiled runs with the uncompiled model's keys. Compilation on 2 cores
+dominates the launch: the first step's time is printed.
 """
 
 from __future__ import annotations
@@ -14,7 +15,23 @@ import torch
 from launch import max_abs_diff, run_scenarios
 from torch import nn
 
-from lightning_dist import FSDP2Strategy, TensorParallelStrategy, ZeroPPStrategy
+from lightning_dist import (
+    ContextParallelStrategy,
+    FSDP2Strategy,
+    Hybrid3DStrategy,
+    PipelineStrategy,
+    TensorParallelStrategy,
+    ZeroPPStrategy,
+)
+
+EVERY_STRATEGY = [
+    FSDP2Strategy,
+    TensorParallelStrategy,
+    ZeroPPStrategy,
+    PipelineStrategy,
+    ContextParallelStrategy,
+    Hybrid3DStrategy,
+]
 from lightning_dist.compat import is_compiled_in_place
 from lightning_dist.parallel.compile import resolve_compile_options, unwrap_user_compiled
 from lightning_dist.parallel.parallelize import ParallelizeConfig, parallelize
@@ -25,7 +42,7 @@ COMPILE_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
 
 
 # ---------------------------------------------------------------------------------------------- the option (fast)
-@pytest.mark.parametrize("cls", [FSDP2Strategy, TensorParallelStrategy, ZeroPPStrategy])
+@pytest.mark.parametrize("cls", EVERY_STRATEGY)
 def test_every_strategy_takes_compile(cls):
     assert cls().compile_options is None
     assert cls(compile=False).compile_options is None
@@ -51,7 +68,7 @@ def test_a_bad_compile_value_is_refused_at_construction(value, error, match):
         resolve_compile_options(value)
 
 
-@pytest.mark.parametrize("cls", [FSDP2Strategy, TensorParallelStrategy, ZeroPPStrategy])
+@pytest.mark.parametrize("cls", EVERY_STRATEGY)
 def test_compile_from_yaml(cls):
     from jsonargparse import ArgumentParser
 
@@ -123,7 +140,8 @@ def workdir(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def runs(workdir):
     reference = run_scenarios(SCRIPT, 1, workdir, ["reference"])["reference"]
-    scenarios = ["fsdp2", "tensor_parallel", "zeropp", "uncompiled_load", "user_compiled", "user_compiled_kept"]
+    scenarios = ["fsdp2", "tensor_parallel", "pipeline", "context_parallel", "zeropp", "uncompiled_load",
+                 "user_compiled", "user_compiled_kept"]  # fmt: skip
     # Kernels are built in each rank's own process: a pool of compile workers costs more than it saves on 2 cores.
     return {"reference": reference, **run_scenarios(SCRIPT, 2, workdir, scenarios, env=COMPILE_ENV)}
 
@@ -141,6 +159,24 @@ def test_compiled_runs_match_one_process(runs, workdir, name):
     assert max((params[n] - ref_params[n]).abs().max().item() for n in params) < FP64_TOL
     first, rest = run["step_seconds"][0], run["step_seconds"][1:]
     print(f"\n{name} compile=True: first step {first:.1f} s (compiles), later steps {max(rest):.2f} s at most")
+
+
+@pytest.mark.slow
+def test_compiled_pipeline_stages_and_context_parallel_blocks_match_one_process(runs, workdir):
+    """pp=2: each rank compiles the block of its own stage; cp=2 (hybrid3d): the compiled blocks call ring attention."""
+    ref, ref_params = runs["reference"], torch.load(workdir / "reference.pt")
+    stages = {**torch.load(workdir / "pipeline.rank0.pt"), **torch.load(workdir / "pipeline.rank1.pt")}
+    for name, params, blocks in (
+        ("pipeline", stages, 1),
+        ("context_parallel", torch.load(workdir / "context_parallel.pt"), 2),
+    ):
+        run = runs[name]
+        assert run["compiled_blocks"] == blocks, name
+        assert any(f"compiled {blocks} × Block with torch.compile()" in line for line in run["log"]), run["log"]
+        assert max_abs_diff(run["losses"], ref["losses"]) < FP64_TOL, name
+        assert max_abs_diff(run["grad_norms"], ref["grad_norms"]) < FP64_TOL, name
+        assert sorted(params) == sorted(ref_params), name
+        assert max((params[n] - ref_params[n]).abs().max().item() for n in params) < FP64_TOL, name
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@ uncompiled runs, and a model the user compiled with ``torch.compile`` (inductor 
 
 python tests/scenarios/compile_runs.py --devices 1 --out ref.json --workdir DIR --scenarios reference
 python tests/scenarios/compile_runs.py --devices 2 --out r.json --workdir DIR \
-    --scenarios fsdp2,tensor_parallel,zeropp,uncompiled_load,user_compiled,user_compiled_kept
+    --scenarios fsdp2,tensor_parallel,pipeline,context_parallel,zeropp,uncompiled_load,user_compiled,user_compiled_kept
 """
 
 from __future__ import annotations
@@ -16,18 +16,18 @@ from typing import Any
 import lightning as L
 import torch
 from common import (  # type: ignore[import-not-found]
-    StepRecorder,
     full_state,
     is_rank_zero,
     make_model_and_data,
     run_scenario_script,
     trainer_kwargs,
 )
+from hybrid3d_runs import AllStagesRecorder  # type: ignore[import-not-found]
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.checkpoint import FileSystemReader
 
 from examples.gpt import GPT
-from lightning_dist import FSDP2Strategy, TensorParallelStrategy, ZeroPPStrategy
+from lightning_dist import FSDP2Strategy, Hybrid3DStrategy, PipelineStrategy, TensorParallelStrategy, ZeroPPStrategy
 from lightning_dist.compat import is_compiled_in_place
 
 STEPS = 3
@@ -84,7 +84,7 @@ def _fit(
 ) -> tuple[GPT, L.Trainer, dict]:
     fresh, data = make_model_and_data(devices, dp_size=dp, **MODEL)  # the same global batch for any dp size
     model = model or fresh
-    recorder, timer, logs = StepRecorder(), StepTimer(), LogLines()
+    recorder, timer, logs = AllStagesRecorder(), StepTimer(), LogLines()
     trainer = L.Trainer(
         **trainer_kwargs(devices, strategy=strategy, precision=PRECISION), max_steps=steps, callbacks=[recorder, timer]
     )
@@ -129,6 +129,21 @@ def tensor_parallel(devices: int, workdir: str) -> dict[str, Any]:
     strategy = TensorParallelStrategy(tensor_parallel_size=devices, compile=True)
     model, _, result = _fit(devices, strategy, dp=1)  # tensor-parallel peers see the same samples
     _save_params(model, f"{workdir}/tensor_parallel.pt")
+    return result
+
+
+def pipeline(devices: int, workdir: str) -> dict[str, Any]:
+    """Two stages, one block each: every rank compiles the blocks of its own stage before the schedule runs them."""
+    strategy = PipelineStrategy(compile=True)
+    model, _, result = _fit(devices, strategy, dp=1)  # the stages see the same samples
+    torch.save(full_state(model), f"{workdir}/pipeline.rank{strategy.global_rank}.pt")  # this rank's stage only
+    return result
+
+
+def context_parallel(devices: int, workdir: str) -> dict[str, Any]:
+    """cp=2 through hybrid3d: the compiled blocks call the ring attention that replaces SDPA for the step."""
+    model, _, result = _fit(devices, Hybrid3DStrategy(context_parallel_size=2, compile=True), dp=1)
+    _save_params(model, f"{workdir}/context_parallel.pt")
     return result
 
 
@@ -201,6 +216,8 @@ if __name__ == "__main__":
             "reference": reference,
             "fsdp2": fsdp2,
             "tensor_parallel": tensor_parallel,
+            "pipeline": pipeline,
+            "context_parallel": context_parallel,
             "zeropp": zeropp,
             "uncompiled_load": uncompiled_load,
             "user_compiled": user_compiled,

@@ -181,17 +181,22 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
             lines.append(f"| {r['size']} | {r['setup']} | {r['error']} | | | | |")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
+        memory = f"{r['peak_memory_gib']:.1f}" if r.get("peak_memory_gib") is not None else "-"
         ratio = rel.get((r["size"], r["setup"]))
         lines.append(
-            f"| {r['size']} | {r['setup']} | {r['tokens_per_s'] / 1e3:.1f}k | {mfu} | {r['peak_memory_gib']:.1f}"
+            f"| {r['size']} | {r['setup']} | {r['tokens_per_s'] / 1e3:.1f}k | {mfu} | {memory}"
             f" | {r['first_step_s']:.1f} | {f'{ratio:.2f}×' if ratio is not None else '-'} |"
         )
     return "\n".join(lines) + "\n"
 
 
 # ------------------------------------------------------------------------------------------------- one setup
-def run_one(setup: str, size: LlamaSize, args: argparse.Namespace) -> dict[str, Any]:
-    """Train ``setup`` on GPU 0 for warmup + steps steps in this process; the measured row."""
+def run_one(setup: str, size: LlamaSize, args: argparse.Namespace, device: str = "cuda") -> dict[str, Any]:
+    """Train ``setup`` on GPU 0 for warmup + steps steps in this process; the measured row.
+
+    ``device="cpu"`` runs the same code on the CPU (no MFU, no peak memory): the suite's check that every setup
+    trains before anyone spends GPU time on it.
+    """
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -216,9 +221,10 @@ def run_one(setup: str, size: LlamaSize, args: argparse.Namespace) -> dict[str, 
     model = _lightning_module(
         size, user_compile=setup in ("auto_compile", "fsdp2_user_compile"), hand=setup == "mp_fsdp"
     )
-    timer = _CudaStepTimer()
+    cuda = device == "cuda"
+    timer = _StepTimer(cuda)
     trainer = L.Trainer(
-        accelerator="cuda",
+        accelerator=device,
         devices=1,
         strategy=strategy,
         precision=args.precision,
@@ -229,22 +235,24 @@ def run_one(setup: str, size: LlamaSize, args: argparse.Namespace) -> dict[str, 
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     trainer.fit(model, loader)
     step = statistics.median(timer.seconds[args.warmup :])
     tokens_per_s = batch * args.seq_len / step
-    peak = lookup_peak(torch.cuda.get_device_name(0), compute_dtype(args.precision))
+    name = torch.cuda.get_device_name(0) if cuda else "cpu"
+    peak = lookup_peak(name, compute_dtype(args.precision)) if cuda else None
     return {
         "setup": setup,
         "size": size.name,
-        "device": torch.cuda.get_device_name(0),
+        "device": name,
         "batch_size": batch,
         "seq_len": args.seq_len,
         "step_s": step,
         "first_step_s": timer.seconds[0],
         "tokens_per_s": tokens_per_s,
         "mfu": tokens_per_s * size.flops_per_token(args.seq_len) / peak if peak else None,
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "num_parameters": size.num_parameters,
     }
 
@@ -278,18 +286,21 @@ def _lightning_module(size: LlamaSize, user_compile: bool, hand: bool) -> L.Ligh
     return LlamaLM()
 
 
-class _CudaStepTimer(Callback):
-    """Wall time of each training step, synchronized with the GPU at both ends."""
+class _StepTimer(Callback):
+    """Wall time of each training step, synchronized with the GPU at both ends (when ``cuda``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
         self.seconds: list[float] = []
 
     def on_train_batch_start(self, *args: Any) -> None:
-        torch.cuda.synchronize()
+        if self.cuda:
+            torch.cuda.synchronize()
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, *args: Any) -> None:
-        torch.cuda.synchronize()
+        if self.cuda:
+            torch.cuda.synchronize()
         self.seconds.append(time.perf_counter() - self._start)
 
 

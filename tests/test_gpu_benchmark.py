@@ -1,12 +1,20 @@
 """``python -m benchmarks.run --gpu``: argument parsing, the refusal without CUDA, and the model and table arithmetic.
-The GPU run itself needs a CUDA machine (see benchmarks/gpu.py)."""
+The GPU run itself needs a CUDA machine (see benchmarks/gpu.py); every setup is run once on the CPU, tiny."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from benchmarks import gpu, run
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_arguments_and_their_errors():
@@ -67,3 +75,29 @@ def test_table_ratios_are_against_auto_compile():
     table = gpu.to_markdown(rows)
     assert "| 0.5b | fsdp2 | 1.5k | 30.0% | 29.0 | 2.0 | 0.75× |" in table
     assert "| 2.4b | fsdp2_compile | out of memory |" in table
+
+
+SMOKE = """
+import argparse, json
+from benchmarks import gpu
+size = gpu.LlamaSize("tiny", 64, 2, 4, 2, 128, vocab_size=128, batch_size=2)
+args = argparse.Namespace(batch_size=None, warmup=1, steps=2, seq_len=32, precision="32-true")
+print(json.dumps([gpu.run_one(setup, size, args, device="cpu") for setup in gpu.SETUPS]))
+"""
+
+
+@pytest.mark.slow
+def test_every_setup_trains_on_the_cpu_before_it_costs_gpu_time():
+    """The same code the GPU run executes (strategies, user and strategy compile, the hand-written FSDP), on a tiny
+    Llama in one process of its own: a setup that cannot train fails here, not on a lent GPU. The numbers are not
+    compared: a CPU says nothing about GPU throughput."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", SMOKE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["setup"] for r in rows] == list(gpu.SETUPS)
+    for row in rows:
+        assert row["tokens_per_s"] > 0 and row["device"] == "cpu" and row["mfu"] is None, row
+    assert "| tiny | fsdp2 |" in gpu.to_markdown(rows)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 from launch import run_training_command
@@ -38,3 +39,15 @@ def test_an_nn_transformer_model_trains_without_fsdp_view_warnings(tmp_path):
     cmd = [sys.executable, "tests/scenarios/demo_transformer.py", "fsdp2", "2"]
     out = run_training_command(cmd, tmp_path, max_steps=3)
     assert "returned a view tensor" not in out
+
+
+def test_a_rank_still_busy_when_rank_zero_finishes_is_not_ended_by_its_watchdog(tmp_path):
+    """Rank 1 spends 3 s in on_train_end while rank 0 is done: rank 0 (the store's host) waits for it, so rank 1's
+    watchdog does not read the store's disappearance as rank 0's death and end a successful run with status 1."""
+    cmd = [sys.executable, "tests/scenarios/late_rank.py", str(tmp_path)]
+    out = run_training_command(cmd, tmp_path, max_steps=2)
+    assert "Ending rank" not in out, out[-3000:]
+    deadline = time.monotonic() + 30  # rank 1 may still be exiting after rank 0's process ended
+    while not (tmp_path / "exited.rank1").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sorted(p.name for p in tmp_path.glob("exited.rank*")) == ["exited.rank0", "exited.rank1"]

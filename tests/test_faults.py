@@ -75,3 +75,33 @@ def test_rank_zero_declares_a_rank_without_heartbeat_dead_and_a_normal_stop_is_s
         watchdog.stop()
     time.sleep(0.1)
     assert quiet == []
+
+
+def test_rank_zero_finishes_only_after_every_live_rank_stopped_watching():
+    """Rank 0's process hosts the store: it waits for a rank still watching (heartbeats advancing), not for one
+    whose heartbeat stopped (gone), and not once a failure is published."""
+    import threading
+
+    import torch.distributed as dist
+
+    failures: list = []
+    zero, one = _watchdogs(dist.HashStore(), failures, interval=0.02)
+    zero.stop()
+    threading.Timer(0.5, lambda: (one.stop(), one.finish())).start()  # rank 1 still busy for 0.5 s
+    start = time.monotonic()
+    zero.finish(patience=5.0)
+    assert 0.4 < time.monotonic() - start < 3.0
+    assert failures == []
+
+    zero, one = _watchdogs(dist.HashStore(), failures, interval=0.02)
+    zero.stop(), one.stop()  # rank 1 stopped without saying so: its heartbeat is frozen
+    start = time.monotonic()
+    zero.finish(patience=0.3)
+    assert 0.25 < time.monotonic() - start < 3.0
+
+    zero, one = _watchdogs(dist.HashStore(), failures, interval=0.02)
+    zero.stop(), one.stop()
+    one.report("RuntimeError: boom")
+    start = time.monotonic()
+    zero.finish(patience=5.0)
+    assert time.monotonic() - start < 1.0

@@ -10,7 +10,10 @@ already shares:
 * rank 0 also watches one heartbeat counter per rank and publishes a failure for a rank whose counter stopped
   (a ``SIGKILL``, a machine gone), after ``stale_after`` seconds;
 * a rank that cannot reach the store at all (the process hosting it is gone) reports that as the failure;
-* the process that launched other ranks also sees them exit (``check_local``), within one ``interval``.
+* the process that launched other ranks also sees them exit (``check_local``), within one ``interval``;
+* at a normal end every rank says it stopped watching (:meth:`FailureWatchdog.finish`), and rank 0, whose process
+  hosts the store in a Lightning or ``torchrun --rdzv-backend=static`` launch, waits for that before it exits: a rank
+  still watching would read the store's disappearance as rank 0's death.
 
 What to do about a failure is the caller's ``on_failure`` (the strategy ends the process); the watchdog only finds
 it, once.
@@ -65,6 +68,7 @@ class FailureWatchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lightning_dist-watchdog", daemon=True)
         self._seen: dict[int, tuple[int, float]] = {}  # rank 0: last heartbeat count and when it changed
+        self._reported = False
 
     def start(self) -> FailureWatchdog:
         self._thread.start()
@@ -76,8 +80,38 @@ class FailureWatchdog:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5 * self._interval)
 
+    def finish(self, patience: float = 10.0) -> None:
+        """Say that this rank has stopped watching (call after :meth:`stop`, at a normal end). On rank 0, then wait
+        until every other rank has said so too, has shown no heartbeat for ``patience`` seconds (it is gone or hung),
+        or a failure is published.
+
+        Rank 0's process usually hosts the store: leaving earlier takes it away from a rank still busy before its
+        own teardown (a slow callback, a loaded machine), whose watchdog then reads that as rank 0's death and ends
+        a successful run with an error.
+        """
+        with contextlib.suppress(Exception):  # the store may be gone already: nothing left to protect
+            self._store.set(self._key(f"finished/{self._rank}"), "1")
+            if self._rank != 0 or self._reported:
+                return
+            waiting = set(range(1, self._world_size))
+            progress: dict[int, tuple[int, float]] = {}
+            while waiting and not self._published():
+                now = time.monotonic()
+                for rank in sorted(waiting):
+                    if self._store.check([self._key(f"finished/{rank}")]):
+                        waiting.discard(rank)
+                        continue
+                    beats = self._store.add(self._key(f"heartbeat/{rank}"), 0)
+                    last, since = progress.get(rank, (-1, now))
+                    if beats != last:
+                        progress[rank] = (beats, now)
+                    elif now - since > patience:
+                        return
+                time.sleep(0.02)
+
     def report(self, message: str) -> None:
         """Publish this rank's failure for the others (keeps an earlier rank's failure if there is one)."""
+        self._reported = True
         with contextlib.suppress(Exception):  # the store may be gone already: the others find out through that
             self._store.compare_set(self._key(FAILED_KEY), "", f"rank {self._rank}: {message}")
 

@@ -469,8 +469,9 @@ class MeshParallelStrategy(ShardedCheckpointing, MeshCollectives, StepProtocol, 
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
         self._close_train_context()
-        if self._watchdog is not None:  # a normal end: peers may exit now and take the store with them
+        if self._watchdog is not None:  # a normal end: stop watching, and rank 0 keeps the store until all have
             self._watchdog.stop()
+            self._watchdog.finish()
             self._watchdog = None
         try:
             self.checkpoint_io.teardown()  # first: a save still in flight is awaited, and its failure raised

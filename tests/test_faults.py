@@ -105,3 +105,17 @@ def test_rank_zero_finishes_only_after_every_live_rank_stopped_watching():
     start = time.monotonic()
     zero.finish(patience=5.0)
     assert time.monotonic() - start < 1.0
+
+
+def test_watchdogs_still_running_at_exit_are_stopped():
+    """The exit handler stops a watchdog whose Trainer never tore down, so its thread is not inside a store call
+    while the interpreter shuts down."""
+    import torch.distributed as dist
+
+    from lightning_dist.strategies import failure_handling
+
+    failures: list = []
+    watchdogs = _watchdogs(dist.HashStore(), failures, interval=0.02)
+    failure_handling._started.update(watchdogs)
+    failure_handling.stop_watchdogs()
+    assert not any(w._thread.is_alive() for w in watchdogs) and failures == []

@@ -56,7 +56,12 @@ from lightning_dist.plugins.precision import FSDP2Precision, to_fsdp2_precision
 from lightning_dist.strategies.checkpointing import ShardedCheckpointing
 from lightning_dist.strategies.collectives import MeshCollectives
 from lightning_dist.strategies.data_position import LIGHTNING_NOT_RESUMABLE_WARNING, skip_trained_batches
-from lightning_dist.strategies.failure_handling import explain_exception, restart_store_kwargs, start_watchdog
+from lightning_dist.strategies.failure_handling import (
+    explain_exception,
+    restart_store_kwargs,
+    start_watchdog,
+    stop_watchdogs,
+)
 from lightning_dist.strategies.metric_sync import gather_over_data_parallel, use_metric_group
 from lightning_dist.strategies.preflight import (
     PARALLELIZED,
@@ -501,6 +506,7 @@ def _destroy_process_groups_at_exit() -> None:
     """
 
     def release() -> None:
+        stop_watchdogs()
         use_metric_group(None)  # a module-level reference to the loss group: it would keep that group's threads
         destroy_process_groups()
 

@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 _ABORT_GRACE_SECONDS = 10.0
 _ROOT_CAUSE_WAIT_SECONDS = 3.0
 _setups = itertools.count()  # the same sequence on every rank: each setup of the same processes gets its own keys
+_started: weakref.WeakSet[FailureWatchdog] = weakref.WeakSet()  # a running thread keeps its watchdog in here
 
 
 def start_watchdog(strategy: MeshParallelStrategy) -> FailureWatchdog | None:
@@ -42,7 +44,7 @@ def start_watchdog(strategy: MeshParallelStrategy) -> FailureWatchdog | None:
     if store is None or strategy.world_size < 2:
         return None
     rank = strategy.global_rank
-    return FailureWatchdog(
+    watchdog = FailureWatchdog(
         store,
         prefix=_key_prefix(),
         rank=rank,
@@ -50,6 +52,16 @@ def start_watchdog(strategy: MeshParallelStrategy) -> FailureWatchdog | None:
         on_failure=lambda message: _end_this_rank(strategy, rank, message),
         check_local=lambda: launched_rank_failure(strategy),
     ).start()
+    _started.add(watchdog)
+    return watchdog
+
+
+def stop_watchdogs() -> None:
+    """Stop every watchdog still running (at exit: a Trainer that never tore down). A daemon thread caught inside a
+    store call while the interpreter shuts down is unwound through C++ frames that cannot be unwound, which aborts
+    the process ("terminate called without an active exception")."""
+    for watchdog in list(_started):
+        watchdog.stop()
 
 
 def restart_store_kwargs(cluster_environment: Any, timeout: timedelta | None) -> dict[str, Any]:

@@ -126,6 +126,16 @@ def test_registered_and_sizes_given_three_ways():
         ({"mesh": "fixed"}, 4, ValueError, r"mesh='fixed': pass 'auto'"),
         ({"schedule": "2f2b"}, 4, ValueError, r"2f2b"),
         ({"attention": "flash"}, 4, ValueError, r"attention='flash' is not one of"),
+        (
+            {"pipeline_parallel_size": 2, "accumulation_sync": "last"},
+            4,
+            MeshConfigError,
+            r"accumulation_sync='last' cannot be combined with pipeline parallelism \(pp=2\)",
+        ),
+        ({"accumulation_sync": "replicas_last"}, 4, MeshConfigError, r"'replicas_last'.*this mesh has none"),
+        ({"accumulation_sync": "sometimes"}, 4, ValueError, r"accumulation_sync='sometimes' is not one of"),
+        ({"wrap_regex": "blocks.("}, 4, ValueError, r"wrap_regex='blocks.\(' is not a valid regular expression"),
+        ({"wrap_modules": ["no_such_package.Block"]}, 4, Exception, r"no_such_package"),
     ],
 )
 def test_bad_meshes_and_options_fail_while_the_trainer_is_built(options, devices, error, match):
@@ -141,6 +151,9 @@ def test_heads_and_layers_that_do_not_divide_are_named_before_launch():
     trainer = _trainer(Hybrid3DStrategy(pipeline_parallel_size=4))
     with pytest.raises(ValueError, match=r"(?i)stage"):
         trainer.strategy.check_model(_gpt(n_layer=1))
+    for options in ({"wrap_modules": ["Blok"]}, {"pipeline_parallel_size": 2, "wrap_regex": r"layers\.\d+"}):
+        with pytest.raises(ValueError, match=r"Blok|matches no module"):
+            _trainer(Hybrid3DStrategy(**options)).strategy.check_model(_gpt())
     trainer = _trainer(Hybrid3DStrategy(mesh_shape=[[2, 2], ["cp", "tp"]], attention="ulysses"))
     with pytest.raises(ValueError, match=r"splits heads over cp=2 per tensor-parallel rank \(tp=2\), but .* 2 heads"):
         trainer.strategy.check_model(_gpt(n_head=2))
@@ -177,7 +190,8 @@ def runs(tmp_path_factory) -> dict:
     workdir = tmp_path_factory.mktemp("hybrid3d")
     references = run_scenarios(SCRIPT, 1, workdir, ["reference", "hf_reference", "acc_reference"])
     checkpoints = [f"{target}-from-{source}" for source, target in CHECKPOINTS]
-    four = run_scenarios(SCRIPT, 4, workdir, [*FOUR_RANKS, *HF_MESHES, *checkpoints, "zeropp_pp2_dp2"])
+    variants = ["zeropp_pp2_dp2", "wrap_pp2_dp2", "acclast_dp2_tp2"]
+    four = run_scenarios(SCRIPT, 4, workdir, [*FOUR_RANKS, *HF_MESHES, *checkpoints, *variants])
     eight = run_scenarios(SCRIPT, 8, workdir, [*EIGHT_RANKS, *HF_EIGHT_RANKS, "acc_pp2_dp2_tp2"])
     return {"workdir": workdir, **references, **four, **eight}
 
@@ -216,6 +230,21 @@ def test_a_stock_transformers_llama_trains_as_one_process(runs, mesh):
     assert all(abs(a - b) <= HF_LOSS_RTOL * abs(b) for a, b in zip(result["losses"], reference["losses"]))
     assert max_abs_diff(result["grad_norms"], reference["grad_norms"]) < TOL
     assert _largest_parameter_diff(runs["workdir"], mesh, "hf_reference") < TOL
+
+
+def test_chosen_units_and_deferred_gradient_sync_train_as_one_process(runs):
+    """wrap_regex makes attention and MLP the FSDP2 units of each pipeline stage (pp2 × dp2); accumulation_sync='last'
+    reduces the accumulated gradients once per step (dp2 × tp2, two micro-batches, clipping)."""
+    for name, reference in (("wrap_pp2_dp2", "reference"), ("acclast_dp2_tp2", "acc_reference")):
+        result, expected = runs[name], runs[reference]
+        assert max_abs_diff(result["losses"], expected["losses"]) < TOL, name
+        assert max_abs_diff(result["grad_norms"], expected["grad_norms"]) < TOL, name
+        assert _largest_parameter_diff(runs["workdir"], name, reference) < TOL, name
+    held, total = runs["acclast_dp2_tp2"]["gradients_after_first_backward"]
+    assert held == 0 and total > 0  # deferred: no parameter got its reduced gradient after the first micro-batch
+    assert runs["acc_reference"]["gradients_after_first_backward"] == [total, total]
+    units = runs["wrap_pp2_dp2"]["fsdp_units"]  # this stage's attention and MLP, and the stage root
+    assert "FSDPCausalSelfAttention" in units and "FSDPMLP" in units and "FSDPBlock" not in units, units
 
 
 def test_gradient_accumulation_and_clipping_on_three_axes(runs):

@@ -21,9 +21,32 @@ from typing import Literal
 from torch import nn
 
 from lightning_dist.parallel.fsdp import fsdp_modules
+from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
 
 AccumulationSync = Literal["every", "last", "replicas_last"]
 ACCUMULATION_SYNC_MODES: tuple[str, ...] = ("every", "last", "replicas_last")
+
+
+def check_accumulation_sync(mode: str) -> AccumulationSync:
+    """``mode`` if it is one of :data:`ACCUMULATION_SYNC_MODES`; a ``ValueError`` naming them otherwise."""
+    if mode not in ACCUMULATION_SYNC_MODES:
+        raise ValueError(f"accumulation_sync={mode!r} is not one of {list(ACCUMULATION_SYNC_MODES)}.")
+    return mode  # type: ignore[return-value]
+
+
+def check_accumulation_sync_mesh(mode: AccumulationSync, dims: ParallelDims) -> None:
+    """Refuse a mode the mesh cannot honour: ``"replicas_last"`` without replica groups, and any deferral under
+    pipeline parallelism (the schedule decides when a stage's FSDP2 units reduce their gradients)."""
+    if mode == "replicas_last" and dims.dp_replicate == 1:
+        raise MeshConfigError(
+            "accumulation_sync='replicas_last' defers the all-reduce across replica groups, but this mesh has none"
+            f" ({dims}). Use sharding='hybrid' (HSDP), or accumulation_sync='last' or 'every'."
+        )
+    if mode != "every" and dims.pp > 1:
+        raise MeshConfigError(
+            f"accumulation_sync={mode!r} cannot be combined with pipeline parallelism (pp={dims.pp}): the pipeline"
+            " schedule decides when each stage reduces its gradients. Use accumulation_sync='every'."
+        )
 
 
 @contextmanager

@@ -17,7 +17,11 @@ from lightning_dist.parallel.fsdp import (
     is_fully_sharded,
     shared_submodules,
 )
-from lightning_dist.parallel.gradient_sync import ACCUMULATION_SYNC_MODES, AccumulationSync
+from lightning_dist.parallel.gradient_sync import (
+    AccumulationSync,
+    check_accumulation_sync,
+    check_accumulation_sync_mesh,
+)
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
 from lightning_dist.parallel.module_selection import resolve_module_classes, select_modules
 from lightning_dist.parallel.parallelize import ParallelizeConfig, ParallelizeRecord, parallelize
@@ -86,9 +90,7 @@ class FSDP2Strategy(MeshParallelStrategy):
         self.wrap_regex = check_regex("wrap_regex", wrap_regex)
         self.activation_checkpointing = check_bool("activation_checkpointing", activation_checkpointing)
         self.cpu_offload = check_bool("cpu_offload", cpu_offload)
-        if accumulation_sync not in ACCUMULATION_SYNC_MODES:
-            raise ValueError(f"accumulation_sync={accumulation_sync!r} is not one of {list(ACCUMULATION_SYNC_MODES)}.")
-        self.accumulation_sync = accumulation_sync
+        self.accumulation_sync = check_accumulation_sync(accumulation_sync)
 
     @override
     def mesh_sizes(self) -> dict[str, MeshSize]:
@@ -113,11 +115,7 @@ class FSDP2Strategy(MeshParallelStrategy):
                 " data_parallel_replicate_size (it must divide the world size; shard size = world size / it), or use"
                 " sharding='no_shard' if replication is what you want."
             )
-        if self.accumulation_sync == "replicas_last" and dims.dp_replicate == 1:
-            raise MeshConfigError(
-                "accumulation_sync='replicas_last' defers the all-reduce across replica groups, but this mesh has none"
-                f" ({dims}). Use sharding='hybrid' (HSDP), or accumulation_sync='last' or 'every'."
-            )
+        check_accumulation_sync_mesh(self.accumulation_sync, dims)
         raf = self.reshard_after_forward
         if is_int(raf) and (dims.fsdp % raf or raf >= dims.fsdp):
             raise MeshConfigError(

@@ -18,10 +18,15 @@ from typing_extensions import override
 
 from lightning_dist.parallel import pipeline as pp
 from lightning_dist.parallel.fsdp import is_fully_sharded
+from lightning_dist.parallel.gradient_sync import (
+    AccumulationSync,
+    check_accumulation_sync,
+    check_accumulation_sync_mesh,
+)
 from lightning_dist.parallel.mesh import MESH_AXES, MeshConfigError, ParallelDims
-from lightning_dist.parallel.module_selection import select_modules
+from lightning_dist.parallel.module_selection import resolve_module_classes, select_modules
 from lightning_dist.parallel.parallelize import ParallelizeConfig, parallelize
-from lightning_dist.parallel.validation import check_bool
+from lightning_dist.parallel.validation import check_bool, check_regex
 from lightning_dist.parallel.zeropp import QuantizedAllGather
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
 from lightning_dist.strategies.context_parallel_steps import ContextParallelSteps
@@ -76,6 +81,12 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         loss_parallel: The head's logits stay sharded on the vocabulary for the cross-entropy.
         activation_checkpointing: Recompute the repeated blocks' activations in backward.
         reshard_after_forward: FSDP2 re-gathers block parameters in backward (``True``) or keeps them.
+        wrap_modules: Module classes to shard (and checkpoint, and compile) as units instead of the detected blocks,
+            as for :class:`~lightning_dist.FSDP2Strategy`; under ``pp`` each stage takes the ones it holds.
+        wrap_regex: A regex over qualified module names selecting the units, alone or with ``wrap_modules``
+            (names below the pipelined module under ``pp``).
+        accumulation_sync: With ``accumulate_grad_batches``: when FSDP2 reduces gradients, as for
+            :class:`~lightning_dist.FSDP2Strategy`; ``"every"`` under ``pp`` (the schedule decides there).
         zeropp: Quantize FSDP2's weight all-gather to int8 (ZeRO++ qwZ) over ``dp_shard × cp``.
         sequence_length: Tokens per sample, for ``mesh="auto"`` (also checked against ``2·cp`` before launch).
         micro_batch_size: Samples per data-parallel rank per forward, for ``mesh="auto"``.
@@ -106,6 +117,9 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         loss_parallel: bool = False,
         activation_checkpointing: bool = False,
         reshard_after_forward: bool = True,
+        wrap_modules: list[type[Module] | str] | None = None,
+        wrap_regex: str | None = None,
+        accumulation_sync: AccumulationSync = "every",
         zeropp: bool = False,
         sequence_length: int | None = None,
         micro_batch_size: int = 1,
@@ -131,6 +145,11 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         self.mesh_shape = mesh_shape
         self.activation_checkpointing = check_bool("activation_checkpointing", activation_checkpointing)
         self.reshard_after_forward = check_bool("reshard_after_forward", reshard_after_forward)
+        self.wrap_modules = list(wrap_modules) if wrap_modules is not None else None
+        if self.wrap_modules is not None:
+            resolve_module_classes(self.wrap_modules)  # fail now on a class path that does not import
+        self.wrap_regex = check_regex("wrap_regex", wrap_regex)
+        self.accumulation_sync = check_accumulation_sync(accumulation_sync)
         self.zeropp = check_bool("zeropp", zeropp)
         if mesh == "auto" and sequence_length is None:
             raise ValueError(
@@ -177,8 +196,14 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         self._recommended = dict(dims.as_dict())
         return self._recommended
 
+    @property
+    @override
+    def accumulation_sync_mode(self) -> AccumulationSync:
+        return self.accumulation_sync
+
     @override
     def validate_mesh(self, dims: ParallelDims) -> None:
+        check_accumulation_sync_mesh(self.accumulation_sync, dims)
         cp = dims.cp
         if self.sequence_length is not None and cp > 1:
             multiple = cp if self.load_balance == "contiguous" else 2 * cp
@@ -201,6 +226,7 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
             pp.plan_stages(
                 model.get_submodule(pp.find_pipelined_module(model)), dims.pp * self.stages_per_rank, self.split
             )
+        self._chosen_units(model)
 
     @override
     def parallelize(self, model: Module) -> Module:
@@ -213,10 +239,13 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         if dims.cp > 1:
             self.prepare_context_parallel(model)
         if self.pipelined:
+            chosen = self._chosen_units(model)
             stages = self.cut_stages(model)
+            if chosen is not None:  # each stage shards the chosen modules it holds (not another stage's stand-ins)
+                stages = [(part, [(n, m) for n, m in part.named_modules() if chosen.get(n) is m]) for part, _ in stages]
             self._check_pipelined_context_parallel(model)
         else:
-            stages = [(model, select_modules(model, what="shard"))]
+            stages = [(model, select_modules(model, self.wrap_modules, self.wrap_regex, what="shard"))]
         last = self._plan.num_stages - 1 if self.pipelined else 0
         for (part, blocks), stage in zip(stages, self._stage_ids if self.pipelined else [0]):
             plan = self.tensor_parallel_plan(part, needs_head=stage == last) if dims.tp > 1 else None
@@ -235,6 +264,14 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         if self.zeropp and dims.fsdp > 1:
             config.all_gather = QuantizedAllGather(dims.fsdp)
         return config
+
+    def _chosen_units(self, model: Module) -> dict[str, Module] | None:
+        """The modules ``wrap_modules``/``wrap_regex`` choose, by name (below the pipelined module under ``pp``);
+        ``None`` for the detected blocks. Raises when they choose nothing."""
+        if self.wrap_modules is None and self.wrap_regex is None:
+            return None
+        root = model.get_submodule(pp.find_pipelined_module(model)) if self.parallel_dims.pp > 1 else model
+        return dict(select_modules(root, self.wrap_modules, self.wrap_regex, what="shard"))
 
     def _check_pipelined_context_parallel(self, model: Module) -> None:
         """Under ``pp × cp`` the positions join the pipelined call's arguments, so they must be its own."""
@@ -270,6 +307,8 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
             )
         if self.zeropp and dims.fsdp > 1:
             done.append(f"int8 weight all-gather (qwZ) on {record.comms_units} units")
+        if self.accumulation_sync != "every":
+            done.append(f"accumulation_sync={self.accumulation_sync!r}")
         if dims.cp > 1:
             done.append(f"{self.attention} attention over cp={dims.cp} ({self.load_balance} layout)")
         done.append(f"precision={self.precision_plugin.precision}")

@@ -1,7 +1,7 @@
 """Hybrid3DStrategy in a real Trainer: the unchanged example GPT on meshes that combine two or three of pp, dp, cp
 and tp, each against one process on the same global batch (fp64). A scenario name is a mesh, ``pp2_tp2`` or
 ``pp2_dp2_tp2`` (``hsdp2`` for dp_replicate=2 × dp_shard=2), optionally behind a variant prefix of ``VARIANTS``
-(``hf_``, ``acc_``, ``zeropp_``); every rank saves its final parameters (whole tensors of its stages) for the test.
+(``hf_``, ``acc_``, ``acclast_``, ``wrap_``, ``zeropp_``); every rank saves its final parameters (whole tensors of its stages) for the test.
 
 python tests/scenarios/hybrid3d_runs.py --devices 1 --out r.json --workdir DIR --scenarios reference
 python tests/scenarios/hybrid3d_runs.py --devices 4 --out r.json --workdir DIR --scenarios pp2_dp2,pp2_tp2,...
@@ -32,6 +32,7 @@ from lightning_dist import (
     PipelineStrategy,
     TensorParallelStrategy,
 )
+from lightning_dist.parallel.fsdp import fsdp_modules
 from lightning_dist.parallel.grad_clip import total_grad_norm
 
 STEPS = 4
@@ -55,10 +56,30 @@ class AllStagesRecorder(StepRecorder):
         self.grad_norms.append(float(total_grad_norm(pl_module.parameters(), stage_group=group)))
 
 
-VARIANTS = {  # scenario-name prefix: what changes against the plain run (the reference gets the same)
+class FirstBackwardGradients(L.Callback):
+    """How many parameters hold a gradient after the first micro-batch's backward: FSDP2 sets them when it reduces,
+    and keeps them unsharded and unset while accumulation_sync='last' defers the reduction."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.counts:
+            self.counts = [sum(p.grad is not None for p in pl_module.parameters()), len(list(pl_module.parameters()))]
+
+
+ACCUMULATION = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}  # clipping active at every step
+VARIANTS = {  # scenario-name prefix: the Trainer options that change against the plain run (the reference's too)
     "hf": {},  # a stock transformers LlamaForCausalLM (4 heads, 2 KV heads) that shifts the labels itself
-    "acc": {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05},  # clipping active at every step
+    "acc": ACCUMULATION,
+    "acclast": ACCUMULATION,  # accumulation_sync="last"; compared with the acc reference
+    "wrap": {},  # attention and MLP as FSDP2 units (wrap_regex) instead of the blocks
     "zeropp": {},  # Hybrid3DStrategy(zeropp=True); compared with the plain reference
+}
+STRATEGY_OPTIONS = {  # scenario-name prefix: the Hybrid3DStrategy options it adds
+    "acclast": {"accumulation_sync": "last"},
+    "wrap": {"wrap_regex": r"blocks\.\d+\.(attn|mlp)"},
+    "zeropp": {"zeropp": True},
 }
 
 
@@ -75,18 +96,19 @@ def _run(
     if kind == "hf":
         L.seed_everything(1234, verbose=False)
         model = HFLlama(64)
-    recorder = AllStagesRecorder()
+    recorder, first = AllStagesRecorder(), FirstBackwardGradients()
     options = VARIANTS.get(kind, {})
     batches = STEPS * options.get("accumulate_grad_batches", 1)
     trainer = L.Trainer(
-        **trainer_kwargs(devices, strategy=strategy, precision="64-true", callbacks=[recorder]),
+        **trainer_kwargs(devices, strategy=strategy, precision="64-true", callbacks=[recorder, first]),
         max_steps=STEPS,
         val_check_interval=batches,
         **options,
     )
     trainer.fit(model, data)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
-    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "val": metrics}, full_state(model)
+    result = {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "val": metrics}
+    return {**result, "gradients_after_first_backward": first.counts}, full_state(model)
 
 
 def reference(kind: str, devices: int, workdir: str) -> dict[str, Any]:
@@ -98,18 +120,19 @@ def reference(kind: str, devices: int, workdir: str) -> dict[str, Any]:
 
 def hybrid(name: str, devices: int, workdir: str) -> dict[str, Any]:
     kind, mesh = _variant(name)
-    strategy, replicas = _strategy(mesh, zeropp=kind == "zeropp")
+    strategy, replicas = _strategy(mesh, **STRATEGY_OPTIONS.get(kind, {}))
     result, state = _run(devices, strategy, replicas, kind)
     torch.save(state, f"{workdir}/{name}.rank{strategy.global_rank}.pt")  # a pipeline rank holds its stages only
     result["mesh"] = str(strategy.parallel_dims)
     result["local_parameters"] = sum(p.numel() for p in strategy.lightning_module.parameters())
+    result["fsdp_units"] = sorted({type(m).__name__ for m in fsdp_modules(strategy.lightning_module)})
     return result
 
 
 SAVE_AT = 2
 
 
-def _strategy(name: str, zeropp: bool = False) -> tuple[Any, int]:
+def _strategy(name: str, **hybrid_options: Any) -> tuple[Any, int]:
     """A strategy by scenario name (a mesh for hybrid3d, else a single strategy on 4 ranks) and its replica count."""
     single = {
         "fsdp2": (lambda: FSDP2Strategy(), 4),
@@ -121,7 +144,7 @@ def _strategy(name: str, zeropp: bool = False) -> tuple[Any, int]:
         make, replicas = single[name]
         return make(), replicas
     options = mesh_options(name)
-    return Hybrid3DStrategy(**options, zeropp=zeropp), options["data_parallel_shard_size"] * options.get(
+    return Hybrid3DStrategy(**options, **hybrid_options), options["data_parallel_shard_size"] * options.get(
         "data_parallel_replicate_size", 1
     )
 

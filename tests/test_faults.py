@@ -100,6 +100,13 @@ def test_rank_zero_finishes_only_after_every_live_rank_stopped_watching():
     assert 0.25 < time.monotonic() - start < 3.0
 
     zero, one = _watchdogs(dist.HashStore(), failures, interval=0.02)
+    zero.stop()  # rank 1 keeps beating and never ends (hung): rank 0 leaves after `limit`
+    start = time.monotonic()
+    zero.finish(patience=5.0, limit=0.4)
+    assert 0.35 < time.monotonic() - start < 3.0
+    one.stop()
+
+    zero, one = _watchdogs(dist.HashStore(), failures, interval=0.02)
     zero.stop(), one.stop()
     one.report("RuntimeError: boom")
     start = time.monotonic()

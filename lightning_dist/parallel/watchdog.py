@@ -80,10 +80,10 @@ class FailureWatchdog:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5 * self._interval)
 
-    def finish(self, patience: float = 10.0) -> None:
+    def finish(self, patience: float = 10.0, limit: float = 300.0) -> None:
         """Say that this rank has stopped watching (call after :meth:`stop`, at a normal end). On rank 0, then wait
-        until every other rank has said so too, has shown no heartbeat for ``patience`` seconds (it is gone or hung),
-        or a failure is published.
+        until every other rank has said so too, has shown no heartbeat for ``patience`` seconds (it is gone), or a
+        failure is published; at most ``limit`` seconds (a rank that keeps beating but never ends is hung).
 
         Rank 0's process usually hosts the store: leaving earlier takes it away from a rank still busy before its
         own teardown (a slow callback, a loaded machine), whose watchdog then reads that as rank 0's death and ends
@@ -95,7 +95,8 @@ class FailureWatchdog:
                 return
             waiting = set(range(1, self._world_size))
             progress: dict[int, tuple[int, float]] = {}
-            while waiting and not self._published():
+            deadline = time.monotonic() + limit
+            while waiting and not self._published() and time.monotonic() < deadline:
                 now = time.monotonic()
                 for rank in sorted(waiting):
                     if self._store.check([self._key(f"finished/{rank}")]):

@@ -1,4 +1,9 @@
-"""A finished 2-process fit exits with code 0, every time: schedulers read any other code as a failed job."""
+"""A finished 2-process fit exits with code 0 on every rank: schedulers read any other code as a failed job.
+
+A rank aborting at exit was rare (two of four full suites, one launch in hundreds), so repeating the example run
+proves little; the deterministic checks are that no communication thread outlives the exit handler and that a rank
+still busy when rank 0 ends is not ended by its watchdog.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +16,13 @@ from launch import run_training_command
 
 pytestmark = pytest.mark.slow
 
-RUNS = 2
 ABORT_MARKERS = ("terminate called", "AbortHandler")  # libstdc++'s line; torch's, under TORCH_CUSTOM_TERMINATE=1
 
 
-def test_repeated_two_process_fits_all_exit_cleanly(tmp_path):
+def test_the_example_fit_exits_without_an_abort(tmp_path):
     cmd = [sys.executable, "examples/train.py", "--strategy", "fsdp2", "--devices", "2", "--accelerator", "cpu"]
-    for run in range(RUNS):
-        out = run_training_command([*cmd, "--max-steps", "2", "--seed", str(run)], tmp_path, max_steps=2)
-        assert not any(marker in out for marker in ABORT_MARKERS), f"run {run}:\n{out[-6000:]}"
+    out = run_training_command([*cmd, "--max-steps", "2"], tmp_path, max_steps=2)
+    assert not any(marker in out for marker in ABORT_MARKERS), out[-6000:]
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names are read from Linux's /proc")

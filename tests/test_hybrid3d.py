@@ -10,12 +10,14 @@ training exactly as one process trains the whole batch and sequence (fp64):
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-from launch import max_abs_diff, run_scenarios
+from launch import max_abs_diff, run_scenarios, run_training_command
 from lightning.pytorch.strategies import StrategyRegistry
 from yaml_configs import cli_from_config
 
@@ -170,6 +172,23 @@ def test_mesh_auto_takes_the_planners_mesh_once_the_model_is_known():
         _gpt(), 4, 1, seq_len=16, micro_batch=1, global_batch=None, device_memory_gib=80.0, precision="32-true"
     )
     assert strategy.parallel_dims == expected
+
+
+@pytest.mark.slow
+def test_mesh_auto_trains_every_rank_on_rank_zeros_choice(tmp_path):
+    """Ranks told different device memory plan different meshes (dp_replicate=2 on rank 0, dp_shard=2 on rank 1);
+    before the ranks agreed, the two meshes hung the run. Rank 1 now says so and trains on rank 0's mesh."""
+    cmd = [sys.executable, "tests/scenarios/mesh_agreement.py", str(tmp_path)]
+    run_training_command(cmd, tmp_path, max_steps=2, timeout=180)
+    zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert zero["mesh"] == one["mesh"] == "dp_replicate=2"
+    assert zero["losses"] == one["losses"]
+    assert zero["warnings"] == []
+    expected = (
+        "hybrid3d rank 1: mesh='auto' chose dp_shard=2 here and dp_replicate=2 on rank 0; training on rank 0's (do"
+        " the ranks see different device memory? set device_memory_gib to plan for the smallest)."
+    )
+    assert one["warnings"] == [expected]
 
 
 @pytest.mark.parametrize("config", ["configs/hybrid3d.yaml", "configs/hybrid3d_auto.yaml"])

@@ -195,6 +195,10 @@ class MeshParallelStrategy(ShardedCheckpointing, MeshCollectives, StepProtocol, 
             compile=self.compile_options,
         )
 
+    def agree_on_mesh(self) -> None:
+        """Make every rank use the same mesh sizes, once the process group exists and before the mesh is built.
+        Sizes given as options agree by construction: nothing to do here."""
+
     def mesh_is_known(self) -> bool:
         """Whether the mesh sizes can be resolved now (``mesh="auto"`` needs the model, known only at ``fit``)."""
         return True
@@ -294,7 +298,6 @@ class MeshParallelStrategy(ShardedCheckpointing, MeshCollectives, StepProtocol, 
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()  # also validates the mesh sizes, before any process group exists
-        dims = self.parallel_dims
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
@@ -309,6 +312,8 @@ class MeshParallelStrategy(ShardedCheckpointing, MeshCollectives, StepProtocol, 
         )
         _destroy_process_groups_at_exit()
         self._watchdog = start_watchdog(self)
+        self.agree_on_mesh()
+        dims = self.parallel_dims
         if self._mesh is None:  # fit → test on one Trainer reuses the mesh (and its process groups)
             self._mesh = dims.build_mesh(self.root_device.type)
             self.log_decision(f"mesh {dims} over {self.world_size} processes ({self._process_group_backend})")

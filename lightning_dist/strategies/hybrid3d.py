@@ -10,9 +10,11 @@ step; the pipeline then runs that call through its schedule (see the pipeline an
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch.nn import Module
 from typing_extensions import override
 
@@ -202,6 +204,25 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         return self.accumulation_sync
 
     @override
+    def agree_on_mesh(self) -> None:
+        """``mesh="auto"``: every rank trains on rank 0's choice. Each process runs the planner itself, and ranks
+        that see different device memory (mixed GPUs, another job's memory) could choose different meshes, which
+        would hang or train wrongly; a rank whose choice differs says so."""
+        if self.mesh_choice != "auto" or self.world_size == 1:
+            return
+        mine = self._recommended_sizes()
+        chosen = [mine]
+        dist.broadcast_object_list(chosen, src=0)
+        if chosen[0] != mine:
+            warnings.warn(  # from every rank that differs, not from rank 0 alone
+                f"hybrid3d rank {self.global_rank}: mesh='auto' chose {_describe_sizes(mine)} here and"
+                f" {_describe_sizes(chosen[0])} on rank 0; training on rank 0's (do the ranks see different device"
+                " memory? set device_memory_gib to plan for the smallest)."
+            )
+            self._recommended = chosen[0]
+            self._dims = None
+
+    @override
     def validate_mesh(self, dims: ParallelDims) -> None:
         check_accumulation_sync_mesh(self.accumulation_sync, dims)
         cp = dims.cp
@@ -321,6 +342,10 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
             return inputs
         filled = self.positions_hook(self._module)(self._module, (), inputs)
         return inputs if filled is None else filled[1]
+
+
+def _describe_sizes(sizes: dict[str, MeshSize]) -> str:
+    return " × ".join(f"{axis}={size}" for axis, size in sizes.items() if size != 1) or "a single rank"
 
 
 def _sizes_from_options(

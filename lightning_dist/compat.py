@@ -24,6 +24,7 @@ __all__ = [
     "composable_checkpoint",
     "current_dispatch_mode",
     "flatten_mesh",
+    "forget_fsdp_process_groups",
     "forget_mesh_process_groups",
     "fsdp_collective_protocols",
     "fully_shard_module",
@@ -85,6 +86,24 @@ def forget_mesh_process_groups(mesh: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- FSDP2
+def forget_fsdp_process_groups() -> int:
+    """Drop the process groups FSDP2 keeps on every model still alive (``FSDPMeshInfo`` and its HSDP/DDP
+    relatives hold them directly), so that a model referenced until exit does not keep its groups' threads alive.
+    Only for the end of the process: those models cannot communicate afterwards. Returns how many were dropped."""
+    import gc
+
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DataParallelMeshInfo
+
+    dropped = 0
+    for obj in gc.get_objects():
+        if issubclass(type(obj), DataParallelMeshInfo):  # type(): some objects' __class__ lookups have side effects
+            for name in ("shard_process_group", "replicate_process_group", "reduce_scatter_process_group"):
+                if getattr(obj, name, None) is not None:
+                    setattr(obj, name, None)
+                    dropped += 1
+    return dropped
+
+
 def fsdp_collective_protocols() -> tuple[type, type]:
     """The ``AllGather`` and ``ReduceScatter`` protocols of FSDP2's custom collectives."""
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter

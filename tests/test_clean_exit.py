@@ -26,12 +26,13 @@ def test_the_example_fit_exits_without_an_abort(tmp_path):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names are read from Linux's /proc")
-@pytest.mark.parametrize("strategy", ["fsdp2", "tensor_parallel"])
-def test_no_communication_thread_is_left_running_at_exit(tmp_path, strategy):
+@pytest.mark.parametrize(("strategy", "scope"), [("fsdp2", "local"), ("tensor_parallel", "local"), ("fsdp2", "global")])
+def test_no_communication_thread_is_left_running_at_exit(tmp_path, strategy, scope):
     """Each rank's process groups are destroyed and their threads joined before the interpreter shuts down: the
     groups a finished run kept (a root mesh holds its groups, DTensor's caches hold the mesh, the metric-sync
-    module holds the loss group) once outlived ``destroy_process_group`` and ran through the C++ teardown."""
-    cmd = [sys.executable, "tests/scenarios/exit_threads.py", strategy]
+    module holds the loss group, FSDP2 holds its own on a model still referenced) once outlived
+    ``destroy_process_group`` and ran through the C++ teardown. ``global``: the model lives until exit."""
+    cmd = [sys.executable, "tests/scenarios/exit_threads.py", strategy, scope]
     out = run_training_command(cmd, tmp_path, max_steps=2)
     for rank in (0, 1):
         assert f"rank {rank}: communication threads at exit: []" in out, out[-3000:]

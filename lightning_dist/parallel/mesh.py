@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from lightning_dist.compat import flatten_mesh, forget_mesh_process_groups, unflatten_mesh
+from lightning_dist.compat import flatten_mesh, forget_fsdp_process_groups, forget_mesh_process_groups, unflatten_mesh
 from lightning_dist.parallel.validation import is_positive_int
 
 if TYPE_CHECKING:
@@ -156,8 +156,9 @@ def destroy_process_groups() -> None:
     """Destroy every process group, and let go of the ones the meshes built here still hold, so that their worker
     threads are joined now, while the interpreter is whole.
 
-    A root mesh keeps each of its groups alive, and DTensor's caches keep the mesh alive; other groups are held only
-    by a finished Trainer's reference cycles. Without the last two steps the groups of a finished run outlive
+    A root mesh keeps each of its groups alive, and DTensor's caches keep the mesh alive; FSDP2 keeps its groups on
+    every model still referenced (a module-level model, LightningCLI's); other groups are held only by a finished
+    Trainer's reference cycles. Without the last two steps the groups of a finished run outlive
     ``destroy_process_group`` and the interpreter, and their threads are still running while the process exits.
     Call it when the process is done with distributed work (at exit).
     """
@@ -168,6 +169,7 @@ def destroy_process_groups() -> None:
         if mesh is not None:
             forget_mesh_process_groups(mesh)
     _built_root_meshes.clear()
+    forget_fsdp_process_groups()  # models still referenced at exit (a module-level model, LightningCLI)
     gc.collect()  # groups referenced only from reference cycles (a finished Trainer's) go now, not never
 
 

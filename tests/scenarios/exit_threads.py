@@ -1,9 +1,8 @@
 """A 2-process fit and validate whose ranks each print, as the very last thing at exit, the communication threads
-(gloo, NCCL, the TCP store) still running: the strategy's exit handler must have joined them all. As in
-``examples/train.py``, the model and Trainer live in ``main`` (a model still referenced at exit keeps FSDP2's groups,
-and their threads, alive).
+(gloo, NCCL, the TCP store) still running: the strategy's exit handler must have joined them all. With ``global``
+the model and Trainer stay referenced until exit, as in a script written at module level or under LightningCLI.
 
-python tests/scenarios/exit_threads.py fsdp2
+python tests/scenarios/exit_threads.py fsdp2 [global]
 """
 
 from __future__ import annotations
@@ -36,13 +35,16 @@ def report_threads() -> None:
 atexit.register(report_threads)  # registered before the strategy's handler, so it runs after it
 
 
-def main(strategy: str) -> None:
+def main(strategy: str) -> tuple[L.LightningModule, L.Trainer]:
     model, data = make_model_and_data(2, vocab_size=64)  # tp=2 divides it
     trainer = L.Trainer(**trainer_kwargs(2, strategy=strategy), max_steps=2)
     trainer.fit(model, data)
     trainer.validate(model, data, verbose=False)
     rank["global"] = trainer.global_rank
+    return model, trainer
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    kept = main(sys.argv[1])
+    if sys.argv[2:] != ["global"]:
+        del kept

@@ -24,14 +24,13 @@ __all__ = [
     "composable_checkpoint",
     "current_dispatch_mode",
     "flatten_mesh",
-    "forget_fsdp_process_groups",
-    "forget_mesh_process_groups",
     "fsdp_collective_protocols",
     "fully_shard_module",
     "gather_full_state",
     "is_compiled_in_place",
     "load_dcp_without_process_group",
     "load_functional_collectives",
+    "registered_process_groups",
     "resolve_process_group",
     "sdpa_builtin_home",
     "torch_minor_version",
@@ -77,33 +76,14 @@ def unflatten_mesh(mesh: Any, dim: int, sizes: tuple[int, ...], names: tuple[str
     return mesh._unflatten(dim, sizes, names)
 
 
-def forget_mesh_process_groups(mesh: Any) -> None:
-    """Drop the references a root mesh keeps to its process groups (``DeviceMesh._pg_registry``, which torch 2.13
-    fills for tracing). ``destroy_process_group`` leaves them there, and a mesh lives as long as DTensor's caches."""
-    registry = getattr(mesh, "_pg_registry", None)
-    if isinstance(registry, dict):
-        registry.clear()
+def registered_process_groups() -> list[Any]:
+    """Every process group ``torch.distributed`` knows in this process (``_world.pg_map``), the default included."""
+    from torch.distributed.distributed_c10d import _world
+
+    return list(_world.pg_map)
 
 
 # ---------------------------------------------------------------------------------------------------- FSDP2
-def forget_fsdp_process_groups() -> int:
-    """Drop the process groups FSDP2 keeps on every model still alive (``FSDPMeshInfo`` and its HSDP/DDP
-    relatives hold them directly), so that a model referenced until exit does not keep its groups' threads alive.
-    Only for the end of the process: those models cannot communicate afterwards. Returns how many were dropped."""
-    import gc
-
-    from torch.distributed.fsdp._fully_shard._fsdp_common import DataParallelMeshInfo
-
-    dropped = 0
-    for obj in gc.get_objects():
-        if issubclass(type(obj), DataParallelMeshInfo):  # type(): some objects' __class__ lookups have side effects
-            for name in ("shard_process_group", "replicate_process_group", "reduce_scatter_process_group"):
-                if getattr(obj, name, None) is not None:
-                    setattr(obj, name, None)
-                    dropped += 1
-    return dropped
-
-
 def fsdp_collective_protocols() -> tuple[type, type]:
     """The ``AllGather`` and ``ReduceScatter`` protocols of FSDP2's custom collectives."""
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter

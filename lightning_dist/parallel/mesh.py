@@ -10,15 +10,11 @@ size 1. Three derived groups are named once here and used everywhere:
 
 from __future__ import annotations
 
-import gc
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
-from lightning_dist.compat import flatten_mesh, forget_fsdp_process_groups, forget_mesh_process_groups, unflatten_mesh
+from lightning_dist.compat import flatten_mesh, unflatten_mesh
 from lightning_dist.parallel.validation import is_positive_int
 
 if TYPE_CHECKING:
@@ -136,7 +132,6 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         world = init_device_mesh(device_type, tuple(self.as_dict().values()), mesh_dim_names=MESH_AXES)
-        _built_root_meshes.append(weakref.ref(world))
         derived = {name: flatten_mesh(world[axes], name) for name, axes in DERIVED_GROUPS.items()}
         # FSDP's mesh: 1-D over the fsdp group, or for HSDP 2-D (replicate, shard), cut from the flattened loss group
         # rather than sliced from the root (slicing flattened dims out of the root is deprecated in torch 2.13). A 2-D
@@ -147,30 +142,6 @@ class ParallelDims:
             sizes, names = (self.dp_replicate, self.fsdp), ("dp_replicate", "fsdp")
             data_parallel = unflatten_mesh(derived["loss"], 0, sizes, names)
         return ParallelMesh(self, world, derived, data_parallel)
-
-
-_built_root_meshes: list[weakref.ref] = []  # every root mesh build_mesh made in this process
-
-
-def destroy_process_groups() -> None:
-    """Destroy every process group, and let go of the ones the meshes built here still hold, so that their worker
-    threads are joined now, while the interpreter is whole.
-
-    A root mesh keeps each of its groups alive, and DTensor's caches keep the mesh alive; FSDP2 keeps its groups on
-    every model still referenced (a module-level model, LightningCLI's); other groups are held only by a finished
-    Trainer's reference cycles. Without the last two steps the groups of a finished run outlive
-    ``destroy_process_group`` and the interpreter, and their threads are still running while the process exits.
-    Call it when the process is done with distributed work (at exit).
-    """
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    for ref in _built_root_meshes:
-        mesh = ref()
-        if mesh is not None:
-            forget_mesh_process_groups(mesh)
-    _built_root_meshes.clear()
-    forget_fsdp_process_groups()  # models still referenced at exit (a module-level model, LightningCLI)
-    gc.collect()  # groups referenced only from reference cycles (a finished Trainer's) go now, not never
 
 
 @dataclass(frozen=True)

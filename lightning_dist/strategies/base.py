@@ -47,9 +47,10 @@ from typing_extensions import override
 
 from lightning_dist.parallel.compile import keep_user_compilation, resolve_compile_options, unwrap_user_compiled
 from lightning_dist.parallel.fsdp import FSDPConfig, is_fully_sharded
-from lightning_dist.parallel.mesh import AXIS_OPTIONS, ParallelDims, ParallelMesh, destroy_process_groups
+from lightning_dist.parallel.mesh import AXIS_OPTIONS, ParallelDims, ParallelMesh
 from lightning_dist.parallel.parallelize import ParallelizeConfig
 from lightning_dist.parallel.placement import place_model
+from lightning_dist.parallel.process_group_exit import destroy_process_groups
 from lightning_dist.parallel.replicated_state import broadcast_replicated_state, tp_replicated_parameters
 from lightning_dist.parallel.tensor_parallel import tp_sharded_parameters
 from lightning_dist.plugins.precision import FSDP2Precision, to_fsdp2_precision
@@ -512,7 +513,6 @@ def _destroy_process_groups_at_exit() -> None:
 
     def release() -> None:
         stop_watchdogs()
-        use_metric_group(None)  # a module-level reference to the loss group: it would keep that group's threads
         destroy_process_groups()
 
     atexit.register(release)

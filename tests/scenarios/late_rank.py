@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Callback
 
 import lightning_dist  # noqa: F401  (registers the strategy names)
 
-LATE_SECONDS = 3.0  # three polls of the watchdog
+LATE_SECONDS = 2.5  # more than two polls of the watchdog
 
 
 class SlowEndOnRankOne(Callback):

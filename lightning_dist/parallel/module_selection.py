@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from torch import nn
 
 from lightning_dist.parallel.model_structure import find_repeated_blocks
+from lightning_dist.parallel.validation import check_regex
 
 __all__ = ["ModuleSpec", "find_repeated_blocks", "resolve_module_classes", "select_modules", "summarize"]
 
@@ -50,6 +51,17 @@ def resolve_module_classes(specs: Iterable[ModuleSpec]) -> tuple[set[type[nn.Mod
         else:
             raise ValueError(f"Expected a module class or a class path string, got {spec!r}.")
     return classes, names
+
+
+def check_unit_choice(
+    wrap_modules: Iterable[ModuleSpec] | None, wrap_regex: str | None
+) -> tuple[list[ModuleSpec] | None, str | None]:
+    """The ``wrap_modules``/``wrap_regex`` options of a strategy, checked when it is built: every class path must
+    import and the regex must compile (a ``ValueError``/``ImportError`` naming the option otherwise)."""
+    modules = list(wrap_modules) if wrap_modules is not None else None
+    if modules is not None:
+        resolve_module_classes(modules)
+    return modules, check_regex("wrap_regex", wrap_regex)
 
 
 def select_modules(

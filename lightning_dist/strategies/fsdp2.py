@@ -23,9 +23,9 @@ from lightning_dist.parallel.gradient_sync import (
     check_accumulation_sync_mesh,
 )
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
-from lightning_dist.parallel.module_selection import resolve_module_classes, select_modules
+from lightning_dist.parallel.module_selection import check_unit_choice, select_modules
 from lightning_dist.parallel.parallelize import ParallelizeConfig, ParallelizeRecord, parallelize
-from lightning_dist.parallel.validation import check_bool, check_regex, is_int
+from lightning_dist.parallel.validation import check_bool, is_int
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
 
 
@@ -84,10 +84,7 @@ class FSDP2Strategy(MeshParallelStrategy):
         self.data_parallel_shard_size = data_parallel_shard_size
         self.data_parallel_replicate_size = data_parallel_replicate_size
         self.reshard_after_forward = reshard_after_forward
-        self.wrap_modules = list(wrap_modules) if wrap_modules is not None else None
-        if self.wrap_modules is not None:
-            resolve_module_classes(self.wrap_modules)  # fail now on a class path that does not import
-        self.wrap_regex = check_regex("wrap_regex", wrap_regex)
+        self.wrap_modules, self.wrap_regex = check_unit_choice(wrap_modules, wrap_regex)
         self.activation_checkpointing = check_bool("activation_checkpointing", activation_checkpointing)
         self.cpu_offload = check_bool("cpu_offload", cpu_offload)
         self.accumulation_sync = check_accumulation_sync(accumulation_sync)

@@ -26,9 +26,9 @@ from lightning_dist.parallel.gradient_sync import (
     check_accumulation_sync_mesh,
 )
 from lightning_dist.parallel.mesh import MESH_AXES, MeshConfigError, ParallelDims
-from lightning_dist.parallel.module_selection import resolve_module_classes, select_modules
+from lightning_dist.parallel.module_selection import check_unit_choice, select_modules
 from lightning_dist.parallel.parallelize import ParallelizeConfig, parallelize
-from lightning_dist.parallel.validation import check_bool, check_regex
+from lightning_dist.parallel.validation import check_bool
 from lightning_dist.parallel.zeropp import QuantizedAllGather
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
 from lightning_dist.strategies.context_parallel_steps import ContextParallelSteps
@@ -147,10 +147,7 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         self.mesh_shape = mesh_shape
         self.activation_checkpointing = check_bool("activation_checkpointing", activation_checkpointing)
         self.reshard_after_forward = check_bool("reshard_after_forward", reshard_after_forward)
-        self.wrap_modules = list(wrap_modules) if wrap_modules is not None else None
-        if self.wrap_modules is not None:
-            resolve_module_classes(self.wrap_modules)  # fail now on a class path that does not import
-        self.wrap_regex = check_regex("wrap_regex", wrap_regex)
+        self.wrap_modules, self.wrap_regex = check_unit_choice(wrap_modules, wrap_regex)
         self.accumulation_sync = check_accumulation_sync(accumulation_sync)
         self.zeropp = check_bool("zeropp", zeropp)
         if mesh == "auto" and sequence_length is None:
@@ -215,8 +212,8 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         dist.broadcast_object_list(chosen, src=0)
         if chosen[0] != mine:
             warnings.warn(  # from every rank that differs, not from rank 0 alone
-                f"hybrid3d rank {self.global_rank}: mesh='auto' chose {_describe_sizes(mine)} here and"
-                f" {_describe_sizes(chosen[0])} on rank 0; training on rank 0's (do the ranks see different device"
+                f"hybrid3d rank {self.global_rank}: mesh='auto' chose {ParallelDims(**mine)} here and"
+                f" {ParallelDims(**chosen[0])} on rank 0; training on rank 0's (do the ranks see different device"
                 " memory? set device_memory_gib to plan for the smallest)."
             )
             self._recommended = chosen[0]
@@ -342,10 +339,6 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
             return inputs
         filled = self.positions_hook(self._module)(self._module, (), inputs)
         return inputs if filled is None else filled[1]
-
-
-def _describe_sizes(sizes: dict[str, MeshSize]) -> str:
-    return " × ".join(f"{axis}={size}" for axis, size in sizes.items() if size != 1) or "a single rank"
 
 
 def _sizes_from_options(

@@ -141,6 +141,32 @@ def test_tied_parameters_across_stages_are_found():
     assert find_tied_parameters(model, plan_stages(model, 1)) == []
 
 
+def test_units_follow_the_forward_not_registration_order():
+    """litgpt's GPT registers lm_head before transformer: ordering by registration put the head on stage 0 (and the
+    run failed: "lm_head of the earlier stage 0 runs after this stage's modules began"). With the head tied to the
+    embedding, the tie lists the embedding (stage 0) first; stages run in sequence equal the whole model."""
+    from litgpt.config import Config
+    from litgpt.model import GPT as LitGPT
+
+    torch.manual_seed(0)
+    config = Config(block_size=16, vocab_size=64, padded_vocab_size=64, n_layer=4, n_head=4, n_embd=16)
+    model = LitGPT(config).double()
+    model.lm_head.weight = model.transformer.wte.weight
+    units, blocks = find_pipeline_units(model)
+    assert units == ["transformer.wte", *blocks, "transformer.ln_f", "lm_head"]
+    plan = plan_stages(model, 2)
+    assert plan.stages == (
+        ("transformer.wte", "transformer.h.0", "transformer.h.1"),
+        ("transformer.h.2", "transformer.h.3", "transformer.ln_f", "lm_head"),
+    )
+    (tie,) = find_tied_parameters(model, plan)
+    assert tie.names == ("transformer.wte.weight", "lm_head.weight") and tie.stages == (0, 1)
+    reference = copy.deepcopy(model)
+    parts = cut_pipeline_stages(model, plan, [0, 1], "cpu")
+    ids = torch.randint(0, 64, (2, 16))
+    assert torch.equal(run_in_sequence(parts, model_inputs_as_kwargs(reference, (ids,), {})), reference(ids))
+
+
 # ------------------------------------------------------------------------------------------------ schedules
 def test_schedule_checks_name_option_value_and_fix():
     with pytest.raises(ValueError, match="not a pipeline schedule"):

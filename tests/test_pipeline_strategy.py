@@ -30,7 +30,7 @@ REFERENCE = {  # pipeline run on 2 ranks: the one-process run it must match
 }
 # (pp4_gpipe, also in the script, matched the reference by hand: left out of the launch for time)
 FOUR_RANKS = {"1f1b_dp2": "reference", "pp4_1f1b": "reference"}
-HF_MODELS = ["llama", "gpt2"]
+HF_MODELS = ["llama", "gpt2", "litgpt"]  # litgpt: lm_head registered before the blocks
 # (checkpoint saved by, resumed under): each resumes the step-2 checkpoint and trains to step 4
 RESUMES = [("pipeline", "fsdp2"), ("pipeline", "tensor_parallel"), ("fsdp2", "pipeline")]
 SCRIPT = "pipeline_strategy_runs.py"
@@ -107,7 +107,8 @@ def test_four_ranks_match_one_process(four_ranks, scenario):
 def test_hugging_face_models_match_one_process(runs, model):
     """Stock LlamaForCausalLM and GPT2LMHeadModel (embedding tied to lm_head) in a LightningModule without
     configure_model whose training_step returns ``self.model(input_ids=x, labels=x).loss``: the pipelined module is
-    ``self.model``. GPT-2's tied weight has a copy on each stage; the copies are equal after every step."""
+    ``self.model``. GPT-2's tied weight has a copy on each stage; the copies are equal after every step. litgpt's
+    GPT (its loss from the logits in fp64) registers lm_head before its blocks: the split follows the forward."""
     reference = runs[f"hf_{model}_reference"]
     ranks = runs["pipeline"][f"hf_{model}"]["per_rank"]
     assert set(ranks[0]["keys"]).union(ranks[1]["keys"]) == set(reference["keys"])
@@ -120,6 +121,9 @@ def test_hugging_face_models_match_one_process(runs, model):
         assert "model.transformer.wte.weight" in ranks[0]["keys"] and "model.lm_head.weight" in ranks[1]["keys"]
         for rank in ranks:
             assert rank["tied_diffs"] == [0.0] * len(reference["losses"])
+    if model == "litgpt":  # lm_head (registered first) on the last stage; the loss is computed from fp64 logits
+        assert "model.transformer.wte.weight" in ranks[0]["keys"] and "model.lm_head.weight" in ranks[1]["keys"]
+        assert all(max_abs_diff(rank["losses"], reference["losses"]) <= TOL for rank in ranks)
 
 
 @pytest.mark.slow
@@ -211,5 +215,10 @@ def test_plan_command_prints_the_stage_split(capsys):
     out = capsys.readouterr().out
     assert "# pipelined module: model (GPT2LMHeadModel)" in out
     assert "transformer.wte.weight (stage 0) = lm_head.weight (stage 1)" in out
+    # litgpt's GPT registers lm_head before transformer: the stages follow the forward's order
+    run_tool("plan", [*args[:3], '{"kind": "litgpt"}', *args[4:], "--pipeline-parallel-size", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].startswith("stage 0: transformer.wte, transformer.h.0-1  (rank 0, ")
+    assert lines[3].startswith("stage 1: transformer.h.2-3, transformer.ln_f, lm_head  (rank 1, ")
     with pytest.raises(SystemExit, match="give --pipeline-parallel-size N"):
         run_tool("plan", ["--model", "examples.gpt.GPT", "--strategy", "pipeline"])

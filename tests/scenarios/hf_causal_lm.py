@@ -1,4 +1,4 @@
-"""Stock Hugging Face causal LMs (tiny configs) in a plain LightningModule: no ``configure_model``, the model in
+"""Stock Hugging Face causal LMs and litgpt's ``GPT`` (tiny configs) in a plain LightningModule: no ``configure_model``, the model in
 ``self.model``, and a ``training_step`` that passes ``labels=`` and returns the model's own loss.
 
 transformers' ``ForCausalLMLoss`` shifts the labels and casts the logits to float32 before the cross entropy, so
@@ -41,7 +41,20 @@ def gpt2() -> torch.nn.Module:
     return GPT2LMHeadModel(config)
 
 
-MODELS = {"llama": llama, "gpt2": gpt2}
+def litgpt() -> torch.nn.Module:
+    """litgpt's ``GPT``: 4 layers, 4 heads, rotary, LayerNorm (litgpt's RMSNorm computes in fp32 even for fp64
+    inputs). It registers ``lm_head`` before ``transformer``: registration order is not the forward's order."""
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    config = Config(
+        block_size=SEQ_LEN, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=4, n_head=4, n_embd=32,
+        norm_class_name="LayerNorm",
+    )  # fmt: skip
+    return GPT(config)
+
+
+MODELS = {"llama": llama, "gpt2": gpt2, "litgpt": litgpt}
 
 
 class HFCausalLM(L.LightningModule):
@@ -50,10 +63,17 @@ class HFCausalLM(L.LightningModule):
     def __init__(self, kind: str, lr: float = 1e-2) -> None:
         super().__init__()
         self.model = MODELS[kind]()
+        self.kind = kind
         self.lr = lr
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x = batch["input_ids"]
+        if self.kind == "litgpt":  # takes no labels and returns the logits
+            logits = self.model(x)[:, :-1]
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+            self.log("loss64", loss)
+            self.log("train_loss", loss)
+            return loss
         out = self.model(input_ids=x, labels=x)
         logits = out.logits[:, :-1]
         self.log("loss64", F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)))

@@ -304,8 +304,10 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "precisions": _precisions,  # with 1 process: the reference
     "hf_llama_reference": _hf_reference("llama"),
     "hf_gpt2_reference": _hf_reference("gpt2"),
+    "hf_litgpt_reference": _hf_reference("litgpt"),
     "hf_llama": _hf_pipeline("llama"),
     "hf_gpt2": _hf_pipeline("gpt2"),
+    "hf_litgpt": _hf_pipeline("litgpt"),
 }
 
 if __name__ == "__main__":

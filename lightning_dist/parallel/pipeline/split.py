@@ -8,6 +8,9 @@ dropout, metrics) are not units: every stage keeps them, so each stage can recom
 ``split="auto"`` balances the units over the stages as torchtitan does: each block is one unit of work, everything
 before the first block (the embeddings) counts as one block's worth and everything after the last block (norm and
 head) as another. A user can instead give the names where stages begin, or the module names of every stage.
+
+"Before" and "after" are the forward's order, found by running it once on a meta-device copy
+(:mod:`.order`), not the order in which ``__init__`` registered the modules (litgpt registers its head first).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Literal
 from torch import nn
 
 from lightning_dist.parallel.module_selection import find_repeated_blocks
+from lightning_dist.parallel.pipeline.order import forward_order
 
 SplitSpec = str | Sequence[str] | Sequence[Sequence[str]]
 StagePlacement = Literal["loop", "v"]
@@ -29,7 +33,7 @@ class StagePlan:
     """The units of every stage, in execution order.
 
     Attributes:
-        stages: ``stages[i]`` holds the qualified names of the units of stage ``i``.
+        stages: ``stages[i]`` holds the qualified names of the units of stage ``i``, in forward order.
         blocks: The names of the repeated blocks (a subset of all units), for logging and for sharding per stage.
     """
 
@@ -67,7 +71,8 @@ def find_pipelined_module(model: nn.Module) -> str:
 
 
 def find_pipeline_units(model: nn.Module) -> tuple[list[str], list[str]]:
-    """Return ``(units, blocks)``: the qualified names of all units in registration order, and of the blocks.
+    """Return ``(units, blocks)``: the qualified names of all units and of the blocks, in the order the forward first
+    runs them (:func:`~.order.forward_order`; registration order when no example forward runs on a meta copy).
 
     Raises:
         ValueError: when a module that contains blocks also owns parameters directly (such a parameter cannot be
@@ -102,7 +107,10 @@ def find_pipeline_units(model: nn.Module) -> tuple[list[str], list[str]]:
                 units.append(name)
 
     visit("", model)
-    return units, blocks
+    ordered = forward_order(model, units)
+    if ordered is None:
+        return units, blocks
+    return ordered, [u for u in ordered if u in block_set]
 
 
 def plan_stages(model: nn.Module, num_stages: int, split: SplitSpec = "auto") -> StagePlan:

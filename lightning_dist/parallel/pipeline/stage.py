@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_dist.parallel.pipeline.order import meta_twin
 from lightning_dist.parallel.pipeline.outputs import OutputRecipe, flatten_output, map_tensors
 from lightning_dist.parallel.pipeline.split import StagePlan
 
@@ -223,7 +224,7 @@ def cut_pipeline_stages(
     owner = {unit: index for index, units in enumerate(plan.stages) for unit in units}
     _untie_between_local_stages(model, owner, stage_ids)
     local = {unit for s in stage_ids for unit in plan.stages[s]}
-    twins = {u: _meta_twin(model.get_submodule(u)) for u in owner if any(owner[u] < s for s in stage_ids)}
+    twins = {u: meta_twin(model.get_submodule(u)) for u in owner if any(owner[u] < s for s in stage_ids)}
     parts = []
     for stage in stage_ids:
         runtime = StageRuntime(stage, plan.num_stages, plan, device)
@@ -356,27 +357,18 @@ def _untie_between_local_stages(model: nn.Module, owner: dict[str, int], stage_i
     """Give each local stage its own copy of a parameter tied across stages (torch's split backward of the
     zero-bubble schedules mis-accumulates one Parameter used by two stages of a rank); the copies' gradients are
     summed by :func:`~.tied.all_reduce_tied_gradients`."""
-    seen: dict[int, int] = {}  # id(param) -> stage of its first name
-    for name, param in list(model.named_parameters(remove_duplicate=False)):
+    placed = []  # (stage, name, param) of this rank's stages, in stage order: the earliest stage keeps the original
+    for name, param in model.named_parameters(remove_duplicate=False):
         unit = next((u for u in owner if name.startswith(f"{u}.")), None)
-        if unit is None or owner[unit] not in stage_ids:
-            continue
-        first = seen.setdefault(id(param), owner[unit])
-        if first != owner[unit]:
+        if unit is not None and owner[unit] in stage_ids:
+            placed.append((owner[unit], name, param))
+    seen: dict[int, int] = {}  # id(param) -> stage of its first name
+    for stage, name, param in sorted(placed, key=lambda entry: entry[0]):
+        first = seen.setdefault(id(param), stage)
+        if first != stage:
             module_name, _, leaf = name.rpartition(".")
             copy_ = nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad)
             model.get_submodule(module_name).register_parameter(leaf, copy_)
-
-
-def _meta_twin(module: nn.Module) -> nn.Module:
-    """A deep copy of ``module`` whose parameters and buffers are on the meta device (no storage is copied)."""
-    memo: dict[int, Any] = {}
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
-        meta = torch.empty_like(tensor, device="meta")
-        memo[id(tensor)] = (
-            nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-        )
-    return copy.deepcopy(module, memo)
 
 
 def _to_meta(t: torch.Tensor) -> torch.Tensor:

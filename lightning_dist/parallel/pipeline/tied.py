@@ -24,7 +24,8 @@ class TiedParameter:
     """One Parameter registered under several names in units of different stages.
 
     Attributes:
-        names: Every qualified name of the parameter, in model order.
+        names: Every qualified name of the parameter, in stage order (the forward's order, not registration's:
+            litgpt registers ``lm_head`` before the embedding).
         stages: The stage of each name.
     """
 
@@ -42,9 +43,9 @@ def find_tied_parameters(model: nn.Module, plan: StagePlan) -> list[TiedParamete
         by_id.setdefault(id(param), []).append(name)
     ties = []
     for names in by_id.values():
-        stages = tuple(_stage_of_param(plan, n) for n in names)
-        if len(names) > 1 and len(set(stages)) > 1:
-            ties.append(TiedParameter(tuple(names), stages))
+        placed = sorted(((_stage_of_param(plan, n), n) for n in names), key=lambda pair: pair[0])
+        if len(names) > 1 and len({stage for stage, _ in placed}) > 1:
+            ties.append(TiedParameter(tuple(n for _, n in placed), tuple(stage for stage, _ in placed)))
     return ties
 
 

@@ -1,0 +1,101 @@
+"""The order in which a model's forward first runs its modules, found on a parameter-free meta-device copy.
+
+Registration order (``named_children``) is not the forward's order: litgpt's ``GPT`` registers ``lm_head`` before
+``transformer``. Everything the pipeline decides by order (which units are "before the blocks", where a stage
+begins, which copy of a tied weight comes first) therefore asks :func:`forward_order` first. It runs the forward
+once on a deep copy whose parameters and buffers are on the meta device (no memory, no compute) with an example
+batch of token ids, and records each unit's first call with forward pre-hooks. A forward that cannot run that way
+(it takes float features, or branches on tensor values) keeps registration order.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+# Sequence lengths tried for the example token ids: short (cheap, and below any model's maximum), then one token.
+_EXAMPLE_LENGTHS = (8, 1)
+
+
+def meta_twin(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` whose parameters and buffers are on the meta device (no storage is copied)."""
+    memo: dict[int, Any] = {}
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = (
+            nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+        )
+    return copy.deepcopy(module, memo)
+
+
+def forward_order(
+    model: nn.Module, names: Sequence[str], example: tuple[tuple, dict[str, Any]] | None = None
+) -> list[str] | None:
+    """``names`` (qualified submodule names of ``model``) sorted by when ``model``'s forward first calls them.
+
+    Modules the forward never calls keep their place after the called ones, in the given order.
+
+    Args:
+        model: Any model, on any device (it is not run: a meta copy is).
+        names: The submodules to order.
+        example: ``(args, kwargs)`` of one forward call (tensors are moved to meta). Default: token ids
+            ``[1, 8]`` (then ``[1, 1]``) as the forward's first argument.
+
+    Returns:
+        The names in forward order, or ``None`` when no example forward ran on the meta copy.
+    """
+    try:
+        twin = meta_twin(model)
+    except Exception:  # noqa: BLE001 (a model that cannot be deep-copied keeps registration order)
+        return None
+    seen: list[str] = []
+
+    def recorder(name: str) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            if name not in seen:
+                seen.append(name)
+
+        return hook
+
+    handles = [twin.get_submodule(n).register_forward_pre_hook(recorder(n)) for n in names]
+    try:
+        for args, kwargs in [example] if example is not None else _token_examples(model):
+            seen.clear()
+            try:
+                with torch.no_grad():
+                    twin(*_to_meta(args), **_to_meta(kwargs))
+            except Exception:  # noqa: BLE001, S112 (this example does not fit the forward: try the next)
+                continue
+            return seen + [n for n in names if n not in seen]
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _token_examples(model: nn.Module) -> list[tuple[tuple, dict[str, Any]]]:
+    """Token-id batches for the forward's first argument (the ``input_ids``/``idx`` of causal LMs)."""
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    first = next((p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)), None)
+    if first is None:
+        return []
+    return [((), {first.name: torch.zeros(1, n, dtype=torch.long, device="meta")}) for n in _EXAMPLE_LENGTHS]
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    if isinstance(value, dict):
+        return {k: _to_meta(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_meta(v) for v in value)
+    return value

@@ -137,14 +137,17 @@ def composable_checkpoint(module: torch.nn.Module) -> torch.nn.Module:
 
 
 # ---------------------------------------------------------------------------------------------------- DCP
-def load_dcp_without_process_group(path: Any) -> dict[str, Any]:
-    """Every tensor of a DCP checkpoint folder, in full, in this process (no process group needed)."""
-    from torch.distributed.checkpoint import FileSystemReader
+def load_dcp_without_process_group(reader: Any, planner_mixin: type | None = None) -> dict[str, Any]:
+    """Every tensor of a DCP checkpoint folder (through its storage ``reader``), in full, in this process (no process
+    group needed). ``planner_mixin`` overrides methods of DCP's planner (a restricted ``load_bytes``)."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    planner_cls = _EmptyStateDictLoadPlanner
+    if planner_mixin is not None:
+        planner_cls = type(f"{planner_mixin.__name__}EmptyStateDict", (planner_mixin, _EmptyStateDictLoadPlanner), {})
     state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    _load_state_dict(state, storage_reader=reader, planner=planner_cls(), no_dist=True)
     return state
 
 

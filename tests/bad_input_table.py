@@ -118,6 +118,12 @@ def _unfinished(tmp_path: Path) -> Path:
     return path
 
 
+def _crafted_index(tmp_path: Path) -> Path:
+    from scenarios.crafted_checkpoints import Payload, sharded_with_index  # type: ignore[import-not-found]
+
+    return sharded_with_index(tmp_path / "downloaded.ckpt", Payload(tmp_path / "PAYLOAD_RAN"))
+
+
 ROWS: list[BadInput] = [
     # --- option types and values, from Python
     BadInput("A size given as a string in Python", lambda t: _fit(FSDP2Strategy(data_parallel_shard_size="2")),
@@ -202,6 +208,9 @@ ROWS: list[BadInput] = [
              CheckpointError, r"Checkpoint not found: '.*epoch=3\.ckpt' does not exist"),
     BadInput("A ckpt_path of an unfinished save", lambda t: _fit("fsdp2", ckpt_path=_unfinished(t)),
              CheckpointError, r"not a complete checkpoint"),
+    BadInput("A ckpt_path whose DCP index would run code when unpickled (a crafted or untrusted checkpoint)",
+             lambda t: _fit("fsdp2", ckpt_path=_crafted_index(t)),
+             CheckpointError, r"DCP index .*names 'builtins\.exec', which is not one of the metadata types.*weights_only=False"),
     BadInput("save_last='link' with the async checkpoint plugin",
              lambda t: _fit("fsdp2", plugins=[AsyncDistributedCheckpointIO()], callbacks=[ModelCheckpoint(save_last="link")]),
              ValueError, r"ModelCheckpoint\(save_last='link'\) cannot be combined with AsyncDistributedCheckpointIO"),

@@ -26,6 +26,7 @@ from lightning_dist.checkpoint.layout import (
     with_provenance,
 )
 from lightning_dist.checkpoint.optimizer_format import is_name_keyed, names_to_positions
+from lightning_dist.checkpoint.safe_load import RestrictedBytesLoading, dcp_reader, shard_error
 from lightning_dist.compat import load_dcp_without_process_group
 
 #: Key of the safetensors header metadata that marks our exports (so a later export may replace them).
@@ -34,19 +35,20 @@ SAFETENSORS_MARKER = "lightning_dist"
 WEIGHTS_ONLY_KEYS = ("state_dict", "hyper_parameters", "hparams_name", "pytorch-lightning_version", "lightning_dist")
 
 
-def load_full_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+def load_full_checkpoint(path: str | os.PathLike, weights_only: bool = True) -> dict[str, Any]:
     """The checkpoint at ``path`` as one dict in the format of a one-device Lightning checkpoint (full tensors,
     position-keyed ``optimizer_states``), whether it is a sharded folder or a single file, after verifying its
-    checksums. Needs no process group."""
-    path = validate_checkpoint(path)
-    verify_checksums(path)
+    checksums. Needs no process group. ``weights_only=False`` trusts the files with full unpickling."""
+    path = validate_checkpoint(path, weights_only)
+    verify_checksums(path, weights_only)
     if not is_sharded_checkpoint(path):
-        return read_checkpoint_file(path, mmap=False)
-    checkpoint = read_metadata(path)
+        return read_checkpoint_file(path, weights_only, mmap=False)
+    checkpoint = read_metadata(path, weights_only)
     try:
-        sharded = load_dcp_without_process_group(path)
+        restricted = RestrictedBytesLoading if weights_only else None
+        sharded = load_dcp_without_process_group(dcp_reader(path, weights_only), restricted)
     except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
-        raise CheckpointError(f"Could not read the shards of {str(path)!r}: {err}") from err
+        raise shard_error(err, f"Could not read the shards of {str(path)!r}") from err
     if not isinstance(sharded.get("state_dict"), dict):
         raise CheckpointError(f"The checkpoint {str(path)!r} holds no 'state_dict' of model weights in its shards.")
     checkpoint["state_dict"] = sharded.pop("state_dict")

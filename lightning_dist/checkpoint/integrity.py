@@ -32,10 +32,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from lightning_dist.checkpoint.layout import COMPLETE_MARKER, DCP_INDEX, METADATA_FILENAME, CheckpointError
+from lightning_dist.checkpoint.safe_load import dcp_reader
 
 _CHUNK = 4 * 2**20
 #: Files at most this large are checked against their checksum by the cheap :func:`check_structure`.
@@ -182,15 +183,16 @@ def crc32_enabled() -> Iterator[None]:
 
 
 # ----------------------------------------------------------------------------------------------------- cheap checks
-def check_structure(path: Path) -> None:
-    """Cheap checks of a finished checkpoint (folder or file): see the module docstring."""
+def check_structure(path: Path, weights_only: bool = True) -> None:
+    """Cheap checks of a finished checkpoint (folder or file): see the module docstring. ``weights_only``: read the
+    DCP index with the restricted unpickler."""
     if path.is_dir():
-        _check_folder(path)
+        _check_folder(path, weights_only)
     else:
         _zip_records(path)
 
 
-def _check_folder(folder: Path) -> None:
+def _check_folder(folder: Path, weights_only: bool) -> None:
     records = read_marker(folder) or {}
     for name, record in records.items():
         file = folder / name
@@ -202,7 +204,7 @@ def _check_folder(folder: Path) -> None:
             raise damaged(folder, name, f"has {size:,} bytes but the save wrote {record.size:,} ({how} since)")
         if not name.endswith(".distcp") and record.size <= _SMALL_FILE:
             _compare(folder, name, record)
-    for name, end in _index_extents(folder).items():
+    for name, end in _index_extents(folder, weights_only).items():
         file = folder / name
         if not file.is_file():
             raise damaged(folder, name, f"is missing (the DCP index places {end:,} bytes of tensors there)")
@@ -212,10 +214,12 @@ def _check_folder(folder: Path) -> None:
             )
 
 
-def _index_extents(folder: Path) -> dict[str, int]:
+def _index_extents(folder: Path, weights_only: bool) -> dict[str, int]:
     """For each shard file the DCP index names, the end of its last item."""
     try:
-        storage = FileSystemReader(folder).read_metadata().storage_data
+        storage = dcp_reader(folder, weights_only).read_metadata().storage_data
+    except CheckpointError:
+        raise
     except Exception as err:
         raise damaged(
             folder, DCP_INDEX, f"(the DCP index) cannot be read: {type(err).__name__}: {str(err).rstrip('.')}"
@@ -258,14 +262,14 @@ def _zip_records(file: Path) -> list[_ZipRecord]:
 
 
 # ---------------------------------------------------------------------------------------------------- full checks
-def verify_checksums(path: Path) -> IntegrityReport:
+def verify_checksums(path: Path, weights_only: bool = True) -> IntegrityReport:
     """Compare every recorded checksum with the bytes on disk (after :func:`check_structure`). When a process group
     is initialized the files are split over the ranks and every rank raises the same error. Collective then."""
     checks: list[tuple[str, Any]]
     if path.is_dir():
         records = read_marker(path) or {}
         checks = [(name, record) for name, record in sorted(records.items())]
-        files = len(set(records) | set(_index_extents(path)) | {METADATA_FILENAME})
+        files = len(set(records) | set(_index_extents(path, weights_only)) | {METADATA_FILENAME})
     else:
         # A record without a CRC was written with torch's crc32 option off: nothing to compare.
         checks = [(r.name, r) for r in _zip_records(path) if r.crc32 != 0 or r.size == 0]

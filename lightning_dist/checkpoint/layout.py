@@ -35,24 +35,19 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-import zipfile
 from pathlib import Path
 from typing import Any
 
-import torch
+from lightning_dist.checkpoint.errors import CheckpointError
+from lightning_dist.checkpoint.safe_load import DCP_INDEX, load_file, probe_entries
 
 METADATA_FILENAME = "meta.pt"
 COMPLETE_MARKER = "COMPLETE"
 #: The entry of every checkpoint we write (strategy, world size, mesh, data position...): how a save recognises a
 #: checkpoint of ours it may replace.
 PROVENANCE_KEY = "lightning_dist"
-DCP_INDEX = ".metadata"
 _TMP_INFIX = ".tmp-"
 _OLD_INFIX = ".old-"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, unfinished, corrupt or does not match the model."""
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
@@ -60,10 +55,11 @@ def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     return Path(path).is_dir()
 
 
-def validate_checkpoint(path: str | os.PathLike) -> Path:
+def validate_checkpoint(path: str | os.PathLike, weights_only: bool = True) -> Path:
     """Check that ``path`` is a finished, undamaged checkpoint (folder or file) as far as can be told cheaply (files
     present with their recorded sizes, small files matching their checksums); raise :class:`CheckpointError` saying
-    what is wrong otherwise. A checkpoint whose publishing was interrupted between its two renames is recovered."""
+    what is wrong otherwise. A checkpoint whose publishing was interrupted between its two renames is recovered.
+    ``weights_only``: the DCP index is read without running code from it."""
     # integrity builds on this module's names
     from lightning_dist.checkpoint.integrity import check_structure
 
@@ -74,7 +70,7 @@ def validate_checkpoint(path: str | os.PathLike) -> Path:
             raise CheckpointError(f"Checkpoint not found: {str(path)!r} does not exist.")
     if path.is_dir():
         if is_lightning_sharded_checkpoint(path):
-            check_structure(path)
+            check_structure(path, weights_only)
             return path
         if not (path / COMPLETE_MARKER).is_file() or not (path / METADATA_FILENAME).is_file():
             raise CheckpointError(
@@ -85,7 +81,7 @@ def validate_checkpoint(path: str | os.PathLike) -> Path:
             raise CheckpointError(f"{str(path)!r} has no DCP index file {DCP_INDEX!r}; the folder is corrupt.")
     elif path.stat().st_size == 0:
         raise CheckpointError(f"{str(path)!r} is an empty file; the checkpoint is corrupt.")
-    check_structure(path)
+    check_structure(path, weights_only)
     return path
 
 
@@ -136,12 +132,10 @@ def foreign_content(path: Path) -> str | None:
 
 
 def _is_ours(file: Path) -> bool:
-    """Whether ``file`` is a ``torch.save`` dict carrying our provenance entry (tensors are not read: mmap)."""
-    try:
-        content = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
-    except Exception:  # noqa: BLE001 (any unreadable file is simply not ours)
-        return False
-    return isinstance(content, dict) and isinstance(content.get(PROVENANCE_KEY), dict)
+    """Whether ``file`` is a ``torch.save`` dict carrying our provenance entry. Nothing in the file is run and no
+    tensor is read (:func:`~lightning_dist.checkpoint.safe_load.probe_entries`)."""
+    entries = probe_entries(file)
+    return entries is not None and isinstance(entries.get(PROVENANCE_KEY), dict)
 
 
 def _size(path: Path) -> str:
@@ -157,29 +151,32 @@ def with_provenance(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return checkpoint
 
 
-def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+def read_metadata(path: str | os.PathLike, weights_only: bool = True) -> dict[str, Any]:
     """Everything in a (validated) checkpoint except the model and optimizer states: Lightning's loop, callback
-    and hyperparameter entries plus lightning_dist's own. Loads no tensors of a sharded checkpoint."""
+    and hyperparameter entries plus lightning_dist's own. Loads no tensors of a sharded checkpoint. With
+    ``weights_only`` (the default) nothing but plain data and tensors is unpickled."""
     path = Path(path)
     if path.is_dir():
-        meta = load_torch_file(path / METADATA_FILENAME, path)
+        meta = load_torch_file(path / METADATA_FILENAME, path, weights_only)
         if not isinstance(meta, dict):
             raise CheckpointError(
                 f"The checkpoint {str(path)!r} is damaged: {str(path / METADATA_FILENAME)!r} holds a"
                 f" {type(meta).__name__}, not the dict of Lightning's checkpoint entries."
             )
         return meta
-    return without_states(read_checkpoint_file(path))
+    return without_states(read_checkpoint_file(path, weights_only))
 
 
-def load_torch_file(file: Path, checkpoint: Path, **load_options: Any) -> Any:
-    """``torch.load`` of one file of ``checkpoint`` (on CPU, with ``mmap`` for a file in torch's zip format), with a
-    :class:`CheckpointError` naming the file if it cannot be read."""
-    options: dict[str, Any] = {"map_location": "cpu", "weights_only": False, "mmap": zipfile.is_zipfile(file)}
+def load_torch_file(file: Path, checkpoint: Path, weights_only: bool = True, **load_options: Any) -> Any:
+    """``torch.load`` of one file of ``checkpoint`` on the CPU (:func:`~lightning_dist.checkpoint.safe_load.load_file`),
+    with a :class:`CheckpointError` naming the file if it cannot be read."""
     try:
-        return torch.load(file, **{**options, **load_options})
+        return load_file(file, weights_only, **load_options)
+    except CheckpointError:
+        raise
     except Exception as err:
-        reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        text = str(err).split("WeightsUnpickler error:")[-1].strip()  # torch's advice about weights_only precedes it
+        reason = f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
         if file == checkpoint:
             message = f"The checkpoint file {str(file)!r} cannot be read as a PyTorch checkpoint ({reason})."
         else:
@@ -187,9 +184,9 @@ def load_torch_file(file: Path, checkpoint: Path, **load_options: Any) -> Any:
         raise CheckpointError(message) from err
 
 
-def read_checkpoint_file(path: Path, **load_options: Any) -> dict[str, Any]:
+def read_checkpoint_file(path: Path, weights_only: bool = True, **load_options: Any) -> dict[str, Any]:
     """A single-file checkpoint, checked to be a Lightning checkpoint dict (a ``state_dict`` of model weights)."""
-    return require_lightning_checkpoint(load_torch_file(path, path, **load_options), path)
+    return require_lightning_checkpoint(load_torch_file(path, path, weights_only, **load_options), path)
 
 
 def require_lightning_checkpoint(checkpoint: Any, path: Path) -> dict[str, Any]:

@@ -15,8 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Size
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -44,6 +43,7 @@ from lightning_dist.checkpoint.optimizer_format import (
     only_names,
     positions_to_names,
 )
+from lightning_dist.checkpoint.safe_load import dcp_load_planner, dcp_reader, shard_error
 from lightning_dist.compat import gather_full_state
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -118,38 +118,51 @@ def load_checkpoint_into(
     optimizers: Sequence[Optimizer],
     strict: bool,
     stages: StageLayout | None = None,
+    weights_only: bool = True,
 ) -> dict[str, Any]:
     """Load a validated checkpoint of either format into ``model`` (and ``optimizers``, if any), saved with any number
     of ranks; returns everything else it holds (Lightning's loops, callbacks, our provenance). With pipeline
-    ``stages``, each rank loads its stages' keys and a strict load checks the keys of all stages together.
-    Collective (the ranks share the checksum verification)."""
-    path = validate_checkpoint(path)
-    verify_checksums(path)  # before DCP or torch.load read the bytes
+    ``stages``, each rank loads its stages' keys and a strict load checks the keys of all stages together. With
+    ``weights_only`` nothing but tensors and plain data is unpickled. Collective (the ranks share the checksum
+    verification)."""
+    path = validate_checkpoint(path, weights_only)
+    verify_checksums(path, weights_only)  # before DCP or torch.load read the bytes
     if is_sharded_checkpoint(path):
-        load_sharded(path, model, optimizers, strict, stages)
-        return read_metadata(path)
-    full = read_checkpoint_file(path)  # read once, used twice
+        meta = read_metadata(path, weights_only)  # before any shard is read: a refused meta.pt loads nothing
+        load_sharded(path, model, optimizers, strict, stages, weights_only)
+        return meta
+    full = read_checkpoint_file(path, weights_only)  # read once, used twice
     load_full(full, model, optimizers, strict, repr(str(path)), stages)
     return without_states(full)
 
 
 def load_sharded(
-    path: Path, model: Module, optimizers: Sequence[Optimizer], strict: bool, stages: StageLayout | None = None
+    path: Path,
+    model: Module,
+    optimizers: Sequence[Optimizer],
+    strict: bool,
+    stages: StageLayout | None = None,
+    weights_only: bool = True,
 ) -> None:
     """Load a DCP checkpoint folder into ``model`` and ``optimizers`` (any saved world size or mesh). Collective."""
+    index = dcp_reader(path, weights_only).read_metadata().state_dict_metadata
     state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
-    flat = [_saved_flat(path, idx) for idx in range(len(optimizers))]
+    flat = [_saved_flat(index, idx) for idx in range(len(optimizers))]
     for idx, optimizer in enumerate(optimizers):
         options = _optimizer_options(flat[idx])
         state[f"optimizer_{idx}"] = get_optimizer_state_dict(model, optimizer, options=options)
     shapes = _tensor_shapes(state["state_dict"])
-    report = compare_shapes(shapes, _checkpoint_shapes(path, "state_dict."), _keys_of_all_stages(shapes, stages))
+    report = compare_shapes(shapes, _checkpoint_shapes(index, "state_dict."), _keys_of_all_stages(shapes, stages))
     check_fit(report, strict, repr(str(path)))
-    _require_optimizer_states(path, len(optimizers))
+    _require_optimizer_states(index, path, len(optimizers))
     try:
-        dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+        dcp.load(
+            state,
+            storage_reader=dcp_reader(path, weights_only),
+            planner=dcp_load_planner(weights_only, allow_partial_load=not strict),
+        )
     except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
-        raise CheckpointError(f"Could not load the shards of {str(path)!r}: {err}") from err
+        raise shard_error(err, f"Could not load the shards of {str(path)!r}") from err
     set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
     for idx, optimizer in enumerate(optimizers):
         optimizer_state = state[f"optimizer_{idx}"]
@@ -165,9 +178,9 @@ def _optimizer_options(flat: bool) -> StateDictOptions:
     return StateDictOptions(flatten_optimizer_state_dict=flat)
 
 
-def _saved_flat(path: Path, idx: int) -> bool:
-    """Whether optimizer ``idx`` of a DCP checkpoint was saved keyed per parameter (see :func:`_optimizer_options`)."""
-    index = FileSystemReader(path).read_metadata().state_dict_metadata
+def _saved_flat(index: dict[str, Any], idx: int) -> bool:
+    """Whether optimizer ``idx`` of a DCP checkpoint (its ``index``) was saved keyed per parameter (see
+    :func:`_optimizer_options`)."""
     prefix = f"optimizer_{idx}.param_groups."
     return any(key.startswith(prefix) for key in index) and f"{prefix}0.params" not in index
 
@@ -238,8 +251,7 @@ def _tensor_shapes(state: dict[str, Any], keep_all: bool = False) -> dict[str, S
     return shapes
 
 
-def _checkpoint_shapes(path: Path, prefix: str) -> dict[str, Size | None]:
-    index = FileSystemReader(path).read_metadata().state_dict_metadata
+def _checkpoint_shapes(index: dict[str, Any], prefix: str) -> dict[str, Size | None]:
     return {
         key[len(prefix) :]: Size(m.size) if isinstance(m, TensorStorageMetadata) else None
         for key, m in index.items()
@@ -247,10 +259,9 @@ def _checkpoint_shapes(path: Path, prefix: str) -> dict[str, Size | None]:
     }
 
 
-def _require_optimizer_states(path: Path, count: int) -> None:
+def _require_optimizer_states(index: dict[str, Any], path: Path, count: int) -> None:
     if count == 0:
         return
-    index = FileSystemReader(path).read_metadata().state_dict_metadata
     saved = {key.split(".", 1)[0] for key in index if key.startswith("optimizer_")}
     if len(saved) < count:
         raise CheckpointError(

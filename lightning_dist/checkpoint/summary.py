@@ -7,7 +7,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_dist.checkpoint.integrity import verify_checksums
@@ -17,6 +16,7 @@ from lightning_dist.checkpoint.layout import (
     read_metadata,
     validate_checkpoint,
 )
+from lightning_dist.checkpoint.safe_load import dcp_reader
 
 
 @dataclass
@@ -49,15 +49,21 @@ class CheckpointSummary:
         return {**asdict(self), "total_bytes": self.total_bytes, "model_bytes": self.model_bytes}
 
 
-def summarize_checkpoint(path: str | os.PathLike, checksums: bool = True) -> CheckpointSummary:
+def summarize_checkpoint(
+    path: str | os.PathLike, checksums: bool = True, weights_only: bool = True
+) -> CheckpointSummary:
     """Step, how it was saved, and every tensor's key, global shape, dtype and bytes, after checking that every file
     is there with its size and (``checksums``) its recorded checksum; a damaged checkpoint raises
-    :class:`~lightning_dist.CheckpointError`."""
-    path = validate_checkpoint(path)
-    integrity = verify_checksums(path).describe() if checksums else "integrity: files present; checksums not checked"
+    :class:`~lightning_dist.CheckpointError`. ``weights_only=False`` trusts the files with full unpickling."""
+    path = validate_checkpoint(path, weights_only)
+    integrity = (
+        verify_checksums(path, weights_only).describe()
+        if checksums
+        else "integrity: files present; checksums not checked"
+    )
     if is_sharded_checkpoint(path):
-        meta = read_metadata(path)
-        index = FileSystemReader(path).read_metadata().state_dict_metadata
+        meta = read_metadata(path, weights_only)
+        index = dcp_reader(path, weights_only).read_metadata().state_dict_metadata
         tensors = [
             _entry(key, list(m.size), m.properties.dtype)
             for key, m in index.items()
@@ -65,7 +71,7 @@ def summarize_checkpoint(path: str | os.PathLike, checksums: bool = True) -> Che
         ]
         fmt = "sharded (DCP)"
     else:
-        meta = read_checkpoint_file(path)
+        meta = read_checkpoint_file(path, weights_only)
         states = {"state_dict": meta.get("state_dict", {})}
         for idx, optim_state in enumerate(meta.get("optimizer_states", [])):
             states[f"optimizer_{idx}"] = optim_state

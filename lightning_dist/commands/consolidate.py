@@ -27,9 +27,15 @@ def main(argv: list[str]) -> None:
         help="output format (default: safetensors if OUT ends with .safetensors, else torch); safetensors holds"
         " the weights only",
     )
+    parser.add_argument(
+        "--trust-code",
+        action="store_true",
+        help="unpickle the checkpoint's files in full (weights_only=False), which can run code stored in them; only"
+        " for checkpoints from a source you trust. By default nothing but tensors and plain data is unpickled",
+    )
     args = parser.parse_args(argv)
     fmt = args.format or ("safetensors" if args.out.endswith(".safetensors") else "torch")
-    checkpoint = load_full_checkpoint(args.checkpoint)
+    checkpoint = load_full_checkpoint(args.checkpoint, weights_only=not args.trust_code)
     if fmt == "safetensors":
         out = save_safetensors(checkpoint, args.out)
     else:

@@ -22,8 +22,14 @@ def main(argv: list[str]) -> None:
         action="store_true",
         help="check only that every file is there with its size (skip reading every byte to verify checksums)",
     )
+    parser.add_argument(
+        "--trust-code",
+        action="store_true",
+        help="unpickle the checkpoint's files in full (weights_only=False), which can run code stored in them; only"
+        " for checkpoints from a source you trust. By default nothing but tensors and plain data is unpickled",
+    )
     args = parser.parse_args(argv)
-    summary = summarize_checkpoint(args.checkpoint, checksums=not args.no_checksums)
+    summary = summarize_checkpoint(args.checkpoint, checksums=not args.no_checksums, weights_only=not args.trust_code)
     if args.json:
         print(json.dumps(summary.as_dict(), indent=2))
     else:

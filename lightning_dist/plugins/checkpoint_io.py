@@ -44,6 +44,7 @@ from lightning_dist.checkpoint.layout import (
     validate_checkpoint,
     with_provenance,
 )
+from lightning_dist.checkpoint.safe_load import resolve_weights_only
 
 __all__ = ["CheckpointError", "DistributedCheckpointIO", "ParallelCheckpointIO"]
 
@@ -61,12 +62,14 @@ class ParallelCheckpointIO(CheckpointIO):
     @override
     def load_checkpoint(self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
         """A single file as a whole; for a sharded folder, everything but the model and optimizer states (only a
-        strategy holding the model can load those)."""
-        path = validate_checkpoint(path)
+        strategy holding the model can load those). ``weights_only=None`` is torch's default for local files
+        (``True``: nothing but tensors and plain data is unpickled)."""
+        safe = resolve_weights_only(weights_only)
+        path = validate_checkpoint(path, safe)
         if path.is_dir():
-            return read_metadata(path)
-        verify_checksums(path)
-        return read_checkpoint_file(path, map_location=map_location or "cpu", weights_only=bool(weights_only))
+            return read_metadata(path, safe)
+        verify_checksums(path, safe)
+        return read_checkpoint_file(path, safe, map_location=map_location or "cpu")
 
     @override
     def remove_checkpoint(self, path: _PATH) -> None:

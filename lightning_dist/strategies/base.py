@@ -156,6 +156,9 @@ class MeshParallelStrategy(ShardedCheckpointing, MeshCollectives, StepProtocol, 
         self._model_parts: list[Module] | None = None
         self._resume_position: dict[str, Any] | None = None
         self._resume_loader_index = 0
+        #: The ``weights_only`` the Trainer entry point was called with: Lightning drops it on its way to a strategy
+        #: that restores after setup (``restore_checkpoint_after_setup``), as every one of ours does.
+        self._requested_weights_only: bool | None = None
         self._tp_replicated: list[torch.nn.Parameter] = []
         self._tp_sharded: list[torch.nn.Parameter] = []
         self._watchdog: FailureWatchdog | None = None
@@ -374,7 +377,8 @@ class MeshParallelStrategy(ShardedCheckpointing, MeshCollectives, StepProtocol, 
         callbacks, ``ckpt_path``, a model an earlier Trainer already parallelized, and the model against the
         strategy's options (:meth:`check_model`). ``arguments`` are those of the Trainer entry point."""
         check_checkpoint_callbacks(trainer)
-        check_ckpt_path(arguments.get("ckpt_path"))
+        self._requested_weights_only = arguments.get("weights_only")
+        check_ckpt_path(arguments.get("ckpt_path"), self._requested_weights_only)
         model = self.lightning_module
         if model is None:
             return

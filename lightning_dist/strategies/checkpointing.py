@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from lightning_dist.checkpoint import model_state as states
 from lightning_dist.checkpoint.layout import PROVENANCE_KEY
+from lightning_dist.checkpoint.safe_load import resolve_weights_only
 from lightning_dist.plugins.checkpoint_io import DistributedCheckpointIO, ParallelCheckpointIO
 from lightning_dist.strategies.data_position import training_position
 
@@ -112,7 +113,9 @@ class ShardedCheckpointing:
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded folder or a single-file checkpoint, whichever ``checkpoint_path`` is, saved with any number
-        of ranks and any lightning_dist strategy (or a one-device Lightning run)."""
+        of ranks and any lightning_dist strategy (or a one-device Lightning run). ``weights_only`` means what it
+        means to Lightning: ``None`` (the default) and ``True`` unpickle nothing but tensors and plain data, ``False``
+        trusts the file."""
         path = Path(self.broadcast(str(checkpoint_path)))
         self.checkpoint_io.wait()
         module = self.lightning_module
@@ -120,7 +123,14 @@ class ShardedCheckpointing:
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         optimizers = optimizers if fitting else []
-        metadata = states.load_checkpoint_into(path, self.model, optimizers, module.strict_loading, self.stage_layout)
+        metadata = states.load_checkpoint_into(
+            path,
+            self.model,
+            optimizers,
+            module.strict_loading,
+            self.stage_layout,
+            weights_only=resolve_weights_only(self._requested_weights_only if weights_only is None else weights_only),
+        )
         self._resume_position = metadata.get(PROVENANCE_KEY, {}).get("data_position") if fitting else None
         self._resume_loader_index = 0
         return metadata

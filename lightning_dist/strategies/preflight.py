@@ -21,6 +21,7 @@ from lightning.pytorch.trainer.connectors.signal_connector import _SIGNUM
 from typing_extensions import override
 
 from lightning_dist.checkpoint.layout import validate_checkpoint
+from lightning_dist.checkpoint.safe_load import resolve_weights_only
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -96,8 +97,9 @@ def check_same_parallelism(strategy: MeshParallelStrategy, applied: dict[str, st
     )
 
 
-def check_ckpt_path(ckpt_path: Any) -> None:
-    """Raise :class:`~lightning_dist.CheckpointError` if a local ``ckpt_path`` is missing or unfinished.
+def check_ckpt_path(ckpt_path: Any, weights_only: bool | None = None) -> None:
+    """Raise :class:`~lightning_dist.CheckpointError` if a local ``ckpt_path`` is missing, unfinished, or has a DCP
+    index that needs more than DCP's metadata types (unless ``weights_only=False`` trusts it).
 
     Named checkpoints (``"last"``, ``"best"``...) and remote URLs (``s3://...``) are left to Lightning.
     """
@@ -106,7 +108,7 @@ def check_ckpt_path(ckpt_path: Any) -> None:
     text = str(ckpt_path)
     if text in _NAMED_CHECKPOINTS or text.startswith("registry:") or "://" in text:
         return
-    validate_checkpoint(Path(text))
+    validate_checkpoint(Path(text), resolve_weights_only(weights_only))
 
 
 def check_checkpoint_callbacks(trainer: pl.Trainer) -> None:

@@ -194,3 +194,27 @@ def test_a_pipeline_runs_at_the_pace_of_its_heaviest_stage():
     busy = Hardware(4, intra_node_bytes_per_s=math.inf, op_latency_s=0.0, intra_node_step_latency_s=0.0)
     pp3_busy = step_seconds(facts, estimate(facts, None, ParallelDims(pp=3), work, hw), work, busy, 1e12)
     assert pp3_busy - pp3 == pytest.approx(2 * 12 * busy.pipeline_action_s)
+
+
+def test_plan_help_shows_the_options_of_every_planner(capsys):
+    """``plan --help`` once showed only the pipeline planner's options."""
+    run_tool("plan", ["--help"])
+    out = capsys.readouterr().out
+    for option in ("--devices", "--global-batch", "--pipeline-parallel-size", "--schedule", "--tensor-parallel-size"):
+        assert option in out, option
+    with pytest.raises(SystemExit):  # a planner chosen by its options shows its own help
+        run_tool("plan", ["--devices", "8", "--help"])
+    assert "--global-batch" in capsys.readouterr().out
+
+
+def test_the_readme_s_hugging_face_plan_example_says_how_to_install_transformers():
+    """The quick start installs no transformers; the README's plan example needs it and names the extra."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(req.startswith("transformers") for req in extras["hf"])
+    readme = (root / "README.md").read_text()
+    example = readme.index("lightning-dist plan --model transformers.")
+    assert 'pip install -e ".[hf]"' in readme[example - 400 : example]

@@ -26,7 +26,7 @@ from lightning_dist.parallel.tensor_parallel_plan import TensorParallelPlanError
 from lightning_dist.parallel.validation import check_positive_int
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-dist plan", description="Print the automatic tensor-parallel plan of a model as YAML."
     )
@@ -94,14 +94,42 @@ def _fused_split(spec: Any, tp: Any) -> str | None:
     return line
 
 
+_HELP = ("-h", "--help")
+
+
+def _help_of_every_planner() -> str:
+    """``lightning-dist plan --help``: the three planners, each with its own options."""
+    from lightning_dist.commands import plan_mesh, plan_pipeline
+
+    parts = [
+        (
+            "lightning-dist plan has three planners; the options you give choose one:\n"
+            "  --devices N                  rank the meshes of N devices per node for a model (mesh planner)\n"
+            "  --strategy pipeline...       print the pipeline stage split (or a config whose strategy is a pipeline)\n"
+            "  otherwise                    print the tensor-parallel plan as YAML"
+        ),
+    ]
+    for title, parser in (
+        ("mesh planner (--devices)", plan_mesh.build_parser()),
+        ("pipeline planner (--strategy pipeline...)", plan_pipeline.build_parser()),
+        ("tensor-parallel plan (default)", build_parser()),
+    ):
+        parts.append(f"=== {title} ===\n{parser.format_help().rstrip()}")
+    return "\n\n".join(parts)
+
+
 def main(argv: list[str]) -> None:
     from lightning_dist.commands import plan_mesh, plan_pipeline
 
     if plan_mesh.wants_mesh(argv):
         return plan_mesh.main(argv)
-    if plan_pipeline.wants_pipeline(argv):
+    asks_help = any(arg in _HELP for arg in argv)
+    if plan_pipeline.wants_pipeline([arg for arg in argv if arg not in _HELP]):
         return plan_pipeline.main(argv)
-    args = _build_parser().parse_args(argv)
+    if asks_help and not any(arg.startswith(("--strategy", "--config")) for arg in argv):
+        print(_help_of_every_planner())
+        return None
+    args = build_parser().parse_args(argv)
     if not args.strategy.startswith("tensor_parallel") and "TensorParallel" not in args.strategy:
         raise SystemExit(f"--strategy {args.strategy}: only the tensor_parallel strategies have a plan to print.")
     if os.getcwd() not in sys.path:

@@ -29,7 +29,7 @@ def wants_mesh(argv: list[str]) -> bool:
     return any(a == "--devices" or a.startswith("--devices=") for a in argv)
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lightning-dist plan", description="Rank the meshes of N devices for a model.")
     p.add_argument("--model", required=True, help="class path of the model (LightningModule or nn.Module)")
     p.add_argument("--init-args", default="{}", help="JSON object of the constructor arguments")
@@ -58,7 +58,7 @@ def _build(args: argparse.Namespace) -> torch.nn.Module:
 
 
 def main(argv: list[str]) -> None:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     model = _build(args)

@@ -25,13 +25,13 @@ from lightning_dist.parallel import pipeline as pp
 
 def wants_pipeline(argv: list[str]) -> bool:
     """Whether ``lightning-dist plan`` was asked about a pipeline strategy (by ``--strategy`` or the config's)."""
-    args, _ = _build_parser().parse_known_args(argv)
+    args, _ = build_parser().parse_known_args(argv)
     if args.strategy is not None:
         return "pipeline" in args.strategy.lower()
     return args.config is not None and "pipeline" in str(_config_strategy(args.config)[0]).lower()
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-dist plan", description="Print the pipeline stage split of a model."
     )
@@ -82,7 +82,7 @@ def _preset(strategy: str | None) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> None:
-    args = _build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     strategy, options, class_path, init_args = _config_strategy(args.config) if args.config else (None, {}, None, {})

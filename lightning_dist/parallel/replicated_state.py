@@ -61,10 +61,11 @@ def replica_axes(tensor: Tensor, mesh: ParallelMesh) -> list[str]:
     return [axis for axis in _REPLICA_AXES if sizes[axis] > 1 and axis not in split]
 
 
-def broadcast_replicated_state(model: nn.Module, mesh: ParallelMesh) -> int:
+def broadcast_replicated_state(model: nn.Module, mesh: ParallelMesh) -> tuple[int, list[str]]:
     """Make every replicated parameter and buffer equal to the copy of the first rank of each replica axis.
 
-    Collective over the whole mesh; returns the number of tensors that had at least one replica axis.
+    Collective over the whole mesh; returns the number of tensors that had at least one replica axis, and the axes
+    broadcast over.
     """
     by_axis: dict[str, list[Tensor]] = defaultdict(list)
     count = 0
@@ -77,7 +78,7 @@ def broadcast_replicated_state(model: nn.Module, mesh: ParallelMesh) -> int:
         for axis in _REPLICA_AXES:  # a fixed order: every rank issues the same collectives
             if axis in by_axis:
                 _broadcast_flat(by_axis[axis], mesh[axis].get_group())
-    return count
+    return count, [axis for axis in _REPLICA_AXES if axis in by_axis]
 
 
 def tp_replicated_parameters(model: nn.Module, mesh: ParallelMesh) -> list[nn.Parameter]:

@@ -420,9 +420,8 @@ class MeshParallelStrategy(ShardedCheckpointing, MeshCollectives, StepProtocol, 
         """Copy every replicated parameter and buffer from the first rank of each axis it is replicated over, as DDP
         does at setup: without a seed each rank initialized its own values."""
         assert self.model is not None
-        count = broadcast_replicated_state(self.model, self.mesh)
+        count, axes = broadcast_replicated_state(self.model, self.mesh)
         if count:
-            axes = [a for a in ("dp_replicate", "cp", "tp") if getattr(self.parallel_dims, a) > 1]
             self.log_decision(f"{count} replicated tensors made equal across {' × '.join(axes)} (from the first rank)")
 
     def _sync_metrics_over_loss_group(self) -> None:

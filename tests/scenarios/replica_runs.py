@@ -60,18 +60,31 @@ def _unseeded_init_difference(model: torch.nn.Module) -> float:
     return float(sum(p.detach().abs().sum() for p in model.parameters()))  # differs across ranks
 
 
-def _run(devices: int, strategy: Any, steps: int, unseeded: bool, select: Callable) -> dict[str, Any]:
+def _run(
+    devices: int, strategy: Any, steps: int, unseeded: bool, select: Callable, buffer: bool = False
+) -> dict[str, Any]:
     tp = isinstance(strategy, TensorParallelStrategy)
     model, data = make_model_and_data(devices, dp_size=1 if tp else None, vocab_size=64)
+    if buffer:
+        model.register_buffer("scale", torch.rand(4))
     checksum = _unseeded_init_difference(model) if unseeded else 0.0
     differences = _Differences(select)
+    decisions: list[str] = []
+    log_decision = strategy.log_decision
+    strategy.log_decision = lambda message: (decisions.append(message), log_decision(message))  # what rank 0 logs
     trainer = L.Trainer(
         **trainer_kwargs(devices, strategy=strategy, precision="32-true"), max_steps=steps, callbacks=[differences]
     )
     trainer.fit(model, data)
     checksums = [None] * dist.get_world_size()
     dist.all_gather_object(checksums, checksum)
-    return {"init_checksums": checksums, "at_start": differences.at_start, "at_end": differences.at_end}
+    equalized = [line for line in decisions if "made equal across" in line]
+    return {
+        "init_checksums": checksums,
+        "at_start": differences.at_start,
+        "at_end": differences.at_end,
+        "equalized": equalized,
+    }
 
 
 def tp_unseeded(devices: int, workdir: str) -> dict[str, Any]:
@@ -87,7 +100,13 @@ def hsdp_unseeded(devices: int, workdir: str) -> dict[str, Any]:
     return _run(devices, strategy, 4, True, lambda p: True)
 
 
+def fsdp2_buffer_unseeded(devices: int, workdir: str) -> dict[str, Any]:
+    """FSDP2 shards every parameter; a buffer (as HF models keep RoPE frequencies) stays whole on every dp_shard rank."""
+    return _run(devices, FSDP2Strategy(), 2, True, _whole_on_every_rank, buffer=True)
+
+
 SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
+    "fsdp2_buffer_unseeded": fsdp2_buffer_unseeded,
     "tp_unseeded": tp_unseeded,
     "tp_100_steps": tp_100_steps,
     "hsdp_unseeded": hsdp_unseeded,

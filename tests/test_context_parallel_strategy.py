@@ -34,6 +34,7 @@ from lightning_dist.parallel.context_parallel_labels import (
     is_causal_lm,
 )
 from lightning_dist.parallel.mesh import MeshConfigError
+from lightning_dist.strategies.first_batch import first_batch
 
 TOL = 1e-10  # fp64: the same operations in another order across two processes
 # transformers' ForCausalLMLoss computes the loss in fp32 (it upcasts the logits with .float(), so fp64 logits are
@@ -202,6 +203,50 @@ def test_padding_masks_and_packed_positions_are_refused_for_a_causal_lm():
         check_plain_causal("LlamaForCausalLM", {"attention_mask": padded}, 16, 2, 1, "zigzag")
     with pytest.raises(PackedOrPaddedError, match=r"position_ids that are not the global positions 0\.\.15"):
         check_plain_causal("LlamaForCausalLM", {"position_ids": torch.arange(8).unsqueeze(0)}, 16, 2, 1, "zigzag")
+
+
+class _Squares(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"x": torch.full((3,), float(index)), "y": torch.tensor(index * index)}
+
+
+class _SquaresData(L.LightningDataModule):
+    def setup(self, stage: str) -> None:
+        self.dataset = _Squares()
+        self.split_seed = torch.randint(100, ())  # setup draws from the generator (a random split would)
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(self.dataset, batch_size=2)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(self.dataset, batch_size=4, shuffle=True)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield from range(4)
+
+
+def test_the_first_batch_is_read_before_launch_leaving_the_random_state_alone():
+    """What the entry point was given, collated from the dataset's first samples; ``None`` where it cannot be read
+    without launching. The generators draw afterwards exactly what they would have drawn."""
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(_Squares(), batch_size=4, shuffle=True)
+    batch = first_batch({"train_dataloaders": loader}, "fit")
+    assert torch.equal(batch["y"], torch.tensor([0, 1, 4, 9])) and batch["x"].shape == (4, 3)
+    assert first_batch({"datamodule": _SquaresData()}, "fit")["x"].shape == (4, 3)
+    assert torch.equal(torch.rand(3), expected)
+    assert first_batch({"datamodule": _SquaresData()}, "validate")["x"].shape == (2, 3)
+    assert first_batch({"dataloaders": [loader]}, "predict")["x"].shape == (4, 3)
+    iterable = torch.utils.data.DataLoader(_Stream(), batch_size=2)
+    assert first_batch({"train_dataloaders": iterable}, "fit") is None
+    assert first_batch({}, "fit") is None  # the LightningModule's own dataloaders: read after launch
+    assert first_batch({"datamodule": _SquaresData()}, "test") is None  # no test_dataloader: not an error here
 
 
 # ---------------------------------------------------------------------------------------------------- real runs

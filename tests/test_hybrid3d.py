@@ -48,6 +48,15 @@ EIGHT_RANKS = {
 }
 HF_MESHES = ["hf_pp2_tp2", "hf_cp2_tp2"]  # a stock transformers LlamaForCausalLM, 4 ranks
 HF_EIGHT_RANKS = ["hf_pp2_dp2_tp2", "hf_dp2_cp2_tp2"]
+# weights tied across pipeline stages under pp × tp: (scenario, reference, the first stage's name, the last stage's)
+GPT2_TIE = ("model.transformer.wte.weight", "model.lm_head.weight")
+TIED = {
+    "gpt2_pp2_tp2": ("gpt2_reference", *GPT2_TIE),  # both copies sharded on the vocabulary: the shards are summed
+    "gpt2_pp2_dp2_tp2": ("gpt2_reference", *GPT2_TIE),  # 8 ranks: FSDP2 × tp shards, local shards summed
+    "tied_pp2_tp2": ("tied_reference", "vocab.weight", "head.weight"),  # laid out differently: whole tensors summed
+    "tied_pp2_dp2_tp2": ("tied_reference", "vocab.weight", "head.weight"),  # 8 ranks: the same, FSDP2 × tp shards
+}
+TIED_EIGHT_RANKS = [name for name in TIED if "_dp2_" in name]
 CHECKPOINTS = [  # (saved by, resumed by): a mid-epoch checkpoint at step 2 of 4
     (None, "pp2_tp2"),
     *[("pp2_tp2", single) for single in ("fsdp2", "tensor_parallel", "pipeline", "context_parallel")],
@@ -207,11 +216,13 @@ def test_yaml_configs_build_the_strategy(config):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     workdir = tmp_path_factory.mktemp("hybrid3d")
-    references = run_scenarios(SCRIPT, 1, workdir, ["reference", "hf_reference", "acc_reference"])
+    references = run_scenarios(
+        SCRIPT, 1, workdir, ["reference", "hf_reference", "acc_reference", "gpt2_reference", "tied_reference"]
+    )
     checkpoints = [f"{target}-from-{source}" for source, target in CHECKPOINTS]
-    variants = ["zeropp_pp2_dp2", "wrap_pp2_dp2", "acclast_dp2_tp2"]
+    variants = ["zeropp_pp2_dp2", "wrap_pp2_dp2", "acclast_dp2_tp2", "gpt2_pp2_tp2", "tied_pp2_tp2"]
     four = run_scenarios(SCRIPT, 4, workdir, [*FOUR_RANKS, *HF_MESHES, *checkpoints, *variants])
-    eight = run_scenarios(SCRIPT, 8, workdir, [*EIGHT_RANKS, *HF_EIGHT_RANKS, "acc_pp2_dp2_tp2"])
+    eight = run_scenarios(SCRIPT, 8, workdir, [*EIGHT_RANKS, *HF_EIGHT_RANKS, "acc_pp2_dp2_tp2", *TIED_EIGHT_RANKS])
     return {"workdir": workdir, **references, **four, **eight}
 
 
@@ -249,6 +260,25 @@ def test_a_stock_transformers_llama_trains_as_one_process(runs, mesh):
     assert all(abs(a - b) <= HF_LOSS_RTOL * abs(b) for a, b in zip(result["losses"], reference["losses"]))
     assert max_abs_diff(result["grad_norms"], reference["grad_norms"]) < TOL
     assert _largest_parameter_diff(runs["workdir"], mesh, "hf_reference") < TOL
+
+
+@pytest.mark.parametrize("mesh", list(TIED))
+def test_weights_tied_across_stages_train_as_one_process_under_tensor_parallel(runs, mesh):
+    """A head tied to the token embedding has a copy on the first and on the last pipeline stage; under tp both are
+    DTensors (the embedding's gradient comes back replicated, the head's sharded). Stock GPT-2 (both sharded on the
+    vocabulary) and a GPT whose embedding the first stage's plan cannot recognise (whole there, sharded on the last
+    stage), clipped at every step: the copies stay bitwise equal, and train as one process trains the one weight."""
+    reference_name, first, copy = TIED[mesh]
+    result, reference = runs[mesh], runs[reference_name]
+    assert min(reference["grad_norms"]) > 0.5  # every step was clipped, by a norm counting the tied gradient once
+    rtol = HF_LOSS_RTOL if mesh.startswith("gpt2") else TOL  # transformers' fp32 loss
+    assert all(abs(a - b) <= rtol * abs(b) for a, b in zip(result["losses"], reference["losses"]))
+    assert max_abs_diff(result["grad_norms"], reference["grad_norms"]) < TOL
+    state, expected = _parameters(runs["workdir"], mesh), torch.load(runs["workdir"] / f"{reference_name}.pt")
+    assert torch.equal(state[first], state[copy])  # bitwise, after 4 steps on different ranks and layouts
+    del state[copy if first in expected else first]  # one process's named_parameters() names the weight once
+    assert sorted(state) == sorted(expected)
+    assert max((state[k] - expected[k]).abs().max().item() for k in expected) < TOL
 
 
 def test_chosen_units_and_deferred_gradient_sync_train_as_one_process(runs):

@@ -11,11 +11,14 @@ import torch
 from torch import nn
 
 from examples.gpt import GPT
+from lightning_dist.parallel.grad_clip import total_grad_norm
 from lightning_dist.parallel.pipeline import (
     PipelinedCallError,
     StageCutError,
+    all_reduce_tied_gradients,
     bubble_fraction_formula,
     capture_call,
+    count_tied_copies_once,
     cut_pipeline_stages,
     default_n_microbatches,
     find_pipeline_units,
@@ -26,6 +29,7 @@ from lightning_dist.parallel.pipeline import (
     stage_ids_for_rank,
     stage_runtime,
     substituted_forward,
+    tied_layouts_agree,
     validate_microbatching,
 )
 from lightning_dist.parallel.pipeline.outputs import rebuild_output
@@ -126,19 +130,39 @@ def test_stage_ids_per_rank_loop_and_v():
         stage_ids_for_rank(0, 2, 3, "v")
 
 
-def test_tied_parameters_across_stages_are_found():
-    class Tied(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.emb = nn.Embedding(8, 4)
-            self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
-            self.head = nn.Linear(4, 8, bias=False)
-            self.head.weight = self.emb.weight
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(8, 4)
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.head = nn.Linear(4, 8, bias=False)
+        self.head.weight = self.emb.weight
 
+
+def test_tied_parameters_across_stages_are_found():
     model = Tied()
     (tie,) = find_tied_parameters(model, plan_stages(model, 2))
     assert tie.names == ("emb.weight", "head.weight") and tie.stages == (0, 1)
     assert find_tied_parameters(model, plan_stages(model, 1)) == []
+
+
+@pytest.mark.parametrize("same_layout", [None, [True]])
+def test_tied_copies_take_the_summed_gradient_and_count_once_in_the_norm(same_layout):
+    """Two copies of a tied weight (as two stages hold them) each get the sum of both gradients; clipping's global
+    norm counts that gradient once, as one process does for the one weight (it counted it on every stage)."""
+    model = Tied()
+    (tie,) = find_tied_parameters(model, plan_stages(model, 2))
+    model.head.weight = nn.Parameter(model.emb.weight.detach().clone())  # the last stage's own copy
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    summed = model.emb.weight.grad + model.head.weight.grad
+    assert tied_layouts_agree(model, [tie], [None]) == [True]
+    all_reduce_tied_gradients(model, [tie], [None], same_layout)
+    assert torch.equal(model.emb.weight.grad, summed) and torch.equal(model.head.weight.grad, summed)
+    assert model.emb.weight.grad is not model.head.weight.grad  # clipping scales each copy once
+    count_tied_copies_once(model, [tie])
+    once = torch.cat([g.flatten() for g in (summed, *(p.grad for p in model.blocks.parameters()))])
+    assert torch.allclose(total_grad_norm(model.parameters()), torch.linalg.vector_norm(once))
 
 
 def test_units_follow_the_forward_not_registration_order():

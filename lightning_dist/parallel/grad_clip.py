@@ -11,6 +11,15 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
+# Set on a parameter whose gradient another parameter already counts in the norm: the later pipeline stages' copies
+# of a weight tied across stages (their gradients are equal after the tie's sum; one process counts it once).
+_COUNTED_ELSEWHERE = "_lightning_dist_norm_counted_elsewhere"
+
+
+def count_in_norm_elsewhere(param: Tensor) -> None:
+    """Leave ``param``'s gradient out of :func:`total_grad_norm` (clipping still scales it)."""
+    setattr(param, _COUNTED_ELSEWHERE, True)
+
 
 def total_grad_norm(
     parameters: Iterable[Tensor], norm_type: float = 2.0, stage_group: dist.ProcessGroup | None = None
@@ -20,7 +29,8 @@ def total_grad_norm(
     Gradients are grouped by device mesh; each group's norm is computed with DTensor semantics (shards summed
     across their mesh dims, replicas counted once) and the groups are combined locally. Plain tensors are
     treated as replicated on every rank. With ``stage_group`` (pipeline stages holding different parameters), the
-    stages' norms are combined too, so every stage clips by the same coefficient.
+    stages' norms are combined too, so every stage clips by the same coefficient. Parameters marked with
+    :func:`count_in_norm_elsewhere` (copies of a tied weight) are left out.
     """
     local = _local_total_norm(parameters, float(norm_type))
     if stage_group is None:
@@ -42,7 +52,7 @@ def _combine_over(norm: Tensor, norm_type: float, group: dist.ProcessGroup) -> T
 def _local_total_norm(parameters: Iterable[Tensor], norm_type: float) -> Tensor:
     groups: dict[object, list[Tensor]] = defaultdict(list)
     for p in parameters:
-        if p.grad is not None:
+        if p.grad is not None and not getattr(p, _COUNTED_ELSEWHERE, False):
             key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
             groups[key].append(p.grad)
     if not groups:

@@ -40,6 +40,7 @@ class PipelineStages(_Base):
         self._runners: dict[int, pp.PipelineRunner] = {}
         self._ties: list[pp.TiedParameter] = []
         self._tie_groups: list[Any] = []
+        self._tie_layouts_agree: list[bool] | None = None  # per tie, once parallelized (see pp.tied_layouts_agree)
         self._step_fn: Any = None  # what the runners' loss_fn runs on the last stage, per micro-batch
         self._module: Module | None = None  # the module whose one call the steps make, pipelined
 
@@ -92,7 +93,12 @@ class PipelineStages(_Base):
     def _make_replicas_equal(self) -> None:
         super()._make_replicas_equal()
         if self.pipelined:
-            pp.broadcast_tied_parameters(self._module, self._ties, self._tie_groups)
+            self._tie_layouts_agree = pp.tied_layouts_agree(self._module, self._ties, self._tie_groups)
+            for tie, agree in zip(self._ties, self._tie_layouts_agree):
+                if not agree:
+                    self.log_decision(f"tied copies laid out differently, whole gradients summed: {tie.describe()}")
+            pp.broadcast_tied_parameters(self._module, self._ties, self._tie_groups, self._tie_layouts_agree)
+            pp.count_tied_copies_once(self._module, self._ties)  # clipping's norm: as one process counts it
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

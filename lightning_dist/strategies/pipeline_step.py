@@ -113,7 +113,8 @@ class PipelineSteps(PipelineStages):
 
         def closure_then_sync() -> Any:
             result = closure()
-            pp.all_reduce_tied_gradients(self._module, self._ties, self._tie_groups)  # before clipping
+            # before clipping
+            pp.all_reduce_tied_gradients(self._module, self._ties, self._tie_groups, self._tie_layouts_agree)
             return result
 
         return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)

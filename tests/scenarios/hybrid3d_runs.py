@@ -1,7 +1,7 @@
 """Hybrid3DStrategy in a real Trainer: the unchanged example GPT on meshes that combine two or three of pp, dp, cp
 and tp, each against one process on the same global batch (fp64). A scenario name is a mesh, ``pp2_tp2`` or
 ``pp2_dp2_tp2`` (``hsdp2`` for dp_replicate=2 × dp_shard=2), optionally behind a variant prefix of ``VARIANTS``
-(``hf_``, ``acc_``, ``acclast_``, ``wrap_``, ``zeropp_``); every rank saves its final parameters (whole tensors of its stages) for the test.
+(``hf_``, ``gpt2_``, ``tied_``, ``acc_``, ``acclast_``, ``wrap_``, ``zeropp_``); every rank saves its final parameters (whole tensors of its stages) for the test.
 
 python tests/scenarios/hybrid3d_runs.py --devices 1 --out r.json --workdir DIR --scenarios reference
 python tests/scenarios/hybrid3d_runs.py --devices 4 --out r.json --workdir DIR --scenarios pp2_dp2,pp2_tp2,...
@@ -23,8 +23,10 @@ from common import (  # type: ignore[import-not-found]
     trainer_kwargs,
 )
 from context_parallel_runs import HFLlama  # type: ignore[import-not-found]
+from hf_causal_lm import HFCausalLM  # type: ignore[import-not-found]
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from examples.gpt import GPT
 from lightning_dist import (
     ContextParallelStrategy,
     FSDP2Strategy,
@@ -34,6 +36,7 @@ from lightning_dist import (
 )
 from lightning_dist.parallel.fsdp import fsdp_modules
 from lightning_dist.parallel.grad_clip import total_grad_norm
+from lightning_dist.parallel.tp_checkpoint_layout import permuted_parameters, to_checkpoint_order
 
 STEPS = 4
 AXES = {"pp": "pipeline_parallel_size", "dp": "data_parallel_shard_size", "cp": "context_parallel_size",
@@ -45,6 +48,26 @@ def mesh_options(name: str) -> dict[str, int]:
     options = {AXES[axis]: int(size) for axis, size in re.findall(r"([a-z]+)(\d+)", name)}
     options.setdefault("data_parallel_shard_size", 2 if "data_parallel_replicate_size" in options else 1)
     return options
+
+
+class TiedGPT(GPT):
+    """The example GPT with its head tied to a token embedding named ``vocab`` (no known embedding name), registered
+    after the head. On a pipeline stage without the head, tensor parallelism cannot tell it is the token embedding
+    and leaves it whole, while the last stage shards the head on the vocabulary: the tied copies differ in layout."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        del self.tok_emb
+        self.vocab = torch.nn.Embedding(self.hparams.vocab_size, self.hparams.d_model)
+        self.head.weight = self.vocab.weight
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        x = self.vocab(input_ids) + self.pos_emb(position_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
 
 
 class AllStagesRecorder(StepRecorder):
@@ -71,6 +94,10 @@ class FirstBackwardGradients(L.Callback):
 ACCUMULATION = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}  # clipping active at every step
 VARIANTS = {  # scenario-name prefix: the Trainer options that change against the plain run (the reference's too)
     "hf": {},  # a stock transformers LlamaForCausalLM (4 heads, 2 KV heads) that shifts the labels itself
+    # a stock transformers GPT2LMHeadModel: lm_head tied to the token embedding (a copy on each pipeline stage),
+    # clipped at every step (the norm counts the tied gradient once, as one process does)
+    "gpt2": {"gradient_clip_val": 0.5},
+    "tied": {"gradient_clip_val": 0.5},  # TiedGPT: tied copies laid out differently under pp × tp
     "acc": ACCUMULATION,
     "acclast": ACCUMULATION,  # accumulation_sync="last"; compared with the acc reference
     "wrap": {},  # attention and MLP as FSDP2 units (wrap_regex) instead of the blocks
@@ -93,9 +120,12 @@ def _run(
     devices: int, strategy: Any, batch_replicas: int, kind: str = ""
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     model, data = make_model_and_data(devices, dp_size=batch_replicas, vocab_size=64)  # tp=2 divides 64 (data: 63)
-    if kind == "hf":
+    if kind == "tied":
         L.seed_everything(1234, verbose=False)
-        model = HFLlama(64)
+        model = TiedGPT(**model.hparams)
+    if kind in ("hf", "gpt2"):
+        L.seed_everything(1234, verbose=False)
+        model = HFLlama(64) if kind == "hf" else HFCausalLM("gpt2")
     recorder, first = AllStagesRecorder(), FirstBackwardGradients()
     options = VARIANTS.get(kind, {})
     batches = STEPS * options.get("accumulate_grad_batches", 1)
@@ -108,7 +138,10 @@ def _run(
     trainer.fit(model, data)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
     result = {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "val": metrics}
-    return {**result, "gradients_after_first_backward": first.counts}, full_state(model)
+    state = full_state(model)
+    for name, (_, dim, order) in permuted_parameters(model).items():  # GPT-2's fused c_attn, in its own row order
+        state[name] = to_checkpoint_order(state[name], dim, order)
+    return {**result, "gradients_after_first_backward": first.counts}, state
 
 
 def reference(kind: str, devices: int, workdir: str) -> dict[str, Any]:

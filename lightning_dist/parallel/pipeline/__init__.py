@@ -44,8 +44,10 @@ from lightning_dist.parallel.pipeline.tied import (
     TiedParameter,
     all_reduce_tied_gradients,
     broadcast_tied_parameters,
+    count_tied_copies_once,
     find_tied_parameters,
     new_tie_groups,
+    tied_layouts_agree,
     tied_parameter_ranks,
 )
 
@@ -64,6 +66,7 @@ __all__ = [
     "bubble_fraction_formula",
     "build_schedule",
     "capture_call",
+    "count_tied_copies_once",
     "cut_pipeline_stages",
     "default_n_microbatches",
     "find_pipeline_units",
@@ -78,6 +81,7 @@ __all__ = [
     "stage_owner",
     "stage_runtime",
     "substituted_forward",
+    "tied_layouts_agree",
     "tied_parameter_ranks",
     "validate_microbatching",
 ]

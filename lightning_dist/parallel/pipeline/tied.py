@@ -4,6 +4,12 @@ Each stage that uses a tied parameter keeps its own copy under its own name (``t
 first stage, ``lm_head.weight`` on the last). After backward the copies' gradients are summed over the ranks that
 hold them, so every copy takes the same step and stays equal. Stages on one rank (the V placement puts the first and
 the last stage on rank 0) share the one Parameter object and need nothing.
+
+Under tensor parallelism each stage lays its copy out by its own plan: GPT-2's embedding and head are both sharded
+on the vocabulary, but a stage whose plan does not recognise the embedding keeps it whole while the last stage shards
+the head. :func:`tied_layouts_agree` compares the holders' layouts once after parallelizing; copies laid out alike
+sum their local shards, others sum whole tensors and each keeps its own slice. In the global gradient norm the
+weight counts once, as in one process (:func:`count_tied_copies_once`).
 """
 
 from __future__ import annotations
@@ -15,8 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_dist.parallel.grad_clip import count_in_norm_elsewhere
 from lightning_dist.parallel.pipeline.split import StagePlacement, StagePlan, stage_ids_for_rank
+from lightning_dist.parallel.tensor_parallel import shard_gradients_like_parameters
 
 
 @dataclass(frozen=True)
@@ -93,10 +102,41 @@ def new_tie_groups(
     return mine
 
 
-def all_reduce_tied_gradients(model: nn.Module, ties: Sequence[TiedParameter], groups: Sequence[Any]) -> None:
-    """Give every copy of each tied parameter the sum of all copies' gradients: the copies on this rank are added
-    up, then summed over the tie's group. Call on every rank after backward, before clipping."""
+def tied_layouts_agree(model: nn.Module, ties: Sequence[TiedParameter], groups: Sequence[Any]) -> list[bool]:
+    """For each tie, whether every copy on every holder is laid out alike (plain tensors of one shape, or DTensors
+    with the same mesh shape, placements and local shape), so that the holders' local shards correspond. Call on every
+    rank after parallelizing (a collective over each tie's group)."""
+    agree = []
     for tie, group in zip(ties, groups):
+        layouts = sorted({_layout(p) for p in _local_copies(model, tie)})
+        if group is not None:
+            gathered: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, layouts, group=group)
+            layouts = sorted({layout for mine in gathered for layout in mine})
+        agree.append(len(layouts) <= 1)
+    return agree
+
+
+def count_tied_copies_once(model: nn.Module, ties: Sequence[TiedParameter]) -> None:
+    """Leave every copy but the first stage's out of the global gradient norm: after
+    :func:`all_reduce_tied_gradients` the copies hold one gradient, which one process counts once. Call after
+    parallelizing (the Parameter objects clipping sees)."""
+    for tie in ties:
+        first = _parameter(model, tie.names[0])
+        for param in _local_copies(model, tie):
+            if param is not first:
+                count_in_norm_elsewhere(param)
+
+
+def all_reduce_tied_gradients(
+    model: nn.Module, ties: Sequence[TiedParameter], groups: Sequence[Any], same_layout: Sequence[bool] | None = None
+) -> None:
+    """Give every copy of each tied parameter the sum of all copies' gradients: the copies on this rank are added
+    up, then summed over the tie's group. Call on every rank after backward, before clipping.
+
+    ``same_layout`` (from :func:`tied_layouts_agree`) lets copies laid out alike sum their local shards; without it,
+    or where layouts differ, whole tensors are summed (DTensor gradients are gathered over their mesh first)."""
+    for index, (tie, group) in enumerate(zip(ties, groups)):
         copies = _local_copies(model, tie)
         if not copies:
             if group is not None:
@@ -109,40 +149,85 @@ def all_reduce_tied_gradients(model: nn.Module, ties: Sequence[TiedParameter], g
         for param in copies:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-        total = copies[0].grad
+        shard_gradients_like_parameters(copies)  # torch returns a sharded embedding's gradient replicated
+        if same_layout is not None and same_layout[index]:
+            total = copies[0].grad
+            for param in copies[1:]:
+                total = total + param.grad
+            if group is not None:
+                dist.all_reduce(_local(total), op=dist.ReduceOp.SUM, group=group)
+            for param in copies:
+                param.grad.copy_(total)
+            continue
+        whole = _whole(copies[0].grad).clone()
         for param in copies[1:]:
-            total = total + param.grad
-        local = total.to_local() if hasattr(total, "to_local") else total
+            whole += _whole(param.grad)
         if group is not None:
-            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(whole, op=dist.ReduceOp.SUM, group=group)
         for param in copies:
-            param.grad.copy_(total)
+            _local(param.grad).copy_(_slice_like(whole, param))
 
 
-def broadcast_tied_parameters(model: nn.Module, ties: Sequence[TiedParameter], groups: Sequence[Any]) -> None:
-    """Make every copy equal to the first copy on the lowest holder rank (after materialising or loading)."""
-    for tie, group in zip(ties, groups):
+def broadcast_tied_parameters(
+    model: nn.Module, ties: Sequence[TiedParameter], groups: Sequence[Any], same_layout: Sequence[bool] | None = None
+) -> None:
+    """Make every copy equal to the first copy on the lowest holder rank (after materialising or loading).
+    ``same_layout`` as in :func:`all_reduce_tied_gradients`."""
+    for index, (tie, group) in enumerate(zip(ties, groups)):
         copies = _local_copies(model, tie)
         if not copies:
             continue
-        source = copies[0].data
-        if group is not None:
-            local = source.to_local() if hasattr(source, "to_local") else source
-            dist.broadcast(local, group=group, group_src=0)
         with torch.no_grad():
-            for param in copies[1:]:
-                param.copy_(source)
+            if same_layout is not None and same_layout[index]:
+                source = copies[0].data
+                if group is not None:
+                    dist.broadcast(_local(source), group=group, group_src=0)
+                for param in copies[1:]:
+                    param.copy_(source)
+                continue
+            whole = _whole(copies[0].data).contiguous()
+            if group is not None:
+                dist.broadcast(whole, group=group, group_src=0)
+            for param in copies:
+                _local(param.data).copy_(_slice_like(whole, param))
+
+
+def _layout(param: torch.Tensor) -> tuple:
+    if isinstance(param, DTensor):
+        placements = tuple(repr(p) for p in param.placements)
+        return ("dtensor", tuple(param.device_mesh.shape), placements, tuple(param.to_local().shape))
+    return ("tensor", tuple(param.shape))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (a collective over a DTensor's mesh: every rank of this stage calls it)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _slice_like(whole: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``whole`` in ``param``'s layout (a local slice, no communication)."""
+    if not isinstance(param, DTensor):
+        return whole
+    return distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local()
+
+
+def _parameter(model: nn.Module, name: str) -> nn.Parameter | None:
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        return None
 
 
 def _local_copies(model: nn.Module, tie: TiedParameter) -> list[nn.Parameter]:
     """The distinct Parameter objects this rank holds for ``tie``, in name order."""
     found: list[nn.Parameter] = []
     for name in tie.names:
-        try:
-            param = model.get_parameter(name)
-        except AttributeError:
-            continue
-        if all(param is not p for p in found):
+        param = _parameter(model, name)
+        if param is not None and all(param is not p for p in found):
             found.append(param)
     return found
 

@@ -3,7 +3,8 @@
 Each stage that uses a tied parameter keeps its own copy under its own name (``transformer.wte.weight`` on the
 first stage, ``lm_head.weight`` on the last). After backward the copies' gradients are summed over the ranks that
 hold them, so every copy takes the same step and stays equal. Stages on one rank (the V placement puts the first and
-the last stage on rank 0) share the one Parameter object and need nothing.
+the last stage on rank 0) get their own copies too (see :func:`~.stage.cut_pipeline_stages`); their gradients are
+added up on the rank first.
 
 Under tensor parallelism each stage lays its copy out by its own plan: GPT-2's embedding and head are both sharded
 on the vocabulary, but a stage whose plan does not recognise the embedding keeps it whole while the last stage shards

@@ -10,6 +10,8 @@ one process trains on the whole sequence (fp64):
 
 from __future__ import annotations
 
+import re
+
 import lightning as L
 import pytest
 import torch
@@ -22,6 +24,7 @@ from examples.gpt import GPT
 from lightning_dist import ContextParallelStrategy
 from lightning_dist.parallel.context_parallel import local_positions, shard_sequence
 from lightning_dist.parallel.context_parallel_batch import (
+    NotASequenceError,
     fill_positions,
     parse_sequence_keys,
     sequence_entries,
@@ -33,7 +36,10 @@ from lightning_dist.parallel.context_parallel_labels import (
     find_causal_lm,
     is_causal_lm,
 )
+from lightning_dist.parallel.context_parallel_outputs import watch_pooled_outputs
 from lightning_dist.parallel.mesh import MeshConfigError
+from lightning_dist.parallel.model_structure import recognize
+from lightning_dist.parallel.rope_tables import global_rope_rows
 from lightning_dist.strategies.first_batch import first_batch
 
 TOL = 1e-10  # fp64: the same operations in another order across two processes
@@ -205,6 +211,115 @@ def test_padding_masks_and_packed_positions_are_refused_for_a_causal_lm():
         check_plain_causal("LlamaForCausalLM", {"position_ids": torch.arange(8).unsqueeze(0)}, 16, 2, 1, "zigzag")
 
 
+def test_a_batch_without_token_sequences_is_refused_naming_its_tensors():
+    """Sets of points, feature vectors and images hold no integer ``[batch, sequence]`` tensor: their first dim after
+    the batch is not a sequence, and the message says so (not "pad the sequences"). Named entries are split."""
+    sets = {"x": torch.randn(4, 16, 4, dtype=torch.float64), "y": torch.randn(4, dtype=torch.float64)}
+    for batch, shown in [
+        (sets, r"x: \(4, 16, 4\) float64, y: \(4,\) float64"),
+        ((torch.randn(4, 16), torch.randn(4)), r"0: \(4, 16\) float32, 1: \(4,\) float32"),
+        ({"pixel_values": torch.randn(4, 3, 32, 32), "labels": torch.tensor([0, 1, 2, 0])},
+         r"pixel_values: \(4, 3, 32, 32\) float32, labels: \(4,\) int64"),
+    ]:  # fmt: skip
+        with pytest.raises(NotASequenceError, match=rf"(?s)holds none.*{shown}.*strategy='fsdp2'.*sequence_keys"):
+            sequence_entries(batch, None)
+    assert sequence_entries(sets, parse_sequence_keys(["x"])) == ({"x": 1}, 16)
+    # token ids decide the length; float per-token entries of that length (inputs_embeds, weights) are split too
+    tokens = {"embeds": torch.randn(2, 8, 4), "input_ids": torch.zeros(2, 8, dtype=torch.long), "w": torch.ones(2, 3)}
+    assert sequence_entries(tokens, None) == ({"embeds": 1, "input_ids": 1}, 8)
+
+
+class _Pooled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, 16), nn.Linear(16, 3)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(input_ids).mean(dim=1))
+
+
+def test_a_model_call_that_pools_the_sequence_away_is_found():
+    """The first step's model calls are watched: a call given this rank's shard (8 of 16 positions) that returns no
+    tensor keeping them is named with its output shape; a per-token model and a scalar loss are not."""
+
+    class Step(nn.Module):
+        def __init__(self, model: nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.model(ids).float().mean()
+
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    messages = {}
+    for model in (_Pooled(), _gpt()):
+        root = Step(model)
+        with watch_pooled_outputs(root, 16, 2) as found:
+            root(ids)
+        messages[type(model).__name__] = [str(err) for err in found]
+    assert messages["GPT"] == [] and len(messages["_Pooled"]) == 1
+    assert re.search(
+        r"(?s)in training_step, model \(_Pooled\) got sequences sharded over cp=2 \(8 of 16 positions.*returned an"
+        r" output of shape \(2, 3\), which has no sequence dimension.*strategy='fsdp2'",
+        messages["_Pooled"][0],
+    )
+
+
+def _litgpt(seq_len: int = 16) -> nn.Module:
+    from litgpt.config import Config
+    from litgpt.model import GPT as LitGPT
+
+    return LitGPT(Config(block_size=seq_len, vocab_size=64, padded_vocab_size=64, n_layer=1, n_head=4, n_embd=32,
+                         rotary_percentage=1.0, mlp_class_name="LLaMAMLP", intermediate_size=64))  # fmt: skip
+
+
+def test_litgpt_input_pos_is_inference_and_its_rotary_tables_get_the_global_rows():
+    """litgpt's ``GPT.forward(idx, input_pos=None)``: given ``input_pos`` it takes its key/value-cache path, so it is
+    no positions argument; in training it slices ``self.cos[:T]``/``self.sin[:T]``, so for a step the tables hold the
+    rows of the shard's global positions (and the whole tables again after)."""
+    model = _litgpt()
+    structure = recognize(model)
+    assert structure.positions_argument is None and structure.rope_tables == ("", ("cos", "sin"))
+    assert recognize(_gpt()).positions_argument == ("", "position_ids") and recognize(_gpt()).rope_tables is None
+    cos, sin = model.cos, model.sin
+    with global_rope_rows(model, ("cos", "sin"), 16, 2, 1, "zigzag"):
+        rows = local_positions(16, 2, 1, "zigzag")  # 4..7, 8..11
+        assert torch.equal(model.cos, cos[rows]) and torch.equal(model.sin, sin[rows])
+    assert model.cos is cos and model.sin is sin
+    too_long = global_rope_rows(model, ("cos", "sin"), 32, 2, 0, "zigzag")
+    with pytest.raises(
+        ValueError, match=r"GPT's rotary tables \(cos/sin\) have 16 rows, fewer than the sequence length 32"
+    ):
+        too_long.__enter__()
+
+
+def test_vit_and_t5_are_refused_for_their_real_position_encodings():
+    """ViT's learned ``position_embeddings`` is a parameter (it was missed: "no learned position embedding"); T5's
+    decoder token embedding is a tied copy, not a learned position embedding: T5 is refused for its learned relative
+    position bias."""
+    from transformers import T5Config, T5ForConditionalGeneration, ViTConfig, ViTForImageClassification
+
+    vit = ViTForImageClassification(ViTConfig(image_size=32, patch_size=8, hidden_size=16, num_hidden_layers=1,
+                                              num_attention_heads=2, intermediate_size=32, num_labels=3))  # fmt: skip
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2))
+    structure = recognize(t5)
+    assert structure.other_embeddings == [] and structure.position_parameters == []
+    assert structure.attention_biases == [f"{part}.block.0.layer.0.SelfAttention.relative_attention_bias"
+                                          for part in ("encoder", "decoder")]  # fmt: skip
+    strategy = _trainer("context_parallel").strategy
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)learned position embedding \(vit\.embeddings\.position_embeddings\).*not a sequence model.*fsdp2",
+    ):
+        strategy.check_model(vit)
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)T5ForConditionalGeneration's attention adds a learned relative position bias \(encoder\.block",
+    ) as refused:
+        strategy.check_model(t5)
+    assert "embed_tokens" not in str(refused.value) and "learned position embedding" not in str(refused.value)
+
+
 class _Squares(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return 10
@@ -256,6 +371,8 @@ TWO_PROCESSES = [
     *("hf_ignore_ring", "hf_allgather", "hf_ulysses", "hf_ignore_without_label_shift"),
     *("ckpt_context_parallel", "ckpt_fsdp2"),
     *("resume_context_parallel_under_fsdp2", "resume_fsdp2_under_context_parallel"),
+    *("litgpt_ring", "litgpt_allgather", "litgpt_ulysses"),
+    *("refused_pooled_classifier", "refused_declared_set", "refused_features"),
 ]
 # each algorithm and each mesh in this launch, both models at cp=4 and dp2 × cp2; the other combinations
 # (gpt_cp4_allgather, hf_cp4_allgather, gpt_dp2_cp2_ring...) pass too, left out for suite time (a 4-process
@@ -265,6 +382,10 @@ FOUR_PROCESSES = [
     *("hf_cp4_ring", "hf_dp2_cp2_ulysses"),
 ]
 
+# Hybrid3DStrategy at pp2 × cp2: litgpt's GPT, and a stock LlamaForCausalLM called without labels (the loss from its
+# logits, labels shifted by the dataset); then the same Llama given labels= (refused on the first step)
+HYBRID3D_PP_CP = ["litgpt_pp2_cp2", "hf_logits_pp2_cp2", "refused_hf_labels_pp2_cp2"]
+
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
@@ -273,13 +394,18 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(workdir):
-    references = run_scenarios(SCRIPT, 1, workdir, ["reference", "hf_reference", "hf_ignore_reference"])
+    references = run_scenarios(
+        SCRIPT,
+        1,
+        workdir,
+        ["reference", "hf_reference", "hf_ignore_reference", "litgpt_reference", "hf_logits_reference"],
+    )
     return {**references, **run_scenarios(SCRIPT, 2, workdir, TWO_PROCESSES)}
 
 
 @pytest.fixture(scope="module")
 def runs4(runs, workdir):
-    return run_scenarios(SCRIPT, 4, workdir, [*FOUR_PROCESSES, "attention_counts"])
+    return run_scenarios(SCRIPT, 4, workdir, [*FOUR_PROCESSES, "attention_counts", *HYBRID3D_PP_CP])
 
 
 def _reference(runs, name: str) -> dict:
@@ -298,6 +424,38 @@ def test_cp2_trains_the_unchanged_gpt_as_one_process(runs, name):
     assert result["val"]["val_acc"] == reference["val"]["val_acc"]
     # predictions are gathered back to the whole sequence, in order
     assert result["prediction_shapes"] == [[8, 32], [8, 32]] and result["predictions_equal"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["litgpt_ring", "litgpt_allgather", "litgpt_ulysses"])
+def test_cp2_trains_a_stock_litgpt_gpt_as_one_process(runs, name):
+    """litgpt's ``GPT`` (0.5.13): its ``input_pos`` (key/value-cache inference) is left alone, and its rotary tables
+    hold the shard's global rows for each step."""
+    reference, result = runs["litgpt_reference"], runs[name]
+    assert result["positions"] is None and result["rope_tables"] == ["gpt", ["cos", "sin"]]
+    assert max_abs_diff(result["losses"], reference["losses"]) <= TOL
+    assert max_abs_diff(result["grad_norms"], reference["grad_norms"]) <= TOL
+    assert result["same_keys"] and result["param_diff"] <= TOL
+    assert abs(result["val"]["val_loss"] - reference["val"]["val_loss"]) <= TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("case", "error", "message"),
+    [
+        # a sequence classifier: token ids in, mean-pooled logits out
+        ("pooled_classifier", "PooledOutputError", (r"(?s)in training_step, PooledClassifier got sequences sharded"
+         r" over cp=2 \(16 of 32 positions.*shape \(8, 3\), which has no sequence dimension.*strategy='fsdp2'")),
+        # sequence_keys=["x"] declares the 16 points of a set a sequence: the mean over them is refused
+        ("declared_set", "PooledOutputError", r"(?s)SetModel got sequences sharded over cp=2 \(8 of 16.*shape \(4,\)"),
+        # the LightningModule's own train_dataloader (not readable before launch): refused on the first batch
+        ("features", "NotASequenceError", r"(?s)this batch holds none.*x: \(4, 64\) float64.*strategy='fsdp2'"),
+    ],
+)  # fmt: skip
+def test_what_cp_cannot_split_is_refused_before_the_first_optimizer_step(runs, case, error, message):
+    result = runs[f"refused_{case}"]
+    assert result["error"] == error and re.search(message, result["message"]), result
+    assert result["optimizer_steps"] == 0 and not result["directory_left"]
 
 
 @pytest.mark.slow
@@ -371,6 +529,25 @@ def test_cp4_and_dp2_cp2_train_as_one_process(runs, runs4, name):
         assert _max_relative_diff(losses, expected) <= HF_LOSS_RTOL
     else:
         assert max_abs_diff(losses, expected) <= TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "reference"), [("litgpt_pp2_cp2", "litgpt_reference"),
+                                                 ("hf_logits_pp2_cp2", "hf_logits_reference")])  # fmt: skip
+def test_hybrid3d_pp2_cp2_trains_litgpt_and_a_llama_called_without_labels(runs, runs4, name, reference):
+    """litgpt: each pipeline stage's copy of the rotary tables holds the shard's rows. The Llama module computes its
+    loss from the logits, so nothing is refused although its batch has a key ``labels``."""
+    result, expected = runs4[name], runs[reference]
+    assert result["same_keys"] and result["param_diff"] <= TOL
+    losses = [*result["losses"], result["val"]["val_loss"]]
+    assert max_abs_diff(losses, [*expected["losses"], expected["val"]["val_loss"]]) <= TOL
+
+
+@pytest.mark.slow
+def test_hybrid3d_pp2_cp2_refuses_labels_that_reach_a_causal_lm_on_the_first_step(runs4):
+    result = runs4["refused_hf_labels_pp2_cp2"]
+    assert result["error"] == "ValueError" and result["optimizer_steps"] == 0 and not result["directory_left"]
+    assert "training_step passes labels= to LlamaForCausalLM. Call the model without labels" in result["message"]
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """Batches and positions under context parallelism (pure PyTorch helpers of the context-parallel strategy).
 
 * :func:`sequence_entries` finds the tensors of a batch (a pytree of dicts, lists and tuples) that carry the sequence
-  dimension; :func:`shard_batch` replaces each with this rank's shard in the layout of the attention.
+  dimension, and refuses a batch that holds no token sequence (images, sets, feature vectors);
+  :func:`shard_batch` replaces each with this rank's shard in the layout of the attention.
 * :func:`fill_positions` makes a forward pre-hook that passes the shard's *global* positions to the module taking
   them (``position_ids``, ``input_pos``, ``positions``) whenever the caller passes none: a model that builds
   ``arange(local length)`` itself would otherwise train on wrong positions on every rank but the first.
@@ -14,6 +15,7 @@ import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
@@ -32,15 +34,16 @@ def path_name(path: Path) -> str:
     return ".".join(str(p) for p in path)
 
 
-def _tensors(batch: Any, path: Path = ()) -> Iterator[tuple[Path, Tensor]]:
+def batch_tensors(batch: Any, path: Path = ()) -> Iterator[tuple[Path, Tensor]]:
+    """``(path, tensor)`` of every tensor in ``batch``, through dicts, lists and tuples."""
     if isinstance(batch, Tensor):
         yield path, batch
     elif isinstance(batch, dict):
         for key, value in batch.items():
-            yield from _tensors(value, (*path, key))
+            yield from batch_tensors(value, (*path, key))
     elif isinstance(batch, (list, tuple)):
         for index, value in enumerate(batch):
-            yield from _tensors(value, (*path, index))
+            yield from batch_tensors(value, (*path, index))
 
 
 def parse_sequence_keys(keys: list[str]) -> dict[str, int]:
@@ -54,19 +57,45 @@ def parse_sequence_keys(keys: list[str]) -> dict[str, int]:
     return parsed
 
 
+class NotASequenceError(ValueError):
+    """A batch under context parallelism that holds no token sequence."""
+
+
+def is_token_sequence(tensor: Tensor) -> bool:
+    """Token ids (or labels, positions, an integer mask) of a batch of sequences: an integer ``[batch, sequence]``."""
+    return (
+        tensor.dim() == 2 and not tensor.is_floating_point() and not tensor.is_complex() and tensor.dtype != torch.bool
+    )
+
+
+def describe_tensors(batch: Any) -> str:
+    """``"x: (8, 16, 4) float32, y: (8,) int64"``: the tensors of a batch, for messages."""
+    return ", ".join(
+        f"{path_name(p) or 'batch'}: {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+        for p, t in batch_tensors(batch)
+    )
+
+
 def sequence_entries(batch: Any, keys: dict[str, int] | None) -> tuple[dict[str, int], int]:
     """``({entry name: sequence dim}, global sequence length)`` of ``batch``.
 
-    Without ``keys``: every tensor whose dim 1 has the length of the first tensor with two or more dims.
+    Without ``keys``: the sequence length is dim 1 of the first token sequence (an integer ``[batch, sequence]``
+    tensor: token ids, labels); every tensor of two or more dims whose dim 1 has that length is an entry (per-token
+    masks and weights, ``inputs_embeds``). A batch without a token sequence (images, sets, feature vectors) raises
+    :class:`NotASequenceError`: the first dim after the batch is not a sequence there.
     With ``keys``: exactly those entries (a missing one is an error naming the entries the batch has).
     """
-    tensors = {path_name(p): t for p, t in _tensors(batch)}
+    tensors = {path_name(p): t for p, t in batch_tensors(batch)}
     if keys is None:
-        first = next((t for t in tensors.values() if t.dim() >= 2), None)
+        first = next((t for t in tensors.values() if is_token_sequence(t)), None)
         if first is None:
-            raise ValueError(
-                "Context parallel found no tensor with a sequence dimension (dim 1) in the batch; its tensors:"
-                f" { {n: tuple(t.shape) for n, t in tensors.items()} }. Pass sequence_keys=[...]."
+            raise NotASequenceError(
+                "Context parallel splits token sequences over ranks, but this batch holds none (an integer"
+                f" [batch, sequence] tensor of token ids or labels): {describe_tensors(batch) or 'no tensors'}."
+                " Images, sets of points and feature vectors cannot be split that way: each rank would see a part of"
+                " every sample (and a pooled output would pool only that part), or the shapes would not fit."
+                " Train such a model with strategy='fsdp2' (data parallel). If an entry is a sequence (e.g."
+                " inputs_embeds [batch, sequence, width]), name it: sequence_keys=['name:1']."
             )
         seq_len = first.shape[1]
         return {n: 1 for n, t in tensors.items() if t.dim() >= 2 and t.shape[1] == seq_len}, seq_len
@@ -79,19 +108,24 @@ def sequence_entries(batch: Any, keys: dict[str, int] | None) -> tuple[dict[str,
     return dict(keys), next(iter(lengths.values()))
 
 
-def shard_batch(batch: Any, entries: dict[str, int], cp: int, rank: int, layout: str) -> Any:
-    """``batch`` with every entry of ``entries`` replaced by rank ``rank``'s shard (the lengths checked first)."""
+def check_entry_lengths(batch: Any, entries: dict[str, int], cp: int, layout: str) -> None:
+    """Raise naming the entry whose sequence length ``layout`` cannot split over ``cp`` ranks."""
     for name, dim in entries.items():
         seq_len = _entry(batch, name).shape[dim]
         try:
             check_sequence_length(seq_len, cp, layout)
         except ValueError as err:
             raise ValueError(f"Batch entry {name!r} (sequence length {seq_len}): {err}") from None
+
+
+def shard_batch(batch: Any, entries: dict[str, int], cp: int, rank: int, layout: str) -> Any:
+    """``batch`` with every entry of ``entries`` replaced by rank ``rank``'s shard (the lengths checked first)."""
+    check_entry_lengths(batch, entries, cp, layout)
     return _map(batch, (), lambda p, t: shard_sequence(t, cp, rank, layout, entries[path_name(p)]), set(entries))
 
 
 def _entry(batch: Any, name: str) -> Tensor:
-    return next(t for p, t in _tensors(batch) if path_name(p) == name)
+    return next(t for p, t in batch_tensors(batch) if path_name(p) == name)
 
 
 def _map(batch: Any, path: Path, fn: Callable[[Path, Tensor], Tensor], names: set[str]) -> Any:
@@ -128,7 +162,7 @@ def fill_positions(
         passed = args[index] if by_position else kwargs.get(argument)
         if passed is not None:
             return None
-        first = next((t for _, t in _tensors((args, kwargs)) if t.dim() >= 2 and t.shape[1] == local), None)
+        first = next((t for _, t in batch_tensors((args, kwargs)) if t.dim() >= 2 and t.shape[1] == local), None)
         device = first.device if first is not None else None
         positions = local_positions(seq_len, cp, rank, layout, device).unsqueeze(0)
         if first is not None:
@@ -144,5 +178,5 @@ def fill_positions(
 
 def gather_outputs(output: Any, seq_len: int, cp: int, group: dist.ProcessGroup, layout: str) -> Any:
     """Step outputs with every tensor whose dim 1 holds a shard (``seq_len / cp``) gathered back to ``seq_len``."""
-    names = {path_name(p) for p, t in _tensors(output) if t.dim() >= 2 and t.shape[1] == seq_len // cp}
+    names = {path_name(p) for p, t in batch_tensors(output) if t.dim() >= 2 and t.shape[1] == seq_len // cp}
     return _map(output, (), lambda _, t: gather_sequence(t, group, layout, dim=1), names)

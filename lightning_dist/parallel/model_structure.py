@@ -52,6 +52,18 @@ TOKEN_EMBEDDING_NAMES = (
 )
 HEAD_NAMES = ("lm_head", "head", "output", "embed_out", "out", "output_layer", "logits")
 POSITIONS_ARGUMENTS = ("position_ids", "input_pos", "positions")
+# Learned position embeddings held as a parameter (ViT's ``position_embeddings``, timm's ``pos_embed``).
+POSITION_PARAMETER_NAMES = (
+    "position_embeddings",
+    "position_embedding",
+    "pos_embed",
+    "pos_embedding",
+    "positional_embedding",
+    "pos_emb",
+)
+# Rotary tables with one row per position, which a forward slices by the sequence length (``self.cos[:T]``):
+# litgpt's ``GPT`` (``cos``/``sin``), torchtitan-style ``freqs_cis``.
+ROPE_TABLE_NAMES = (("cos", "sin"), ("freqs_cis",))
 
 # Attributes of an attention module that hold a global count and must become the local (per-rank) count.
 Q_HEAD_ATTRIBUTES = ("n_head", "n_heads", "num_heads", "num_attention_heads", "nheads", "num_q_heads")
@@ -114,7 +126,13 @@ class ModelStructure:
         attention: Recognised attention modules.
         mlps: Recognised MLPs (``nn.TransformerEncoderLayer``'s ``linear1``/``linear2`` included, under the layer).
         token_embedding: The token embedding, if found.
-        other_embeddings: Embeddings of the same width added to it (learned positions).
+        other_embeddings: Embeddings of the same width added to it (learned positions); copies tied to the token
+            embedding (T5's ``shared``/``decoder.embed_tokens``) are not among them.
+        position_parameters: Learned position embeddings held as parameters (``vit.embeddings.position_embeddings``).
+        attention_biases: Embeddings inside attention modules (learned relative position biases, T5's
+            ``relative_attention_bias``): added to the attention scores, computed from positions.
+        rope_tables: ``(module, buffer names)`` of rotary tables with one row per position that the module's forward
+            slices by the sequence length (litgpt's ``GPT``: ``cos``/``sin``), when no module takes positions.
         output_head: The output projection to the vocabulary, if found.
         norms: Norms on the residual stream (outside attention and MLP modules).
         positions_argument: ``(module, argument)`` of the outermost module whose forward takes positions.
@@ -127,6 +145,9 @@ class ModelStructure:
     mlps: dict[str, MLP] = field(default_factory=dict)
     token_embedding: str | None = None
     other_embeddings: list[str] = field(default_factory=list)
+    position_parameters: list[str] = field(default_factory=list)
+    attention_biases: list[str] = field(default_factory=list)
+    rope_tables: tuple[str, tuple[str, ...]] | None = None
     output_head: str | None = None
     norms: list[str] = field(default_factory=list)
     positions_argument: tuple[str, str] | None = None
@@ -223,8 +244,39 @@ def recognize(model: nn.Module) -> ModelStructure:
             )
     _recognize_embeddings_and_head(model, structure, claimed_children)
     structure.norms = [n for n, m in model.named_modules() if is_norm(m) and not structure.inside_claimed(n)]
-    structure.positions_argument = find_positions_argument(model)
+    structure.position_parameters = _position_parameters(model)
+    structure.attention_biases = [
+        n for n, m in model.named_modules() if isinstance(m, nn.Embedding) and _inside_attention(structure, n)
+    ]
+    rope = find_rope_tables(model)
+    structure.positions_argument = find_positions_argument(model, inference_only=rope[0] if rope else None)
+    structure.rope_tables = rope if structure.positions_argument is None else None
     return structure
+
+
+def _inside_attention(structure: ModelStructure, name: str) -> bool:
+    return any(name.startswith(f"{a}.") for a in structure.attention)
+
+
+def _position_parameters(model: nn.Module) -> list[str]:
+    """Parameters that are learned position embeddings by name (at least 2-D: one row per position)."""
+    return [
+        join(module_name, name)
+        for module_name, module in model.named_modules()
+        for name, parameter in module.named_parameters(recurse=False)
+        if name in POSITION_PARAMETER_NAMES and parameter.dim() >= 2
+    ]
+
+
+def find_rope_tables(model: nn.Module) -> tuple[str, tuple[str, ...]] | None:
+    """``(module name, buffer names)`` of the outermost module holding rotary tables (``ROPE_TABLE_NAMES``: 2-D or
+    more, one row per position, equal row counts) that its forward slices by the sequence length."""
+    for name, module in model.named_modules():
+        for names in ROPE_TABLE_NAMES:
+            tables = [module._buffers.get(n) for n in names]
+            if all(isinstance(t, Tensor) and t.dim() >= 2 for t in tables) and len({t.shape[0] for t in tables}) == 1:
+                return name, names
+    return None
 
 
 def _recognize_multihead(structure: ModelStructure, name: str, module: nn.MultiheadAttention) -> None:
@@ -346,19 +398,35 @@ def _recognize_embeddings_and_head(model: nn.Module, structure: ModelStructure, 
     if token is not None:
         structure.token_embedding = token
         width, vocab_size = embeddings[token].embedding_dim, embeddings[token].num_embeddings
-        structure.other_embeddings = [n for n, m in embeddings.items() if n != token and m.embedding_dim == width]
+        tied = embeddings[token].weight
+        structure.other_embeddings = [
+            n
+            for n, m in embeddings.items()
+            if n != token
+            and m.embedding_dim == width
+            and m.weight is not tied  # a copy of the token embedding (T5's shared/decoder.embed_tokens)
+            and n.rpartition(".")[2] not in TOKEN_EMBEDDING_NAMES
+        ]
         heads.sort(key=lambda h: linears[h].out_features != vocab_size)
     structure.output_head = heads[0] if heads else None
 
 
-def find_positions_argument(model: nn.Module) -> tuple[str, str] | None:
-    """``(module name, argument)`` of the outermost module whose ``forward`` takes token positions."""
+def find_positions_argument(model: nn.Module, inference_only: str | None = None) -> tuple[str, str] | None:
+    """``(module name, argument)`` of the outermost module whose ``forward`` takes token positions.
+
+    ``inference_only``: a module (with its submodules) whose ``input_pos`` selects inference with a key/value cache
+    rather than training positions (litgpt's ``GPT``: given ``input_pos``, it needs ``set_kv_cache()``; in training
+    it slices its rotary tables by the length instead); their ``input_pos`` is not a positions argument.
+    """
     for name, module in model.named_modules():
+        cached = inference_only is not None and (
+            inference_only == "" or name == inference_only or name.startswith(f"{inference_only}.")
+        )
         try:
             parameters = inspect.signature(module.forward).parameters
         except (TypeError, ValueError):
             continue
-        argument = next((a for a in POSITIONS_ARGUMENTS if a in parameters), None)
+        argument = next((a for a in POSITIONS_ARGUMENTS if a in parameters and not (cached and a == "input_pos")), None)
         if argument is not None:
             return name, argument
     return None

@@ -305,9 +305,10 @@ def _positions_from_sequence_length(structure: ModelStructure, modules: dict[str
     builds the blocks' mask from that length: GPT-2) counts; others (positions from the token ids, causal attention
     without a mask) have their position embedding sliced with the token embedding instead.
     """
-    if structure.positions_argument is None or not structure.blocks:
+    builder = structure.positions_argument or structure.rope_tables  # litgpt: rotary tables sliced by the length
+    if builder is None or not structure.blocks:
         return False
-    owner = structure.positions_argument[0]
+    owner = builder[0]
     if not (owner == "" or structure.blocks[0].startswith(f"{owner}.")):
         return False
     return not structure.other_embeddings or "attention_mask" in _forward_parameters(modules[owner])

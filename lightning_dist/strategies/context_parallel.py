@@ -43,7 +43,10 @@ class ContextParallelStrategy(ContextParallelSteps, MeshParallelStrategy):
         load_balance: ``"zigzag"`` (sequence length divisible by 2·cp; balanced causal work) or ``"contiguous"``
             (divisible by cp). Ulysses is always contiguous.
         sequence_keys: Batch entries that carry the sequence, ``"name"`` (dim 1) or ``"name:dim"``; nested entries
-            as ``"a.0.b"``. Default: every tensor whose dim 1 has the sequence length (logged once).
+            as ``"a.0.b"``. Default: the sequence length is dim 1 of the first token sequence (an integer
+            ``[batch, sequence]`` tensor: token ids, labels), and every tensor whose dim 1 has that length is split
+            (logged once). A batch without token sequences (images, sets, feature vectors) is refused unless its
+            sequence entries are named here.
         activation_checkpointing: Recompute the repeated blocks' activations in backward.
     """
 

@@ -56,9 +56,11 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
     and ``sequence_length``. The other options are those of the single strategies, under the same names; each
     applies only where its axis has more than one rank.
 
-    Limits: the pipelined call under ``pp × cp`` must be the module that takes the positions argument, and a Hugging
-    Face causal LM computing its loss from ``labels=`` is refused under ``pp × cp`` (its label shift crosses shard
-    and micro-batch boundaries); ``zeropp`` quantizes the FSDP2 all-gather of weights (qwZ), not the gradients.
+    Limits: the pipelined call under ``pp × cp`` must be the module that takes the positions argument (or holds the
+    rotary tables it slices by the length, as litgpt's ``GPT``), and a Hugging Face causal LM given ``labels=`` is
+    refused under ``pp × cp`` on the first step (its label shift crosses shard and micro-batch boundaries; computing
+    the loss in ``training_step`` from the logits trains); ``zeropp`` quantizes the FSDP2 all-gather of weights (qwZ),
+    not the gradients.
 
     Args:
         pipeline_parallel_size: Pipeline stages' ranks (``pp``).
@@ -132,6 +134,7 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         self.init_pipeline(schedule, n_microbatches, stages_per_rank, split)
         self.init_context_parallel(attention, load_balance, sequence_keys)
         self.init_tensor_parallel(plan, sequence_parallel, loss_parallel)
+        self._rope_in_parts: str | None = None  # under pp × cp: the rope-table module's name in each stage
         sizes = {
             "pp": pipeline_parallel_size,
             "dp_replicate": data_parallel_replicate_size,
@@ -292,15 +295,20 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         return dict(select_modules(root, self.wrap_modules, self.wrap_regex, what="shard"))
 
     def _check_pipelined_context_parallel(self, model: Module) -> None:
-        """Under ``pp × cp`` the positions join the pipelined call's arguments, so they must be its own."""
+        """Under ``pp × cp`` the positions join the pipelined call's arguments, so they must be its own. (A causal
+        LM's labels are checked per call, in :meth:`pipeline_inputs`.)"""
         if self.parallel_dims.cp == 1:
             return
-        if self._causal_lm is not None:
-            raise ValueError(
-                "hybrid3d: pipeline × context parallelism cannot pass a Hugging Face causal LM its labels (the label"
-                " shift crosses both the sequence shards and the micro-batches). Compute the loss in training_step"
-                " from the logits with labels aligned per position, or drop one of pp and cp."
-            )
+        if self._rope_tables is not None:  # litgpt: each stage slices its own copy of the tables
+            where = next(n for n, m in model.named_modules() if m is self._module)
+            name, tables = self._rope_tables
+            if not (where == "" or name == where or name.startswith(f"{where}.")):
+                raise ValueError(
+                    f"hybrid3d: under pipeline × context parallelism the module whose rotary tables"
+                    f" ({'/'.join(tables)}) are sliced by the sequence length ({name!r}) must be the pipelined module"
+                    f" ({where!r}) or inside it. Use context parallelism with dp or tp, or pipeline without cp."
+                )
+            self._rope_in_parts = name[len(where) :].lstrip(".") if where else name
         if self._positions is not None and model.get_submodule(self._positions[0]) is not self._module:
             raise ValueError(
                 f"hybrid3d: under pipeline × context parallelism the module that takes the positions"
@@ -332,9 +340,23 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         done.append(f"precision={self.precision_plugin.precision}")
         self.log_decision("; ".join(done))
 
+    @override
+    def rope_modules(self) -> list[Module]:
+        if not self.pipelined or self._rope_in_parts is None:
+            return super().rope_modules()
+        return [part.get_submodule(self._rope_in_parts) for part in self.model_parts]
+
     # ------------------------------------------------------------------ steps
     @override
     def pipeline_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        if self.context_parallel and self._causal_lm is not None and inputs.get("labels") is not None:
+            raise ValueError(
+                "hybrid3d: pipeline × context parallelism cannot pass a Hugging Face causal LM its labels (the"
+                " model's label shift crosses both the sequence shards and the micro-batches), and training_step"
+                f" passes labels= to {type(self._module).__name__}. Call the model without labels and compute the loss"
+                " in training_step from the logits, with labels aligned per position in the batch (shifted by the"
+                " dataset), or drop one of pp and cp."
+            )
         if not self.context_parallel or self._positions is None or self._seq_len is None:
             return inputs
         filled = self.positions_hook(self._module)(self._module, (), inputs)

@@ -25,7 +25,7 @@ from common import (  # type: ignore[import-not-found]
 )
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_dist import ContextParallelStrategy, FSDP2Strategy
+from lightning_dist import ContextParallelStrategy, FSDP2Strategy, Hybrid3DStrategy
 from lightning_dist.parallel.context_parallel import ContextParallelAttention, shard_sequence
 
 STEPS = 4
@@ -45,7 +45,7 @@ class HFLlama(L.LightningModule):
     are the inputs, shifted inside the model. ``ignore_below`` > 0 sets the labels of tokens below it to -100
     (an uneven number of ignored labels on each sequence shard)."""
 
-    def __init__(self, vocab_size: int, ignore_below: int = 0) -> None:
+    def __init__(self, vocab_size: int, ignore_below: int = 0, logits_loss: bool = False) -> None:
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -55,9 +55,13 @@ class HFLlama(L.LightningModule):
         )  # fmt: skip
         self.model = LlamaForCausalLM(config)
         self.ignore_below = ignore_below
+        self.logits_loss = logits_loss
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         x = batch["input_ids"]
+        if self.logits_loss:  # the model gets no labels: the loss from its logits, labels shifted by the dataset
+            logits = self.model(x).logits
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
         labels = x.masked_fill(x < self.ignore_below, -100) if self.ignore_below else x
         return self.model(input_ids=x, labels=labels).loss
 
@@ -71,11 +75,18 @@ class HFLlama(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def _model_and_data(devices: int, dp: int, hf: dict[str, Any] | None, **data: Any) -> tuple[L.LightningModule, Any]:
+def _model_and_data(
+    devices: int, dp: int, hf: dict[str, Any] | None, litgpt: bool = False, **data: Any
+) -> tuple[L.LightningModule, Any]:
     model, data = make_model_and_data(devices, dp_size=dp, **data)
     if hf is not None:
         L.seed_everything(1234, verbose=False)
         model = HFLlama(data.vocab_size, **hf)
+    if litgpt:  # litgpt's GPT: RoPE from its cos/sin tables sliced [:T]; input_pos means KV-cache inference
+        from tp_library_models import LitGPTLM  # type: ignore[import-not-found]
+
+        L.seed_everything(1234, verbose=False)
+        model = LitGPTLM(SEQ_LEN)
     return model, data
 
 
@@ -99,24 +110,31 @@ class LaterBatchProbe(Callback):
 
 
 def _run(
-    devices: int, strategy: Any, hf: dict[str, Any] | None = None, dp: int = 1, probe: Callback | None = None
+    devices: int,
+    strategy: Any,
+    hf: dict[str, Any] | None = None,
+    dp: int = 1,
+    probe: Callback | None = None,
+    litgpt: bool = False,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[torch.Tensor]]:
-    model, data = _model_and_data(devices, dp, hf)
+    model, data = _model_and_data(devices, dp, hf, litgpt)
     recorder = StepRecorder()
     trainer = _trainer(devices, strategy, [recorder] if probe is None else [recorder, probe])
     trainer.fit(model, data)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
     # predictions are compared at cp=2 (at dp > 1 each replica predicts other samples; a 4-process predict costs
     # seconds of suite time on 2 cores)
-    predict = hf is None and devices <= 2
+    predict = hf is None and not litgpt and devices <= 2
     predictions = trainer.predict(model, dataloaders=data.val_dataloader()) if predict else []
     result = {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "val": metrics}
     return result, full_state(model), [p.cpu() for p in predictions[:2]]
 
 
-def reference(devices: int, workdir: str, name: str = "reference", hf: dict[str, Any] | None = None) -> dict[str, Any]:
+def reference(
+    devices: int, workdir: str, name: str = "reference", hf: dict[str, Any] | None = None, litgpt: bool = False
+) -> dict[str, Any]:
     """One process, the whole sequence: what every cp run must match."""
-    result, state, predictions = _run(devices, "auto", hf)
+    result, state, predictions = _run(devices, "auto", hf, litgpt=litgpt)
     torch.save({"state": state, "predictions": predictions}, f"{workdir}/{name}.pt")
     if hf and hf.get("ignore_below"):
         result["counted_per_shard"] = _counted_labels_per_shard(hf["ignore_below"])
@@ -158,22 +176,32 @@ def context_parallel(
     hf: dict[str, Any] | None = None,
     control: type[ContextParallelStrategy] | None = None,
     probe: bool = False,
+    litgpt: bool = False,
     **options: Any,
 ) -> dict[str, Any]:
     strategy = (control or ContextParallelStrategy)(**options)
     later = LaterBatchProbe() if probe else None
+    dp = options.get("data_parallel_shard_size", 1)
     with attention_calls() as calls:
-        result, state, predictions = _run(devices, strategy, hf, options.get("data_parallel_shard_size", 1), later)
+        result, state, predictions = _run(devices, strategy, hf, dp, later, litgpt)
     result["attention_heads"] = sorted(calls["heads"])
     result["explicit_mask_seen"] = any(calls["masked"])
     if later is not None:
         result["later_batches"] = later.seen
     expected = torch.load(f"{workdir}/{reference}.pt")
-    result["param_diff"] = max((state[k] - v).abs().max().item() for k, v in expected["state"].items())
-    result["same_keys"] = sorted(state) == sorted(expected["state"])
+    if strategy.parallel_dims.pp > 1:  # a rank holds its stage's parameters: compared there, the maximum over ranks
+        diff = max((v - expected["state"][k]).abs().max().item() for k, v in state.items())
+        held = torch.tensor([diff, len(state) / strategy.parallel_dims.cp])  # cp ranks of a stage hold the same
+        torch.distributed.all_reduce(held[:1], op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(held[1:])
+        result["param_diff"], result["same_keys"] = held[0].item(), round(held[1].item()) == len(expected["state"])
+    else:
+        result["param_diff"] = max((state[k] - v).abs().max().item() for k, v in expected["state"].items())
+        result["same_keys"] = sorted(state) == sorted(expected["state"])
     result["prediction_shapes"] = [list(p.shape) for p in predictions]
     result["predictions_equal"] = all(torch.equal(p, q) for p, q in zip(predictions, expected["predictions"]))
     result["positions"] = strategy._positions
+    result["rope_tables"] = strategy._rope_tables
     result["causal_lm"] = strategy._causal_lm
     result["explicit_masks"] = strategy._explicit_masks
     result["mesh"] = {"cp": strategy.parallel_dims.cp, "dp_shard": strategy.parallel_dims.dp_shard}
@@ -241,8 +269,135 @@ class WithoutLabelShift(ContextParallelStrategy):
         self._causal_lm = None
 
 
+# ---------------------------------------------------------------------------------------------- refusals after launch
+class PooledClassifier(L.LightningModule):
+    """Token ids → embedding → mean over the sequence → 3 classes (a sequence classifier): under cp each rank would
+    pool only its shard. The batch holds token sequences, so only the first step can tell."""
+
+    def __init__(self, vocab_size: int = 64) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab_size, 16)
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(input_ids).mean(dim=1))
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x = batch["input_ids"]
+        return torch.nn.functional.cross_entropy(self(x), x[:, 0] % 3)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _Sets(torch.utils.data.Dataset):
+    """Sets of 16 points in 4-D, a regression target per set."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(index)
+        x = torch.randn(16, 4, generator=generator, dtype=torch.float64)
+        return {"x": x, "y": x.sum()}
+
+
+class SetModel(L.LightningModule):
+    """Mean-pooled over the 16 points of each set (a Deep Sets model); ``features=True`` flattens each sample into
+    a feature vector ``(B, 64)`` in its own ``train_dataloader`` (data the launching process does not read)."""
+
+    def __init__(self, features: bool = False) -> None:
+        super().__init__()
+        self.features = features
+        self.encode = torch.nn.Linear(64 if features else 4, 8)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.encode(x)
+        return self.head(h if self.features else h.mean(dim=1)).squeeze(-1)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x = batch["x"].flatten(1) if self.features else batch["x"]
+        return torch.nn.functional.mse_loss(self(x), batch["y"])
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        if not self.features:
+            raise RuntimeError("the set scenario passes its dataloader to fit")
+        sets = _Sets()
+        data = [{"x": sets[i]["x"].flatten(), "y": sets[i]["y"]} for i in range(len(sets))]
+        return torch.utils.data.DataLoader(data, batch_size=4)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class OptimizerSteps(Callback):
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
+        self.count += 1
+
+
+def refused(devices: int, workdir: str, case: str) -> dict[str, Any]:
+    """A model or batch that context parallelism cannot train, refused on every rank after launch: the error, the
+    optimizer steps taken before it, and whether the run left its default_root_dir behind."""
+    if case == "pooled_classifier":
+        model, data = PooledClassifier(), make_model_and_data(devices, dp_size=1)[1]
+        strategy, fit_args = ContextParallelStrategy(), {"datamodule": data}
+    elif case == "declared_set":  # sequence_keys says the points are a sequence: the pooled output is refused
+        model, strategy = SetModel(), ContextParallelStrategy(sequence_keys=["x"])
+        fit_args = {"train_dataloaders": torch.utils.data.DataLoader(_Sets(), batch_size=4)}
+    elif case == "hf_labels_pp2_cp2":  # labels= reach a Hugging Face causal LM's forward under pp × cp
+        data = make_model_and_data(devices, dp_size=1)[1]
+        L.seed_everything(1234, verbose=False)
+        model, fit_args = HFLlama(data.vocab_size), {"datamodule": data}
+        strategy = Hybrid3DStrategy(pipeline_parallel_size=2, context_parallel_size=2)
+    else:  # features: the LightningModule's own train_dataloader, so the first batch is checked after launch
+        model, strategy, fit_args = SetModel(features=True), ContextParallelStrategy(), {}
+    steps, root = OptimizerSteps(), Path(workdir, f"refused_{case}")
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=strategy, precision="64-true", callbacks=[steps]),
+        max_steps=1,
+        default_root_dir=str(root),
+    )
+    try:
+        trainer.fit(model, **fit_args)
+    except ValueError as err:
+        return {"error": type(err).__name__, "message": str(err), "optimizer_steps": steps.count,
+                "directory_left": root.exists()}  # fmt: skip
+    return {"error": None, "optimizer_steps": steps.count}
+
+
 SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "reference": reference,
+    "litgpt_reference": partial(reference, name="litgpt_reference", litgpt=True),
+    **{
+        f"litgpt_{attention}": partial(context_parallel, reference="litgpt_reference", litgpt=True, attention=attention)
+        for attention in ("ring", "allgather", "ulysses")
+    },
+    **{
+        f"refused_{case}": partial(refused, case=case)
+        for case in ("pooled_classifier", "declared_set", "features", "hf_labels_pp2_cp2")
+    },
+    "litgpt_pp2_cp2": partial(
+        context_parallel,
+        reference="litgpt_reference",
+        litgpt=True,
+        control=Hybrid3DStrategy,
+        pipeline_parallel_size=2,
+        context_parallel_size=2,
+    ),
+    # a stock LlamaForCausalLM called without labels (loss from its logits; the batch has a key "labels") at pp2 × cp2
+    "hf_logits_reference": partial(reference, name="hf_logits_reference", hf={"logits_loss": True}),
+    "hf_logits_pp2_cp2": partial(
+        context_parallel,
+        reference="hf_logits_reference",
+        hf={"logits_loss": True},
+        control=Hybrid3DStrategy,
+        pipeline_parallel_size=2,
+        context_parallel_size=2,
+    ),
     "ring": partial(context_parallel, attention="ring", probe=True),
     "allgather_checkpointed": partial(context_parallel, attention="allgather", activation_checkpointing=True),
     "ulysses": partial(context_parallel, attention="ulysses"),

@@ -42,6 +42,7 @@ from lightning_dist import (
     TensorParallelStrategy,
     ZeroPPStrategy,
 )
+from lightning_dist.parallel.pipeline import StageCutError
 
 CONSTRUCTION = "construction"
 BEFORE_LAUNCH = "before launch"
@@ -140,6 +141,57 @@ def _vit() -> _HFCausalLM:
     return _HFCausalLM(ViTForImageClassification(config))
 
 
+class _HFBatchModule(LightningModule):
+    """A LightningModule passing each batch (a dict) to a Hugging Face model: ``self.model(**batch).loss``."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return self.model(**batch).loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _vit_classifier() -> _HFBatchModule:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(image_size=32, patch_size=8, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                       intermediate_size=32, num_labels=3)  # fmt: skip
+    return _HFBatchModule(ViTForImageClassification(config))
+
+
+def _t5() -> _HFBatchModule:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2,
+                      decoder_start_token_id=0)  # fmt: skip
+    return _HFBatchModule(T5ForConditionalGeneration(config))
+
+
+def _images(n: int = 8) -> list[dict[str, torch.Tensor]]:
+    return [{"pixel_values": torch.randn(3, 32, 32), "labels": torch.tensor(i % 3)} for i in range(n)]
+
+
+def _tokens(length: int = 8, n: int = 8) -> list[dict[str, torch.Tensor]]:
+    return [{"input_ids": torch.randint(0, 64, (length,)), "labels": torch.randint(0, 64, (length,))} for _ in range(n)]
+
+
+def _fit_leaving_nothing(tmp_path: Path, strategy: Any, model: Any, samples: list[Any]) -> None:
+    """``fit`` on ``samples`` (4 to a batch) with Lightning's default logger and checkpointing under ``tmp_path``;
+    a refused run must leave nothing there (no ``lightning_logs/version_N``)."""
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=1, default_root_dir=tmp_path,
+                      enable_progress_bar=False)  # fmt: skip
+    try:
+        trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(samples, batch_size=4))
+    finally:
+        left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+        if left:
+            raise AssertionError(f"the refused run left {left} behind")
+
+
 def _unfinished(tmp_path: Path) -> Path:
     path = tmp_path / "step=3.ckpt"
     path.mkdir()
@@ -235,6 +287,25 @@ ROWS: list[BadInput] = [
              ValueError, r"Cannot shard \['DecoderLayer'\]: the model has no module of that class"),
     BadInput("A wrap regex that matches no module", lambda t: _fit(FSDP2Strategy(wrap_regex=r"layers\.\d+")),
              ValueError, r"The regex 'layers\\\\\.\\\\d\+' matches no module name"),
+    # --- the model and the first batch against the pipeline (refused with Lightning's default logger: no directory left)
+    BadInput("A module read across pipeline stages (transformers ViT reads its patch embedding's dtype)",
+             lambda t: _fit_leaving_nothing(t, PipelineStrategy(pipeline_parallel_size=2), _vit_classifier(), _images()),
+             StageCutError, r"(?s)Pipeline stage 1 .*reads vit\.embeddings\.patch_embeddings, which lives on pipeline stage 0.*another parallelism.*Found before launch.*modeling_vit\.py:\d+"),
+    BadInput("A 1-block model under pipeline_parallel_size=2",
+             lambda t: _fit_leaving_nothing(t, PipelineStrategy(pipeline_parallel_size=2), _gpt(n_layer=1), _tokens()),
+             ValueError, r"The model has 1 block \(blocks\.0\) for 2 pipeline stages.*Use fewer stages"),
+    BadInput("An encoder–decoder model (T5) under pipeline",
+             lambda t: _fit_leaving_nothing(t, PipelineStrategy(pipeline_parallel_size=2), _t5(), _tokens()),
+             ValueError, r"T5ForConditionalGeneration is an encoder–decoder model .*: encoder–decoder models are not supported under pipeline.*Use fsdp2"),
+    BadInput("An encoder–decoder model (T5) under pipeline with a hand split",
+             lambda t: _fit_leaving_nothing(t, PipelineStrategy(pipeline_parallel_size=2, split=["decoder.block.0"]), _t5(), _tokens()),
+             ValueError, r"encoder–decoder models are not supported under pipeline"),
+    BadInput("n_microbatches that does not divide the batch",
+             lambda t: _fit_leaving_nothing(t, PipelineStrategy(pipeline_parallel_size=2, n_microbatches=3), _gpt(), _tokens()),
+             ValueError, r"The per-replica batch size 4 is not divisible by n_microbatches=3\. Choose n_microbatches from \[1, 2, 4\]"),
+    BadInput("A sequence length not divisible by 2·cp",
+             lambda t: _fit_leaving_nothing(t, ContextParallelStrategy(), _gpt(), _tokens(length=6)),
+             ValueError, r"(?s)'input_ids' \(sequence length 6\).*divisible by 2·cp = 4"),
     # --- precision
     BadInput("A precision plugin of another strategy family", lambda t: _deepspeed_precision(),
              ValueError, r"DeepSpeedPrecision.*cannot be used with lightning_dist strategies\. Pass `precision=` with one of: 32-true"),

@@ -25,6 +25,7 @@ from lightning_dist.parallel.pipeline import (
     find_tied_parameters,
     model_inputs_as_kwargs,
     plan_stages,
+    rehearse_stages,
     resolve_stages_per_rank,
     stage_ids_for_rank,
     stage_runtime,
@@ -312,6 +313,66 @@ def test_forwards_the_cut_cannot_follow_fail_with_the_split_fix(model_cls, make_
     with pytest.raises((StageCutError, AttributeError), match=message) as err:
         run_in_sequence(parts, model_inputs_as_kwargs(model, (x,), {}))
     assert "Pass split=" in str(err.value)
+
+
+# ------------------------------------------------------------------------------------------------ refused before launch
+def test_a_one_block_model_is_told_it_has_one_block_for_two_stages():
+    model = small_gpt(1)
+    with pytest.raises(ValueError, match=r"The model has 1 block \(blocks\.0\) for 2 pipeline stages"):
+        plan_stages(model, 2)
+    by_hand = plan_stages(model, 2, [["tok_emb", "pos_emb", "blocks"], ["ln_f", "head"]])
+    assert by_hand.blocks == ("blocks.0",) and by_hand.describe() == [
+        "stage 0: tok_emb, pos_emb, blocks.0",
+        "stage 1: ln_f, head",
+    ]
+
+
+def _t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2,
+                      decoder_start_token_id=0)  # fmt: skip
+    return T5ForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("split", ["auto", ["decoder.block.0"], [["shared", "encoder"], ["decoder", "lm_head"]]])
+def test_encoder_decoder_models_are_refused_whatever_the_split(split):
+    with pytest.raises(ValueError, match=r"T5ForConditionalGeneration is an encoder–decoder model \(blocks in"
+                       r" encoder\.block\.\*, decoder\.block\.\*\): encoder–decoder models are not supported under"
+                       r" pipeline.*Use fsdp2"):  # fmt: skip
+        plan_stages(_t5(), 2, split)
+
+
+def _vit(layers: int = 2) -> nn.Module:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(image_size=32, patch_size=8, hidden_size=16, num_hidden_layers=layers, num_attention_heads=2,
+                       intermediate_size=32, num_labels=3)  # fmt: skip
+    return ViTForImageClassification(config)
+
+
+def test_the_rehearsal_on_meta_finds_a_module_read_across_stages_with_the_line_that_reads_it():
+    model = _vit()
+    before = [(n, type(m), tuple(p.device for p in m.parameters(recurse=False))) for n, m in model.named_modules()]
+    images = {"pixel_values": torch.randn(4, 3, 32, 32), "labels": torch.tensor([0, 1, 2, 0])}
+    with pytest.raises(StageCutError, match=r"(?s)Pipeline stage 1 .*reads vit\.embeddings\.patch_embeddings, which lives"
+                       r" on pipeline stage 0.*Found before launch.*modeling_vit\.py:\d+ in forward: expected_dtype ="):  # fmt: skip
+        rehearse_stages(model, plan_stages(model, 2), images)
+    after = [(n, type(m), tuple(p.device for p in m.parameters(recurse=False))) for n, m in model.named_modules()]
+    assert after == before  # the model itself was not cut: a meta copy was
+    assert rehearse_stages(model, plan_stages(model, 2)) is False  # token ids do not fit: nothing to rehearse
+
+
+def test_the_rehearsal_passes_what_the_cut_runs_and_refuses_what_it_cannot_follow():
+    gpt = small_gpt(4)
+    for stages in (2, 4):
+        assert rehearse_stages(gpt, plan_stages(gpt, stages)) is True
+    assert rehearse_stages(gpt, plan_stages(gpt, 2), {"input_ids": torch.zeros(3, 5, dtype=torch.long)}) is True
+    for model_cls, message in [(SkipFromEmbedding, "depends on what modules of an earlier stage"),
+                               (ReadsEmbeddingWeight, r"reads emb\.weight, which lives on.* in forward: return x @")]:  # fmt: skip
+        model = model_cls()
+        with pytest.raises(StageCutError, match=f"(?s){message}"):
+            rehearse_stages(model, plan_stages(model, 2))
 
 
 # ------------------------------------------------------------------------------------------------ forward substitution

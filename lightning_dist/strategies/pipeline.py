@@ -71,6 +71,11 @@ class PipelineStrategy(PipelineSteps, MeshParallelStrategy):
         require_split_axis(dims, "pp", "pipeline_parallel_size", "pipeline parallelism")
 
     @override
+    def check_model(self, model: Module) -> None:
+        if self.pipelined:
+            self.check_pipeline_model(model)
+
+    @override
     def parallelize(self, model: Module) -> Module:
         dims = self.parallel_dims
         stages = self.cut_stages(model)

@@ -7,11 +7,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
 from lightning_dist.parallel import pipeline as pp
 from lightning_dist.parallel.fsdp import reshard_all
+from lightning_dist.strategies.first_batch import _rng_kept, first_batch
+from lightning_dist.strategies.pipeline_logs import captured_log
+from lightning_dist.strategies.preflight import PARALLELIZED
 
 if TYPE_CHECKING:
     from lightning_dist.strategies.base import MeshParallelStrategy
@@ -60,6 +66,36 @@ class PipelineStages(_Base):
             return pp.default_n_microbatches(self.schedule, batch_size, p, v)
         pp.validate_microbatching(self.schedule, batch_size, self.n_microbatches, p, v)
         return self.n_microbatches
+
+    def check_pipeline_model(self, model: Module, inputs: dict[str, Any] | None = None) -> None:
+        """Before launch: plan the stages of ``model`` (refusing too few blocks, an encoder–decoder model, a split
+        naming unknown modules) and rehearse their forwards on a meta-device copy (see
+        :func:`~lightning_dist.parallel.pipeline.rehearse_stages`; ``inputs``: the pipelined call's arguments on the
+        first batch, default example token ids), refusing what the cut cannot run."""
+        module = model.get_submodule(pp.find_pipelined_module(model))
+        plan = pp.plan_stages(module, self.parallel_dims.pp * self.stages_per_rank, self.split)
+        pp.rehearse_stages(module, plan, inputs)
+
+    @override
+    def preflight(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
+        """Also, before ``fit`` launches, the first training batch when it can be read here (see
+        :func:`~lightning_dist.strategies.first_batch.first_batch`): micro-batches that must divide its size, and the
+        stage rehearsal on its real inputs (images, say, where example token ids do not fit the forward). Only the
+        launching process reads it; ranks created elsewhere (torchrun, SLURM) meet the same checks on their first
+        batch, before the step's first collective."""
+        super().preflight(trainer, arguments)
+        model = self.lightning_module
+        launching = not self.cluster_environment.creates_processes_externally
+        if not (launching and self.mesh_is_known() and self.pipelined and trainer.state.fn == TrainerFn.FITTING):
+            return
+        if model is None or getattr(model, PARALLELIZED, None) is not None:
+            return
+        if is_overridden("configure_model", model, pl.LightningModule):
+            return
+        inputs = _first_training_call(model, arguments)
+        if inputs is not None:
+            self.microbatches_for(max(t.shape[0] for t in inputs.values() if isinstance(t, Tensor) and t.dim() > 0))
+            self.check_pipeline_model(model, inputs)
 
     def cut_stages(self, model: Module) -> list[tuple[Module, list[tuple[str, Module]]]]:
         """Cut this rank's stages out of ``model`` in place (see :mod:`lightning_dist.parallel.pipeline`): each
@@ -116,3 +152,20 @@ class PipelineStages(_Base):
     def _reshard_after_evaluation(self) -> None:
         for part in self.model_parts:
             reshard_all(part)
+
+
+def _first_training_call(model: pl.LightningModule, arguments: dict[str, Any]) -> dict[str, Any] | None:
+    """The keyword arguments of the pipelined call that ``training_step`` makes on the first batch, read before launch
+    (the step runs up to that call, logging nothing, random state kept); ``None`` when that cannot be done here."""
+    batch = first_batch(arguments, "fit")
+    if batch is None:
+        return None
+    module = model.get_submodule(pp.find_pipelined_module(model))
+    try:
+        with _rng_kept(), captured_log(model, None):
+            batch = model.on_after_batch_transfer(model.on_before_batch_transfer(batch, 0), 0)
+            call = pp.capture_call(module, lambda: model.training_step(batch, 0))
+        inputs = pp.model_inputs_as_kwargs(module, *call)
+    except Exception:  # noqa: BLE001 (best effort: the step checks the same after launch)
+        return None
+    return inputs if any(isinstance(t, Tensor) and t.dim() > 0 for t in inputs.values()) else None

@@ -2,7 +2,8 @@
 
 The steps a caller (the pipeline strategy, or a plain training loop) takes:
 
-1. :func:`plan_stages` — which units (blocks, embeddings, head) go to which stage;
+1. :func:`plan_stages` — which units (blocks, embeddings, head) go to which stage; :func:`rehearse_stages` — run
+   the stages once on a meta-device copy, before launch, to refuse what the cut cannot follow;
    :func:`stage_ids_for_rank` — which stages this rank holds; :func:`find_tied_parameters` before cutting.
 2. :func:`cut_pipeline_stages` — this rank's stage modules, cut from the unchanged model (see :mod:`.stage` for the
    design and its limits); apply FSDP2 / tensor parallel to them; materialise them if the model is on meta.
@@ -14,6 +15,7 @@ The steps a caller (the pipeline strategy, or a plain training loop) takes:
 """
 
 from lightning_dist.parallel.pipeline.bubble import BusyTimer, bubble_fraction
+from lightning_dist.parallel.pipeline.rehearsal import rehearse_stages
 from lightning_dist.parallel.pipeline.runner import PipelineRunner
 from lightning_dist.parallel.pipeline.schedule import (
     SCHEDULES,
@@ -75,6 +77,7 @@ __all__ = [
     "model_inputs_as_kwargs",
     "new_tie_groups",
     "plan_stages",
+    "rehearse_stages",
     "resolve_stages_per_rank",
     "schedule_info",
     "stage_ids_for_rank",

@@ -78,13 +78,14 @@ def find_pipeline_units(model: nn.Module) -> tuple[list[str], list[str]]:
         ValueError: when a module that contains blocks also owns parameters directly (such a parameter cannot be
             placed on one stage) or when the model has no repeated blocks.
     """
-    blocks = [name for name, _ in find_repeated_blocks(model)]
+    blocks = [name for name, _ in find_repeated_blocks(model)] or _lone_blocks(model)
     if not blocks:
         raise ValueError(
             f"{type(model).__name__} has no repeated blocks (same-class children of an nn.ModuleList or"
             " nn.ModuleDict), so split='auto' cannot balance it. Pass split as a list of module-name lists, one"
             " per stage."
         )
+    _refuse_encoder_decoder(model, blocks)
     block_set = set(blocks)
     units: list[str] = []
 
@@ -111,6 +112,38 @@ def find_pipeline_units(model: nn.Module) -> tuple[list[str], list[str]]:
     if ordered is None:
         return units, blocks
     return ordered, [u for u in ordered if u in block_set]
+
+
+def _lone_blocks(model: nn.Module) -> list[str]:
+    """The block of each block list holding a single one (a 1-layer model's ``blocks.0``), outermost lists only:
+    such a model has blocks, just too few to repeat, and is told so."""
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or any(name.startswith(f"{b}.") for b in found):
+            continue
+        holders = [child for child, c in module.named_children() if any(True for _ in c.parameters())]
+        if len(holders) == 1 and len(module) == 1:
+            found.append(f"{name}.{holders[0]}" if name else holders[0])
+    return found
+
+
+def _refuse_encoder_decoder(model: nn.Module, blocks: list[str]) -> None:
+    """Refuse a model whose blocks form an encoder and a decoder (T5, BART): the decoder's blocks read the encoder's
+    output besides their own hidden state, and a stage boundary passes one tensor."""
+    lists = list(dict.fromkeys(b.rpartition(".")[0] for b in blocks))
+    if len(lists) < 2:
+        return
+    config = getattr(model, "config", None)
+    named = any("encoder" in n for n in lists) and any("decoder" in n for n in lists)
+    if not (named or getattr(config, "is_encoder_decoder", False)):
+        return
+    raise ValueError(
+        f"{type(model).__name__} is an encoder–decoder model (blocks in {', '.join(f'{n}.*' for n in lists)}):"
+        " encoder–decoder models are not supported under pipeline. Its decoder blocks read the encoder's output"
+        " besides their own hidden state, but a pipeline stage passes one tensor to the next, so neither"
+        " split='auto' nor a hand split can cut it. Use fsdp2 for this model, or pipeline a decoder-only or"
+        " encoder-only one."
+    )
 
 
 def plan_stages(model: nn.Module, num_stages: int, split: SplitSpec = "auto") -> StagePlan:
@@ -167,10 +200,11 @@ def stage_owner(stage: int, pp_size: int, placement: StagePlacement = "loop") ->
 
 def _balanced(units: list[str], blocks: list[str], num_stages: int) -> list[list[str]]:
     if len(blocks) < num_stages:
+        where = blocks[0] if len(blocks) == 1 else f"{blocks[0].rsplit('.', 1)[0]}.*"
         raise ValueError(
-            f"The model has {len(blocks)} blocks ({blocks[0].rsplit('.', 1)[0]}.*) but the pipeline needs"
-            f" {num_stages} stages: every stage needs at least one block. Use fewer stages (pipeline size ×"
-            " stages per rank) or a model with more blocks."
+            f"The model has {len(blocks)} block{'s' if len(blocks) > 1 else ''} ({where}) for {num_stages} pipeline"
+            " stages: split='auto' gives every stage at least one block. Use fewer stages (pipeline size × stages"
+            " per rank), a model with more blocks, or pass split as one list of module names per stage."
         )
     block_set = set(blocks)
     first, last = units.index(blocks[0]), units.index(blocks[-1])

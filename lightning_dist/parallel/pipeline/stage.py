@@ -117,7 +117,8 @@ class _StandIn(nn.Module):
             runtime = self.__dict__.get("_runtime")
             message = (
                 f"The forward reads {self.unit_name}.{name}, which lives on pipeline stage {self.owner_stage}, not"
-                " on this one."
+                " on this one (every stage runs the whole forward but holds only its own modules, so a module's"
+                " weights or attributes can be read only inside its stage)."
             )
             raise AttributeError(message if runtime is None else str(_cut_error(runtime, message))) from None
 

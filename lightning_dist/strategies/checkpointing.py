@@ -28,7 +28,7 @@ from lightning_dist.checkpoint import model_state as states
 from lightning_dist.checkpoint.layout import PROVENANCE_KEY
 from lightning_dist.checkpoint.safe_load import resolve_weights_only
 from lightning_dist.plugins.checkpoint_io import DistributedCheckpointIO, ParallelCheckpointIO
-from lightning_dist.strategies.data_position import training_position
+from lightning_dist.strategies.data_position import resume_position, training_position
 
 
 class ShardedCheckpointing:
@@ -96,7 +96,7 @@ class ShardedCheckpointing:
         trainer = self.lightning_module.trainer
         if trainer.state.fn == TrainerFn.FITTING:
             batch_replicas = self.parallel_dims.batch
-            checkpoint[PROVENANCE_KEY]["data_position"] = training_position(trainer, batch_replicas)
+            checkpoint[PROVENANCE_KEY]["data_position"] = training_position(trainer, checkpoint, batch_replicas)
         self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def _checkpoint_provenance(self) -> dict[str, Any]:
@@ -131,7 +131,8 @@ class ShardedCheckpointing:
             self.stage_layout,
             weights_only=resolve_weights_only(self._requested_weights_only if weights_only is None else weights_only),
         )
-        self._resume_position = metadata.get(PROVENANCE_KEY, {}).get("data_position") if fitting else None
+        recorded = metadata.get(PROVENANCE_KEY, {}).get("data_position")
+        self._resume_position = resume_position(metadata, recorded) if fitting else None
         self._resume_loader_index = 0
         return metadata
 

@@ -6,11 +6,17 @@ loop has *processed* in it (not how many were fetched: Lightning prefetches), th
 number of data-parallel replicas. On resume each training sampler skips exactly the samples already trained on,
 once. No batch is loaded twice, the order is the interrupted run's (a seeded sampler's for that epoch), it works on
 another number of replicas, and the checkpoint stays loadable by a plain one-device Lightning run.
+
+The epoch and batch count come from Lightning's loop counters, settled first (see :mod:`.loop_position`): once its fit
+loop has counted an epoch as processed (at epoch end, or when ``fit`` returned), its own epoch counter is one ahead
+of the batches' epoch when the epoch was cut short.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -20,29 +26,57 @@ from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
+from lightning_dist.strategies.loop_position import settle_fit_loop
+
 #: Lightning's warning for mid-epoch resumes without a stateful dataloader (the strategy restores the position).
 LIGHTNING_NOT_RESUMABLE_WARNING = r"You're resuming from a checkpoint that ended before the epoch ended"
 
 
-def training_position(trainer: pl.Trainer, replicas: int) -> dict[str, Any]:
-    """Where the training loop is: the epoch, the batches it has finished in it, and how big those batches were."""
+def training_position(trainer: pl.Trainer, checkpoint: dict[str, Any], replicas: int) -> dict[str, Any]:
+    """Where the training loop is: the epoch its next batch belongs to, the batches it has finished in that epoch,
+    and how big those batches were. Settles the loop counters in ``checkpoint`` (a copy of them) to agree."""
+    batches_per_epoch = trainer.num_training_batches
+    if isinstance(checkpoint.get("loops"), dict) and "fit_loop" in checkpoint["loops"]:
+        checkpoint["loops"] = {**checkpoint["loops"], "fit_loop": copy.deepcopy(checkpoint["loops"]["fit_loop"])}
+    settled = settle_fit_loop(checkpoint.get("loops"), batches_per_epoch)
+    if settled is None:  # no loop state in the checkpoint: the live counters (the epoch may be one ahead, see above)
+        settled = trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed
+    else:  # Lightning's own field follows its counters
+        checkpoint["epoch"] = checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"]
     return {
-        "epoch": trainer.current_epoch,
-        "batches_processed": trainer.fit_loop.epoch_loop.batch_progress.current.processed,
-        "batches_per_epoch": trainer.num_training_batches,
+        "epoch": settled[0],
+        "batches_processed": settled[1],
+        "batches_per_epoch": batches_per_epoch if math.isfinite(batches_per_epoch) else None,
         "batch_sizes": [getattr(dl, "batch_size", None) for dl in flatten_loaders(trainer.train_dataloader)],
         "replicas": replicas,
     }
+
+
+def resume_position(checkpoint: dict[str, Any], recorded: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The position a resume starts from: ``recorded`` (the strategy's ``data_position`` entry) with its epoch and
+    batch count taken from the checkpoint's loop counters, settled in place first (checkpoints saved before they
+    were settled recorded the epoch after ``fit`` returned one too far). A checkpoint saved without lightning_dist
+    records no batch sizes: a mid-epoch position then has ``replicas`` unset and is reported, not skipped."""
+    settled = settle_fit_loop(checkpoint.get("loops"), (recorded or {}).get("batches_per_epoch"))
+    if settled is None:
+        return recorded
+    position = dict(recorded or {})
+    position["epoch"], position["batches_processed"] = settled
+    return position
 
 
 def skip_trained_batches(dataloader: object, position: dict[str, Any], index: int, replicas: int) -> bool:
     """Make the next pass over the ``index``-th training dataloader start where the run recorded in ``position``
     stopped; ``replicas`` is the current number of data-parallel replicas. Returns whether a skip was installed."""
     processed = int(position["batches_processed"])
-    if processed <= 0 or processed >= position["batches_per_epoch"]:
+    if processed <= 0 or processed >= (position.get("batches_per_epoch") or math.inf):
         return False  # at an epoch boundary: the next epoch starts at its first batch anyway
     if isinstance(dataloader, _Stateful):
         return False  # a stateful dataloader: Lightning restores its position itself
+    if "replicas" not in position:
+        return _cannot_skip(
+            processed, "the checkpoint was saved without lightning_dist and does not record how big its batches were"
+        )
     batch_sampler = getattr(dataloader, "batch_sampler", None)
     if (
         not isinstance(dataloader, DataLoader)

@@ -112,12 +112,6 @@ def _llama(kv_heads: int) -> _HFCausalLM:
     return _HFCausalLM(LlamaForCausalLM(config))
 
 
-def _fit_on(strategy: Any, model: Any, batches: list[Any]) -> None:
-    """``fit`` with ``batches`` as the training data (a list of samples, 4 to a batch)."""
-    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False, max_steps=1)
-    trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=4))
-
-
 class _Pooling(LightningModule):
     """A model of sets of points (mean-pooled) or feature vectors: not a sequence model."""
 
@@ -131,14 +125,6 @@ class _Pooling(LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-def _vit() -> _HFCausalLM:
-    from transformers import ViTConfig, ViTForImageClassification
-
-    config = ViTConfig(image_size=32, patch_size=8, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                       intermediate_size=32, num_labels=3)  # fmt: skip
-    return _HFCausalLM(ViTForImageClassification(config))
 
 
 class _HFBatchModule(LightningModule):
@@ -277,12 +263,12 @@ ROWS: list[BadInput] = [
              ValueError, r"(?s)tok_emb: vocabulary.* = 63 is not divisible.*pad the"),
     BadInput("Heads not divisible by cp under Ulysses", lambda t: _fit(ContextParallelStrategy(attention="ulysses"), _gpt(d_model=24, n_head=3)),
              ValueError, r"attention='ulysses' splits heads over cp=2, but blocks\.0\.attn has 3 heads\. Use attention='ring'"),
-    BadInput("Sets of points (not token sequences) under context_parallel", lambda t: _fit_on("context_parallel", _Pooling(4), [(torch.randn(16, 4), torch.tensor(0.0))] * 8),
+    BadInput("Sets of points (not token sequences) under context_parallel", lambda t: _fit_leaving_nothing(t, "context_parallel", _Pooling(4), [(torch.randn(16, 4), torch.tensor(0.0))] * 8),
              ValueError, r"(?s)Context parallel splits token sequences over ranks, but this batch holds none.*0: \(4, 16, 4\) float32.*strategy='fsdp2'.*sequence_keys"),
-    BadInput("Feature vectors under context_parallel", lambda t: _fit_on("context_parallel", _Pooling(16), [(torch.randn(16), torch.tensor(0.0))] * 8),
+    BadInput("Feature vectors under context_parallel", lambda t: _fit_leaving_nothing(t, "context_parallel", _Pooling(16), [(torch.randn(16), torch.tensor(0.0))] * 8),
              ValueError, r"(?s)this batch holds none.*0: \(4, 16\) float32.*strategy='fsdp2'"),
-    BadInput("Images (ViT pixel_values) under context_parallel", lambda t: _fit_on("context_parallel", _vit(), [{"pixel_values": torch.randn(3, 32, 32)}] * 8),
-             ValueError, r"(?s)this batch holds none.*pixel_values: \(4, 3, 32, 32\) float32.*Images.*strategy='fsdp2'"),
+    BadInput("Images (ViT pixel_values) under context_parallel", lambda t: _fit_leaving_nothing(t, "context_parallel", _vit_classifier(), _images()),
+             ValueError, r"(?s)this batch holds none.*pixel_values: \(4, 3, 32, 32\) float32, labels: \(4,\) int64.*Images.*strategy='fsdp2'"),
     BadInput("A wrap class the model does not have", lambda t: _fit(FSDP2Strategy(wrap_modules=["DecoderLayer"])),
              ValueError, r"Cannot shard \['DecoderLayer'\]: the model has no module of that class"),
     BadInput("A wrap regex that matches no module", lambda t: _fit(FSDP2Strategy(wrap_regex=r"layers\.\d+")),

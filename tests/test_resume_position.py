@@ -141,5 +141,5 @@ def test_a_mid_epoch_checkpoint_without_a_recorded_position_warns():
 
     checkpoint = {"loops": _loops([1, 1, 0, 0], [3, 3, 3, 2], False)}  # saved by plain Lightning, mid-epoch
     position = resume_position(checkpoint, None)
-    with pytest.warns(UserWarning, match="cannot skip the 3 batches.*saved without lightning_dist"):
+    with pytest.warns(UserWarning, match="cannot skip the 3 batches.*records no data position"):
         assert not skip_trained_batches(DataLoader(list(range(32)), batch_size=4), position, index=0, replicas=2)

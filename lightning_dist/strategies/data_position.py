@@ -55,8 +55,8 @@ def training_position(trainer: pl.Trainer, checkpoint: dict[str, Any], replicas:
 def resume_position(checkpoint: dict[str, Any], recorded: dict[str, Any] | None) -> dict[str, Any] | None:
     """The position a resume starts from: ``recorded`` (the strategy's ``data_position`` entry) with its epoch and
     batch count taken from the checkpoint's loop counters, settled in place first (checkpoints saved before they
-    were settled recorded the epoch after ``fit`` returned one too far). A checkpoint saved without lightning_dist
-    records no batch sizes: a mid-epoch position then has ``replicas`` unset and is reported, not skipped."""
+    were settled recorded the epoch after ``fit`` returned one too far). A checkpoint without a recorded position
+    (saved without lightning_dist, or outside ``fit``) has no batch sizes: a mid-epoch position then has ``replicas`` unset and is reported, not skipped."""
     settled = settle_fit_loop(checkpoint.get("loops"), (recorded or {}).get("batches_per_epoch"))
     if settled is None:
         return recorded
@@ -75,7 +75,9 @@ def skip_trained_batches(dataloader: object, position: dict[str, Any], index: in
         return False  # a stateful dataloader: Lightning restores its position itself
     if "replicas" not in position:
         return _cannot_skip(
-            processed, "the checkpoint was saved without lightning_dist and does not record how big its batches were"
+            processed,
+            "the checkpoint records no data position (it was saved without lightning_dist, or outside trainer.fit),"
+            " so how big its batches were is unknown",
         )
     batch_sampler = getattr(dataloader, "batch_sampler", None)
     if (

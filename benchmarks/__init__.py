@@ -11,4 +11,9 @@ Run it with ``python -m benchmarks.run [--quick] [--out DIR]`` (see :mod:`benchm
 * :mod:`benchmarks.hardware` — tokens/s and MFU (device peak FLOP/s lookup), CUDA only.
 * :mod:`benchmarks.worker` / :mod:`benchmarks.launch` — one process per rank (torchrun-like) running a plan.
 * :mod:`benchmarks.report` — JSON results to markdown tables and a PNG plot.
+
+The compatibility matrix (strategies × third-party models against one process, regenerating
+``docs/compatibility.md``) is ``python -m benchmarks.compatibility``: :mod:`benchmarks.compatibility` (the runner),
+:mod:`benchmarks.compat_models` (rows), :mod:`benchmarks.compat_cells` (columns, outcome rules),
+:mod:`benchmarks.compat_worker` (one rank) and :mod:`benchmarks.compat_table` (the page).
 """

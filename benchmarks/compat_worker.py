@@ -1,0 +1,182 @@
+"""One rank of a compatibility-matrix launch: runs its cells (a model under a column's strategy) in order and writes
+each cell's outcome as it goes; or, with ``--references``, trains the one-process references.
+
+Started by :mod:`benchmarks.compatibility` once per rank with a torchrun-style environment, so Lightning takes the
+processes as given (the strategy's pre-launch checks then run on every rank, as under torchrun; with
+``devices=N`` they run in the launching process before the other ranks start, the same checks)::
+
+    python benchmarks/compat_worker.py --cells gpt2@fsdp2,vit@pipeline --workdir DIR
+    python benchmarks/compat_worker.py --references gpt2,vit --workdir DIR
+
+Every rank writes ``DIR/cells/<model>@<column>.rank<r>.json``; rank 0 names the cell in progress in
+``DIR/current``. After a cell that failed past the pre-launch checks the worker stops (the process group may be in
+any state); the runner starts a new launch for the remaining cells.
+The references are ``DIR/reference/<model>.json`` (per-step losses) and ``<model>.pt`` (final parameters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch.distributed.tensor import DTensor
+
+import lightning_dist  # noqa: F401  (registers the strategy names)
+from benchmarks.compat_cells import COLUMNS, compare, describe_failure
+from benchmarks.compat_models import MODELS, STEPS, CompatModule, dataloader
+from lightning_dist.parallel.tp_checkpoint_layout import permuted_parameters, to_checkpoint_order
+
+
+class LossRecorder(Callback):
+    """The loss of every step, as one process would see it (the strategy reduces it over its loss group)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        loss = outputs["loss"].detach().clone()
+        self.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
+
+
+def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter this rank holds, whole (a collective over each DTensor's mesh), in the original row order,
+    under every name (tied copies included)."""
+    state = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        state[name] = t.detach().cpu().clone()
+    for name, (_, dim, order) in permuted_parameters(module).items():  # fused q/k/v rows, as the model has them
+        state[name] = to_checkpoint_order(state[name], dim, order)
+    return state
+
+
+def _trainer(devices: int, strategy: Any, root: Path, recorder: LossRecorder) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        precision="64-true",
+        max_steps=STEPS,
+        use_distributed_sampler=devices > 1,
+        default_root_dir=str(root),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[recorder],
+    )
+
+
+def reference(model: str, workdir: Path) -> dict[str, Any]:
+    """Train ``model`` in this one process (Lightning's single-device strategy); save its losses and parameters."""
+    module, recorder = CompatModule(model), LossRecorder()
+    trainer = _trainer(1, "auto", workdir / "roots" / f"{model}@one_process", recorder)
+    trainer.fit(module, dataloader(MODELS[model].task, 1, one_process=True))
+    folder = workdir / "reference"
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(full_parameters(module), folder / f"{model}.pt")
+    result = {"outcome": "trained", "losses": recorder.losses}
+    (folder / f"{model}.json").write_text(json.dumps(result))
+    return result
+
+
+def cell(model: str, column_label: str, workdir: Path) -> tuple[dict[str, Any], bool]:
+    """Train ``model`` under the column's strategy and compare it with the one-process reference.
+
+    Returns:
+        The cell's record, and whether this process may go on with another cell (only after parity or a refusal
+        before launch).
+    """
+    column = COLUMNS[column_label]
+    root = workdir / "roots" / f"{model}@{column_label}"
+    recorder = LossRecorder()
+    module = CompatModule(model)
+    trainer = None
+    try:
+        trainer = _trainer(column.devices, column.make(), root, recorder)
+        trainer.fit(module, dataloader(MODELS[model].task, column.batch_replicas, one_process=False))
+    except Exception as error:  # noqa: BLE001  (every failure is a cell outcome)
+        record = describe_failure(error, trainer.global_step if trainer else 0, constructing=trainer is None)
+        if record["outcome"] == "defect":
+            traceback.print_exc()
+        if record["when"] == "before launch" and root.exists():
+            record.update(outcome="defect", defect=f"refused before launch but left {root.name}/ behind")
+        return record, record["when"] == "before launch"
+    ref = json.loads((workdir / "reference" / f"{model}.json").read_text())
+    param_diff, missing = _parameter_difference(module, torch.load(workdir / "reference" / f"{model}.pt"))
+    record = compare(column, recorder.losses, ref["losses"], param_diff)
+    record["losses"] = recorder.losses
+    if missing:
+        record.update(outcome="defect", defect=f"parameters no rank holds under their names: {', '.join(missing)}")
+    return record, True
+
+
+def _parameter_difference(module: torch.nn.Module, ref: dict[str, torch.Tensor]) -> tuple[float, list[str]]:
+    """The largest difference of any parameter from the reference's (over all ranks), and the reference's parameter
+    names no rank holds (a pipeline rank holds its stages only)."""
+    state = full_parameters(module)
+    diff = max((float((t.double() - ref[n].double()).abs().max()) for n, t in state.items() if n in ref), default=0.0)
+    unknown = [n for n in state if n not in ref]
+    held: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(held, (diff, sorted(state), unknown))
+    missing = sorted(set(ref) - {n for _, names, _ in held for n in names})
+    missing += [f"{n} (not in the model)" for _, _, names in held for n in names]
+    return max(d for d, _, _ in held), sorted(set(missing))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cells", default="", help="model@column,... (one launch, every column of one world size)")
+    parser.add_argument("--references", default="", help="model,...: the one-process references, in this process")
+    parser.add_argument("--workdir", required=True)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    workdir = Path(args.workdir)
+    for model in filter(None, args.references.split(",")):
+        try:
+            reference(model, workdir)
+        except Exception:  # noqa: BLE001  (the runner records the model's cells as defects; the others go on)
+            print(f"one-process reference of {model} failed:", flush=True)
+            traceback.print_exc()
+    if not args.cells:
+        return
+    (workdir / "cells").mkdir(parents=True, exist_ok=True)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    rank = dist.get_rank()
+    for name in args.cells.split(","):
+        model, column = name.split("@")
+        if rank == 0:
+            (workdir / "current").write_text(name)
+        start = time.perf_counter()
+        record, go_on = cell(model, column, workdir)
+        record["seconds"] = round(time.perf_counter() - start, 1)
+        path = workdir / "cells" / f"{name}.rank{rank}.json"
+        path.with_suffix(".tmp").write_text(json.dumps(record))
+        os.replace(path.with_suffix(".tmp"), path)
+        if not go_on:
+            sys.stdout.flush()
+            os._exit(0)  # skip the exit handlers: another rank may be stuck in a collective of this cell
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""The compatibility matrix: every strategy family × third-party models (tiny configs), each cell trained for a few
+steps against one process, or refused; the results regenerate ``docs/compatibility.md``.
+
+Usage (from the repository root)::
+
+    python -m benchmarks.compatibility                                # every cell; rewrites the results and the page
+    python -m benchmarks.compatibility --models gpt2,vit --columns pipeline   # some cells, merged into the results
+    python -m benchmarks.compatibility --render                       # the page from the recorded results only
+
+The one-process references run first (one process, all models), then one launch per column
+(:mod:`benchmarks.compat_worker` on each rank, torchrun-style). A launch that dies or hangs costs only its current
+cell (recorded as a defect with the rank's last error line); the column's remaining models get a new launch.
+Cell outcomes are defined in :mod:`benchmarks.compat_cells`, the models in :mod:`benchmarks.compat_models`, the
+page in :mod:`benchmarks.compat_table`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from benchmarks.compat_cells import COLUMNS
+from benchmarks.compat_models import MODELS
+from benchmarks.compat_table import render
+from benchmarks.launch import free_port, rank_env
+from benchmarks.workloads import Layout
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("compat_worker.py")
+RESULTS = ROOT / "benchmarks" / "results" / "compatibility.json"
+DOCS = ROOT / "docs" / "compatibility.md"
+CELL_TIMEOUT = 300.0  # seconds one cell may take before its launch is taken as hung (2 shared cores: ~10-60 s)
+_KEPT = ("outcome", "when", "error", "defect", "max_diff", "loss_diff", "param_diff", "seconds")
+
+
+def run_references(models: list[str], workdir: Path, timeout: float) -> dict[str, str]:
+    """Train each model in one process; returns the models whose reference failed, with the reason."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED"):
+        env.pop(key, None)
+    log_path = workdir / "log_references.txt"
+    cmd = [sys.executable, str(WORKER), "--references", ",".join(models), "--workdir", str(workdir)]
+    with open(log_path, "a") as log:
+        subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout * len(models),
+                       check=False)  # fmt: skip
+    missing = [m for m in models if not (workdir / "reference" / f"{m}.json").exists()]
+    return dict.fromkeys(missing, f"the one-process reference failed ({_last_error(log_path)})")
+
+
+def run_cells(cells: list[tuple[str, str]], workdir: Path, cell_timeout: float) -> dict[tuple[str, str], dict]:
+    """Every ``(model, column)`` of ``cells`` (one world size): one launch, and another for the remaining cells after
+    a cell that ended its launch (a failure after launch, a crash or a hang)."""
+    records: dict[tuple[str, str], dict[str, Any]] = {}
+    remaining = list(cells)
+    while remaining:
+        ended = _launch(remaining, workdir, cell_timeout)
+        done = 0
+        for key in list(remaining):
+            ranks = _rank_records(workdir, *key)
+            if ranks is None:
+                break
+            records[key] = _merge(ranks)
+            remaining.remove(key)
+            done += 1
+        if remaining and ended is not None:  # the launch died or hung in this cell
+            records[remaining.pop(0)] = ended
+        elif remaining and not done:
+            break  # a clean exit without any result: the worker is broken, do not loop
+    for key in remaining:
+        records[key] = {"outcome": "defect", "defect": "not run: its launch ended without a result"}
+    return records
+
+
+def _launch(cells: list[tuple[str, str]], workdir: Path, cell_timeout: float) -> dict[str, Any] | None:
+    """One launch running ``cells`` in order. Returns the current cell's record when the launch died or hung."""
+    world = COLUMNS[cells[0][1]].devices
+    port = free_port()
+    current = workdir / "current"
+    current.unlink(missing_ok=True)
+    names = ",".join(f"{model}@{column}" for model, column in cells)
+    cmd = [sys.executable, str(WORKER), "--cells", names, "--workdir", str(workdir)]
+    log_paths = [workdir / f"log_ws{world}_rank{r}.txt" for r in range(world)]
+    logs = [open(path, "a") for path in log_paths]  # noqa: SIM115  (closed below)
+    procs = [
+        subprocess.Popen(
+            cmd, cwd=ROOT, env=rank_env(Layout(world), r, port, 1), stdout=logs[r], stderr=subprocess.STDOUT
+        )
+        for r in range(world)
+    ]
+    seen, since, failure = None, time.monotonic(), None
+    try:
+        while failure is None and any(p.poll() is None for p in procs):
+            now_at = current.read_text() if current.exists() else None
+            if now_at != seen:
+                seen, since = now_at, time.monotonic()
+            if time.monotonic() - since > cell_timeout:
+                failure = {"outcome": "defect", "defect": f"hung: no result after {cell_timeout:.0f} s",
+                           "error": _last_error(log_paths[0])}  # fmt: skip
+            failure = failure or _failed_rank(procs, log_paths)
+            time.sleep(0.5)
+        failure = failure or _failed_rank(procs, log_paths)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    return failure
+
+
+def _failed_rank(procs: list[subprocess.Popen], log_paths: list[Path]) -> dict[str, Any] | None:
+    failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+    if not failed:
+        return None
+    r = failed[0]
+    return {"outcome": "defect", "defect": f"rank {r} exited with code {procs[r].returncode}",
+            "error": _last_error(log_paths[r])}  # fmt: skip
+
+
+def _rank_records(workdir: Path, model: str, column: str) -> list[dict[str, Any]] | None:
+    paths = [workdir / "cells" / f"{model}@{column}.rank{r}.json" for r in range(COLUMNS[column].devices)]
+    if not all(p.exists() for p in paths):
+        return None
+    return [json.loads(p.read_text()) for p in paths]
+
+
+_KNOCK_ON = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out")
+
+
+def _merge(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's record; when the ranks disagree, a defect showing the first rank that failed for its own reason (not
+    because a peer closed the connection)."""
+    record = {k: v for k, v in ranks[0].items() if k in _KEPT}
+    outcomes = [(r["outcome"], r.get("when"), r.get("error")) for r in ranks]
+    if len(set(outcomes)) > 1:
+        failed = [i for i, r in enumerate(ranks) if r["outcome"] != "parity"]
+        own = [i for i in failed if not any(text in (ranks[i].get("error") or "") for text in _KNOCK_ON)]
+        root = (own or failed or [0])[0]
+        record.update(outcome="defect", defect=f"ranks disagree ({len(failed)} of {len(ranks)} failed)",
+                      when=ranks[root].get("when"), error=f"rank {root}: {ranks[root].get('error', '')}")  # fmt: skip
+    return record
+
+
+def _last_error(log: Path) -> str:
+    """The last line of a log that looks like an exception (``SomethingError: ...``), else its last line."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if ": " in line and line.split(":", 1)[0].rsplit(".", 1)[-1].endswith(
+        ("Error", "Exception", "Interrupt"))]  # fmt: skip
+    return (errors or lines or ["(no output)"])[-1][:600]
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"python": platform.python_version()}
+    for package in ("torch", "lightning", "transformers", "litgpt"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = "not installed"
+    return found
+
+
+def run_matrix(
+    models: list[str], columns: list[str], workdir: Path, cell_timeout: float = CELL_TIMEOUT
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{model: {column: record}}`` for every cell of ``models`` × ``columns``: the references, then one launch per
+    world size (more after a cell that ends its launch)."""
+    failed = run_references(models, workdir, cell_timeout)
+    cells: dict[str, dict[str, dict[str, Any]]] = {m: {} for m in models}
+    for model, reason in failed.items():
+        for column in columns:
+            cells[model][column] = {"outcome": "defect", "defect": reason}
+    for world in sorted({COLUMNS[c].devices for c in columns}):
+        todo = [(m, c) for c in columns if COLUMNS[c].devices == world for m in models if m not in failed]
+        if todo:
+            for (model, column), record in run_cells(todo, workdir, cell_timeout).items():
+                cells[model][column] = record
+    return cells
+
+
+def merge_results(recorded: dict[str, Any], cells: dict[str, dict[str, dict[str, Any]]], seconds: float,
+                  full: bool) -> dict[str, Any]:  # fmt: skip
+    """The recorded results with ``cells`` replacing theirs; a full run also records its wall time."""
+    merged = {"cells": {}, **{k: v for k, v in recorded.items() if k != "cells"}}
+    for model in MODELS:
+        row = dict(recorded.get("cells", {}).get(model, {}))
+        row.update(cells.get(model, {}))
+        merged["cells"][model] = {c: row[c] for c in COLUMNS if c in row}
+    merged["versions"] = versions()
+    merged["updated"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    if full:
+        merged["full_run_seconds"] = round(seconds)
+    return merged
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of: {', '.join(MODELS)}")
+    parser.add_argument("--columns", default=",".join(COLUMNS), help=f"comma-separated, of: {', '.join(COLUMNS)}")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--docs", type=Path, default=DOCS)
+    parser.add_argument("--render", action="store_true", help="only regenerate the page from the recorded results")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the logs here (default: a temporary folder)")
+    parser.add_argument("--cell-timeout", type=float, default=CELL_TIMEOUT)
+    args = parser.parse_args(argv)
+    recorded = json.loads(args.results.read_text()) if args.results.exists() else {}
+    if not args.render:
+        models, columns = args.models.split(","), args.columns.split(",")
+        unknown = [m for m in models if m not in MODELS] + [c for c in columns if c not in COLUMNS]
+        if unknown:
+            parser.error(f"unknown model or column {unknown}: models are {list(MODELS)}, columns {list(COLUMNS)}")
+        workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ld_compat_"))
+        workdir.mkdir(parents=True, exist_ok=True)
+        start = time.monotonic()
+        cells = run_matrix(models, columns, workdir, args.cell_timeout)
+        full = set(models) == set(MODELS) and set(columns) == set(COLUMNS)
+        recorded = merge_results(recorded, cells, time.monotonic() - start, full)
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text(json.dumps(recorded, indent=1) + "\n")
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+        for model, row in cells.items():
+            for column, record in row.items():
+                print(f"{model} × {column}: {record['outcome']} {record.get('when', '')} "
+                      f"{record.get('max_diff', '')} {record.get('defect', '')} {record.get('error', '')[:200]}")  # fmt: skip
+    args.docs.parent.mkdir(parents=True, exist_ok=True)
+    args.docs.write_text(render(recorded))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -343,6 +343,20 @@ def test_encoder_decoder_models_are_refused_whatever_the_split(split):
         plan_stages(_t5(), 2, split)
 
 
+def test_torchs_own_transformer_is_an_encoder_decoder_too():
+    class Seq2Seq(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(8, 8)
+            self.body = nn.Transformer(8, 2, 2, 2, 16, batch_first=True)
+
+        def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+            return self.body(self.emb(src), self.emb(tgt))
+
+    with pytest.raises(ValueError, match=r"Seq2Seq is an encoder–decoder model \(blocks in body\.encoder\.layers\.\*,"):
+        plan_stages(Seq2Seq(), 2)
+
+
 def _vit(layers: int = 2) -> nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
 

@@ -15,6 +15,7 @@ head) as another. A user can instead give the names where stages begin, or the m
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -127,15 +128,19 @@ def _lone_blocks(model: nn.Module) -> list[str]:
     return found
 
 
+# Arguments through which a decoder block reads the encoder's output (Hugging Face, torch.nn.TransformerDecoderLayer).
+_ENCODER_OUTPUT_ARGUMENTS = frozenset({"encoder_hidden_states", "encoder_outputs", "encoder_output", "memory"})
+
+
 def _refuse_encoder_decoder(model: nn.Module, blocks: list[str]) -> None:
-    """Refuse a model whose blocks form an encoder and a decoder (T5, BART): the decoder's blocks read the encoder's
-    output besides their own hidden state, and a stage boundary passes one tensor."""
+    """Refuse a model whose blocks form an encoder and a decoder (T5, BART, ``nn.Transformer``): the decoder's blocks
+    read the encoder's output besides their own hidden state, and a stage boundary passes one tensor. Told by the
+    Hugging Face config, or by block lists of which one reads an encoder's output."""
     lists = list(dict.fromkeys(b.rpartition(".")[0] for b in blocks))
     if len(lists) < 2:
         return
     config = getattr(model, "config", None)
-    named = any("encoder" in n for n in lists) and any("decoder" in n for n in lists)
-    if not (named or getattr(config, "is_encoder_decoder", False)):
+    if not getattr(config, "is_encoder_decoder", False) and not any(_reads_encoder_output(model, b) for b in blocks):
         return
     raise ValueError(
         f"{type(model).__name__} is an encoder–decoder model (blocks in {', '.join(f'{n}.*' for n in lists)}):"
@@ -144,6 +149,14 @@ def _refuse_encoder_decoder(model: nn.Module, blocks: list[str]) -> None:
         " split='auto' nor a hand split can cut it. Use fsdp2 for this model, or pipeline a decoder-only or"
         " encoder-only one."
     )
+
+
+def _reads_encoder_output(model: nn.Module, block: str) -> bool:
+    try:
+        parameters = inspect.signature(model.get_submodule(block).forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return not _ENCODER_OUTPUT_ARGUMENTS.isdisjoint(parameters)
 
 
 def plan_stages(model: nn.Module, num_stages: int, split: SplitSpec = "auto") -> StagePlan:

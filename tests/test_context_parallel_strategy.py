@@ -364,6 +364,21 @@ def test_the_first_batch_is_read_before_launch_leaving_the_random_state_alone():
     assert first_batch({"datamodule": _SquaresData()}, "test") is None  # no test_dataloader: not an error here
 
 
+def test_a_datamodule_is_set_up_once_for_every_check_that_reads_the_first_batch():
+    """hybrid3d pp × cp asks twice (the context-parallel and the pipeline check): ``setup`` runs once."""
+
+    class Counting(_SquaresData):
+        calls = 0
+
+        def setup(self, stage: str) -> None:
+            Counting.calls += 1
+            super().setup(stage)
+
+    arguments = {"datamodule": Counting()}
+    first, second = first_batch(arguments, "fit"), first_batch(arguments, "fit")
+    assert first is second and Counting.calls == 1
+
+
 # ---------------------------------------------------------------------------------------------------- real runs
 SCRIPT = "context_parallel_runs.py"
 TWO_PROCESSES = [

@@ -20,9 +20,22 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 
+_READ = "_lightning_dist_first_batches"  # where ``arguments`` keeps what was read, per stage
+
+
 def first_batch(arguments: dict[str, Any], stage: str) -> Any | None:
     """The first batch of the dataloader that ``stage`` (``"fit"``, ``"validate"``, ``"test"``, ``"predict"``) will
-    use, from the entry point's ``arguments``; ``None`` when it cannot be read without launching."""
+    use, from the entry point's ``arguments``; ``None`` when it cannot be read without launching.
+
+    The batch is read once per ``arguments`` and stage (kept in ``arguments``), so a datamodule's ``setup`` runs once
+    for all the checks that ask (context parallelism and pipeline under hybrid3d)."""
+    read = arguments.setdefault(_READ, {})
+    if stage not in read:
+        read[stage] = _read_first_batch(arguments, stage)
+    return read[stage]
+
+
+def _read_first_batch(arguments: dict[str, Any], stage: str) -> Any | None:
     try:
         with _rng_kept():
             loader = _loader(arguments, stage)

@@ -244,9 +244,7 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         if dims.cp > 1:
             self.check_context_parallel_model(model)
         if dims.pp > 1:
-            pp.plan_stages(
-                model.get_submodule(pp.find_pipelined_module(model)), dims.pp * self.stages_per_rank, self.split
-            )
+            self.check_pipeline_model(model)
         self._chosen_units(model)
 
     @override

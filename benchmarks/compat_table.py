@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.compat_cells import COLUMNS, FP64_TOLERANCE, ZEROPP_LOSS_REL_TOLERANCE
-from benchmarks.compat_models import DESCRIPTIONS, GLOBAL_BATCH, LAYERS, MODELS, SEQ_LEN, STEPS
+from benchmarks.compat_cells import COLUMNS, FP32_TOLERANCE, FP64_TOLERANCE, ZEROPP_LOSS_REL_TOLERANCE
+from benchmarks.compat_models import DESCRIPTIONS, GLOBAL_BATCH, LAYERS, MODELS, SEQ_LEN, STEPS, TITLES
 
 HEADER = """# Compatibility: which models train under which strategy
 
@@ -31,20 +31,21 @@ python -m benchmarks.compatibility --models gpt2,vit --columns pipeline   # some
 python -m benchmarks.compatibility --render                               # this page from the recorded results
 ```
 
-The columns are the six strategy families' default names and the presets that change what a strategy does with
-the model's structure (recomputed blocks, sequence-parallel norms, a 4-stage zero-bubble cut, Ulysses' head
-all-to-all). The other presets change only how the same units communicate, or schedule a cut already here; why each
-is left out is in `benchmarks/compat_cells.py`, with the outcome rules. The models, tasks and data are in
+The rows are every registered strategy name, on the smallest mesh where its preset means something (2 processes;
+4 for `fsdp2_hybrid`, on 2 simulated nodes, and `tensor_parallel_2d`), and `hybrid3d` on 4-process pairs of axes.
+The columns, mesh sizes and outcome rules are in `benchmarks/compat_cells.py`; the models, tasks and data in
 `benchmarks/compat_models.py`; the results in `benchmarks/results/compatibility.json`.
 """
 
 TOLERANCES = """## Tolerances
 
-- Every column but `zeropp`: each step's loss and every final parameter (all of them, gathered whole, tied copies
-  included) within {fp64:.0e} of one process, absolutely (float64).
-- `zeropp` quantizes its collectives on purpose (int8 weights, int4 gradients): each step's loss within
-  {zeropp:.0e} of one process, relatively; parameters are not compared. `zeropp_hpz` alone is bit-identical to
-  `fsdp2` (README, ZeRO++).
+- Each step's loss and every final parameter (all of them, gathered whole, tied copies included) within {fp64:.0e}
+  of one process, absolutely (float64); within {fp32:.0e} for a model that computes a part in float32 all the
+  same:{why_fp32}
+- `zeropp`, `zeropp_qwz` and `zeropp_qgz` quantize their collectives on purpose (int8 weights, int4 gradients): each
+  step's loss within {zeropp:.0e} of one process, relatively; parameters are not compared. `zeropp_hpz` only moves
+  the same values along other routes and is held to the float64 tolerance. On one node of 2 processes its
+  secondary partition is the whole world (hpZ's saving needs several nodes).
 """
 
 _MARK = {"parity": "✅", "refused": "⛔", "defect": "❌"}
@@ -80,15 +81,24 @@ def counts(results: dict[str, Any]) -> dict[str, int]:
     return found
 
 
+TASKS = {
+    "causal": "next-token cross entropy (labels shifted by the dataset)",
+    "masked": "masked-LM cross entropy at every position",
+    "seq2seq": "cross entropy of the decoder's logits (decoder inputs given)",
+    "image": "classification cross entropy (one label per image)",
+    "demo": "`nll_loss` of its output, as Lightning's demo trains it",
+}
+
+
 def render(results: dict[str, Any]) -> str:
     """The page for ``results`` (``{"cells": {model: {column: record}}, "versions": ..., ...}``)."""
     cells = results.get("cells", {})
     notes: dict[tuple[str, str], str] = {}
-    head = "| model | " + " | ".join(f"`{c}`<br>{COLUMNS[c].mesh}" for c in COLUMNS) + " |"
-    rows = [head, "|---|" + "---|" * len(COLUMNS)]
-    for model in MODELS:
-        row = cells.get(model, {})
-        rows.append(f"| {DESCRIPTIONS[model]} | " + " | ".join(_cell(row.get(c), notes) for c in COLUMNS) + " |")
+    rows = ["| strategy (mesh) | " + " | ".join(TITLES[m] for m in MODELS) + " |", "|---|" + "---|" * len(MODELS)]
+    for column in COLUMNS.values():
+        title = f"`{column.name}` {column.mesh}" + (f", {column.preset}" if column.preset else "")
+        row = [_cell(cells.get(m, {}).get(column.label), notes) for m in MODELS]
+        rows.append(f"| {title} | " + " | ".join(row) + " |")
     n = counts(results)
     lines = [
         HEADER.format(steps=STEPS, batch=GLOBAL_BATCH, seq=SEQ_LEN, layers=LAYERS),
@@ -103,7 +113,13 @@ def render(results: dict[str, Any]) -> str:
             lines.append(f"## {title}\n")
             lines += [f'- <a id="{label.lower()}"></a>**{label}** {text}' for label, text in listed]
             lines.append("")
-    lines.append(TOLERANCES.format(fp64=FP64_TOLERANCE, zeropp=ZEROPP_LOSS_REL_TOLERANCE))
+    lines.append("## Models\n")
+    lines += [f"- **{TITLES[m]}**: {DESCRIPTIONS[m]}; {TASKS[spec.task]}." for m, spec in MODELS.items()]
+    lines.append("")
+    fp32 = "".join(f"\n  - {TITLES[m]}: {spec.why_fp32}." for m, spec in MODELS.items() if spec.why_fp32)
+    lines.append(
+        TOLERANCES.format(fp64=FP64_TOLERANCE, fp32=FP32_TOLERANCE, zeropp=ZEROPP_LOSS_REL_TOLERANCE, why_fp32=fp32)
+    )
     versions = ", ".join(f"{k} {v}" for k, v in results.get("versions", {}).items())
     run = results.get("full_run_seconds")
     lines.append(

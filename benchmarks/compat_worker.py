@@ -39,7 +39,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 
 import lightning_dist  # noqa: F401  (registers the strategy names)
-from benchmarks.compat_cells import COLUMNS, compare, describe_failure
+from benchmarks.compat_cells import COLUMNS, FP32_TOLERANCE, FP64_TOLERANCE, compare, describe_failure
 from benchmarks.compat_models import MODELS, STEPS, CompatModule, dataloader
 from lightning_dist.parallel.tp_checkpoint_layout import permuted_parameters, to_checkpoint_order
 
@@ -67,10 +67,11 @@ def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def _trainer(devices: int, strategy: Any, root: Path, recorder: LossRecorder) -> L.Trainer:
+def _trainer(devices: int, strategy: Any, root: Path, recorder: LossRecorder, nodes: int = 1) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu",
-        devices=devices,
+        devices=devices // nodes,
+        num_nodes=nodes,
         strategy=strategy,
         precision="64-true",
         max_steps=STEPS,
@@ -110,7 +111,7 @@ def cell(model: str, column_label: str, workdir: Path) -> tuple[dict[str, Any], 
     module = CompatModule(model)
     trainer = None
     try:
-        trainer = _trainer(column.devices, column.make(), root, recorder)
+        trainer = _trainer(column.devices, column.make(), root, recorder, column.nodes)
         trainer.fit(module, dataloader(MODELS[model].task, column.batch_replicas, one_process=False))
     except Exception as error:  # noqa: BLE001  (every failure is a cell outcome)
         record = describe_failure(error, trainer.global_step if trainer else 0, constructing=trainer is None)
@@ -121,8 +122,12 @@ def cell(model: str, column_label: str, workdir: Path) -> tuple[dict[str, Any], 
         return record, record["when"] == "before launch"
     ref = json.loads((workdir / "reference" / f"{model}.json").read_text())
     param_diff, missing = _parameter_difference(module, torch.load(workdir / "reference" / f"{model}.pt"))
-    record = compare(column, recorder.losses, ref["losses"], param_diff)
+    tolerance = FP32_TOLERANCE if MODELS[model].why_fp32 else FP64_TOLERANCE
+    record = compare(column, recorder.losses, ref["losses"], param_diff, tolerance)
     record["losses"] = recorder.losses
+    record["mesh"] = str(trainer.strategy.parallel_dims)
+    if record["mesh"] != column.mesh:
+        record.update(outcome="defect", defect=f"trained on the mesh {record['mesh']}, not {column.mesh}")
     if missing:
         record.update(outcome="defect", defect=f"parameters no rank holds under their names: {', '.join(missing)}")
     return record, True

@@ -40,7 +40,7 @@ WORKER = Path(__file__).with_name("compat_worker.py")
 RESULTS = ROOT / "benchmarks" / "results" / "compatibility.json"
 DOCS = ROOT / "docs" / "compatibility.md"
 CELL_TIMEOUT = 300.0  # seconds one cell may take before its launch is taken as hung (2 shared cores: ~10-60 s)
-_KEPT = ("outcome", "when", "error", "defect", "max_diff", "loss_diff", "param_diff", "seconds")
+_KEPT = ("outcome", "when", "error", "defect", "max_diff", "loss_diff", "param_diff", "mesh", "seconds")
 
 
 def run_references(models: list[str], workdir: Path, timeout: float) -> dict[str, str]:
@@ -58,7 +58,7 @@ def run_references(models: list[str], workdir: Path, timeout: float) -> dict[str
 
 
 def run_cells(cells: list[tuple[str, str]], workdir: Path, cell_timeout: float) -> dict[tuple[str, str], dict]:
-    """Every ``(model, column)`` of ``cells`` (one world size): one launch, and another for the remaining cells after
+    """Every ``(model, column)`` of ``cells`` (one layout of processes): one launch, and another for the remaining cells after
     a cell that ended its launch (a failure after launch, a crash or a hang)."""
     records: dict[tuple[str, str], dict[str, Any]] = {}
     remaining = list(cells)
@@ -83,17 +83,17 @@ def run_cells(cells: list[tuple[str, str]], workdir: Path, cell_timeout: float) 
 
 def _launch(cells: list[tuple[str, str]], workdir: Path, cell_timeout: float) -> dict[str, Any] | None:
     """One launch running ``cells`` in order. Returns the current cell's record when the launch died or hung."""
-    world = COLUMNS[cells[0][1]].devices
+    world, nodes = COLUMNS[cells[0][1]].devices, COLUMNS[cells[0][1]].nodes
     port = free_port()
     current = workdir / "current"
     current.unlink(missing_ok=True)
     names = ",".join(f"{model}@{column}" for model, column in cells)
     cmd = [sys.executable, str(WORKER), "--cells", names, "--workdir", str(workdir)]
-    log_paths = [workdir / f"log_ws{world}_rank{r}.txt" for r in range(world)]
+    log_paths = [workdir / f"log_ws{world}_n{nodes}_rank{r}.txt" for r in range(world)]
     logs = [open(path, "a") for path in log_paths]  # noqa: SIM115  (closed below)
     procs = [
         subprocess.Popen(
-            cmd, cwd=ROOT, env=rank_env(Layout(world), r, port, 1), stdout=logs[r], stderr=subprocess.STDOUT
+            cmd, cwd=ROOT, env=rank_env(Layout(world, nodes), r, port, 1), stdout=logs[r], stderr=subprocess.STDOUT
         )
         for r in range(world)
     ]
@@ -177,14 +177,20 @@ def run_matrix(
     models: list[str], columns: list[str], workdir: Path, cell_timeout: float = CELL_TIMEOUT
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """``{model: {column: record}}`` for every cell of ``models`` × ``columns``: the references, then one launch per
-    world size (more after a cell that ends its launch)."""
+    layout of processes (more after a cell that ends its launch)."""
     failed = run_references(models, workdir, cell_timeout)
     cells: dict[str, dict[str, dict[str, Any]]] = {m: {} for m in models}
     for model, reason in failed.items():
         for column in columns:
             cells[model][column] = {"outcome": "defect", "defect": reason}
-    for world in sorted({COLUMNS[c].devices for c in columns}):
-        todo = [(m, c) for c in columns if COLUMNS[c].devices == world for m in models if m not in failed]
+    for layout in sorted({(COLUMNS[c].devices, COLUMNS[c].nodes) for c in columns}):
+        todo = [
+            (m, c)
+            for c in columns
+            if (COLUMNS[c].devices, COLUMNS[c].nodes) == layout
+            for m in models
+            if m not in failed
+        ]
         if todo:
             for (model, column), record in run_cells(todo, workdir, cell_timeout).items():
                 cells[model][column] = record

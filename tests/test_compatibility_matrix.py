@@ -3,14 +3,23 @@ apart, and ``docs/compatibility.md`` being exactly what the runner generates fro
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks.compat_cells import COLUMNS, FP64_TOLERANCE, compare, describe_failure
+from benchmarks.compat_cells import (
+    COLUMNS,
+    FP32_TOLERANCE,
+    FP64_TOLERANCE,
+    ZEROPP_LOSS_REL_TOLERANCE,
+    compare,
+    describe_failure,
+)
+from benchmarks.compat_models import MODELS
 from benchmarks.compat_table import render
-from benchmarks.compatibility import _merge, run_matrix
+from benchmarks.compatibility import DOCS, RESULTS, _merge, run_matrix
 from lightning_dist.parallel.context_parallel_outputs import PooledOutputError
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
 
@@ -79,3 +88,34 @@ def test_cells_run_for_real(tmp_path: Path):
     assert not (tmp_path / "roots" / "t5@pipeline").exists()  # the refused run left no directory
     page = render({"cells": cells})
     assert f"✅ {gpt2['max_diff']:.0e}" in page and "⛔ before launch [R1](#r1)" in page and t5["error"] in page
+    recorded = _recorded()["cells"]  # the published table says the same of these two cells
+    assert recorded["gpt2"]["pipeline"]["outcome"] == "parity"
+    assert recorded["t5"]["pipeline"]["error"] == t5["error"]
+
+
+def _recorded() -> dict:
+    return json.loads(RESULTS.read_text())
+
+
+def test_the_page_is_what_the_runner_generates_from_its_recorded_results():
+    assert DOCS.read_text() == render(_recorded()), (
+        "docs/compatibility.md differs from the recorded results: rerun `python -m benchmarks.compatibility` (or"
+        " `--render` after editing benchmarks/compat_table.py); never edit the page by hand"
+    )
+
+
+def test_the_recorded_matrix_has_every_cell_and_each_outcome_is_well_formed():
+    cells = _recorded()["cells"]
+    missing = [f"{m} × {c}" for m in MODELS for c in COLUMNS if c not in cells.get(m, {})]
+    assert not missing, f"cells never run (rerun the matrix for them): {missing}"
+    for model, row in cells.items():
+        for column, record in row.items():
+            where = f"{model} × {column}: {record}"
+            if record["outcome"] == "parity":
+                tolerance = FP32_TOLERANCE if MODELS[model].why_fp32 else FP64_TOLERANCE
+                tolerance = ZEROPP_LOSS_REL_TOLERANCE if COLUMNS[column].quantized else tolerance
+                assert record["max_diff"] <= tolerance, where
+            elif record["outcome"] == "refused":
+                assert record["when"] in ("before launch", "at the first step") and record["error"], where
+            else:
+                assert record["outcome"] == "defect" and record["defect"], where

@@ -2,11 +2,12 @@
 each cell's outcome as it goes; or, with ``--references``, trains the one-process references.
 
 Started by :mod:`benchmarks.compatibility` once per rank with a torchrun-style environment, so Lightning takes the
-processes as given (the strategy's pre-launch checks then run on every rank, as under torchrun; with
-``devices=N`` they run in the launching process before the other ranks start, the same checks)::
+processes as given and one launch runs many cells. What ``devices=N`` does before it starts the ranks (the
+strategy's checks in the launching process, which only there read the first batch) is run first for every cell, in
+the references' process, with ``--prelaunch`` (:func:`prelaunch`); a cell that ends there is never launched::
 
     python benchmarks/compat_worker.py --cells gpt2@fsdp2,vit@pipeline --workdir DIR
-    python benchmarks/compat_worker.py --references gpt2,vit --workdir DIR
+    python benchmarks/compat_worker.py --references gpt2,vit --prelaunch gpt2@fsdp2,vit@pipeline --workdir DIR
 
 Every rank writes ``DIR/cells/<model>@<column>.rank<r>.json``; rank 0 names the cell in progress in
 ``DIR/current``. After a cell that failed past the pre-launch checks the worker stops (the process group may be in
@@ -98,6 +99,42 @@ def reference(model: str, workdir: Path) -> dict[str, Any]:
     return result
 
 
+class _Launching(BaseException):
+    """Raised where Lightning's launcher would start the other ranks: the pre-launch checks have passed."""
+
+
+def _stop_at_launch() -> None:
+    raise _Launching
+
+
+def prelaunch(model: str, column_label: str, workdir: Path) -> dict[str, Any] | None:
+    """What ``Trainer(devices=N, strategy=...).fit`` does in the launching process before it starts the other ranks
+    (the strategy's ``preflight``, which only there reads the first batch): run here, in a process of its own, up to
+    the moment Lightning's launcher would start the ranks, which is where it stops.
+
+    Returns:
+        The cell's record when it ends before launch (a refusal, or a defect), ``None`` when it would launch.
+    """
+    column = COLUMNS[column_label]
+    root = workdir / "roots" / f"{model}@{column_label}"
+    trainer = None
+    try:
+        module = CompatModule(model)
+        trainer = _trainer(column.devices, column.make(), root, LossRecorder(), column.nodes)
+        trainer.strategy.launcher._call_children_scripts = _stop_at_launch
+        trainer.fit(module, dataloader(MODELS[model].task, column.batch_replicas, one_process=False))
+    except _Launching:
+        return None
+    except Exception as error:  # noqa: BLE001  (every failure is a cell outcome)
+        record = describe_failure(error, 0, constructing=True)
+        if record["outcome"] == "defect":
+            traceback.print_exc()
+        elif root.exists():
+            record.update(outcome="defect", defect=f"refused before launch but left {root.name}/ behind")
+        return record
+    return {"outcome": "defect", "defect": "fit returned in the launching process without launching the ranks"}
+
+
 def cell(model: str, column_label: str, workdir: Path) -> tuple[dict[str, Any], bool]:
     """Train ``model`` under the column's strategy and compare it with the one-process reference.
 
@@ -150,6 +187,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cells", default="", help="model@column,... (one launch, every column of one world size)")
     parser.add_argument("--references", default="", help="model,...: the one-process references, in this process")
+    parser.add_argument("--prelaunch", default="", help="model@column,...: each cell's pre-launch checks, here")
     parser.add_argument("--workdir", required=True)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -161,6 +199,10 @@ def main() -> None:
         except Exception:  # noqa: BLE001  (the runner records the model's cells as defects; the others go on)
             print(f"one-process reference of {model} failed:", flush=True)
             traceback.print_exc()
+    for name in filter(None, args.prelaunch.split(",")):
+        path = workdir / "cells" / f"{name}.prelaunch.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"ended": prelaunch(*name.split("@"), workdir)}))
     if not args.cells:
         return
     (workdir / "cells").mkdir(parents=True, exist_ok=True)

@@ -7,9 +7,11 @@ Usage (from the repository root)::
     python -m benchmarks.compatibility --models gpt2,vit --columns pipeline   # some cells, merged into the results
     python -m benchmarks.compatibility --render                       # the page from the recorded results only
 
-The one-process references run first (one process, all models), then one launch per column
-(:mod:`benchmarks.compat_worker` on each rank, torchrun-style). A launch that dies or hangs costs only its current
-cell (recorded as a defect with the rank's last error line); the column's remaining models get a new launch.
+The one-process references run first, in one process, followed there by what ``Trainer(devices=N).fit`` does in the
+launching process before it starts the ranks, for every cell (a refusal there is "before launch"). The cells that
+pass are launched, one launch per layout of processes (:mod:`benchmarks.compat_worker` on each rank,
+torchrun-style). A launch that dies or hangs costs only its current cell (recorded as a defect with the rank's last
+error line); the remaining cells get a new launch.
 Cell outcomes are defined in :mod:`benchmarks.compat_cells`, the models in :mod:`benchmarks.compat_models`, the
 page in :mod:`benchmarks.compat_table`.
 """
@@ -43,16 +45,27 @@ CELL_TIMEOUT = 300.0  # seconds one cell may take before its launch is taken as 
 _KEPT = ("outcome", "when", "error", "defect", "max_diff", "loss_diff", "param_diff", "mesh", "seconds")
 
 
-def run_references(models: list[str], workdir: Path, timeout: float) -> dict[str, str]:
-    """Train each model in one process; returns the models whose reference failed, with the reason."""
+def run_references(models: list[str], cells: list[tuple[str, str]], workdir: Path, timeout: float) -> dict[str, str]:
+    """Train each model in one process, then run each cell's pre-launch checks there (see
+    :func:`benchmarks.compat_worker.prelaunch`). Returns the models whose reference failed, with the reason."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED"):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED", "MASTER_PORT"):
         env.pop(key, None)
     log_path = workdir / "log_references.txt"
-    cmd = [sys.executable, str(WORKER), "--references", ",".join(models), "--workdir", str(workdir)]
+    names = ",".join(f"{model}@{column}" for model, column in cells)
+    cmd = [
+        sys.executable,
+        str(WORKER),
+        "--references",
+        ",".join(models),
+        "--prelaunch",
+        names,
+        "--workdir",
+        str(workdir),
+    ]
     with open(log_path, "a") as log:
-        subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout * len(models),
-                       check=False)  # fmt: skip
+        subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                       timeout=timeout * (len(models) + 1) + 10 * len(cells), check=False)  # fmt: skip
     missing = [m for m in models if not (workdir / "reference" / f"{m}.json").exists()]
     return dict.fromkeys(missing, f"the one-process reference failed ({_last_error(log_path)})")
 
@@ -176,23 +189,28 @@ def versions() -> dict[str, str]:
 def run_matrix(
     models: list[str], columns: list[str], workdir: Path, cell_timeout: float = CELL_TIMEOUT
 ) -> dict[str, dict[str, dict[str, Any]]]:
-    """``{model: {column: record}}`` for every cell of ``models`` × ``columns``: the references, then one launch per
-    layout of processes (more after a cell that ends its launch)."""
-    failed = run_references(models, workdir, cell_timeout)
+    """``{model: {column: record}}`` for every cell of ``models`` × ``columns``: the references and every cell's
+    pre-launch checks in one process, then the cells that pass them, one launch per layout of processes (more after
+    a cell that ends its launch)."""
+    everything = [(m, c) for c in columns for m in models]
+    failed = run_references(models, everything, workdir, cell_timeout)
     cells: dict[str, dict[str, dict[str, Any]]] = {m: {} for m in models}
-    for model, reason in failed.items():
-        for column in columns:
-            cells[model][column] = {"outcome": "defect", "defect": reason}
+    todo = []
+    for model, column in everything:
+        checked = workdir / "cells" / f"{model}@{column}.prelaunch.json"
+        if model in failed:
+            cells[model][column] = {"outcome": "defect", "defect": failed[model]}
+        elif not checked.exists():
+            cells[model][column] = {"outcome": "defect", "defect": "the pre-launch checks did not finish",
+                                    "error": _last_error(workdir / "log_references.txt")}  # fmt: skip
+        elif (ended := json.loads(checked.read_text())["ended"]) is not None:
+            cells[model][column] = {k: v for k, v in ended.items() if k in _KEPT}
+        else:
+            todo.append((model, column))
     for layout in sorted({(COLUMNS[c].devices, COLUMNS[c].nodes) for c in columns}):
-        todo = [
-            (m, c)
-            for c in columns
-            if (COLUMNS[c].devices, COLUMNS[c].nodes) == layout
-            for m in models
-            if m not in failed
-        ]
-        if todo:
-            for (model, column), record in run_cells(todo, workdir, cell_timeout).items():
+        launch = [(m, c) for m, c in todo if (COLUMNS[c].devices, COLUMNS[c].nodes) == layout]
+        if launch:
+            for (model, column), record in run_cells(launch, workdir, cell_timeout).items():
                 cells[model][column] = record
     return cells
 

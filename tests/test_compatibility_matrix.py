@@ -114,7 +114,7 @@ def test_the_recorded_matrix_has_every_cell_and_each_outcome_is_well_formed():
             if record["outcome"] == "parity":
                 tolerance = FP32_TOLERANCE if MODELS[model].why_fp32 else FP64_TOLERANCE
                 tolerance = ZEROPP_LOSS_REL_TOLERANCE if COLUMNS[column].quantized else tolerance
-                assert record["max_diff"] <= tolerance, where
+                assert record["max_diff"] <= tolerance and record["mesh"] == COLUMNS[column].mesh, where
             elif record["outcome"] == "refused":
                 assert record["when"] in ("before launch", "at the first step") and record["error"], where
             else:

@@ -219,6 +219,11 @@ def main() -> None:
         path.with_suffix(".tmp").write_text(json.dumps(record))
         os.replace(path.with_suffix(".tmp"), path)
         if not go_on:
+            if rank == 0:  # rank 0 holds the store the others' watchdogs read: let them record this cell first
+                peers = [workdir / "cells" / f"{name}.rank{r}.json" for r in range(dist.get_world_size())]
+                deadline = time.monotonic() + 30
+                while not all(p.exists() for p in peers) and time.monotonic() < deadline:
+                    time.sleep(0.2)
             sys.stdout.flush()
             os._exit(0)  # skip the exit handlers: another rank may be stuck in a collective of this cell
     dist.barrier()

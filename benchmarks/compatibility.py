@@ -103,6 +103,7 @@ def _launch(cells: list[tuple[str, str]], workdir: Path, cell_timeout: float) ->
     names = ",".join(f"{model}@{column}" for model, column in cells)
     cmd = [sys.executable, str(WORKER), "--cells", names, "--workdir", str(workdir)]
     log_paths = [workdir / f"log_ws{world}_n{nodes}_rank{r}.txt" for r in range(world)]
+    starts = [path.stat().st_size if path.exists() else 0 for path in log_paths]  # this launch's part of each log
     logs = [open(path, "a") for path in log_paths]  # noqa: SIM115  (closed below)
     procs = [
         subprocess.Popen(
@@ -118,10 +119,10 @@ def _launch(cells: list[tuple[str, str]], workdir: Path, cell_timeout: float) ->
                 seen, since = now_at, time.monotonic()
             if time.monotonic() - since > cell_timeout:
                 failure = {"outcome": "defect", "defect": f"hung: no result after {cell_timeout:.0f} s",
-                           "error": _last_error(log_paths[0])}  # fmt: skip
-            failure = failure or _failed_rank(procs, log_paths)
+                           "error": _last_error(log_paths[0], starts[0])}  # fmt: skip
+            failure = failure or _failed_rank(procs, log_paths, starts)
             time.sleep(0.5)
-        failure = failure or _failed_rank(procs, log_paths)
+        failure = failure or _failed_rank(procs, log_paths, starts)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -132,13 +133,13 @@ def _launch(cells: list[tuple[str, str]], workdir: Path, cell_timeout: float) ->
     return failure
 
 
-def _failed_rank(procs: list[subprocess.Popen], log_paths: list[Path]) -> dict[str, Any] | None:
+def _failed_rank(procs: list[subprocess.Popen], log_paths: list[Path], starts: list[int]) -> dict[str, Any] | None:
     failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
     if not failed:
         return None
     r = failed[0]
     return {"outcome": "defect", "defect": f"rank {r} exited with code {procs[r].returncode}",
-            "error": _last_error(log_paths[r])}  # fmt: skip
+            "error": _last_error(log_paths[r], starts[r])}  # fmt: skip
 
 
 def _rank_records(workdir: Path, model: str, column: str) -> list[dict[str, Any]] | None:
@@ -165,9 +166,10 @@ def _merge(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     return record
 
 
-def _last_error(log: Path) -> str:
-    """The last line of a log that looks like an exception (``SomethingError: ...``), else its last line."""
-    text = log.read_text(errors="replace") if log.exists() else ""
+def _last_error(log: Path, start: int = 0) -> str:
+    """The last line of a log (from byte ``start``) that looks like an exception (``SomethingError: ...``), else its
+    last line."""
+    text = log.read_bytes()[start:].decode(errors="replace") if log.exists() else ""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     errors = [line for line in lines if ": " in line and line.split(":", 1)[0].rsplit(".", 1)[-1].endswith(
         ("Error", "Exception", "Interrupt"))]  # fmt: skip

@@ -1,5 +1,6 @@
 """Lightning's logging idioms give the values DDP (and one process) give, on sharded parameters: a synced
-``param.norm()`` and the ``grad_norm`` helper in ``on_before_optimizer_step`` (fp64, 2 ranks)."""
+``param.norm()`` and the ``grad_norm`` helper in ``on_before_optimizer_step`` (fp64, 2 ranks). Under pipeline
+(and hybrid3d with pp) logged training metrics, torchmetrics and plain, per step and per epoch, equal one process."""
 
 from __future__ import annotations
 
@@ -23,3 +24,17 @@ def test_logged_norms_equal_ddp_under_fsdp2_and_one_process_under_tensor_paralle
     one = run_scenarios("idiom_runs.py", 1, tmp_path, ["one_process"])["one_process"]
     _assert_same(runs["fsdp2"]["values"], runs["ddp"]["values"])
     _assert_same(runs["tensor_parallel"]["values"], one["values"])  # tp peers see the whole batch
+
+
+def test_pipeline_logged_metrics_equal_one_process(tmp_path):
+    """A torchmetrics Metric and a plain tensor logged in training_step (on_step and on_epoch, sync_dist) over one
+    epoch under pipeline (GPipe, 1F1B, interleaved 1F1B) and hybrid3d with pp: each step's value covers all the
+    step's micro-batches and the epoch value is the metric's whole state, as in one process. (Before: the step value
+    was the last micro-batch's, and the epoch value counted torch's shape-inference call on placeholder values.)"""
+    one = run_scenarios("metric_log_runs.py", 1, tmp_path, ["reference"])["reference"]
+    runs = run_scenarios("metric_log_runs.py", 2, tmp_path, ["gpipe", "1f1b", "interleaved_1f1b", "hybrid3d_pp2"])
+    assert len(one["steps"]["train_acc"]) == 4 and 0 < one["epoch"]["train_acc"] < 1
+    for name, run in runs.items():
+        for key, values in one["steps"].items():
+            assert max(abs(a - b) for a, b in zip(run["steps"][key], values, strict=True)) <= 1e-6, (name, key)
+            assert abs(run["epoch"][key] - one["epoch"][key]) <= 1e-6, (name, key)

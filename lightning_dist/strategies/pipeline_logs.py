@@ -136,3 +136,95 @@ def _to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, list):
         return [_to_device(v, device) for v in value]
     return value
+
+
+class MetricSteps:
+    """Keeps the torchmetrics ``Metric`` submodules of ``module`` out of the per-micro-batch calls of a step and adds
+    what the step's real micro-batches updated once, after the step.
+
+    torch's first schedule step also calls the loss function on placeholder values (to infer shapes); a metric updated
+    there would count samples one process never sees. Each call therefore starts from a reset metric and its state
+    (the micro-batch's own) is kept aside; :meth:`finish` merges the kept states of the real calls, sets the step value
+    (``_forward_cache``) to the metric computed on all of them, as one process computes it on the whole batch, and adds
+    them to the metric's state from before the step.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        from torchmetrics import Metric
+
+        self.metrics = [m for m in module.modules() if isinstance(m, Metric)]
+        self.calls: list[list[dict[str, Any] | None]] = []
+
+    @contextmanager
+    def call(self) -> Iterator[None]:
+        """One micro-batch's call: the metrics start reset and end as before; their updates are kept aside."""
+        saved = [_snapshot(m) for m in self.metrics]
+        for metric in self.metrics:
+            metric.reset()
+        try:
+            yield
+            self.calls.append([_states(m) if m._update_count else None for m in self.metrics])
+        finally:
+            for metric, state in zip(self.metrics, saved):
+                _restore(metric, state)
+
+    def finish(self, n_real: int) -> None:
+        """Add the last ``n_real`` calls' updates to the metrics (earlier calls were torch's shape inference)."""
+        real = self.calls[len(self.calls) - n_real :] if n_real else []
+        for i, metric in enumerate(self.metrics):
+            deltas = [c[i] for c in real if c[i] is not None]
+            if not deltas:
+                continue
+            before = _snapshot(metric)
+            merged: dict[str, Any] | None = None
+            for count, delta in enumerate(deltas, 1):
+                _set_states(metric, delta)
+                metric._update_count = count
+                if merged is not None:
+                    metric._reduce_states(merged)
+                merged = _states(metric)
+            to_sync, metric._to_sync = metric._to_sync, False  # the loss stage alone runs this: no collective
+            metric._computed = None
+            try:
+                value = metric.compute()
+            finally:
+                metric._to_sync = to_sync
+            metric._update_count = before["count"] + 1
+            if before["count"]:
+                metric._reduce_states(before["state"])
+            metric._forward_cache = value
+            metric._computed = None
+        self.calls = []
+
+
+def _states(metric: Any) -> dict[str, Any]:
+    return {k: _copy(getattr(metric, k)) for k in metric._defaults}
+
+
+def _set_states(metric: Any, states: dict[str, Any]) -> None:
+    for key, value in states.items():
+        setattr(metric, key, _copy(value))
+
+
+def _snapshot(metric: Any) -> dict[str, Any]:
+    return {
+        "state": _states(metric),
+        "count": metric._update_count,
+        "cache": metric._forward_cache,
+        "computed": metric._computed,
+    }
+
+
+def _restore(metric: Any, snapshot: dict[str, Any]) -> None:
+    _set_states(metric, snapshot["state"])
+    metric._update_count = snapshot["count"]
+    metric._forward_cache = snapshot["cache"]
+    metric._computed = snapshot["computed"]
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value

@@ -14,7 +14,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_dist.parallel import pipeline as pp
-from lightning_dist.strategies.pipeline_logs import LogCapture, captured_log, share_logs
+from lightning_dist.strategies.pipeline_logs import LogCapture, MetricSteps, captured_log, share_logs
 from lightning_dist.strategies.pipeline_stages import PipelineStages
 
 
@@ -82,10 +82,12 @@ class PipelineSteps(PipelineStages):
                 " pipeline averages the micro-batch means. Equal counts per micro-batch make them equal."
             )
         calls: list[tuple[Tensor, LogCapture]] = []
+        metrics = MetricSteps(self.lightning_module)
 
         def loss_fn(output: Any, target: Tensor) -> Tensor:
             capture = LogCapture()
-            result = self._run_step_per_microbatch("training_step", step_args, batch_size, capture)(output, target)
+            with metrics.call():
+                result = self._run_step_per_microbatch("training_step", step_args, batch_size, capture)(output, target)
             loss = result["loss"] if isinstance(result, dict) else result
             calls.append((loss.detach(), capture))
             # The mean over micro-batches and accumulated batches. (torch's scale_grads would also divide the
@@ -97,6 +99,7 @@ class PipelineSteps(PipelineStages):
         # torch's first step of a schedule also calls loss_fn once to infer shapes (on placeholder values): the
         # micro-batches are the last n_microbatches calls.
         calls = calls[len(calls) - runner.n_microbatches :] if calls else []
+        metrics.finish(len(calls))
         loss = torch.stack([c[0] for c in calls]).mean() if calls else torch.zeros((), device=self.root_device)
         return self._share_logs(LogCapture.merge([c[1] for c in calls]), loss)
 

@@ -30,10 +30,18 @@ def test_pipeline_logged_metrics_equal_one_process(tmp_path):
     """A torchmetrics Metric and a plain tensor logged in training_step (on_step and on_epoch, sync_dist) over one
     epoch under pipeline (GPipe, 1F1B, interleaved 1F1B) and hybrid3d with pp: each step's value covers all the
     step's micro-batches and the epoch value is the metric's whole state, as in one process. (Before: the step value
-    was the last micro-batch's, and the epoch value counted torch's shape-inference call on placeholder values.)"""
+    was the last micro-batch's, and the epoch value counted torch's shape-inference call on placeholder values.) Under
+    context parallel a Metric's step value is per rank, as under DDP."""
     one = run_scenarios("metric_log_runs.py", 1, tmp_path, ["reference"])["reference"]
-    runs = run_scenarios("metric_log_runs.py", 2, tmp_path, ["gpipe", "1f1b", "interleaved_1f1b", "hybrid3d_pp2"])
+    pipelines = ["gpipe", "1f1b", "interleaved_1f1b", "hybrid3d_pp2"]
+    runs = run_scenarios("metric_log_runs.py", 2, tmp_path, [*pipelines, "context_parallel"])
     assert len(one["steps"]["train_acc"]) == 4 and 0 < one["epoch"]["train_acc"] < 1
+    # context parallel (same launch): epoch values and synced plain step values are the whole batch's; a Metric's
+    # step value is rank 0's sequence shard's, as under DDP it is the rank's own samples'
+    cp = runs.pop("context_parallel")
+    assert max(abs(a - b) for a, b in zip(cp["steps"]["train_hits"], one["steps"]["train_hits"], strict=True)) <= 1e-6
+    assert cp["steps"]["train_acc"] != one["steps"]["train_acc"]
+    assert all(abs(cp["epoch"][k] - one["epoch"][k]) <= 1e-6 for k in one["epoch"])
     for name, run in runs.items():
         for key, values in one["steps"].items():
             assert max(abs(a - b) for a, b in zip(run["steps"][key], values, strict=True)) <= 1e-6, (name, key)

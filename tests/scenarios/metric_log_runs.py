@@ -1,8 +1,9 @@
 """Logged training metrics under pipeline parallelism against one process: a torchmetrics ``Metric`` and a plain
-tensor logged per step and per epoch (``on_step=True, on_epoch=True, sync_dist=True``) over one whole epoch.
+tensor logged per step and per epoch (``on_step=True, on_epoch=True, sync_dist=True``) over one whole epoch; and
+under context parallel.
 
 python tests/scenarios/metric_log_runs.py --devices 1 --out r.json --workdir DIR --scenarios reference
-python tests/scenarios/metric_log_runs.py --devices 2 --out r.json --workdir DIR --scenarios gpipe,1f1b,hybrid3d_pp2
+python tests/scenarios/metric_log_runs.py --devices 2 --out r.json --workdir DIR --scenarios gpipe,1f1b,hybrid3d_pp2,context_parallel
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torchmetrics
 from common import make_model_and_data, run_scenario_script, trainer_kwargs  # type: ignore[import-not-found]
 from lightning.pytorch.callbacks import Callback
 
-from lightning_dist import Hybrid3DStrategy, PipelineStrategy
+from lightning_dist import ContextParallelStrategy, Hybrid3DStrategy, PipelineStrategy
 
 TRAIN_SAMPLES = 32  # one epoch: 4 steps of the global batch of 8
 KEYS = ("train_acc", "train_hits")
@@ -76,6 +77,9 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "1f1b": _run(lambda: PipelineStrategy(schedule="1f1b")),
     "interleaved_1f1b": _run(lambda: PipelineStrategy(schedule="interleaved_1f1b")),
     "hybrid3d_pp2": _run(lambda: Hybrid3DStrategy(pipeline_parallel_size=2)),
+    # context parallel: the epoch values and synced plain values are the whole batch's; a Metric's step value is
+    # this rank's sequence shard's, as under DDP it is this rank's samples'
+    "context_parallel": _run(lambda: ContextParallelStrategy()),
 }
 
 if __name__ == "__main__":

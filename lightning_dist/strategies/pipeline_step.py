@@ -127,9 +127,16 @@ class PipelineSteps(PipelineStages):
         if not self.pipelined:
             return super().run_eval_step(step, *args, **kwargs)
         runner, inputs, batch_size = self._pipelined_call(step, args, False)
-        capture, outputs = LogCapture(), []
-        self._step_fn = self._run_step_per_microbatch(step, args, batch_size, capture)
+        capture, outputs, metrics = LogCapture(), [], MetricSteps(self.lightning_module)
+        run = self._run_step_per_microbatch(step, args, batch_size, capture)
+
+        def step_fn(output: Any, target: Tensor) -> Any:
+            with metrics.call():
+                return run(output, target)
+
+        self._step_fn = step_fn
         runner.eval(inputs, target=torch.arange(batch_size, device=self.root_device), losses=outputs)
+        metrics.finish(len(metrics.calls))
         if step == "predict_step":
             return join_outputs(outputs) if runner.holds_last_stage else None
         self._share_logs(capture, None)

@@ -38,7 +38,12 @@ def _with_train_metrics(model: L.LightningModule) -> L.LightningModule:
         model.log("train_hits", hits, on_step=True, on_epoch=True, sync_dist=True)
         return loss
 
-    model.training_step = training_step
+    def validation_step(batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        _, logits = model._loss(batch)
+        model.val_accuracy(logits.argmax(-1).flatten(), batch["labels"].flatten())
+        model.log("val_acc", model.val_accuracy, on_step=True, on_epoch=True)
+
+    model.training_step, model.validation_step = training_step, validation_step
     return model
 
 
@@ -52,6 +57,10 @@ class StepValues(Callback):
         for key in KEYS:
             self.values[key].append(float(trainer.callback_metrics[f"{key}_step"]))
 
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        # the value Lightning logs as val_acc_step (Lightning keeps eval step values out of callback_metrics)
+        self.values.setdefault("val_acc", []).append(float(pl_module.val_accuracy._forward_cache))
+
 
 def _run(strategy: Any) -> Callable[[int, str], dict[str, Any]]:
     def run(devices: int, workdir: str) -> dict[str, Any]:
@@ -59,13 +68,14 @@ def _run(strategy: Any) -> Callable[[int, str], dict[str, Any]]:
         steps = StepValues()
         trainer = L.Trainer(
             **trainer_kwargs(
-                devices, strategy=strategy() if devices > 1 else "auto", precision="64-true", limit_val_batches=0
+                devices, strategy=strategy() if devices > 1 else "auto", precision="64-true", limit_val_batches=2
             ),
             max_epochs=1,
             callbacks=[steps],
         )
         trainer.fit(_with_train_metrics(model), data)
         epoch = {k: float(trainer.callback_metrics[f"{k}_epoch"]) for k in KEYS}
+        epoch["val_acc"] = float(trainer.validate(model, data.val_dataloader(), verbose=False)[0]["val_acc_epoch"])
         return {"steps": steps.values, "epoch": epoch}
 
     return run

@@ -104,3 +104,42 @@ def test_recognize_reads_multihead_attention_and_names_what_it_cannot_tell():
     fused = nn.ModuleDict({"attn": nn.ModuleDict({"Wqkv": nn.Linear(16, 48), "out_proj": nn.Linear(16, 16)})})
     reason = recognize(fused).unsupported["attn.Wqkv"]
     assert "could not be told from the module and its config" in reason
+
+
+def test_a_tied_weight_planned_at_one_end_only_is_refused_before_launch():
+    """BERT's MLM decoder is tied to its word embeddings; the automatic plan shards the embedding on the vocabulary but
+    does not recognise the decoder as the head. Applied, the tie failed on every rank after launch; the plan's
+    validation (run before launch) now refuses it, naming both ends. Stock GPT-2 (both ends sharded alike) passes."""
+    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
+
+    bert = BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=64))  # fmt: skip
+    with pytest.raises(TensorParallelPlanError, match="tied to cls.predictions.decoder.weight") as error:
+        infer_plan(bert).validate(2)
+    assert "bert.embeddings.word_embeddings.weight" in str(error.value) and "fsdp2" in str(error.value)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, bos_token_id=0, eos_token_id=0))
+    infer_plan(gpt2).validate(2)
+
+
+def test_activation_checkpointing_turns_off_a_hugging_face_generation_cache():
+    """T5's decoder fills a key/value cache during forward when ``use_cache`` is on, so a recomputed block saves fewer
+    tensors and torch refuses the backward (51 vs 47). transformers turns the cache off under its own gradient
+    checkpointing; the blocks we checkpoint from outside get the same."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from lightning_dist.parallel.activation_checkpointing import (
+        apply_activation_checkpointing,
+        turn_off_generation_cache,
+    )
+
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                                dropout_rate=0.0, decoder_start_token_id=0))  # fmt: skip
+    apply_activation_checkpointing([*model.encoder.block, *model.decoder.block])
+    x = torch.randint(2, 64, (2, 8))
+    with pytest.raises(torch.utils.checkpoint.CheckpointError):
+        model(input_ids=x, decoder_input_ids=x, labels=x).loss.backward()
+    model.zero_grad()
+    changed = turn_off_generation_cache(model)
+    assert changed and not model.config.use_cache and not model.decoder.config.use_cache
+    model(input_ids=x, decoder_input_ids=x, labels=x).loss.backward()

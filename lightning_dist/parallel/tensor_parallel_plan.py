@@ -131,6 +131,8 @@ class TensorParallelPlan:
             projection (no ``projections``) splits each key/value head's rows over the ranks sharing it instead.
         unreduced: Parameter name → why the automatic plan cannot keep it correct (it would get a different gradient
             on each tp rank, which nothing reduces); any entry makes :meth:`validate` refuse the plan.
+        tied: Parameter name → why its tied copies would get different layouts (one module planned, the other
+            not); any entry makes :meth:`validate` refuse an automatic plan.
     """
 
     styles: dict[str, StyleSpec] = field(default_factory=dict)
@@ -142,6 +144,7 @@ class TensorParallelPlan:
     token_embedding: str | None = None
     explicit: bool = False
     unreduced: dict[str, str] = field(default_factory=dict)
+    tied: dict[str, str] = field(default_factory=dict)
     grouped_query: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def validate(self, tp: int) -> None:
@@ -173,6 +176,14 @@ class TensorParallelPlan:
                 f" different gradient on each tp rank and drift apart:{items}\nPass an explicit `plan=` that covers"
                 " them (e.g. leave their module replicated, or give it styles whose layouts keep its inputs whole);"
                 " `lightning-dist plan --model ...` prints the automatic plan to start from."
+            )
+        if self.tied and not self.explicit:
+            items = "".join(f"\n  - {n}: {r}" for n, r in self.tied.items())
+            raise TensorParallelPlanError(
+                f"The automatic tensor-parallel plan cannot shard a tied weight the same way at both ends:{items}\n"
+                "Pass an explicit `plan=` that shards both modules over the same dimension (an embedding 'rowwise'"
+                " and its tied output projection 'colwise' both shard the vocabulary), or leave both out; or train"
+                " this model with fsdp2."
             )
         if self.sequence_parallel and not self.explicit:
             head = any(style_name(s) == "colwise" and input_layout(s) == "shard(1)" for s in self.styles.values())

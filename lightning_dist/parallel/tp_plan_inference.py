@@ -10,6 +10,7 @@ on each rank make the plan refuse. Pure inspection.
 from __future__ import annotations
 
 import inspect
+from collections import defaultdict
 from typing import Any
 
 from torch import nn
@@ -132,10 +133,28 @@ def infer_plan(model: nn.Module, sequence_parallel: bool = False, loss_parallel:
             plan.styles[norm] = "sequence_parallel"
         _check_sequence_parallel_coverage(model, plan, checked)
     _one_name_per_module(model, plan)
+    _check_tied_parameters(model, plan)
     # Keep the model's own order (parents before children), which is also the order printed to users.
     order = {n: i for i, n in enumerate(modules)}
     plan.styles = dict(sorted(plan.styles.items(), key=lambda item: order[item[0]]))
     return plan
+
+
+def _check_tied_parameters(model: nn.Module, plan: TensorParallelPlan) -> None:
+    """A weight shared by a planned and an unplanned module (BERT's decoder tied to its sharded word embeddings,
+    when the decoder is not recognised as the output head) would be sharded at one end and whole at the other."""
+    owners: dict[int, list[str]] = defaultdict(list)
+    for name, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            owners[id(param)].append(join(name, pname))
+    for names in owners.values():
+        planned = [n for n in names if n.rpartition(".")[0] in plan.styles]
+        if planned and len(planned) < len(names):
+            whole = [n for n in names if n not in planned]
+            plan.tied[planned[0]] = (
+                f"tied to {', '.join(whole)}, which the automatic plan does not shard: the tied copies would get"
+                " different layouts"
+            )
 
 
 def resolve_explicit_plan(

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-
 _READ = "_lightning_dist_first_batches"  # where ``arguments`` keeps what was read, per stage
 
 

@@ -28,6 +28,7 @@ from lightning_dist.parallel.gradient_sync import (
 from lightning_dist.parallel.mesh import MESH_AXES, MeshConfigError, ParallelDims
 from lightning_dist.parallel.module_selection import check_unit_choice, select_modules
 from lightning_dist.parallel.parallelize import ParallelizeConfig, parallelize
+from lightning_dist.parallel.tensor_parallel_plan import TensorParallelPlan, TensorParallelPlanError
 from lightning_dist.parallel.validation import check_bool
 from lightning_dist.parallel.zeropp import QuantizedAllGather
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
@@ -239,12 +240,17 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
     @override
     def check_model(self, model: Module) -> None:
         dims = self.parallel_dims
-        if dims.tp > 1:
-            self.tensor_parallel_plan(model).validate(dims.tp)
+        plan = self.tensor_parallel_plan(model) if dims.tp > 1 else None
+        if plan is not None:
+            if dims.pp > 1:
+                plan.tied.clear()  # each stage holds its own copy of a tied weight, summed in a common layout
+            plan.validate(dims.tp)
         if dims.cp > 1:
             self.check_context_parallel_model(model)
         if dims.pp > 1:
-            self.check_pipeline_model(model)
+            stages = self.check_pipeline_model(model)
+            if plan is not None and not plan.explicit:
+                _refuse_stages_without_tensor_parallel(model, plan, stages)
         self._chosen_units(model)
 
     @override
@@ -395,3 +401,17 @@ def _sizes_from_options(
         seen.add(axis)
         shape[axis] = size  # type: ignore[assignment]
     return shape
+
+
+def _refuse_stages_without_tensor_parallel(model: Module, plan: TensorParallelPlan, stages: pp.StagePlan) -> None:
+    """A pipeline stage holding nothing the automatic plan shards would fail on its rank after launch."""
+    prefix = pp.find_pipelined_module(model)
+    for index, units in enumerate(stages.stages):
+        names = [f"{prefix}.{u}" if prefix else u for u in units]
+        if not any(k == n or k.startswith(f"{n}.") for k in plan.styles for n in names):
+            why = "".join(f"; {n}: {r}" for n, r in plan.unplanned.items() if any(n.startswith(m) for m in names))
+            raise TensorParallelPlanError(
+                f"Pipeline stage {index} ({', '.join(units)}) holds no module that the automatic tensor-parallel plan"
+                f" shards{why}. Pass an explicit `plan=`, or drop tensor parallelism (tensor_parallel_size=1) or the"
+                " pipeline for this model."
+            )

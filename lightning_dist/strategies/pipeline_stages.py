@@ -67,7 +67,7 @@ class PipelineStages(_Base):
         pp.validate_microbatching(self.schedule, batch_size, self.n_microbatches, p, v)
         return self.n_microbatches
 
-    def check_pipeline_model(self, model: Module, inputs: dict[str, Any] | None = None) -> None:
+    def check_pipeline_model(self, model: Module, inputs: dict[str, Any] | None = None) -> pp.StagePlan:
         """Before launch: plan the stages of ``model`` (refusing too few blocks, an encoder–decoder model, a split
         naming unknown modules) and rehearse their forwards on a meta-device copy (see
         :func:`~lightning_dist.parallel.pipeline.rehearse_stages`; ``inputs``: the pipelined call's arguments on the
@@ -75,6 +75,7 @@ class PipelineStages(_Base):
         module = model.get_submodule(pp.find_pipelined_module(model))
         plan = pp.plan_stages(module, self.parallel_dims.pp * self.stages_per_rank, self.split)
         pp.rehearse_stages(module, plan, inputs)
+        return plan
 
     @override
     def preflight(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:

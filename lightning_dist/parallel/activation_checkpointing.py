@@ -20,3 +20,23 @@ def apply_activation_checkpointing(blocks: Iterable[nn.Module]) -> int:
         composable_checkpoint(block)
         count += 1
     return count
+
+
+def turn_off_generation_cache(model: nn.Module) -> list[str]:
+    """Set ``config.use_cache = False`` on every Hugging Face config in ``model`` that has it on; returns the names of
+    the modules whose config changed.
+
+    A decoder that fills a key/value cache during forward (T5's stack builds an ``EncoderDecoderCache`` whenever
+    ``use_cache`` is on) saves different tensors when a checkpointed block is recomputed, and torch refuses the
+    backward. transformers turns the cache off itself under its own gradient checkpointing; ours wraps the blocks
+    from outside, so it must do the same. Generation afterwards can pass ``use_cache=True`` again.
+    """
+    changed, seen = [], set()
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if config is None or id(config) in seen or getattr(config, "use_cache", None) is not True:
+            continue
+        seen.add(id(config))
+        config.use_cache = False
+        changed.append(name or type(module).__name__)
+    return changed

@@ -43,7 +43,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from lightning_dist.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightning_dist.parallel.activation_checkpointing import apply_activation_checkpointing, turn_off_generation_cache
 from lightning_dist.parallel.compile import compile_modules, describe_compile_options
 from lightning_dist.parallel.fsdp import FSDPConfig, apply_fsdp, fsdp_modules, shared_submodules
 from lightning_dist.parallel.mesh import ParallelMesh
@@ -119,6 +119,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelizeConfig)
     if config.activation_checkpointing:
         apply_activation_checkpointing(m for _, m in config.units)
         record.checkpointed = summarize(config.units)
+        if uncached := turn_off_generation_cache(model):
+            record.checkpointed += f" (config.use_cache turned off on {', '.join(uncached)}, as transformers does)"
     if config.compile is not None:
         record.compiled = _compile_units(config)
     if config.fsdp is None:

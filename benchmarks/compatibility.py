@@ -34,7 +34,7 @@ from typing import Any
 from benchmarks.compat_cells import COLUMNS
 from benchmarks.compat_models import MODELS
 from benchmarks.compat_table import render
-from benchmarks.launch import free_port, rank_env
+from benchmarks.launch import free_port, rank_env, stop_processes
 from benchmarks.workloads import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,12 +124,7 @@ def _launch(cells: list[tuple[str, str]], workdir: Path, cell_timeout: float) ->
             time.sleep(0.5)
         failure = failure or _failed_rank(procs, log_paths, starts)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
+        stop_processes(procs, logs)
     return failure
 
 

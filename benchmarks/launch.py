@@ -94,11 +94,16 @@ def launch(
         if error is None and failed:
             error = f"rank(s) {failed} exited with an error; see {workdir}/log_{tag}_rank*.txt"
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
+        stop_processes(procs, logs)
     result = json.loads(out_path.read_text()) if out_path.exists() else None
     return result, error
+
+
+def stop_processes(procs: list[subprocess.Popen], logs: list[Any]) -> None:
+    """Kill the ranks still running (after a failure or a timeout) and close their log files."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    for log in logs:
+        log.close()

@@ -209,8 +209,9 @@ def test_plan_help_shows_the_options_of_every_planner(capsys):
 
 def test_the_readme_s_hugging_face_plan_example_says_how_to_install_transformers():
     """The quick start installs no transformers; the README's plan example needs it and names the extra."""
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     root = Path(__file__).resolve().parents[1]
     extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]

@@ -10,7 +10,8 @@ Run it with ``python -m benchmarks.run [--quick] [--out DIR]`` (see :mod:`benchm
 * :mod:`benchmarks.theory` — the textbook communication and memory formulas the measurements are compared with.
 * :mod:`benchmarks.hardware` — tokens/s and MFU (device peak FLOP/s lookup), CUDA only.
 * :mod:`benchmarks.worker` / :mod:`benchmarks.launch` — one process per rank (torchrun-like) running a plan.
-* :mod:`benchmarks.report` — JSON results to markdown tables and a PNG plot.
+* :mod:`benchmarks.report` — JSON results to ``report.md`` and a PNG plot; the rows are :mod:`benchmarks.analysis`,
+  their markdown :mod:`benchmarks.tables`, the measured section of ``docs/performance.md`` :mod:`benchmarks.docs_section`.
 
 The compatibility matrix (strategies × third-party models against one process, regenerating
 ``docs/compatibility.md``) is ``python -m benchmarks.compatibility``: :mod:`benchmarks.compatibility` (the runner),

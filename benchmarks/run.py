@@ -28,11 +28,12 @@ from typing import Any
 import lightning
 import torch
 
+from benchmarks.docs_section import update_performance_doc
 from benchmarks.hardware import compute_dtype, lookup_peak
 from benchmarks.launch import launch
 from benchmarks.measure import interleaved_order
 from benchmarks.models import SIZES
-from benchmarks.report import update_readme, write_report
+from benchmarks.report import write_report
 from benchmarks.workloads import TIME_COMPARISONS, WORKLOADS, availability, layout_for, timed_workloads
 
 MODES: dict[str, dict[str, Any]] = {
@@ -109,9 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--accelerator", default="auto", help="auto (CUDA when a GPU is visible), cpu or cuda (one GPU per rank)"
     )
-    p.add_argument(
-        "--update-readme", action="store_true", help="also put the measured tables into README.md's Performance section"
-    )
+    p.add_argument("--update-docs", action="store_true", help="also put the measured tables into docs/performance.md")
     p.add_argument("--report-only", metavar="RESULTS_JSON", help="only rebuild the report from saved results")
     p.add_argument(
         "--gpu",
@@ -135,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         results = json.loads(path.read_text())
         paths = write_report(results, path.parent)
         print("\n".join(f"{k}: {v}" for k, v in paths.items()))
-        _maybe_update_readme(args, results)
+        _maybe_update_docs(args, results)
         return 0
     config = dict(MODES["quick" if args.quick else "full"])
     if args.sizes:
@@ -213,15 +212,15 @@ def main(argv: list[str] | None = None) -> int:
     paths = write_report(results, out)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print("\n".join(f"{k}: {v}" for k, v in {**paths, "results": out / "results.json"}.items()))
-    _maybe_update_readme(args, results)
+    _maybe_update_docs(args, results)
     return 1 if results["launch_errors"] else 0
 
 
-def _maybe_update_readme(args: argparse.Namespace, results: dict[str, Any]) -> None:
-    if args.update_readme:
-        readme = Path(__file__).resolve().parents[1] / "README.md"
-        ok = update_readme(results, readme)
-        print(f"README.md: {'updated' if ok else 'no benchmarks:start/end markers, not changed'}")
+def _maybe_update_docs(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    if args.update_docs:
+        doc = Path(__file__).resolve().parents[1] / "docs" / "performance.md"
+        ok = update_performance_doc(results, doc)
+        print(f"docs/performance.md: {'updated' if ok else 'no benchmarks:start/end markers, not changed'}")
 
 
 def _load_average() -> float | None:

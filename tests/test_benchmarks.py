@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 
 from benchmarks import theory
+from benchmarks.analysis import analyze
 from benchmarks.hardware import flops_per_token, lookup_peak, throughput
 from benchmarks.measure import (
     ActivationCounter,
@@ -33,7 +34,7 @@ from benchmarks.measure import (
     spread,
 )
 from benchmarks.models import SIZES, ModelSize, gpt_parameter_count
-from benchmarks.report import analyze, plot, to_markdown, write_report
+from benchmarks.report import plot, to_markdown, write_report
 from benchmarks.run import choose_device
 from benchmarks.workloads import BY_NAME, TIME_COMPARISONS, WORKLOADS, Workload, availability, layout_for
 from examples.gpt import GPT
@@ -412,22 +413,22 @@ def test_benchmark_smoke_run(tmp_path: Path) -> None:
         assert (tmp_path / "scaling.png").stat().st_size > 0
 
 
-def test_readme_section_replaces_only_the_marked_block(tmp_path: Path) -> None:
-    from benchmarks.report import README_END, README_START, readme_section, update_readme
+def test_performance_section_replaces_only_the_marked_block(tmp_path: Path) -> None:
+    from benchmarks.docs_section import SECTION_END, SECTION_START, performance_section, update_performance_doc
 
     results = _known_results()
-    section = readme_section(results)
-    assert section.startswith(README_START) and section.endswith(README_END)
+    section = performance_section(results)
+    assert section.startswith(SECTION_START) and section.endswith(SECTION_END)
     assert "`fsdp2` / `mp_fsdp` | **1.000**" in section and "python -m benchmarks.run --test" in section
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# title\n\nbefore\n{README_START}\nold table\n{README_END}\nafter\n")
-    assert update_readme(results, readme)
-    text = readme.read_text()
+    doc = tmp_path / "performance.md"
+    doc.write_text(f"# title\n\nbefore\n{SECTION_START}\nold table\n{SECTION_END}\nafter\n")
+    assert update_performance_doc(results, doc)
+    text = doc.read_text()
     assert "old table" not in text and text.startswith("# title\n\nbefore\n") and text.endswith("\nafter\n")
-    assert text.count(README_START) == 1 and "`fsdp2` / `mp_fsdp`" in text
+    assert text.count(SECTION_START) == 1 and "`fsdp2` / `mp_fsdp`" in text
     plain = tmp_path / "PLAIN.md"
     plain.write_text("no markers\n")
-    assert not update_readme(results, plain) and plain.read_text() == "no markers\n"
+    assert not update_performance_doc(results, plain) and plain.read_text() == "no markers\n"
 
 
 def test_tensor_parallel_bytes_against_megatron() -> None:
@@ -449,7 +450,8 @@ def test_tensor_parallel_bytes_against_megatron() -> None:
 
 
 def test_memory_table_shows_cuda_peaks_when_measured() -> None:
-    from benchmarks.report import memory_rows, memory_table
+    from benchmarks.analysis import memory_rows
+    from benchmarks.tables import memory_table
 
     results = _known_results()
     assert "CUDA max allocated" not in memory_table(memory_rows(results))

@@ -1,0 +1,188 @@
+"""The model's set-up in a lightning_dist strategy (a mixin of the shared base): the checks before launch, then at
+setup precision conversion, parallelizing, meta-device materialization and placement, equal replicated copies,
+metrics synced over the right group, optimizers; and where a resumed epoch starts."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.nn import Module
+from typing_extensions import override
+
+from lightning_dist.parallel.compile import keep_user_compilation, unwrap_user_compiled
+from lightning_dist.parallel.fsdp import is_fully_sharded
+from lightning_dist.parallel.placement import place_model
+from lightning_dist.parallel.replicated_state import broadcast_replicated_state, tp_replicated_parameters
+from lightning_dist.parallel.tensor_parallel.apply import tp_sharded_parameters
+from lightning_dist.strategies.data_position import LIGHTNING_NOT_RESUMABLE_WARNING, skip_trained_batches
+from lightning_dist.strategies.metric_sync import gather_over_data_parallel, use_metric_group
+from lightning_dist.strategies.preflight import (
+    PARALLELIZED,
+    check_checkpoint_callbacks,
+    check_ckpt_path,
+    check_same_parallelism,
+    parallel_settings,
+)
+
+if TYPE_CHECKING:
+    from lightning_dist.strategies.base import MeshParallelStrategy
+
+    _Base = MeshParallelStrategy
+else:
+    _Base = object
+
+
+class ModelSetup(_Base):
+    """Checks before launch and the model's set-up of :class:`~lightning_dist.strategies.base.MeshParallelStrategy`."""
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if getattr(self.model, PARALLELIZED, None) is None:
+            self.model = self.precision_plugin.convert_module(self.model)
+            self._adopt_user_compiled(self.model)
+            self.model = self.parallelize(self.model)
+            object.__setattr__(self.model, PARALLELIZED, parallel_settings(self))
+            # Meta-initialized (empty_init) state is created where it will live: the CPU under offload.
+            _materialize_distributed_module(
+                self.model, torch.device("cpu") if self.offloads_parameters else self.root_device
+            )
+            self.model_to_device()
+            self._make_replicas_equal()
+        if not is_fully_sharded(self.model):  # no FSDP2 policy to cast parameters: mixed precision is autocast
+            self.precision_plugin.use_autocast(self.root_device.type)
+        self._tp_replicated = tp_replicated_parameters(self.model, self.mesh)
+        tp_alone = self.parallel_dims.tp > 1 and not is_fully_sharded(self.model)
+        self._tp_sharded = tp_sharded_parameters(self.model) if tp_alone else []
+        # Each pipeline stage holds different parameters: the norm to clip by sums over the stages.
+        self.precision_plugin.stage_group = self.process_group("pp") if self.parallel_dims.pp > 1 else None
+        # DTensor/FSDP2 parameters cannot be used under inference_mode (their version counters); Lightning only
+        # falls back to no_grad for its own FSDP strategy and gloo, so say it for every backend.
+        for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+            loop.inference_mode = False
+        self._sync_metrics_over_loss_group()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING and not self.offloads_parameters:
+            _optimizers_to_device(self.optimizers, self.root_device)  # offloaded optimizer state stays on the CPU
+
+    # ------------------------------------------------------------------ checks before launch
+    def preflight(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
+        """Everything that can be checked before processes are launched (see :mod:`.preflight`): the checkpoint
+        callbacks, ``ckpt_path``, a model an earlier Trainer already parallelized, and the model against the
+        strategy's options (:meth:`check_model`). ``arguments`` are those of the Trainer entry point."""
+        check_checkpoint_callbacks(trainer)
+        self._requested_weights_only = arguments.get("weights_only")
+        check_ckpt_path(arguments.get("ckpt_path"), self._requested_weights_only)
+        model = self.lightning_module
+        if model is None:
+            return
+        self._adopt_user_compiled(model)  # compiled before fit: checked (and named) without `_orig_mod.`
+        applied = getattr(model, PARALLELIZED, None)
+        if applied is not None:
+            check_same_parallelism(self, applied)
+        elif not is_overridden("configure_model", model, pl.LightningModule):
+            self.check_model(model)
+
+    def _adopt_user_compiled(self, model: Module) -> None:
+        """Take apart ``torch.compile(module)`` wrappers the user put inside the model (``configure_model`` or before
+        ``fit``), so that no module name, log line or checkpoint key gains ``_orig_mod.``: with ``compile`` set, the
+        wrapped module is compiled our way (per block, before sharding); without it, the user's compilation is kept
+        on the same module in place, with a warning that it breaks its graph at every FSDP unit."""
+        unwrapped = unwrap_user_compiled(model)
+        if not unwrapped:
+            return
+        names = ", ".join(name for name, _ in unwrapped)
+        verb = "was" if len(unwrapped) == 1 else "were"
+        if self.compile_options is not None:
+            self.log_decision(
+                f"{names} {verb} compiled with torch.compile(): unwrapped, compiled per block by compile="
+                f"{self.compile_options or True} instead"
+            )
+            return
+        keep_user_compilation(unwrapped)
+        rank_zero_warn(
+            f"{names} {verb} compiled with torch.compile() before {type(self).__name__} parallelized the model. The"
+            " compilation is kept, applied to the same modules in place (names and checkpoint keys get no"
+            " '_orig_mod.'). Around FSDP2's units (a whole model compiled in configure_model) it breaks its graph at"
+            " every unit and gains little: +5% over no compile on one H100, where compiling each block before"
+            " sharding gained +20%. Leave the model uncompiled and pass the strategy compile=True (or a dict of"
+            " torch.compile arguments): it then compiles each block before sharding it.",
+            category=UserWarning,
+        )
+
+    def _make_replicas_equal(self) -> None:
+        """Copy every replicated parameter and buffer from the first rank of each axis it is replicated over, as DDP
+        does at setup: without a seed each rank initialized its own values."""
+        assert self.model is not None
+        count, axes = broadcast_replicated_state(self.model, self.mesh)
+        if count:
+            self.log_decision(f"{count} replicated tensors made equal across {' × '.join(axes)} (from the first rank)")
+
+    def _sync_metrics_over_loss_group(self) -> None:
+        """torchmetrics ``Metric`` objects sync over WORLD by default, which counts tensor/pipeline peers (which saw
+        the same samples) more than once in sum states: metrics without a group or sync function of their own
+        gather over ``loss`` instead."""
+        from torchmetrics import Metric
+
+        dims = self.parallel_dims
+        if self.lightning_module is None or dims.world_size == dims.batch * dims.cp:
+            return
+        use_metric_group(self.process_group("loss"))
+        for metric in self.lightning_module.modules():
+            if isinstance(metric, Metric) and metric.process_group is None and metric.dist_sync_fn is None:
+                metric.dist_sync_fn = gather_over_data_parallel
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        # Evaluation after fitting sets the model up again: drop optimizers that refer to the old parameters.
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+
+    @property
+    def offloads_parameters(self) -> bool:
+        """Whether sharded parameters, gradients and optimizer state live in CPU memory (FSDP2 CPU offload)."""
+        return False
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        place_model(self.model, self.root_device, self.offloads_parameters)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # With empty_init the model is created on the meta device and materialized after sharding in setup().
+        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        # A mid-epoch checkpoint resumes at the next batch, not at the epoch's first (see data_position.py).
+        if self._resume_position is not None and self.lightning_module.trainer.state.stage == RunningStage.TRAINING:
+            index, self._resume_loader_index = self._resume_loader_index, self._resume_loader_index + 1
+            if skip_trained_batches(dataloader, self._resume_position, index, self.parallel_dims.batch):
+                warnings.filterwarnings("ignore", message=LIGHTNING_NOT_RESUMABLE_WARNING)
+        return dataloader
+
+    @override
+    def on_train_start(self) -> None:
+        self._resume_position = None  # every training dataloader has been set up by now
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.checkpoint_io.check()  # a background save that failed is raised here, on every rank

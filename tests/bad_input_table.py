@@ -1,13 +1,13 @@
 """The table of bad inputs: each mistake a user can make, where it is caught, and what they are told.
 
-``tests/test_bad_inputs.py`` runs every row; the README's "Common errors" section is generated from it, with the
-messages the rows really produce:
+``tests/test_bad_inputs.py`` runs every row; the "Common errors" section of ``docs/errors.md`` is generated from it,
+with the messages the rows really produce:
 
-    python tests/bad_input_table.py --write-readme
+    python tests/bad_input_table.py --write-docs
 
 Rows marked ``before launch`` run in the calling process with process creation forbidden, so a check that only
 happens after launch cannot pass for one that happens before. Damaged checkpoints are a table of their own
-(``tests/test_checkpoint_integrity.py``: every case against resume, ``inspect`` and ``consolidate``); the README lists
+(``tests/test_checkpoint_integrity.py``: every case against resume, ``inspect`` and ``consolidate``); the docs list
 them from there.
 """
 
@@ -52,7 +52,7 @@ BEFORE_LAUNCH = "before launch"
 class BadInput:
     """One mistake: ``attempt(tmp_path)`` makes it; it must raise ``error`` whose text matches ``message``."""
 
-    mistake: str  # what the user did, as the README lists it
+    mistake: str  # what the user did, as docs/errors.md lists it
     attempt: Callable[[Path], Any]
     error: type[BaseException]
     message: str  # a regex over the error's text (stderr included for CLI exits)
@@ -355,8 +355,8 @@ def damaged_checkpoint_text(case: Any, tmp_path: Path) -> str:
 
 
 def render(texts: dict[str, tuple[BaseException | None, str]] | None = None) -> str:
-    """The README's "Common errors" table, from the rows' real messages (``texts``: already collected ones, by
-    mistake; the others are made here, launches forbidden)."""
+    """The "Common errors" table of ``docs/errors.md``, from the rows' real messages (``texts``: already collected
+    ones, by mistake; the others are made here, launches forbidden)."""
     from test_checkpoint_integrity import CASES as DAMAGED  # type: ignore[import-not-found]
 
     texts = dict(texts or {})
@@ -389,20 +389,22 @@ def _abridged(kind: str, text: str) -> str:
     return f"`{kind}`: {message[:300]}{'…' if len(message) > 300 else ''}"
 
 
-README = REPO_ROOT / "README.md"
+ERRORS_DOC = REPO_ROOT / "docs" / "errors.md"
 START, END = "<!-- common-errors:start -->", "<!-- common-errors:end -->"
 
 
-def readme_section() -> str:
-    text = README.read_text()
+def docs_section() -> str:
+    """The "Common errors" table as ``docs/errors.md`` holds it now."""
+    text = ERRORS_DOC.read_text()
     return text[text.index(START) + len(START) : text.index(END)].strip()
 
 
-def write_readme() -> None:
-    text = README.read_text()
+def write_docs() -> None:
+    """Regenerate the "Common errors" table of ``docs/errors.md`` from the rows' real messages."""
+    text = ERRORS_DOC.read_text()
     head, tail = text[: text.index(START) + len(START)], text[text.index(END) :]
-    README.write_text(f"{head}\n{render()}\n{tail}")
+    ERRORS_DOC.write_text(f"{head}\n{render()}\n{tail}")
 
 
 if __name__ == "__main__":
-    write_readme() if "--write-readme" in sys.argv else print(render())
+    write_docs() if "--write-docs" in sys.argv else print(render())

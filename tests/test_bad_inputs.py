@@ -1,16 +1,16 @@
 """Every mistake in ``bad_input_table.ROWS`` fails where the table says, with a message naming the option, the value
-and the fix; the README's "Common errors" section is that table with the messages the rows really produce."""
+and the fix; the "Common errors" section of docs/errors.md is that table with the messages the rows really produce."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
-from bad_input_table import BEFORE_LAUNCH, CONSTRUCTION, ROWS, BadInput, error_text, readme_section, render
+from bad_input_table import BEFORE_LAUNCH, CONSTRUCTION, ROWS, BadInput, docs_section, error_text, render
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from test_checkpoint_integrity import CASES as DAMAGED_CHECKPOINTS
 
-_MESSAGES: dict[str, tuple[BaseException | None, str]] = {}  # what each row said, for the README check
+_MESSAGES: dict[str, tuple[BaseException | None, str]] = {}  # what each row said, for the docs check
 
 
 @pytest.fixture(autouse=True)
@@ -36,8 +36,8 @@ def test_the_table_covers_at_least_forty_mistakes():
     assert len({row.mistake for row in ROWS}) == len(ROWS)
 
 
-def test_the_readme_lists_the_table_with_its_real_messages():
+def test_the_docs_list_the_table_with_its_real_messages():
     expected = render(_MESSAGES)
-    assert readme_section() == expected, (
-        "README.md's Common errors section is out of date: run `python tests/bad_input_table.py --write-readme`"
+    assert docs_section() == expected, (
+        "docs/errors.md's Common errors section is out of date: run `python tests/bad_input_table.py --write-docs`"
     )

@@ -245,7 +245,7 @@ ROWS: list[BadInput] = [
              SystemExit, r"trainer\.precision: .*transformer-engine.*Supported: "),
     # --- the mesh against the processes
     BadInput("Sizes that multiply to more than devices × num_nodes", lambda t: _fit(TensorParallelStrategy(tensor_parallel_size=4)),
-             ValueError, r"data_parallel_size=1, tensor_parallel_size=4 make a mesh of 4 ranks, but 2 processes are running .* Make the sizes multiply to 2"),
+             ValueError, r"data_parallel_shard_size=1, tensor_parallel_size=4 make a mesh of 4 ranks, but 2 processes are running .* Make the sizes multiply to 2"),
     BadInput("Sizes that do not divide the processes", lambda t: _fit(FSDP2Strategy(data_parallel_replicate_size=3), devices=4),
              ValueError, r"Cannot fit data_parallel_replicate_size=3 into 4 processes: 4 is not divisible by 3"),
     BadInput("num_nodes left out of the mesh", lambda t: _fit(TensorParallelStrategy(tensor_parallel_size=2), num_nodes=2),

@@ -50,3 +50,18 @@ def test_replicas_last_needs_replica_groups():
         L.Trainer(strategy=FSDP2Strategy(accumulation_sync="replicas_last"), accelerator="cpu", devices=2)
     with pytest.raises(ValueError, match="accumulation_sync='sometimes' is not one of"):
         FSDP2Strategy(accumulation_sync="sometimes")
+
+
+@pytest.mark.slow
+def test_deferred_sync_under_context_parallel_matches_one_process(tmp_path):
+    """accumulation_sync, once an fsdp2/zeropp/hybrid3d option only, on context_parallel (cp=2: FSDP2 shards over
+    cp): "last" trains as "every" and as one process, with 1/k of the reduce-scatter bytes."""
+    runs = run_scenarios("accumulation_runs.py", 2, tmp_path, ["cp_every", "cp_last"])
+    one = run_scenarios("accumulation_runs.py", 1, tmp_path, ["every"])["every"]
+    every, last = runs["cp_every"], runs["cp_last"]
+    assert len(last["losses"]) == 3 * ACCUMULATE
+    assert max_abs_diff(every["losses"], last["losses"]) < 1e-10
+    assert max_abs_diff(one["losses"], last["losses"]) < 1e-10
+    p_last, p_one = torch.load(tmp_path / "accumulate_cp_last_d2.pt"), torch.load(tmp_path / "accumulate_every_d1.pt")
+    assert max((p_one[k] - p_last[k]).abs().max().item() for k in p_one) < 1e-10
+    assert last["reduce_scatter_bytes_per_step"] * ACCUMULATE == every["reduce_scatter_bytes_per_step"] > 0

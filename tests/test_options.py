@@ -16,7 +16,6 @@ BOOL_OPTIONS = [
     (TensorParallelStrategy, "sequence_parallel"),
     (TensorParallelStrategy, "loss_parallel"),
     (TensorParallelStrategy, "activation_checkpointing"),
-    (TensorParallelStrategy, "reshard_after_forward"),
     (ZeroPPStrategy, "quantized_weights"),
     (ZeroPPStrategy, "quantized_gradients"),
     (ZeroPPStrategy, "activation_checkpointing"),

@@ -288,7 +288,7 @@ def test_loss_parallel_refuses_unsupported_cross_entropy_arguments():
 
 def test_registered_names_and_mesh_sizes():
     assert StrategyRegistry["tensor_parallel"]["strategy"] is TensorParallelStrategy
-    assert StrategyRegistry["tensor_parallel_2d"]["init_params"] == {"data_parallel_size": "auto"}
+    assert StrategyRegistry["tensor_parallel_2d"]["init_params"] == {"data_parallel_shard_size": "auto"}
     trainer = L.Trainer(strategy="tensor_parallel", accelerator="cpu", devices=2, logger=False)
     assert trainer.strategy.parallel_dims.tp == 2
     assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}  # TP peers: one batch

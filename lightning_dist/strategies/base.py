@@ -35,13 +35,23 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 
 from lightning_dist.parallel.compile import resolve_compile_options
-from lightning_dist.parallel.fsdp import FSDPConfig
+from lightning_dist.parallel.fsdp_options import (
+    check_reshard_after_forward,
+    check_reshard_after_forward_mesh,
+)
+from lightning_dist.parallel.gradient_sync import (
+    AccumulationSync,
+    check_accumulation_sync,
+    check_accumulation_sync_mesh,
+)
 from lightning_dist.parallel.mesh import AXIS_OPTIONS, ParallelDims, ParallelMesh
-from lightning_dist.parallel.parallelize import ParallelizeConfig
+from lightning_dist.parallel.module_selection import check_unit_choice
+from lightning_dist.parallel.validation import check_bool
 from lightning_dist.plugins.precision import FSDP2Precision, to_fsdp2_precision
 from lightning_dist.strategies.checkpointing import ShardedCheckpointing
 from lightning_dist.strategies.collectives import MeshCollectives
 from lightning_dist.strategies.model_setup import ModelSetup
+from lightning_dist.strategies.parallelize_options import ParallelizeOptions
 from lightning_dist.strategies.preflight import strategy_options, unknown_options_message
 from lightning_dist.strategies.processes import ProcessSetup
 from lightning_dist.strategies.step_protocol import NonFiniteMode, StepProtocol
@@ -49,14 +59,13 @@ from lightning_dist.strategies.step_protocol import NonFiniteMode, StepProtocol
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_dist.parallel.tensor_parallel.apply import TensorParallelPlan
     from lightning_dist.parallel.watchdog import FailureWatchdog
 
 MeshSize = int | Literal["auto"]
 
 
 class MeshParallelStrategy(
-    ShardedCheckpointing, MeshCollectives, StepProtocol, ModelSetup, ProcessSetup, ParallelStrategy
+    ParallelizeOptions, ShardedCheckpointing, MeshCollectives, StepProtocol, ModelSetup, ProcessSetup, ParallelStrategy
 ):
     """Base of all lightning_dist strategies (not registered itself).
 
@@ -84,6 +93,21 @@ class MeshParallelStrategy(
             ``False`` (default), ``True`` (torch.compile's defaults) or a dict of ``torch.compile`` keyword arguments
             such as ``{"mode": "max-autotune-no-cudagraphs"}``. A model the user compiled with
             ``torch.compile(model)`` is unwrapped first and compiled this way. Resolved in :attr:`compile_options`.
+        reshard_after_forward: Whether FSDP2 frees a unit's gathered parameters after forward (and all-gathers them
+            again in backward): ``True``, ``False``, or an int ``k`` that keeps a 1/k slice after forward so backward
+            gathers stay within groups of k ranks. ``None`` (default): on (for ``fsdp2``, what ``sharding``
+            implies), except off under a pipeline (``pp > 1``), where every micro-batch would gather again.
+        wrap_modules: Module classes to shard (and checkpoint, and compile) as units instead of the detected
+            blocks: classes in Python, class-path strings (``"my_pkg.model.Block"``) or bare class names in YAML;
+            under a pipeline each stage takes the ones it holds.
+        wrap_regex: A regex over qualified module names (``"layers\\.\\d+"``) selecting the units, alone or in
+            addition to ``wrap_modules`` (names below the pipelined module under a pipeline).
+        activation_checkpointing: Recompute the units' activations in backward.
+        accumulation_sync: With ``accumulate_grad_batches=k``: ``"every"`` reduces gradients after each micro-batch
+            (sharded gradient memory, k reduce-scatters per step); ``"last"`` only after the last (1/k of the bytes,
+            full unsharded gradients held in between, as in DDP); ``"replicas_last"`` (with ``dp_replicate``, HSDP)
+            reduce-scatters every micro-batch but all-reduces across replica groups only after the last. Only
+            ``"every"`` under a pipeline (its schedule decides).
     """
 
     #: Short name used in log lines ("fsdp2: ...").
@@ -100,6 +124,11 @@ class MeshParallelStrategy(
         timeout: timedelta | None = default_pg_timeout,
         on_nonfinite: NonFiniteMode = "ignore",
         compile: bool | dict[str, Any] = False,
+        reshard_after_forward: bool | int | None = None,
+        wrap_modules: list[type[Module] | str] | set[type[Module]] | None = None,
+        wrap_regex: str | None = None,
+        activation_checkpointing: bool = False,
+        accumulation_sync: AccumulationSync = "every",
         **unknown: Any,
     ) -> None:
         if unknown:  # a misspelt option of the concrete strategy arrives here, forwarded as a keyword
@@ -112,6 +141,11 @@ class MeshParallelStrategy(
         self.on_nonfinite = on_nonfinite
         #: The ``torch.compile`` keyword arguments of the ``compile`` option, or ``None`` when it is off.
         self.compile_options: dict[str, Any] | None = resolve_compile_options(compile)
+        # The FSDP-family options: every strategy shards with FSDP2 wherever its mesh has data-parallel ranks.
+        self.reshard_after_forward = check_reshard_after_forward(reshard_after_forward)
+        self.wrap_modules, self.wrap_regex = check_unit_choice(wrap_modules, wrap_regex)
+        self.activation_checkpointing = check_bool("activation_checkpointing", activation_checkpointing)
+        self.accumulation_sync = check_accumulation_sync(accumulation_sync)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -147,28 +181,6 @@ class MeshParallelStrategy(
         """Apply this strategy's parallelism to ``model`` in place (on every rank, after the mesh exists) and return
         it. A pipeline strategy also sets :attr:`model_parts` to the stages it kept on this rank."""
         raise NotImplementedError
-
-    def standard_parallelize_config(
-        self,
-        units: list[tuple[str, Module]],
-        activation_checkpointing: bool,
-        tp_plan: TensorParallelPlan | None = None,
-        reshard_after_forward: bool = True,
-    ) -> ParallelizeConfig:
-        """The :class:`~lightning_dist.parallel.parallelize.ParallelizeConfig` most strategies apply: ``units`` as
-        the blocks, FSDP2 (HSDP with ``dp_replicate``) wherever the mesh has data-parallel ranks, this strategy's
-        precision policies and ``compile`` option."""
-        dims = self.parallel_dims
-        sharded = dims.fsdp > 1 or dims.dp_replicate > 1
-        mp_policy = self.precision_plugin.mp_policy
-        return ParallelizeConfig(
-            units=units,
-            tp_plan=tp_plan,
-            activation_checkpointing=activation_checkpointing,
-            fsdp=FSDPConfig(reshard_after_forward=reshard_after_forward, mp_policy=mp_policy) if sharded else None,
-            root_mp_policy=self.precision_plugin.root_mp_policy if sharded else None,
-            compile=self.compile_options,
-        )
 
     def agree_on_mesh(self) -> None:
         """Make every rank use the same mesh sizes, once the process group exists and before the mesh is built.
@@ -207,6 +219,8 @@ class MeshParallelStrategy(
         if self._dims is None:
             self._dims = ParallelDims.resolve(self.world_size, options=self._mesh_option_names(), **self.mesh_sizes())
             self.validate_mesh(self._dims)
+            check_accumulation_sync_mesh(self.accumulation_sync, self._dims)
+            check_reshard_after_forward_mesh(self.reshard_after_forward, self._dims)
         return self._dims
 
     @property

@@ -9,9 +9,7 @@ from typing_extensions import override
 
 from lightning_dist.parallel.fsdp import is_fully_sharded
 from lightning_dist.parallel.mesh import ParallelDims, require_split_axis
-from lightning_dist.parallel.module_selection import select_modules
 from lightning_dist.parallel.parallelize import parallelize
-from lightning_dist.parallel.validation import check_bool
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
 from lightning_dist.strategies.context_parallel_steps import ContextParallelSteps
 
@@ -47,7 +45,9 @@ class ContextParallelStrategy(ContextParallelSteps, MeshParallelStrategy):
             ``[batch, sequence]`` tensor: token ids, labels), and every tensor whose dim 1 has that length is split
             (logged once). A batch without token sequences (images, sets, feature vectors) is refused unless its
             sequence entries are named here.
-        activation_checkpointing: Recompute the repeated blocks' activations in backward.
+        **kwargs: The options every strategy takes (``reshard_after_forward``, ``wrap_modules``,
+            ``activation_checkpointing``, ``accumulation_sync``, ``compile``...): see
+            :class:`~lightning_dist.strategies.base.MeshParallelStrategy`.
     """
 
     log_name = "context_parallel"
@@ -59,14 +59,12 @@ class ContextParallelStrategy(ContextParallelSteps, MeshParallelStrategy):
         attention: str = "ring",
         load_balance: str = "zigzag",
         sequence_keys: list[str] | None = None,
-        activation_checkpointing: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.init_context_parallel(attention, load_balance, sequence_keys)
         self.context_parallel_size = context_parallel_size
         self.data_parallel_shard_size = data_parallel_shard_size
-        self.activation_checkpointing = check_bool("activation_checkpointing", activation_checkpointing)
 
     @override
     def mesh_sizes(self) -> dict[str, MeshSize]:
@@ -89,16 +87,9 @@ class ContextParallelStrategy(ContextParallelSteps, MeshParallelStrategy):
             )
         self.prepare_context_parallel(model)
         dims, root = self.parallel_dims, type(model).__name__
-        units = select_modules(model, what="shard")
-        config = self.standard_parallelize_config(units, self.activation_checkpointing)
+        config = self.standard_parallelize_config(self.shard_units(model))
         record = parallelize(model, self.mesh, config)
-        if record.checkpointed:
-            self.log_decision(f"activation checkpointing on {record.checkpointed}")
-        if record.compiled:
-            self.log_decision(record.compiled)
-        self.log_decision(
-            f"{self.attention} attention over cp={dims.cp} ({self.load_balance} layout); FSDP2 over"
-            f" dp_shard={dims.dp_shard} × cp={dims.cp} on {record.units} + root {root} (gradients averaged over"
-            f" cp), precision={self.precision_plugin.precision}"
+        self.log_layout(
+            config, record, root, extras=[f"{self.attention} attention over cp={dims.cp} ({self.load_balance} layout)"]
         )
         return model

@@ -17,15 +17,9 @@ from lightning_dist.parallel.fsdp import (
     is_fully_sharded,
     shared_submodules,
 )
-from lightning_dist.parallel.gradient_sync import (
-    AccumulationSync,
-    check_accumulation_sync,
-    check_accumulation_sync_mesh,
-)
-from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
-from lightning_dist.parallel.module_selection import check_unit_choice, select_modules
+from lightning_dist.parallel.mesh import ParallelDims
 from lightning_dist.parallel.parallelize import ParallelizeConfig, ParallelizeRecord, parallelize
-from lightning_dist.parallel.validation import check_bool, is_int
+from lightning_dist.parallel.validation import check_bool
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
 
 
@@ -42,18 +36,10 @@ class FSDP2Strategy(MeshParallelStrategy):
             replicated across ``data_parallel_replicate_size`` groups, sharded inside each).
         data_parallel_shard_size: Ranks a parameter is sharded over. ``"auto"``: what the other sizes leave.
         data_parallel_replicate_size: Replica groups for ``"hybrid"``; ``"auto"`` means one per node.
-        reshard_after_forward: Overrides what ``sharding`` implies: ``True``, ``False``, or an int ``k`` that keeps a
-            1/k slice after forward so backward gathers stay within groups of k ranks.
-        wrap_modules: Module classes to shard as units instead of the detected blocks: classes in Python,
-            class-path strings (``"my_pkg.model.Block"``) or bare class names in YAML.
-        wrap_regex: A regex over qualified module names (``"layers\\.\\d+"``) selecting the units, alone or in
-            addition to ``wrap_modules``.
-        activation_checkpointing: Recompute the units' activations in backward (same unit selection).
         cpu_offload: Keep sharded parameters, gradients and optimizer state in CPU memory.
-        accumulation_sync: With ``accumulate_grad_batches=k``: ``"every"`` reduces gradients after each micro-batch
-            (sharded gradient memory, k reduce-scatters per step); ``"last"`` only after the last (1/k of the bytes,
-            full unsharded gradients held in between, as in DDP); ``"replicas_last"`` (``"hybrid"`` only)
-            reduce-scatters every micro-batch but all-reduces across replica groups only after the last.
+        **kwargs: The options every strategy takes (``reshard_after_forward``, which overrides what ``sharding``
+            implies, ``wrap_modules``, ``wrap_regex``, ``activation_checkpointing``, ``accumulation_sync``,
+            ``compile``...): see :class:`~lightning_dist.strategies.base.MeshParallelStrategy`.
     """
 
     log_name = "fsdp2"
@@ -63,31 +49,18 @@ class FSDP2Strategy(MeshParallelStrategy):
         sharding: ShardingMode = "full",
         data_parallel_shard_size: MeshSize = "auto",
         data_parallel_replicate_size: MeshSize = "auto",
-        reshard_after_forward: bool | int | None = None,
-        wrap_modules: list[type[Module] | str] | set[type[Module]] | None = None,
-        wrap_regex: str | None = None,
-        activation_checkpointing: bool = False,
         cpu_offload: bool = False,
-        accumulation_sync: AccumulationSync = "every",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         if sharding not in SHARDING_MODES:
             raise ValueError(f"sharding={sharding!r} is not one of {list(SHARDING_MODES)}.")
-        if is_int(reshard_after_forward) and reshard_after_forward < 2:
-            raise ValueError(
-                f"reshard_after_forward={reshard_after_forward}: an int must be a group size of at least 2."
-            )
         if cpu_offload and sharding == "no_shard":
             raise ValueError("cpu_offload needs sharded parameters; it cannot be combined with sharding='no_shard'.")
         self.sharding = sharding
         self.data_parallel_shard_size = data_parallel_shard_size
         self.data_parallel_replicate_size = data_parallel_replicate_size
-        self.reshard_after_forward = reshard_after_forward
-        self.wrap_modules, self.wrap_regex = check_unit_choice(wrap_modules, wrap_regex)
-        self.activation_checkpointing = check_bool("activation_checkpointing", activation_checkpointing)
         self.cpu_offload = check_bool("cpu_offload", cpu_offload)
-        self.accumulation_sync = check_accumulation_sync(accumulation_sync)
 
     @override
     def mesh_sizes(self) -> dict[str, MeshSize]:
@@ -112,18 +85,6 @@ class FSDP2Strategy(MeshParallelStrategy):
                 " data_parallel_replicate_size (it must divide the world size; shard size = world size / it), or use"
                 " sharding='no_shard' if replication is what you want."
             )
-        check_accumulation_sync_mesh(self.accumulation_sync, dims)
-        raf = self.reshard_after_forward
-        if is_int(raf) and (dims.fsdp % raf or raf >= dims.fsdp):
-            raise MeshConfigError(
-                f"reshard_after_forward={raf} must be a divisor of the sharding group size {dims.fsdp} smaller than"
-                " it (the size of the groups backward all-gathers stay in)."
-            )
-
-    @property
-    @override
-    def accumulation_sync_mode(self) -> AccumulationSync:
-        return self.accumulation_sync
 
     @property
     @override
@@ -133,14 +94,12 @@ class FSDP2Strategy(MeshParallelStrategy):
     @override
     def check_model(self, model: Module) -> None:
         if not is_fully_sharded(model):
-            units = select_modules(model, self.wrap_modules, self.wrap_regex, what="shard")
+            units = self.shard_units(model)
             shared_submodules(model, [m for _, m in [*units, *self.extra_shard_units(model, units)]])
 
     @property
     def fsdp_config(self) -> FSDPConfig:
-        raf = self.reshard_after_forward
-        if raf is None:
-            raf = self.sharding in ("full", "hybrid")
+        raf = self.fsdp_reshard_after_forward(default=self.sharding in ("full", "hybrid"))
         return FSDPConfig(
             reshard_after_forward=raf, mp_policy=self.precision_plugin.mp_policy, cpu_offload=self.cpu_offload
         )
@@ -162,31 +121,14 @@ class FSDP2Strategy(MeshParallelStrategy):
             )
             return model
         config = self.parallelize_config(model)
-        root_name = type(model).__name__  # before fully_shard renames the class
+        root = type(model).__name__  # before fully_shard renames the class
         record = parallelize(model, self.mesh, config)
-        if record.checkpointed:
-            self.log_decision(f"activation checkpointing on {record.checkpointed}")
-        if record.compiled:
-            self.log_decision(record.compiled)
-        dims, fsdp = self.parallel_dims, config.fsdp
-        assert fsdp is not None
-        where = f"dp_shard={dims.dp_shard}" + (f" × cp={dims.cp}" if dims.cp > 1 else "")
-        where += f" × dp_replicate={dims.dp_replicate}" if dims.dp_replicate > 1 else ""
-        self.log_decision(
-            f"sharding={self.sharding!r}: sharded {record.units}"
-            + (f" + {', '.join(name for name, _ in config.extra_units)}" if config.extra_units else "")
-            + (f" + shared {', '.join(record.shared)} as units of their own" if record.shared else "")
-            + (f" + [{', '.join(record.outside)}] as one unit" if record.outside else "")
-            + f" + root {root_name} over {where},"
-            f" reshard_after_forward={fsdp.reshard_after_forward}, precision={self.precision_plugin.precision}"
-            + (", cpu_offload" if self.cpu_offload else "")
-        )
-        self.log_parallelized(record)
+        self.log_layout(config, record, root, label=f"sharding={self.sharding!r}:", extras=self.comms_log(record))
         return model
 
     def parallelize_config(self, model: Module) -> ParallelizeConfig:
         """This strategy's options as one :class:`~lightning_dist.parallel.parallelize.ParallelizeConfig`."""
-        units = select_modules(model, self.wrap_modules, self.wrap_regex, what="shard")
+        units = self.shard_units(model)
         return ParallelizeConfig(
             units=units,
             activation_checkpointing=self.activation_checkpointing,
@@ -196,8 +138,9 @@ class FSDP2Strategy(MeshParallelStrategy):
             extra_units=self.extra_shard_units(model, units),
         )
 
-    def log_parallelized(self, record: ParallelizeRecord) -> None:
-        """Log what a subclass adds to the record (ZeRO++ comms); nothing here."""
+    def comms_log(self, record: ParallelizeRecord) -> list[str]:
+        """Log lines of what a subclass adds to the sharding (ZeRO++'s collectives); none here."""
+        return []
 
     def extra_shard_units(self, model: Module, units: list[tuple[str, Module]]) -> list[tuple[str, Module]]:
         """Modules to shard as units of their own besides the blocks (not activation-checkpointed); none here."""

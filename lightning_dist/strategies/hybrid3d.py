@@ -20,15 +20,9 @@ from typing_extensions import override
 
 from lightning_dist.parallel import pipeline as pp
 from lightning_dist.parallel.fsdp import is_fully_sharded
-from lightning_dist.parallel.gradient_sync import (
-    AccumulationSync,
-    check_accumulation_sync,
-    check_accumulation_sync_mesh,
-)
-from lightning_dist.parallel.mesh import MESH_AXES, MeshConfigError, ParallelDims
-from lightning_dist.parallel.module_selection import check_unit_choice, select_modules
+from lightning_dist.parallel.mesh import AXIS_OPTIONS, MESH_AXES, MeshConfigError, ParallelDims
 from lightning_dist.parallel.parallelize import ParallelizeConfig, parallelize
-from lightning_dist.parallel.tensor_parallel_plan import TensorParallelPlan, TensorParallelPlanError
+from lightning_dist.parallel.tensor_parallel import TensorParallelPlan, TensorParallelPlanError
 from lightning_dist.parallel.validation import check_bool
 from lightning_dist.parallel.zeropp import QuantizedAllGather
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
@@ -39,13 +33,6 @@ from lightning_dist.strategies.tensor_parallel_steps import PlanSpec, TensorPara
 
 # Names a mesh_shape may use for an axis (the mesh's own names, and "dp" for the sharded data-parallel axis).
 _AXIS_ALIASES = {**{axis: axis for axis in MESH_AXES}, "dp": "dp_shard"}
-_SIZE_OPTIONS = {
-    "pp": "pipeline_parallel_size",
-    "dp_replicate": "data_parallel_replicate_size",
-    "dp_shard": "data_parallel_shard_size",
-    "cp": "context_parallel_size",
-    "tp": "tensor_parallel_size",
-}
 
 
 class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps, MeshParallelStrategy):
@@ -84,19 +71,13 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         plan: Explicit tensor-parallel plan (see the ``tensor_parallel`` strategy); default: the automatic one.
         sequence_parallel: Norms and the residual stream run on a slice of the sequence over ``tp``.
         loss_parallel: The head's logits stay sharded on the vocabulary for the cross-entropy.
-        activation_checkpointing: Recompute the repeated blocks' activations in backward.
-        reshard_after_forward: FSDP2 re-gathers block parameters in backward (``True``) or keeps them.
-        wrap_modules: Module classes to shard (and checkpoint, and compile) as units instead of the detected blocks,
-            as for :class:`~lightning_dist.FSDP2Strategy`; under ``pp`` each stage takes the ones it holds.
-        wrap_regex: A regex over qualified module names selecting the units, alone or with ``wrap_modules``
-            (names below the pipelined module under ``pp``).
-        accumulation_sync: With ``accumulate_grad_batches``: when FSDP2 reduces gradients, as for
-            :class:`~lightning_dist.FSDP2Strategy`; ``"every"`` under ``pp`` (the schedule decides there).
         zeropp: Quantize FSDP2's weight all-gather to int8 (ZeRO++ qwZ) over ``dp_shard × cp``.
         sequence_length: Tokens per sample, for ``mesh="auto"`` (also checked against ``2·cp`` before launch).
         micro_batch_size: Samples per data-parallel rank per forward, for ``mesh="auto"``.
         device_memory_gib: Memory per device for ``mesh="auto"``; default: the GPU's, unchecked on CPU.
-        **kwargs: Options of :class:`~lightning_dist.strategies.base.MeshParallelStrategy`.
+        **kwargs: The options every strategy takes (``reshard_after_forward``, off by default under ``pp``,
+            ``wrap_modules``, ``wrap_regex``, ``activation_checkpointing``, ``accumulation_sync``, ``compile``...):
+            see :class:`~lightning_dist.strategies.base.MeshParallelStrategy`.
     """
 
     log_name = "hybrid3d"
@@ -120,11 +101,6 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         plan: PlanSpec | None = None,
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
-        activation_checkpointing: bool = False,
-        reshard_after_forward: bool = True,
-        wrap_modules: list[type[Module] | str] | None = None,
-        wrap_regex: str | None = None,
-        accumulation_sync: AccumulationSync = "every",
         zeropp: bool = False,
         sequence_length: int | None = None,
         micro_batch_size: int = 1,
@@ -149,10 +125,6 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         self._recommended: dict[str, MeshSize] | None = None
         self._sizes = _sizes_from_options(sizes, mesh_shape, mesh)
         self.mesh_shape = mesh_shape
-        self.activation_checkpointing = check_bool("activation_checkpointing", activation_checkpointing)
-        self.reshard_after_forward = check_bool("reshard_after_forward", reshard_after_forward)
-        self.wrap_modules, self.wrap_regex = check_unit_choice(wrap_modules, wrap_regex)
-        self.accumulation_sync = check_accumulation_sync(accumulation_sync)
         self.zeropp = check_bool("zeropp", zeropp)
         if mesh == "auto" and sequence_length is None:
             raise ValueError(
@@ -199,11 +171,6 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         self._recommended = dict(dims.as_dict())
         return self._recommended
 
-    @property
-    @override
-    def accumulation_sync_mode(self) -> AccumulationSync:
-        return self.accumulation_sync
-
     @override
     def agree_on_mesh(self) -> None:
         """``mesh="auto"``: every rank trains on rank 0's choice. Each process runs the planner itself, and ranks
@@ -225,7 +192,6 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
 
     @override
     def validate_mesh(self, dims: ParallelDims) -> None:
-        check_accumulation_sync_mesh(self.accumulation_sync, dims)
         cp = dims.cp
         if self.sequence_length is not None and cp > 1:
             multiple = cp if self.load_balance == "contiguous" else 2 * cp
@@ -251,7 +217,8 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
             stages = self.check_pipeline_model(model)
             if plan is not None and not plan.explicit:
                 _refuse_stages_without_tensor_parallel(model, plan, stages)
-        self._chosen_units(model)
+        else:
+            self.shard_units(model)  # refuses a wrap_modules/wrap_regex choosing nothing
 
     @override
     def parallelize(self, model: Module) -> Module:
@@ -264,39 +231,30 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         if dims.cp > 1:
             self.prepare_context_parallel(model)
         if self.pipelined:
-            chosen = self._chosen_units(model)
             stages = self.cut_stages(model)
-            if chosen is not None:  # each stage shards the chosen modules it holds (not another stage's stand-ins)
-                stages = [(part, [(n, m) for n, m in part.named_modules() if chosen.get(n) is m]) for part, _ in stages]
             self._check_pipelined_context_parallel(model)
         else:
-            stages = [(model, select_modules(model, self.wrap_modules, self.wrap_regex, what="shard"))]
+            stages = [(model, self.shard_units(model))]
         last = self._plan.num_stages - 1 if self.pipelined else 0
         for (part, blocks), stage in zip(stages, self._stage_ids if self.pipelined else [0]):
             plan = self.tensor_parallel_plan(part, needs_head=stage == last) if dims.tp > 1 else None
-            record = parallelize(part, self.mesh, self._parallelize_config(blocks, plan))
+            config, root = self._parallelize_config(blocks, plan), type(part).__name__
+            record = parallelize(part, self.mesh, config)
             if plan is not None:
                 self.log_tensor_parallel_plan(model, plan, record.tp_changes)
         self.model_parts = [part for part, _ in stages]
-        self._log_layout(record)
+        extras = [f"int8 weight all-gather (qwZ) on {record.comms_units} units"] if config.all_gather else []
+        if dims.cp > 1:
+            extras.append(f"{self.attention} attention over cp={dims.cp} ({self.load_balance} layout)")
+        self.log_layout(config, record, root, per_stage=self.pipelined, extras=extras)
         return model
 
     def _parallelize_config(self, blocks: list[tuple[str, Module]], plan: Any) -> ParallelizeConfig:
-        config = self.standard_parallelize_config(
-            blocks, self.activation_checkpointing, plan, reshard_after_forward=self.reshard_after_forward
-        )
+        config = self.standard_parallelize_config(blocks, plan)
         dims = self.parallel_dims
         if self.zeropp and dims.fsdp > 1:
             config.all_gather = QuantizedAllGather(dims.fsdp)
         return config
-
-    def _chosen_units(self, model: Module) -> dict[str, Module] | None:
-        """The modules ``wrap_modules``/``wrap_regex`` choose, by name (below the pipelined module under ``pp``);
-        ``None`` for the detected blocks. Raises when they choose nothing."""
-        if self.wrap_modules is None and self.wrap_regex is None:
-            return None
-        root = model.get_submodule(pp.find_pipelined_module(model)) if self.parallel_dims.pp > 1 else model
-        return dict(select_modules(root, self.wrap_modules, self.wrap_regex, what="shard"))
 
     def _check_pipelined_context_parallel(self, model: Module) -> None:
         """Under ``pp × cp`` the positions join the pipelined call's arguments, so they must be its own. (A causal
@@ -319,30 +277,6 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
                 f" ({self._positions[0]!r}.{self._positions[1]}) must be the pipelined module"
                 f" ({type(self._module).__name__}). Give the pipelined module's forward a positions argument."
             )
-
-    def _log_layout(self, record: Any) -> None:
-        dims = self.parallel_dims
-        done = []
-        if record.checkpointed:
-            done.append(f"activation checkpointing on {record.checkpointed}")
-        if record.compiled:
-            done.append(record.compiled)
-        if record.units is not None:
-            where = f"dp_shard={dims.dp_shard} × cp={dims.cp}" if dims.cp > 1 else f"dp_shard={dims.dp_shard}"
-            kind = f"HSDP (dp_replicate={dims.dp_replicate}) " if dims.dp_replicate > 1 else "FSDP2 "
-            done.append(
-                f"{kind}over {where} on {record.units} per stage"
-                if self.pipelined
-                else f"{kind}over {where} on {record.units}"
-            )
-        if self.zeropp and dims.fsdp > 1:
-            done.append(f"int8 weight all-gather (qwZ) on {record.comms_units} units")
-        if self.accumulation_sync != "every":
-            done.append(f"accumulation_sync={self.accumulation_sync!r}")
-        if dims.cp > 1:
-            done.append(f"{self.attention} attention over cp={dims.cp} ({self.load_balance} layout)")
-        done.append(f"precision={self.precision_plugin.precision}")
-        self.log_decision("; ".join(done))
 
     @override
     def rope_modules(self) -> list[Module]:
@@ -375,7 +309,7 @@ def _sizes_from_options(
     if mesh_shape is not None or mesh == "auto":
         what = "mesh_shape" if mesh_shape is not None else "mesh='auto'"
         if given:
-            options = ", ".join(f"{_SIZE_OPTIONS[a]}={s!r}" for a, s in given.items())
+            options = ", ".join(f"{AXIS_OPTIONS[a][0]}={s!r}" for a, s in given.items())
             raise MeshConfigError(f"Give the mesh either as {what} or as sizes, not both ({options} was also set).")
         if mesh_shape is not None and mesh == "auto":
             raise MeshConfigError("Give either mesh_shape or mesh='auto', not both.")

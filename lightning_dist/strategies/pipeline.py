@@ -39,8 +39,9 @@ class PipelineStrategy(PipelineSteps, MeshParallelStrategy):
         stages_per_rank: Stages each rank holds (multi-stage schedules; default 2 for them, 1 otherwise).
         split: ``"auto"`` (balance the repeated blocks), the module names where stages 1, 2, ... begin, or one
             list of module names per stage.
-        activation_checkpointing: Recompute the local blocks' activations in backward.
-        **kwargs: Options of :class:`~lightning_dist.strategies.base.MeshParallelStrategy`.
+        **kwargs: The options every strategy takes (``reshard_after_forward``, off by default here, ``wrap_modules``,
+            ``activation_checkpointing``, ``compile``...): see
+            :class:`~lightning_dist.strategies.base.MeshParallelStrategy`.
     """
 
     log_name = "pipeline"
@@ -53,14 +54,12 @@ class PipelineStrategy(PipelineSteps, MeshParallelStrategy):
         n_microbatches: int | None = None,
         stages_per_rank: int | None = None,
         split: str | list[str] | list[list[str]] = "auto",
-        activation_checkpointing: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.init_pipeline(schedule, n_microbatches, stages_per_rank, split)
         self.pipeline_parallel_size = pipeline_parallel_size
         self.data_parallel_shard_size = data_parallel_shard_size
-        self.activation_checkpointing = activation_checkpointing
 
     @override
     def mesh_sizes(self) -> dict[str, MeshSize]:
@@ -77,16 +76,10 @@ class PipelineStrategy(PipelineSteps, MeshParallelStrategy):
 
     @override
     def parallelize(self, model: Module) -> Module:
-        dims = self.parallel_dims
         stages = self.cut_stages(model)
         for part, blocks in stages:
-            config = self.standard_parallelize_config(blocks, self.activation_checkpointing)
+            config, root = self.standard_parallelize_config(blocks), type(part).__name__
             record = parallelize(part, self.mesh, config)
         self.model_parts = [part for part, _ in stages]
-        if record.compiled:
-            self.log_decision(record.compiled)
-        if self.activation_checkpointing:
-            self.log_decision("activation checkpointing on every local block")
-        if dims.fsdp > 1:
-            self.log_decision(f"FSDP2 inside each stage over dp_shard={dims.dp_shard} (blocks, then the stage root)")
+        self.log_layout(config, record, root, per_stage=True)
         return model

@@ -75,7 +75,15 @@ class PipelineStages(_Base):
         module = model.get_submodule(pp.find_pipelined_module(model))
         plan = pp.plan_stages(module, self.parallel_dims.pp * self.stages_per_rank, self.split)
         pp.rehearse_stages(module, plan, inputs)
+        self.chosen_stage_units(module)
         return plan
+
+    def chosen_stage_units(self, module: Module) -> dict[str, Module] | None:
+        """The modules of the pipelined ``module`` that ``wrap_modules``/``wrap_regex`` choose as units, by name
+        (a ``ValueError`` when they choose nothing); ``None`` for the detected blocks."""
+        if self.wrap_modules is None and self.wrap_regex is None:
+            return None
+        return dict(self.shard_units(module))
 
     @override
     def preflight(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
@@ -104,6 +112,7 @@ class PipelineStages(_Base):
         dims, v = self.parallel_dims, self.stages_per_rank
         where = pp.find_pipelined_module(model)
         self._module = model.get_submodule(where)
+        chosen = self.chosen_stage_units(self._module)  # before the cut replaces other stages' modules
         plan = pp.plan_stages(self._module, dims.pp * v, self.split)
         self._plan = plan
         self._ties = pp.find_tied_parameters(self._module, plan)
@@ -114,7 +123,10 @@ class PipelineStages(_Base):
         stages = []
         for part, stage in zip(parts, self._stage_ids):
             local = set(plan.stages[stage]) & set(plan.blocks)  # not the stand-ins of other stages' blocks
-            stages.append((part, [(n, m) for n, m in part.named_modules() if n in local]))
+            if chosen is not None:  # the chosen modules this stage holds (not another stage's stand-ins)
+                stages.append((part, [(n, m) for n, m in part.named_modules() if chosen.get(n) is m]))
+            else:
+                stages.append((part, [(n, m) for n, m in part.named_modules() if n in local]))
         if where:
             self.log_decision(f"pipelining {where} ({type(self._module).__name__}), the module holding every parameter")
         self.log_decision(

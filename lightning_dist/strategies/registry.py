@@ -67,7 +67,7 @@ STRATEGY_NAMES: list[tuple[str, type, str, dict[str, Any]]] = [
         "tensor_parallel_2d",
         TensorParallelStrategy,
         "2D: tensor parallelism × FSDP2 over data parallel (TP inside a node by default)",
-        {"data_parallel_size": "auto"},
+        {"data_parallel_shard_size": "auto"},
     ),
     (
         "tensor_parallel_sequence_parallel",

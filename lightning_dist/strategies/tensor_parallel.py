@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from torch.distributed.tensor import DTensor
@@ -10,9 +11,7 @@ from typing_extensions import override
 
 from lightning_dist.parallel.fsdp import is_fully_sharded
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims, require_split_axis
-from lightning_dist.parallel.module_selection import find_repeated_blocks
 from lightning_dist.parallel.parallelize import parallelize
-from lightning_dist.parallel.validation import check_bool
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
 from lightning_dist.strategies.tensor_parallel_steps import PlanSpec, TensorParallelSteps
 
@@ -23,13 +22,13 @@ class TensorParallelStrategy(TensorParallelSteps, MeshParallelStrategy):
     The strategy inspects the model and shards attention projections (query/key/value column-wise, output row-wise),
     MLPs (up/gate column-wise, down row-wise), the token embedding and the output head over the ``tp`` mesh axis;
     attention modules that keep a head count as an attribute (``n_head``, ``num_key_value_heads``...) get the local
-    count. With ``data_parallel_size > 1`` FSDP2 then shards every block and the root over the data-parallel axis
+    count. With ``data_parallel_shard_size > 1`` FSDP2 then shards every block and the root over the data-parallel axis
     (TP is applied first); all TP peers of a data-parallel rank get the same batch.
 
     Args:
         tensor_parallel_size: Ranks a layer is split over (``"auto"``: what the data-parallel size leaves; with both
             ``"auto"``, the devices of one node when there are several nodes, otherwise half the processes).
-        data_parallel_size: FSDP2 ranks (``1``: pure tensor parallelism).
+        data_parallel_shard_size: FSDP2 ranks (``1``: pure tensor parallelism).
         plan: An explicit plan instead of the automatic one: module name (``*`` for one name component) → style
             (``colwise``, ``rowwise``, ``sequence_parallel``, ``replicate``, ``prepare_input``, ``prepare_output``)
             or ``{style: ..., input_layouts: ..., output_layouts: ..., use_local_output: ...}``. Print the automatic
@@ -38,8 +37,10 @@ class TensorParallelStrategy(TensorParallelSteps, MeshParallelStrategy):
             sequence dim; the sequence length must be divisible by the TP size.
         loss_parallel: Keep the output head's logits sharded on the vocabulary in training and compute
             ``F.cross_entropy`` on the shards (no gather of the full logits). Evaluation gets full logits.
-        activation_checkpointing: Recompute the repeated blocks' activations in backward.
-        reshard_after_forward: For 2D: FSDP2 re-gathers block parameters in backward (``True``) or keeps them.
+        data_parallel_size: Deprecated name of ``data_parallel_shard_size``.
+        **kwargs: The options every strategy takes (``reshard_after_forward``, ``wrap_modules``,
+            ``activation_checkpointing``, ``accumulation_sync``, ``compile``...; the FSDP2 ones apply in 2D): see
+            :class:`~lightning_dist.strategies.base.MeshParallelStrategy`.
     """
 
     log_name = "tensor_parallel"
@@ -47,24 +48,31 @@ class TensorParallelStrategy(TensorParallelSteps, MeshParallelStrategy):
     def __init__(
         self,
         tensor_parallel_size: MeshSize = "auto",
-        data_parallel_size: MeshSize = 1,
+        data_parallel_shard_size: MeshSize = 1,
         plan: PlanSpec | None = None,
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
-        activation_checkpointing: bool = False,
-        reshard_after_forward: bool = True,
+        data_parallel_size: MeshSize | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.init_tensor_parallel(plan, sequence_parallel, loss_parallel)
         self.tensor_parallel_size = tensor_parallel_size
-        self.data_parallel_size = data_parallel_size
-        self.activation_checkpointing = check_bool("activation_checkpointing", activation_checkpointing)
-        self.reshard_after_forward = check_bool("reshard_after_forward", reshard_after_forward)
+        if data_parallel_size is not None:
+            warnings.warn(
+                "TensorParallelStrategy(data_parallel_size=...) is deprecated: pass data_parallel_shard_size, the name"
+                " every strategy uses for this axis.",
+                FutureWarning,
+                stacklevel=2,
+            )
+            data_parallel_shard_size = data_parallel_size
+        self.data_parallel_shard_size = data_parallel_shard_size
+        #: The option name the data-parallel size was given under, for messages about the mesh.
+        self._dp_option = "data_parallel_size" if data_parallel_size is not None else "data_parallel_shard_size"
 
     @override
     def mesh_sizes(self) -> dict[str, MeshSize]:
-        tp, dp = self.tensor_parallel_size, self.data_parallel_size
+        tp, dp = self.tensor_parallel_size, self.data_parallel_shard_size
         if tp == "auto" and dp == "auto":
             world = self.num_processes * self.num_nodes
             if self.num_nodes > 1:
@@ -73,10 +81,15 @@ class TensorParallelStrategy(TensorParallelSteps, MeshParallelStrategy):
                 tp = world // 2
             else:
                 raise MeshConfigError(
-                    f"tensor_parallel_size and data_parallel_size are both 'auto', but {world} processes cannot be"
+                    f"tensor_parallel_size and {self._dp_option} are both 'auto', but {world} processes cannot be"
                     " split into 2 data-parallel groups of at least 2. Set tensor_parallel_size."
                 )
         return {"dp_shard": dp, "tp": tp}
+
+    @property
+    def data_parallel_size(self) -> MeshSize:
+        """Deprecated name of :attr:`data_parallel_shard_size`."""
+        return self.data_parallel_shard_size
 
     @override
     def validate_mesh(self, dims: ParallelDims) -> None:
@@ -95,9 +108,8 @@ class TensorParallelStrategy(TensorParallelSteps, MeshParallelStrategy):
             raise ValueError(
                 "The model's configure_model already applied fully_shard; tensor parallelism has to be applied before"
                 " FSDP2. Remove fully_shard from configure_model (the strategy applies FSDP2 for"
-                " data_parallel_size > 1)."
+                " data_parallel_shard_size > 1)."
             )
-        dims = self.parallel_dims
         plan = None
         if any(isinstance(p, DTensor) for p in model.parameters()):
             self.log_decision(
@@ -106,20 +118,10 @@ class TensorParallelStrategy(TensorParallelSteps, MeshParallelStrategy):
             )
         else:
             plan = self.tensor_parallel_plan(model)
-        blocks, root = find_repeated_blocks(model), type(model).__name__
-        config = self.standard_parallelize_config(
-            blocks, self.activation_checkpointing, plan, reshard_after_forward=self.reshard_after_forward
-        )
+        blocks, root = self.shard_units(model), type(model).__name__
+        config = self.standard_parallelize_config(blocks, plan)
         record = parallelize(model, self.mesh, config)
         if plan is not None:
             self.log_tensor_parallel_plan(model, plan, record.tp_changes)
-        if record.checkpointed:
-            self.log_decision(f"activation checkpointing on {record.checkpointed}")
-        if record.compiled:
-            self.log_decision(record.compiled)
-        if record.units is not None:
-            self.log_decision(
-                f"2D: FSDP2 over dp_shard={dims.dp_shard} on {record.units} + root {root},"
-                f" precision={self.precision_plugin.precision}"
-            )
+        self.log_layout(config, record, root, label="2D: FSDP2")
         return model

@@ -11,7 +11,6 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_dist.parallel.fsdp import FSDPConfig
-from lightning_dist.parallel.gradient_sync import AccumulationSync
 from lightning_dist.parallel.mesh import ParallelDims
 from lightning_dist.parallel.parallelize import ParallelizeConfig, ParallelizeRecord
 from lightning_dist.parallel.quantization import check_bits, check_block_size
@@ -66,12 +65,11 @@ class ZeroPPStrategy(FSDP2Strategy):
         gradient_block_size: Elements per gradient quantization block.
         ranks_per_node: Ranks on each node; ``None``: the Trainer's ``devices`` (processes per node). Declaring
             fewer than there are simulates several nodes on one machine.
-        wrap_modules: As for :class:`~lightning_dist.FSDP2Strategy`.
-        wrap_regex: As for :class:`~lightning_dist.FSDP2Strategy`.
-        activation_checkpointing: As for :class:`~lightning_dist.FSDP2Strategy`.
         cpu_offload: As for :class:`~lightning_dist.FSDP2Strategy`; cannot be combined with hpZ.
-        accumulation_sync: As for :class:`~lightning_dist.FSDP2Strategy` (``"last"`` skips the quantized
-            reduce-scatter on all but the last micro-batch).
+        **kwargs: The options every strategy takes (``wrap_modules``, ``activation_checkpointing``,
+            ``accumulation_sync``, whose ``"last"`` skips the quantized reduce-scatter on all but the last
+            micro-batch, ...): see :class:`~lightning_dist.strategies.base.MeshParallelStrategy`. Not
+            ``reshard_after_forward``: hpZ (``hpz_partition_size``) is ZeRO++'s own form of it.
     """
 
     log_name = "zeropp"
@@ -86,11 +84,7 @@ class ZeroPPStrategy(FSDP2Strategy):
         weight_block_size: int = 256,
         gradient_block_size: int = 256,
         ranks_per_node: int | None = None,
-        wrap_modules: list[type[Module] | str] | set[type[Module]] | None = None,
-        wrap_regex: str | None = None,
-        activation_checkpointing: bool = False,
         cpu_offload: bool = False,
-        accumulation_sync: AccumulationSync = "every",
         **kwargs: Any,
     ) -> None:
         owned = sorted(set(kwargs) & set(_FSDP2_SETTINGS))
@@ -106,11 +100,7 @@ class ZeroPPStrategy(FSDP2Strategy):
             data_parallel_shard_size="auto",
             data_parallel_replicate_size=1,
             reshard_after_forward=None,
-            wrap_modules=wrap_modules,
-            wrap_regex=wrap_regex,
-            activation_checkpointing=activation_checkpointing,
             cpu_offload=cpu_offload,
-            accumulation_sync=accumulation_sync,
             **kwargs,
         )
         for name, bits in (("weight_bits", weight_bits), ("gradient_bits", gradient_bits)):
@@ -201,16 +191,15 @@ class ZeroPPStrategy(FSDP2Strategy):
         return config
 
     @override
-    def log_parallelized(self, record: ParallelizeRecord) -> None:
+    def comms_log(self, record: ParallelizeRecord) -> list[str]:
         per_node = self.resolved_ranks_per_node
         parts = [
             f"qwZ int{self.weight_bits}/block {self.weight_block_size}" if self.quantized_weights else "qwZ off",
             f"hpZ over {self._hpz} ranks" if self._hpz else "hpZ off",
             f"qgZ int{self.gradient_bits}/block {self.gradient_block_size}" if self.quantized_gradients else "qgZ off",
         ]
-        self.log_decision(
-            f"{', '.join(parts)} on {record.fsdp_modules} FSDP units; {self.parallel_dims.fsdp // per_node} node(s) × {per_node} ranks"
-        )
+        nodes = self.parallel_dims.fsdp // per_node
+        return [f"{', '.join(parts)} on {record.fsdp_modules} FSDP units; {nodes} node(s) × {per_node} ranks"]
 
     def _groups(self) -> NodeGroups:
         if self._node_groups is None:  # created once, by every rank, in the same order

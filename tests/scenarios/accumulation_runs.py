@@ -25,7 +25,7 @@ from common import (  # type: ignore[import-not-found]
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 
-from lightning_dist import FSDP2Strategy
+from lightning_dist import ContextParallelStrategy, FSDP2Strategy
 from lightning_dist.parallel.fsdp import fsdp_modules
 from lightning_dist.profiling import CommCounter
 
@@ -55,10 +55,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _fit(devices: int, workdir: str, mode: str, **options: Any) -> dict[str, Any]:
-    model, data = make_model_and_data(devices)
+def _fit(
+    devices: int, workdir: str, mode: str, cls: type = FSDP2Strategy, name: str = "", **options: Any
+) -> dict[str, Any]:
+    # context parallel: both ranks see the same batch (dp_shard=1), each a half of every sequence
+    model, data = make_model_and_data(devices, dp_size=1 if cls is ContextParallelStrategy else None)
     recorder, memory = StepRecorder(), _GradientMemory()
-    strategy = FSDP2Strategy(accumulation_sync=mode, **options) if devices > 1 else "auto"
+    strategy = cls(accumulation_sync=mode, **options) if devices > 1 else "auto"
     trainer = L.Trainer(
         **trainer_kwargs(devices, strategy=strategy, precision="64-true"),
         max_steps=STEPS,
@@ -70,7 +73,7 @@ def _fit(devices: int, workdir: str, mode: str, **options: Any) -> dict[str, Any
         trainer.fit(model, data)
     params = full_state(model)
     if is_rank_zero():
-        torch.save(params, f"{workdir}/accumulate_{mode}_d{devices}.pt")
+        torch.save(params, f"{workdir}/accumulate_{name or mode}_d{devices}.pt")
     reduce_scatter = sum(r.sent_bytes for r in counter.records if "reduce_scatter" in r.op)
     # gradient all-reduces across HSDP replicas; the loss is all-reduced every micro-batch for logging
     all_reduce = sum(r.sent_bytes for r in counter.records if r.op.startswith("all_reduce") and r.tensor_bytes > 8)
@@ -93,6 +96,9 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "replicas_last": lambda devices, workdir: _fit(
         devices, workdir, "replicas_last", sharding="hybrid", data_parallel_replicate_size=2
     ),
+    # context parallel (cp=2): FSDP2 shards over cp, so "last" defers its reduce-scatter as under fsdp2
+    "cp_every": lambda devices, workdir: _fit(devices, workdir, "every", ContextParallelStrategy, "cp_every"),
+    "cp_last": lambda devices, workdir: _fit(devices, workdir, "last", ContextParallelStrategy, "cp_last"),
 }
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Textbook per-rank, per-optimizer-step communication and memory figures the measurements are compared with.
 
 Every byte figure here is *sent bytes of one rank*, the same quantity the comm counter's ``sent_bytes`` measures
-(:mod:`lightning_dist.profiling.comm`): for an all-gather or reduce-scatter of ``X`` bytes in total over ``n`` ranks
+(:mod:`lightning_dist.profiling.comm_traffic`): for an all-gather or reduce-scatter of ``X`` bytes in total over ``n`` ranks
 a rank sends ``X·(n-1)/n`` (ring or direct exchange), for an all-reduce of ``X`` bytes ``2X·(n-1)/n``. Cross-node
 bytes use the counter's direct-exchange model: of what a rank sends in a uniform collective, the fraction
 ``(n - r)/n`` goes to the ``n - r`` ranks on other nodes (``r`` ranks per node).

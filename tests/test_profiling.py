@@ -2,7 +2,7 @@
 
 The distributed checks run once, in a single 4-rank gloo launch (``torch.multiprocessing.spawn``); every rank writes
 what it observed to a JSON file and the tests below assert on it. Expected byte counts are written out by hand from
-the definitions in ``lightning_dist/profiling/comm.py`` (n = 4 ranks, 2 ranks per node, so every rank of the world
+the definitions in ``lightning_dist/profiling/comm_traffic.py`` (n = 4 ranks, 2 ranks per node, so every rank of the world
 group has 2 off-node peers).
 """
 

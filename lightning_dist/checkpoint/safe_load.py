@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from lightning_dist.checkpoint.errors import CheckpointError
+from lightning_dist.compat import dcp_storage_info_class, layout_lookup
 
 #: DCP's index file in a checkpoint folder.
 DCP_INDEX = ".metadata"
@@ -110,9 +111,9 @@ def _torch_constants() -> dict[str, Any]:
 #: shape and dtype types, and the layout lookup torch pickles layouts with.
 _DCP_INDEX_GLOBALS: dict[str, dict[str, Any]] = {
     dcp_metadata.__name__: _classes_of(dcp_metadata),
-    dcp_filesystem.__name__: {"_StorageInfo": dcp_filesystem._StorageInfo},
+    dcp_filesystem.__name__: {"_StorageInfo": dcp_storage_info_class()},
     "torch": _torch_constants(),
-    "torch.serialization": {"_get_layout": torch.serialization._get_layout},
+    "torch.serialization": {"_get_layout": layout_lookup()},
     "collections": {"OrderedDict": OrderedDict},
     "pathlib": {"PosixPath": Path, "WindowsPath": Path, "Path": Path},
 }

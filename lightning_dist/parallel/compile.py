@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_dist.compat import compile_like, compile_mode_names, compiled_module_class
+from lightning_dist.compat import compile_like, compile_mode_names, compiled_inner_module, compiled_module_class
 
 
 def compile_keyword_names() -> list[str]:
@@ -74,8 +74,8 @@ def unwrap_user_compiled(module: nn.Module) -> list[tuple[str, nn.Module]]:
         for child_name, child in list(parent.named_children()):
             while isinstance(child, wrapper_class):
                 replaced.append((f"{prefix}{child_name}", child))
-                setattr(parent, child_name, child._orig_mod)
-                child = child._orig_mod
+                child = compiled_inner_module(child)
+                setattr(parent, child_name, child)
             stack.append((f"{prefix}{child_name}.", child))
     return replaced
 
@@ -84,7 +84,7 @@ def keep_user_compilation(unwrapped: Iterable[tuple[str, nn.Module]]) -> None:
     """Compile each unwrapped module in place with the settings of the user's ``torch.compile`` call (backend,
     mode, options), as :meth:`torch.nn.Module.compile` would with the same arguments."""
     for _, wrapper in unwrapped:
-        compile_like(wrapper, wrapper._orig_mod)
+        compile_like(wrapper, compiled_inner_module(wrapper))
 
 
 def describe_compile_options(options: Mapping[str, Any]) -> str:

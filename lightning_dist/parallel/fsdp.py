@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from lightning_dist.compat import fully_shard_module
+from lightning_dist.compat import replaced_post_forward_mesh_info
 from lightning_dist.parallel.validation import is_int
 
 ShardingMode = Literal["full", "grad_op", "no_shard", "hybrid"]
@@ -98,26 +98,21 @@ def _one_post_forward_mesh_per_size() -> Iterator[None]:
     ``reshard_after_forward`` (pytorch/pytorch#153302); on NCCL every one of them holds communicator memory, once per
     transformer block. The groups are identical, so they are created once and reused while sharding.
     """
-    impl = fully_shard_module()
-    original = getattr(impl, "_get_post_forward_mesh_info", None)
-    if original is None:  # another torch layout: nothing to share
-        yield
-        return
     cache: dict[tuple[int, int], Any] = {}
 
-    def shared(reshard_after_forward: bool | int, mesh_info: Any) -> Any:
-        if not is_int(reshard_after_forward):
-            return original(reshard_after_forward, mesh_info)
-        key = (id(mesh_info.mesh), reshard_after_forward)
-        if key not in cache:
-            cache[key] = original(reshard_after_forward, mesh_info)
-        return cache[key]
+    def share(original: Callable[..., Any]) -> Callable[..., Any]:
+        def shared(reshard_after_forward: bool | int, mesh_info: Any) -> Any:
+            if not is_int(reshard_after_forward):
+                return original(reshard_after_forward, mesh_info)
+            key = (id(mesh_info.mesh), reshard_after_forward)
+            if key not in cache:
+                cache[key] = original(reshard_after_forward, mesh_info)
+            return cache[key]
 
-    impl._get_post_forward_mesh_info = shared
-    try:
+        return shared
+
+    with replaced_post_forward_mesh_info(share):  # another torch layout: nothing replaced, nothing to share
         yield
-    finally:
-        impl._get_post_forward_mesh_info = original
 
 
 def _ignore_view_output_warning(unit: list[nn.Module]) -> None:

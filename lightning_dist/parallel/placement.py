@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_dist.compat import buffer_registry
+
 _CPU = torch.device("cpu")
 
 
@@ -34,4 +36,4 @@ def place_model(model: nn.Module, device: torch.device, offload_parameters: bool
     for module in model.modules():
         for name, buffer in module.named_buffers(recurse=False):
             if buffer is not None and buffer.device != device:
-                module._buffers[name] = buffer.to(device)
+                buffer_registry(module)[name] = buffer.to(device)

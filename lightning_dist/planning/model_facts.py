@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_dist.compat import storage_identity
 from lightning_dist.parallel.model_structure import recognize
 
 
@@ -186,7 +187,7 @@ class _SavedBytes:
         self._params: set[int] = set()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()._cdata
+        storage = storage_identity(t)
         if storage in self._seen or storage in self._params:
             return t
         self._seen.add(storage)
@@ -204,7 +205,7 @@ class _SavedBytes:
 
     @contextmanager
     def attributing(self, model: nn.Module, blocks: list[nn.Module]) -> Iterator[None]:
-        self._params = {p.untyped_storage()._cdata for p in model.parameters()}
+        self._params = {storage_identity(p) for p in model.parameters()}
 
         def enter(module: nn.Module, args: object) -> None:
             self._current = [0.0, 0.0]

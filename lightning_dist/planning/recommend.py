@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_dist.compat.lightning import attached_trainer
 from lightning_dist.parallel.mesh import ParallelDims
 from lightning_dist.planning.estimate import (
     COMPUTE_BYTES,
@@ -70,7 +71,7 @@ def meta_copy(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
         memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
-    trainer = getattr(model, "_trainer", None)  # a LightningModule's Trainer is not part of the model
+    trainer = attached_trainer(model)  # a LightningModule's Trainer is not part of the model
     if trainer is not None:
         memo[id(trainer)] = None
     clone = copy.deepcopy(model, memo)

@@ -10,13 +10,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from typing_extensions import override
 
 from lightning_dist.checkpoint.integrity import gather_records, records_of
 from lightning_dist.checkpoint.layout import CheckpointError, remove
+from lightning_dist.compat.lightning import StrOrPath
 from lightning_dist.plugins.checkpoint_io import (
     DistributedCheckpointIO,
     finish_folder,
@@ -55,7 +55,7 @@ class AsyncDistributedCheckpointIO(DistributedCheckpointIO):
         self._status_group: dist.ProcessGroup | None = None
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: StrOrPath, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options.")
         self.wait()
@@ -91,7 +91,7 @@ class AsyncDistributedCheckpointIO(DistributedCheckpointIO):
         self._pending = self._executor.submit(write)
 
     @override
-    def remove_checkpoint(self, path: _PATH) -> None:
+    def remove_checkpoint(self, path: StrOrPath) -> None:
         # Called on rank 0 right after a save returns (ModelCheckpoint replacing an older top-k or `last`): delete
         # the old checkpoint only once the new one is published, and keep it if the new save fails.
         if self._pending is not None:

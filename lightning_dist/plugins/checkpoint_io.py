@@ -15,7 +15,6 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
@@ -45,6 +44,7 @@ from lightning_dist.checkpoint.layout import (
     with_provenance,
 )
 from lightning_dist.checkpoint.safe_load import resolve_weights_only
+from lightning_dist.compat.lightning import StrOrPath
 
 __all__ = ["CheckpointError", "DistributedCheckpointIO", "ParallelCheckpointIO"]
 
@@ -60,7 +60,9 @@ class ParallelCheckpointIO(CheckpointIO):
     full_state: ClassVar[bool] = False
 
     @override
-    def load_checkpoint(self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
+    def load_checkpoint(
+        self, path: StrOrPath, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict:
         """A single file as a whole; for a sharded folder, everything but the model and optimizer states (only a
         strategy holding the model can load those). ``weights_only=None`` is torch's default for local files
         (``True``: nothing but tensors and plain data is unpickled)."""
@@ -72,7 +74,7 @@ class ParallelCheckpointIO(CheckpointIO):
         return read_checkpoint_file(path, safe, map_location=map_location or "cpu")
 
     @override
-    def remove_checkpoint(self, path: _PATH) -> None:
+    def remove_checkpoint(self, path: StrOrPath) -> None:
         remove_checkpoint_if_ours(Path(path))
 
     def wait(self) -> None:
@@ -89,7 +91,7 @@ class DistributedCheckpointIO(ParallelCheckpointIO):
     """
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: StrOrPath, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options.")
         path = Path(path)

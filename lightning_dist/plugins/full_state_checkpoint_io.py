@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
 from lightning_dist.checkpoint.integrity import crc32_enabled
@@ -17,6 +16,7 @@ from lightning_dist.checkpoint.layout import (
     temporary_path,
     with_provenance,
 )
+from lightning_dist.compat.lightning import StrOrPath
 from lightning_dist.plugins.checkpoint_io import ParallelCheckpointIO, on_rank_zero_then_check, shared_token
 
 
@@ -33,7 +33,7 @@ class FullStateCheckpointIO(ParallelCheckpointIO):
     full_state: ClassVar[bool] = True
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: StrOrPath, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options.")
         path = Path(path)

@@ -9,7 +9,6 @@ from typing import Any, Literal, get_args
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -20,6 +19,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_dist.compat.lightning import DefaultDtype, convert_floating_point
 from lightning_dist.parallel.dtensor_values import FullTensorValues
 from lightning_dist.parallel.grad_clip import clip_grad_norm_, clip_grad_value_
 
@@ -89,7 +89,7 @@ class FSDP2Precision(Precision):
     def tensor_init_context(self) -> AbstractContextManager:
         if self._mixed or self._dtype == torch.float32:
             return nullcontext()
-        return _DtypeContextManager(self._dtype)
+        return DefaultDtype(self._dtype)
 
     @override
     def module_init_context(self) -> AbstractContextManager:
@@ -105,7 +105,7 @@ class FSDP2Precision(Precision):
     def convert_input(self, data: Any) -> Any:
         if self._mixed or self._dtype == torch.float32:
             return data
-        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self._dtype)
+        return apply_to_collection(data, function=convert_floating_point, dtype=Tensor, dst_type=self._dtype)
 
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]

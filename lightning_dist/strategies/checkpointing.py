@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
@@ -27,6 +26,7 @@ from typing_extensions import override
 from lightning_dist.checkpoint import model_state as states
 from lightning_dist.checkpoint.layout import PROVENANCE_KEY
 from lightning_dist.checkpoint.safe_load import resolve_weights_only
+from lightning_dist.compat.lightning import StrOrPath
 from lightning_dist.plugins.checkpoint_io import DistributedCheckpointIO, ParallelCheckpointIO
 from lightning_dist.strategies.data_position import resume_position, training_position
 
@@ -85,12 +85,14 @@ class ShardedCheckpointing:
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         model = self.model
         return states.optimizer_state(model, optimizer, full=self.checkpoint_io.full_state, stages=self.stage_layout)
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: StrOrPath, storage_options: Any | None = None
+    ) -> None:
         path = Path(self.broadcast(str(filepath)))
         checkpoint[PROVENANCE_KEY] = self._checkpoint_provenance()
         trainer = self.lightning_module.trainer
@@ -111,7 +113,7 @@ class ShardedCheckpointing:
         }
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: StrOrPath, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded folder or a single-file checkpoint, whichever ``checkpoint_path`` is, saved with any number
         of ranks and any lightning_dist strategy (or a one-device Lightning run). ``weights_only`` means what it
         means to Lightning: ``None`` (the default) and ``True`` unpickle nothing but tensors and plain data, ``False``
@@ -121,7 +123,7 @@ class ShardedCheckpointing:
         module = self.lightning_module
         assert self.model is not None and module is not None
         fitting = module.trainer.state.fn == TrainerFn.FITTING
-        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         optimizers = optimizers if fitting else []
         metadata = states.load_checkpoint_into(
             path,

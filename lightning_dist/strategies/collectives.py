@@ -11,12 +11,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.strategy import TBroadcast
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
+
+from lightning_dist.compat.lightning import all_reduce_if_distributed
 
 
 class MeshCollectives:
@@ -64,7 +65,7 @@ class MeshCollectives:
             if dims.batch * dims.cp == 1:
                 return tensor  # a one-rank loss group (tensor/pipeline peers only): every rank holds the value now
             group = self.process_group("loss")
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return all_reduce_if_distributed(tensor, group, reduce_op=reduce_op)
 
     @property
     def loss_stage(self) -> int:
@@ -94,5 +95,5 @@ class MeshCollectives:
         if not dist.is_initialized():
             return decision
         flag = torch.tensor(int(decision), device=self.root_device)
-        flag = _sync_ddp_if_available(flag, dist.group.WORLD, reduce_op=ReduceOp.SUM)
+        flag = all_reduce_if_distributed(flag, dist.group.WORLD, reduce_op=ReduceOp.SUM)
         return bool(flag == self.world_size) if all else bool(flag)

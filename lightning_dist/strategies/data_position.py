@@ -21,11 +21,10 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.utilities.data import _set_sampler_epoch
-from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
+from lightning_dist.compat.lightning import Stateful, set_sampler_epoch
 from lightning_dist.strategies.loop_position import settle_fit_loop
 
 #: Lightning's warning for mid-epoch resumes without a stateful dataloader (the strategy restores the position).
@@ -71,7 +70,7 @@ def skip_trained_batches(dataloader: object, position: dict[str, Any], index: in
     processed = int(position["batches_processed"])
     if processed <= 0 or processed >= (position.get("batches_per_epoch") or math.inf):
         return False  # at an epoch boundary: the next epoch starts at its first batch anyway
-    if isinstance(dataloader, _Stateful):
+    if isinstance(dataloader, Stateful):
         return False  # a stateful dataloader: Lightning restores its position itself
     if "replicas" not in position:
         return _cannot_skip(
@@ -98,7 +97,7 @@ def skip_trained_batches(dataloader: object, position: dict[str, Any], index: in
             f"{consumed} samples were consumed over {saved_replicas} replicas, which {replicas} replicas"
             " cannot split evenly",
         )
-    _set_sampler_epoch(dataloader, position["epoch"])
+    set_sampler_epoch(dataloader, position["epoch"])
     batch_sampler.sampler = _SkipOnce(batch_sampler.sampler, consumed // replicas)
     return True
 

@@ -11,14 +11,17 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_dist.compat.lightning import (
+    materialize_distributed_module,
+    optimizers_to_device,
+    reset_optimizers_and_schedulers,
+)
 from lightning_dist.parallel.compile import keep_user_compilation, unwrap_user_compiled
 from lightning_dist.parallel.fsdp import is_fully_sharded
 from lightning_dist.parallel.placement import place_model
@@ -56,7 +59,7 @@ class ModelSetup(_Base):
             self.model = self.parallelize(self.model)
             object.__setattr__(self.model, PARALLELIZED, parallel_settings(self))
             # Meta-initialized (empty_init) state is created where it will live: the CPU under offload.
-            _materialize_distributed_module(
+            materialize_distributed_module(
                 self.model, torch.device("cpu") if self.offloads_parameters else self.root_device
             )
             self.model_to_device()
@@ -78,7 +81,7 @@ class ModelSetup(_Base):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self.offloads_parameters:
-            _optimizers_to_device(self.optimizers, self.root_device)  # offloaded optimizer state stays on the CPU
+            optimizers_to_device(self.optimizers, self.root_device)  # offloaded optimizer state stays on the CPU
 
     # ------------------------------------------------------------------ checks before launch
     def preflight(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
@@ -150,7 +153,7 @@ class ModelSetup(_Base):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         # Evaluation after fitting sets the model up again: drop optimizers that refer to the old parameters.
-        self._reset_optimizers_and_schedulers()
+        reset_optimizers_and_schedulers(self)
         super().setup_optimizers(trainer)
 
     @property

@@ -13,6 +13,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_dist.compat.lightning import (
+    compute_metric_locally,
+    merge_metric_states,
+    metric_cached_compute,
+    metric_state_names,
+    metric_step_value,
+    metric_update_count,
+    set_metric_step_value,
+    set_metric_update_count,
+)
+
 
 @dataclass
 class LoggedValue:
@@ -110,16 +121,15 @@ def share_logs(
 
 
 def _metric_state(metric: Any) -> dict[str, Any]:
-    state = {k: _to_cpu(getattr(metric, k)) for k in metric._defaults}
-    return {"state": state, "count": metric._update_count, "cache": _to_cpu(metric._forward_cache)}
+    state = {k: _to_cpu(getattr(metric, k)) for k in metric_state_names(metric)}
+    return {"state": state, "count": metric_update_count(metric), "cache": _to_cpu(metric_step_value(metric))}
 
 
 def _set_metric_state(metric: Any, payload: dict[str, Any], device: torch.device) -> None:
     for key, value in payload["state"].items():
         setattr(metric, key, _to_device(value, device))
-    metric._update_count = payload["count"]
-    metric._forward_cache = _to_device(payload["cache"], device)
-    metric._computed = None
+    set_metric_update_count(metric, payload["count"])
+    set_metric_step_value(metric, _to_device(payload["cache"], device))
 
 
 def _to_cpu(value: Any) -> Any:
@@ -163,7 +173,7 @@ class MetricSteps:
             metric.reset()
         try:
             yield
-            self.calls.append([_states(m) if m._update_count else None for m in self.metrics])
+            self.calls.append([_states(m) if metric_update_count(m) else None for m in self.metrics])
         finally:
             for metric, state in zip(self.metrics, saved):
                 _restore(metric, state)
@@ -179,26 +189,20 @@ class MetricSteps:
             merged: dict[str, Any] | None = None
             for count, delta in enumerate(deltas, 1):
                 _set_states(metric, delta)
-                metric._update_count = count
+                set_metric_update_count(metric, count)
                 if merged is not None:
-                    metric._reduce_states(merged)
+                    merge_metric_states(metric, merged)
                 merged = _states(metric)
-            to_sync, metric._to_sync = metric._to_sync, False  # the loss stage alone runs this: no collective
-            metric._computed = None
-            try:
-                value = metric.compute()
-            finally:
-                metric._to_sync = to_sync
-            metric._update_count = before["count"] + 1
+            value = compute_metric_locally(metric)  # the loss stage alone runs this: no collective
+            set_metric_update_count(metric, before["count"] + 1)
             if before["count"]:
-                metric._reduce_states(before["state"])
-            metric._forward_cache = value
-            metric._computed = None
+                merge_metric_states(metric, before["state"])
+            set_metric_step_value(metric, value)
         self.calls = []
 
 
 def _states(metric: Any) -> dict[str, Any]:
-    return {k: _copy(getattr(metric, k)) for k in metric._defaults}
+    return {k: _copy(getattr(metric, k)) for k in metric_state_names(metric)}
 
 
 def _set_states(metric: Any, states: dict[str, Any]) -> None:
@@ -209,17 +213,16 @@ def _set_states(metric: Any, states: dict[str, Any]) -> None:
 def _snapshot(metric: Any) -> dict[str, Any]:
     return {
         "state": _states(metric),
-        "count": metric._update_count,
-        "cache": metric._forward_cache,
-        "computed": metric._computed,
+        "count": metric_update_count(metric),
+        "cache": metric_step_value(metric),
+        "computed": metric_cached_compute(metric),
     }
 
 
 def _restore(metric: Any, snapshot: dict[str, Any]) -> None:
     _set_states(metric, snapshot["state"])
-    metric._update_count = snapshot["count"]
-    metric._forward_cache = snapshot["cache"]
-    metric._computed = snapshot["computed"]
+    set_metric_update_count(metric, snapshot["count"])
+    set_metric_step_value(metric, snapshot["cache"], snapshot["computed"])
 
 
 def _copy(value: Any) -> Any:

@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_dist.compat.lightning import skip_lightning_backward
 from lightning_dist.parallel import pipeline as pp
 from lightning_dist.parallel.fsdp import reshard_all
 from lightning_dist.strategies.first_batch import _rng_kept, first_batch
@@ -159,7 +160,7 @@ class PipelineStages(_Base):
         super().setup(trainer)
         if self.pipelined:
             # The schedule runs backward: Lightning's closure must neither zero the gradients nor call backward.
-            trainer.fit_loop.epoch_loop.automatic_optimization._skip_backward = True
+            skip_lightning_backward(trainer.fit_loop.epoch_loop.automatic_optimization, True)
 
     @override
     def _reshard_after_evaluation(self) -> None:

@@ -15,13 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.trainer.connectors.signal_connector import _SIGNUM
 from typing_extensions import override
 
 from lightning_dist.checkpoint.layout import validate_checkpoint
 from lightning_dist.checkpoint.safe_load import resolve_weights_only
+from lightning_dist.compat.lightning import LauncherBase, SignalNumber, SubprocessScriptLauncherBase
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -135,7 +133,7 @@ def bound_arguments(function: Callable, args: tuple, kwargs: dict[str, Any]) -> 
         return {}
 
 
-class PreflightSubprocessLauncher(_SubprocessScriptLauncher):
+class PreflightSubprocessLauncher(SubprocessScriptLauncherBase):
     """Lightning's launcher for ``devices=N`` (re-runs the script per rank), with the strategy's checks first."""
 
     def __init__(self, strategy: MeshParallelStrategy, *args: Any, **kwargs: Any) -> None:
@@ -149,7 +147,7 @@ class PreflightSubprocessLauncher(_SubprocessScriptLauncher):
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
-class PreflightLauncher(_Launcher):
+class PreflightLauncher(LauncherBase):
     """For processes created outside Lightning (torchrun, SLURM, the ranks our own launcher started): runs the
     strategy's checks, then the entry point, in this process."""
 
@@ -168,5 +166,5 @@ class PreflightLauncher(_Launcher):
         return function(*args, **kwargs)
 
     @override
-    def kill(self, signum: _SIGNUM) -> None:
+    def kill(self, signum: SignalNumber) -> None:
         pass  # this launcher started no process

@@ -8,12 +8,12 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
+from lightning_dist.compat.lightning import default_process_group_backend, init_process_group, set_device_mesh
 from lightning_dist.parallel.process_group_exit import destroy_process_groups
 from lightning_dist.strategies.failure_handling import (
     explain_exception,
@@ -85,12 +85,10 @@ class ProcessSetup(_Base):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()  # also validates the mesh sizes, before any process group exists
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
+        self._process_group_backend = self._process_group_backend or default_process_group_backend(self.root_device)
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
+        init_process_group(
             self.cluster_environment,
             self._process_group_backend,
             timeout=self._timeout,
@@ -105,7 +103,7 @@ class ProcessSetup(_Base):
             self._mesh = dims.build_mesh(self.root_device.type)
             self.log_decision(f"mesh {dims} over {self.world_size} processes ({self._process_group_backend})")
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._mesh.world
+        set_device_mesh(self.lightning_module, self._mesh.world)
 
     # ------------------------------------------------------------------ teardown
     @override

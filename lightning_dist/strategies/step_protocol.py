@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_dist.compat.lightning import forward_redirection
 from lightning_dist.parallel.fsdp import reshard_all
 from lightning_dist.parallel.gradient_sync import AccumulationSync, deferred_gradient_sync
 from lightning_dist.parallel.nonfinite import NonFiniteError, gather_non_finite, gradients_are_finite
@@ -59,7 +60,7 @@ class StepProtocol:
         """Run the training step through the root module's ``__call__`` (so FSDP's root hooks run). A strategy that
         takes the step over (pipeline: forward and backward inside its schedule) overrides this and
         :meth:`run_backward`."""
-        return self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
+        return forward_redirection(self)(self.model, self.lightning_module, "training_step", *args, **kwargs)
 
     def run_backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """The backward of a training step, inside :meth:`train_context`: Lightning's (precision plugin, loss
@@ -69,7 +70,7 @@ class StepProtocol:
     def run_eval_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``validation_step``/``test_step``/``predict_step`` through the root module's ``__call__`` (so FSDP's
         root hooks gather its parameters). A strategy that evaluates differently (pipeline) overrides this."""
-        return self._forward_redirection(self.model, self.lightning_module, step, *args, **kwargs)
+        return forward_redirection(self)(self.model, self.lightning_module, step, *args, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_dist.compat import child_module_registry
 from lightning_dist.parallel.pipeline.order import meta_twin
 from lightning_dist.parallel.pipeline.outputs import OutputRecipe, flatten_output, map_tensors
 from lightning_dist.parallel.pipeline.split import StagePlan
@@ -343,12 +344,13 @@ def _shell(root: nn.Module, roles: dict[str, nn.Module]) -> nn.Module:
         copied = module.__class__.__new__(module.__class__)
         # Registries (_modules, _parameters, hooks, ...) are copied so the shell's changes stay its own.
         copied.__dict__ = {k: (copy.copy(v) if isinstance(v, (dict, set)) else v) for k, v in module.__dict__.items()}
-        for name, child in module._modules.items():
+        children = child_module_registry(copied)
+        for name, child in child_module_registry(module).items():
             qualified = f"{prefix}{name}"
             if qualified in roles:
-                copied._modules[name] = roles[qualified]
+                children[name] = roles[qualified]
             elif child is not None and any(u.startswith(f"{qualified}.") for u in roles):
-                copied._modules[name] = clone(child, f"{qualified}.")
+                children[name] = clone(child, f"{qualified}.")
         return copied
 
     return clone(root, "")

@@ -1,0 +1,183 @@
+"""Every private Lightning, lightning_utilities and torchmetrics API lightning_dist relies on, in one place, with the
+versions it was checked on.
+
+Public Lightning APIs are used directly everywhere else (``tests/test_compat.py`` reads the package's syntax tree to
+keep it so). When a Lightning release moves one of these names, this file is where it gets fixed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH, _Stateful
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.connectors.signal_connector import _SIGNUM
+
+#: Every private name used below: ``name -> (checked on, used for)``. tests/test_compat.py checks the list is complete.
+PRIVATE_LIGHTNING_NAMES: dict[str, tuple[str, str]] = {
+    "_convert_fp_tensor": ("Lightning 2.6.6", "plugins/precision.py: cast floating-point inputs to the precision"),
+    "_DtypeContextManager": ("Lightning 2.6.6", "plugins/precision.py: default dtype while the module is created"),
+    "_set_sampler_epoch": ("Lightning 2.6.6", "strategies/data_position.py: the epoch of a resumed sampler"),
+    "_get_default_process_group_backend_for_device": ("Lightning 2.6.6", "strategies/processes.py: nccl or gloo"),
+    "_init_dist_connection": ("Lightning 2.6.6", "strategies/processes.py: the default process group"),
+    "_sync_ddp_if_available": ("Lightning 2.6.6", "strategies/collectives.py: reduce a tensor over a group"),
+    "_materialize_distributed_module": ("Lightning 2.6.6", "strategies/model_setup.py: meta-initialized state"),
+    "_optimizers_to_device": ("Lightning 2.6.6", "strategies/model_setup.py: optimizer state onto the device"),
+    "_PATH": ("Lightning 2.6.6", "plugins, strategies/checkpointing.py: CheckpointIO's path type"),
+    "_Stateful": ("Lightning 2.6.6", "strategies/data_position.py: a dataloader with state_dict/load_state_dict"),
+    "_Launcher": ("Lightning 2.6.6", "strategies/preflight.py: base of the launcher that checks before launch"),
+    "_SubprocessScriptLauncher": ("Lightning 2.6.6", "strategies/preflight.py: the devices=N launcher"),
+    "_SIGNUM": ("Lightning 2.6.6", "strategies/preflight.py: the signal type of Launcher.kill"),
+    "_skip_backward": ("Lightning 2.6.6", "strategies/pipeline_stages.py: the schedule runs backward, not the loop"),
+    "_reset_optimizers_and_schedulers": ("Lightning 2.6.6", "strategies/model_setup.py: fit then test on one Trainer"),
+    "_device_mesh": ("Lightning 2.6.6", "strategies/processes.py: LightningModule.device_mesh of the strategy's mesh"),
+    "_forward_redirection": ("Lightning 2.6.6", "strategies/step_protocol.py: steps run through the wrapped model"),
+    "_trainer": ("Lightning 2.6.6", "planning/recommend.py: a LightningModule's Trainer, left out of a model copy"),
+    "_defaults": ("torchmetrics 1.9.0", "strategies/pipeline_logs.py: the names of a Metric's states"),
+    "_update_count": ("torchmetrics 1.9.0", "strategies/pipeline_logs.py: how often a Metric was updated"),
+    "_forward_cache": ("torchmetrics 1.9.0", "strategies/pipeline_logs.py: a Metric's step value"),
+    "_computed": ("torchmetrics 1.9.0", "strategies/pipeline_logs.py: a Metric's cached compute() result"),
+    "_reduce_states": ("torchmetrics 1.9.0", "strategies/pipeline_logs.py: merge micro-batch states of a Metric"),
+    "_to_sync": ("torchmetrics 1.9.0", "strategies/pipeline_logs.py: compute a Metric without a collective"),
+}
+
+#: ``str | Path``: the path type of Lightning's ``CheckpointIO`` methods.
+StrOrPath = _PATH
+#: The protocol of objects with ``state_dict``/``load_state_dict`` (a stateful dataloader).
+Stateful = _Stateful
+#: Base class of Lightning's launchers.
+LauncherBase = _Launcher
+#: Lightning's launcher of ``devices=N`` (the script started again per rank).
+SubprocessScriptLauncherBase = _SubprocessScriptLauncher
+#: ``int | signal.Signals``: the signal type of a launcher's ``kill``.
+SignalNumber = _SIGNUM
+#: A context manager making a dtype torch's default within it.
+DefaultDtype = _DtypeContextManager
+
+
+# ---------------------------------------------------------------------------------------------------- precision
+def convert_floating_point(tensor: torch.Tensor, dst_type: str | torch.dtype) -> torch.Tensor:
+    """``tensor`` cast to ``dst_type`` when it is a floating-point tensor, else unchanged."""
+    return _convert_fp_tensor(tensor, dst_type)
+
+
+# ---------------------------------------------------------------------------------------------------- processes
+def default_process_group_backend(device: torch.device) -> str:
+    """The backend Lightning picks for ``device`` (``nccl`` for CUDA, ``gloo`` otherwise)."""
+    return _get_default_process_group_backend_for_device(device)
+
+
+def init_process_group(cluster_environment: Any, backend: str, **kwargs: Any) -> None:
+    """Initialize the default process group from a Lightning ``ClusterEnvironment`` (``kwargs`` go to
+    ``torch.distributed.init_process_group``)."""
+    _init_dist_connection(cluster_environment, backend, **kwargs)
+
+
+def all_reduce_if_distributed(tensor: torch.Tensor, group: Any = None, reduce_op: Any = None) -> torch.Tensor:
+    """``tensor`` reduced over ``group`` when torch.distributed is initialized, else ``tensor`` (``reduce_op``:
+    a ``ReduceOp`` or ``"mean"``/``"sum"``)."""
+    return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+
+# ---------------------------------------------------------------------------------------------------- model and optimizers
+def materialize_distributed_module(module: torch.nn.Module, device: torch.device) -> None:
+    """Create on ``device`` the state of ``module`` still on the meta device, and run its ``reset_parameters``."""
+    _materialize_distributed_module(module, device)
+
+
+def optimizers_to_device(optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> None:
+    """Move the state of every optimizer onto ``device``."""
+    _optimizers_to_device(optimizers, device)
+
+
+def reset_optimizers_and_schedulers(strategy: Any) -> None:
+    """Drop a Lightning strategy's optimizers, schedulers and their precision wrappers."""
+    strategy._reset_optimizers_and_schedulers()
+
+
+def forward_redirection(strategy: Any) -> Any:
+    """A Lightning strategy's ``_ForwardRedirection``: ``redirection(wrapper, module, method, *args)`` runs
+    ``module.method`` through ``wrapper``'s forward (its hooks)."""
+    return strategy._forward_redirection
+
+
+def set_device_mesh(lightning_module: Any, mesh: Any) -> None:
+    """What ``LightningModule.device_mesh`` returns (the property has no setter)."""
+    lightning_module._device_mesh = mesh
+
+
+def attached_trainer(model: Any) -> Any:
+    """The Trainer a LightningModule is attached to, without the property's error (``None`` when none or when
+    ``model`` is a plain module)."""
+    return getattr(model, "_trainer", None)
+
+
+# ---------------------------------------------------------------------------------------------------- loops and data
+def skip_lightning_backward(automatic_optimization: Any, value: bool) -> None:
+    """Whether Lightning's automatic-optimization closure skips ``zero_grad`` and ``backward`` (the pipeline
+    schedule runs them)."""
+    automatic_optimization._skip_backward = value
+
+
+def set_sampler_epoch(dataloader: object, epoch: int) -> None:
+    """``set_epoch(epoch)`` on the dataloader's sampler and batch sampler, where they have it."""
+    _set_sampler_epoch(dataloader, epoch)
+
+
+# ---------------------------------------------------------------------------------------------------- torchmetrics
+def metric_state_names(metric: Any) -> list[str]:
+    """The names of the states a torchmetrics ``Metric`` registered with ``add_state``."""
+    return list(metric._defaults)
+
+
+def metric_update_count(metric: Any) -> int:
+    """How often ``update`` ran on the metric since its last reset."""
+    return metric._update_count
+
+
+def metric_step_value(metric: Any) -> Any:
+    """The value of the metric's last ``forward`` call (what ``self.log(name, metric)`` logs per step)."""
+    return metric._forward_cache
+
+
+def metric_cached_compute(metric: Any) -> Any:
+    """The cached result of the metric's ``compute`` (``None`` when it will compute again)."""
+    return metric._computed
+
+
+def set_metric_update_count(metric: Any, update_count: int) -> None:
+    """Set how often ``update`` ran on the metric (what its state merge weights by)."""
+    metric._update_count = update_count
+
+
+def set_metric_step_value(metric: Any, step_value: Any, cached_compute: Any = None) -> None:
+    """Set the metric's step value and its cached ``compute`` result (``None``: compute again)."""
+    metric._forward_cache = step_value
+    metric._computed = cached_compute
+
+
+def merge_metric_states(metric: Any, states: dict[str, Any]) -> None:
+    """Merge ``states`` (another copy's states) into the metric's own, with each state's reduction."""
+    metric._reduce_states(states)
+
+
+def compute_metric_locally(metric: Any) -> Any:
+    """The metric's ``compute()`` on this process's states alone (no collective), not cached."""
+    to_sync, metric._to_sync = metric._to_sync, False
+    metric._computed = None
+    try:
+        return metric.compute()
+    finally:
+        metric._to_sync = to_sync

@@ -1,0 +1,327 @@
+"""Every private torch API lightning_dist relies on, in one place, with the torch versions it was checked on.
+
+Public torch APIs are used directly everywhere else (``tests/test_compat.py`` reads the package's syntax tree to keep
+it so). What is here may change in any torch release: when a new one breaks something, this file is where it gets
+fixed, and :data:`TESTED_TORCH` is where the new version is added once the suite passes on it. Importing the package
+warns once on a torch newer than the newest tested one.
+
+Each entry names the private torch name it wraps, the torch version it was checked on and who uses it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401 (re-exported: the base of CommCounter)
+
+#: Every private torch name used below: ``name -> (checked on, used for)``. tests/test_compat.py checks the list is
+#: complete; a new torch release is checked against it.
+PRIVATE_TORCH_NAMES: dict[str, tuple[str, str]] = {
+    "_python_dispatch": ("torch 2.13", "torch.utils._python_dispatch: TorchDispatchMode, base of CommCounter"),
+    "_get_current_dispatch_mode": ("torch 2.13", "profiling: CommCounter checks it exits in order"),
+    "_flatten": ("torch 2.13", "parallel/mesh.py: the flattened data-parallel and loss meshes"),
+    "_unflatten": ("torch 2.13", "parallel/mesh.py: hybrid shard's replicate x shard split"),
+    "_world": ("torch 2.13", "runtime: destroy every registered process group at exit"),
+    "_fsdp_api": ("torch 2.13", "parallel/zeropp.py: FSDP2's AllGather/ReduceScatter protocols"),
+    "_fully_shard": ("torch 2.13", "torch.distributed.fsdp._fully_shard(._fully_shard): FSDP2's implementation"),
+    "_get_post_forward_mesh_info": ("torch 2.13", "parallel/fsdp.py: one post-forward mesh per int reshard size"),
+    "_dynamo": ("torch 2.13", "parallel/compile.py: OptimizedModule, the torch.compile(module) wrapper"),
+    "_orig_mod": ("torch 2.13", "parallel/compile.py: the module inside a torch.compile wrapper"),
+    "_inductor": ("torch 2.13", "parallel/compile.py: the mode names torch.compile accepts"),
+    "_call_impl": ("torch 2.13", "parallel/compile.py: compile a module in place like a wrapper"),
+    "_compiled_call_impl": ("torch 2.13", "parallel/compile.py: whether module.compile() was called"),
+    "_composable": ("torch 2.13", "parallel/activation_checkpointing.py: hook-based checkpoint"),
+    "_EmptyStateDictLoadPlanner": ("torch 2.13", "checkpoint/consolidate.py: load a DCP folder in one process"),
+    "_load_state_dict": ("torch 2.13", "checkpoint/consolidate.py: load a DCP folder without a process group"),
+    "_state_dict_utils": ("torch 2.13", "checkpoint/model_state.py: gather onto any rank"),
+    "_gather_state_dict": ("torch 2.13", "checkpoint/model_state.py: gather a full state onto one rank"),
+    "_StorageInfo": ("torch 2.13", "checkpoint/safe_load.py: a class a DCP .metadata file pickles"),
+    "_get_layout": ("torch 2.13", "checkpoint/safe_load.py: the layout lookup a DCP .metadata file pickles"),
+    "_resolve_process_group": ("torch 2.13", "profiling: the group a functional collective names"),
+    "_get_default_store": ("torch 2.13", "strategies/failure_handling.py: the rendezvous store"),
+    "_abort_process_group": ("torch 2.13", "strategies/failure_handling.py: unblock collectives on a failure"),
+    "_functional_collectives": ("torch 2.13", "profiling: registers torch.ops._c10d_functional"),
+    "_c10d_functional": ("torch 2.13", "profiling: DTensor's functional collective ops, counted by CommCounter"),
+    "_c10d_functional_autograd": ("torch 2.13", "profiling: the autograd variants of the functional collectives"),
+    "_current_graph_task_id": ("torch 2.13", "profiling: whether the autograd engine runs a backward pass"),
+    "_ops": ("torch 2.13", "profiling: HigherOrderOperator, passed through by CommCounter"),
+    "_overloadpacket": ("torch 2.13", "profiling: the op family a dispatched op overload belongs to"),
+    "_schema": ("torch 2.13", "profiling: an op's argument names and defaults"),
+    "_C": ("torch 2.13", "the C extension: _current_graph_task_id, _nn (SDPA's builtin home)"),
+    "_nn": ("torch 2.13", "context parallel: the C module of F.scaled_dot_product_attention's builtin"),
+    "_buffers": ("torch 2.13", "nn.Module's buffer dict: rope tables read/swapped, buffers moved under offload"),
+    "_modules": ("torch 2.13", "nn.Module's child dict: pipeline/stage.py's shell copies of container modules"),
+    "_cdata": ("torch 2.13", "planning/model_facts.py: identity of a tensor storage"),
+    "_foreach_norm": ("torch 2.13", "runtime/nonfinite.py: one fused norm per device for the non-finite check"),
+    "_apply": ("torch 2.13", "tensor parallel: ParallelStyle's apply hook, run by our fused styles"),
+}
+
+# Minor versions of torch the whole suite has passed on (CPU/gloo; CUDA where stated in the README).
+TESTED_TORCH: tuple[tuple[int, int], ...] = ((2, 13), (2, 14))
+
+
+def torch_minor_version(version: str = torch.__version__) -> tuple[int, int]:
+    """``"2.14.1+cu130"`` → ``(2, 14)``."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def untested_torch_message(version: str = torch.__version__) -> str | None:
+    """A warning text when ``version`` is newer than every tested torch, else ``None``."""
+    if torch_minor_version(version) <= max(TESTED_TORCH):
+        return None
+    newest = ".".join(map(str, max(TESTED_TORCH)))
+    return (
+        f"lightning_dist was tested with torch up to {newest}; torch {version} may have changed the private APIs it"
+        " uses (all listed in lightning_dist/compat/). Please report anything that breaks."
+    )
+
+
+def warn_if_untested_torch() -> None:
+    if (message := untested_torch_message()) is not None:
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+# ---------------------------------------------------------------------------------------------------- DeviceMesh
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """One 1-D mesh over all dims of ``mesh`` (``DeviceMesh._flatten``)."""
+    return mesh._flatten(name)
+
+
+def unflatten_mesh(mesh: Any, dim: int, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """Split dim ``dim`` of ``mesh`` into named dims of ``sizes`` (``DeviceMesh._unflatten``)."""
+    return mesh._unflatten(dim, sizes, names)
+
+
+def registered_process_groups() -> list[Any]:
+    """Every process group ``torch.distributed`` knows in this process (``_world.pg_map``), the default included."""
+    from torch.distributed.distributed_c10d import _world
+
+    return list(_world.pg_map)
+
+
+# ---------------------------------------------------------------------------------------------------- nn.Module
+def buffer_registry(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """``module``'s own buffers by name, the dict itself (``nn.Module._buffers``): writing to it replaces a buffer
+    without the checks of ``register_buffer``."""
+    return module._buffers
+
+
+def child_module_registry(module: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
+    """``module``'s direct children by name, the dict itself (``nn.Module._modules``)."""
+    return module._modules
+
+
+def storage_identity(tensor: torch.Tensor) -> int:
+    """A number identifying the storage ``tensor`` views (``UntypedStorage._cdata``): equal for views of one
+    storage."""
+    return tensor.untyped_storage()._cdata
+
+
+def foreach_norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The 2-norm of each tensor, fused into few kernels (``torch._foreach_norm``); the tensors share a device."""
+    return list(torch._foreach_norm(list(tensors)))
+
+
+# ---------------------------------------------------------------------------------------------------- tensor parallel
+def apply_parallel_style(style: Any, module: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:
+    """Shard ``module`` as the ``ParallelStyle`` ``style`` does (its ``_apply``): what ``parallelize_module`` calls,
+    for a style run from inside our own style."""
+    return style._apply(module, device_mesh)
+
+
+# ---------------------------------------------------------------------------------------------------- FSDP2
+def fsdp_collective_protocols() -> tuple[type, type]:
+    """The ``AllGather`` and ``ReduceScatter`` protocols of FSDP2's custom collectives."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    return AllGather, ReduceScatter
+
+
+def fully_shard_module() -> ModuleType:
+    """The module implementing ``fully_shard`` (holds ``_get_post_forward_mesh_info``)."""
+    from torch.distributed.fsdp._fully_shard import _fully_shard
+
+    return _fully_shard
+
+
+@contextmanager
+def replaced_post_forward_mesh_info(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[bool]:
+    """Within it, FSDP2 computes each unit's post-forward mesh (``_fully_shard._get_post_forward_mesh_info``) with
+    ``wrap(original)``; the original is back on exit. Yields whether it was replaced (``False``, changing nothing, on
+    a torch without the function)."""
+    impl = fully_shard_module()
+    original = getattr(impl, "_get_post_forward_mesh_info", None)
+    if original is None:
+        yield False
+        return
+    impl._get_post_forward_mesh_info = wrap(original)
+    try:
+        yield True
+    finally:
+        impl._get_post_forward_mesh_info = original
+
+
+# ---------------------------------------------------------------------------------------------------- torch.compile
+def compiled_inner_module(wrapper: torch.nn.Module) -> torch.nn.Module:
+    """The module a ``torch.compile(module)`` wrapper holds (``OptimizedModule._orig_mod``)."""
+    return wrapper._orig_mod
+
+
+def compiled_module_class() -> type[torch.nn.Module]:
+    """The wrapper class ``torch.compile(module)`` returns (it holds the module as ``_orig_mod``)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return OptimizedModule
+
+
+def compile_mode_names() -> list[str]:
+    """The ``mode=`` values ``torch.compile`` accepts (inductor's list)."""
+    from torch._inductor import list_mode_options
+
+    return list(list_mode_options())
+
+
+def compile_like(wrapper: torch.nn.Module, module: torch.nn.Module) -> None:
+    """Compile ``module`` in place with the settings (backend, mode, options) of ``wrapper``, a
+    ``torch.compile(module)`` result: what ``module.compile(...)`` does with the same arguments."""
+    dynamo_ctx = getattr(wrapper, "dynamo_ctx", None)
+    if dynamo_ctx is None:  # a torch without the attribute: the defaults
+        module.compile()
+    else:
+        module._compiled_call_impl = dynamo_ctx(module._call_impl)
+
+
+def is_compiled_in_place(module: torch.nn.Module) -> bool:
+    """Whether ``module.compile()`` was called on ``module``."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+# ---------------------------------------------------------------------------------------------------- activation checkpointing
+def composable_checkpoint(module: torch.nn.Module) -> torch.nn.Module:
+    """Hook-based activation checkpointing that keeps parameter names (``torch.distributed._composable``)."""
+    from torch.distributed._composable import checkpoint
+
+    return checkpoint(module)
+
+
+# ---------------------------------------------------------------------------------------------------- DCP
+def load_dcp_without_process_group(reader: Any, planner_mixin: type | None = None) -> dict[str, Any]:
+    """Every tensor of a DCP checkpoint folder (through its storage ``reader``), in full, in this process (no process
+    group needed). ``planner_mixin`` overrides methods of DCP's planner (a restricted ``load_bytes``)."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    planner_cls = _EmptyStateDictLoadPlanner
+    if planner_mixin is not None:
+        planner_cls = type(f"{planner_mixin.__name__}EmptyStateDict", (planner_mixin, _EmptyStateDictLoadPlanner), {})
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=reader, planner=planner_cls(), no_dist=True)
+    return state
+
+
+def dcp_storage_info_class() -> type:
+    """The class a DCP ``.metadata`` file pickles for each stored item's file position (``_StorageInfo``)."""
+    from torch.distributed.checkpoint import filesystem
+
+    return filesystem._StorageInfo
+
+
+def layout_lookup() -> Callable[[str], Any]:
+    """The function torch pickles ``torch.layout`` values with (``torch.serialization._get_layout``)."""
+    return torch.serialization._get_layout
+
+
+def gather_full_state(state: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Every DTensor of ``state`` gathered in full onto the CPU of global rank ``rank`` (empty on the others).
+    Collective over the tensors' meshes; ``get_model_state_dict``'s public options only gather onto rank 0."""
+    from torch.distributed._state_dict_utils import _gather_state_dict
+
+    return _gather_state_dict(state, cpu_offload=True, ranks_only=(rank,))
+
+
+# ---------------------------------------------------------------------------------------------------- c10d and dispatch
+def resolve_process_group(name: str) -> Any:
+    """The ``ProcessGroup`` a functional collective names by string."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def default_store() -> Any:
+    """The rendezvous store of the default process group (``None`` without one)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    return _get_default_store()
+
+
+def abort_process_groups() -> bool:
+    """Abort every process group so that collectives blocked in them raise (NCCL only); whether it was done."""
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    try:
+        _abort_process_group()
+    except Exception:  # noqa: BLE001 (a backend that cannot abort)
+        return False
+    return True
+
+
+def current_dispatch_mode() -> Any:
+    """The innermost active ``TorchDispatchMode`` (or ``None``)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode()
+
+
+def load_functional_collectives() -> None:
+    """Import the module that registers ``torch.ops._c10d_functional`` (DTensor's collectives)."""
+    import torch.distributed._functional_collectives  # noqa: F401
+
+
+def collective_op_namespaces() -> dict[str, list[Any]]:
+    """The namespaces of collective ops by API: ``"c10d"``, the ``torch.distributed`` API's ``torch.ops.c10d``;
+    ``"functional"``, the functional collectives DTensor issues (``_c10d_functional`` and its autograd variants)."""
+    load_functional_collectives()
+    return {
+        "c10d": [torch.ops.c10d],
+        "functional": [torch.ops._c10d_functional, torch.ops._c10d_functional_autograd],
+    }
+
+
+def in_autograd_backward() -> bool:
+    """Whether the autograd engine is executing a backward pass on this thread (``_current_graph_task_id``)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def is_higher_order_operator(func: Any) -> bool:
+    """Whether a dispatched ``func`` is a higher-order operator (``torch._ops.HigherOrderOperator``)."""
+    return isinstance(func, torch._ops.HigherOrderOperator)
+
+
+def op_overload_packet(func: Any) -> Any:
+    """The op family (``OpOverloadPacket``) a dispatched op overload belongs to (``OpOverload._overloadpacket``)."""
+    return func._overloadpacket
+
+
+def op_schema_arguments(func: Any) -> Sequence[Any]:
+    """The declared arguments of a dispatched op (``OpOverload._schema.arguments``): ``name``,
+    ``has_default_value()``, ``default_value``."""
+    return func._schema.arguments
+
+
+# ---------------------------------------------------------------------------------------------------- attention kernels
+def sdpa_builtin_home() -> ModuleType:
+    """The C module whose ``scaled_dot_product_attention`` builtin ``F.scaled_dot_product_attention`` is."""
+    return torch._C._nn
+
+
+def aten_attention_op(name: str) -> Any:
+    """A fused attention kernel or its backward, e.g. ``"_scaled_dot_product_flash_attention_for_cpu"``."""
+    return getattr(torch.ops.aten, name).default

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
+from lightning_dist.compat import buffer_registry
 from lightning_dist.parallel.fused_layouts import FusedLayout, fused_layout
 
 # Names of child projections, by role. Matched exactly against the child's attribute name.
@@ -273,7 +274,7 @@ def find_rope_tables(model: nn.Module) -> tuple[str, tuple[str, ...]] | None:
     more, one row per position, equal row counts) that its forward slices by the sequence length."""
     for name, module in model.named_modules():
         for names in ROPE_TABLE_NAMES:
-            tables = [module._buffers.get(n) for n in names]
+            tables = [buffer_registry(module).get(n) for n in names]
             if all(isinstance(t, Tensor) and t.dim() >= 2 for t in tables) and len({t.shape[0] for t in tables}) == 1:
                 return name, names
     return None

@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
+from lightning_dist.compat import apply_parallel_style
 from lightning_dist.parallel.fused_layouts import FusedLayout, block_rank_order, rank_grouped_order
 from lightning_dist.parallel.model_structure import is_conv1d
 from lightning_dist.parallel.tp_checkpoint_layout import record_row_order
@@ -99,7 +100,7 @@ class FusedColwiseParallel(ParallelStyle):
         if is_conv1d(module):
             module = Conv1DParallel("colwise", input_layout=self.input_layout)._apply(module, device_mesh)
         else:
-            module = ColwiseParallel(input_layouts=self.input_layout)._apply(module, device_mesh)
+            module = apply_parallel_style(ColwiseParallel(input_layouts=self.input_layout), module, device_mesh)
         if layout.num_kv_heads < tp:
             sharers = tp // layout.num_kv_heads
             group = _sharing_group(device_mesh, sharers)
@@ -123,7 +124,7 @@ class FusedGateUpParallel(ParallelStyle):
             raise TypeError(f"fused_gate_up shards an nn.Linear with an even number of outputs, not {module}")
         half = module.out_features // 2
         _permute_output_rows(module, block_rank_order((half, half), device_mesh.size()))
-        return ColwiseParallel(input_layouts=self.input_layout)._apply(module, device_mesh)
+        return apply_parallel_style(ColwiseParallel(input_layouts=self.input_layout), module, device_mesh)
 
 
 class _GatherPieces(torch.autograd.Function):

@@ -3,27 +3,18 @@ versions it was checked on.
 
 Public Lightning APIs are used directly everywhere else (``tests/test_compat.py`` reads the package's syntax tree to
 keep it so). When a Lightning release moves one of these names, this file is where it gets fixed.
+
+Lightning is imported where a name is used, not when this module is imported: ``planning/`` reads a LightningModule's
+attribute through it and imports no Lightning.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable
 from typing import Any
 
 import torch
-from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
-from lightning.fabric.utilities.data import _set_sampler_epoch
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import _PATH, _Stateful
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.trainer.connectors.signal_connector import _SIGNUM
 
 #: Every private name used below: ``name -> (checked on, used for)``. tests/test_compat.py checks the list is complete.
 PRIVATE_LIGHTNING_NAMES: dict[str, tuple[str, str]] = {
@@ -53,52 +44,73 @@ PRIVATE_LIGHTNING_NAMES: dict[str, tuple[str, str]] = {
     "_to_sync": ("torchmetrics 1.9.0", "strategies/pipeline_logs.py: compute a Metric without a collective"),
 }
 
-#: ``str | Path``: the path type of Lightning's ``CheckpointIO`` methods.
-StrOrPath = _PATH
-#: The protocol of objects with ``state_dict``/``load_state_dict`` (a stateful dataloader).
-Stateful = _Stateful
-#: Base class of Lightning's launchers.
-LauncherBase = _Launcher
-#: Lightning's launcher of ``devices=N`` (the script started again per rank).
-SubprocessScriptLauncherBase = _SubprocessScriptLauncher
-#: ``int | signal.Signals``: the signal type of a launcher's ``kill``.
-SignalNumber = _SIGNUM
-#: A context manager making a dtype torch's default within it.
-DefaultDtype = _DtypeContextManager
+_LAZY_TYPES = {
+    # name here: (module, Lightning's private name, what it is)
+    "StrOrPath": ("lightning.fabric.utilities.types", "_PATH", "str | Path: the path type of CheckpointIO's methods"),
+    "Stateful": ("lightning.fabric.utilities.types", "_Stateful", "objects with state_dict/load_state_dict"),
+    "LauncherBase": ("lightning.pytorch.strategies.launchers.launcher", "_Launcher", "base class of launchers"),
+    "SubprocessScriptLauncherBase": (
+        "lightning.pytorch.strategies.launchers.subprocess_script",
+        "_SubprocessScriptLauncher",
+        "the launcher of devices=N (the script started again per rank)",
+    ),
+    "SignalNumber": ("lightning.pytorch.trainer.connectors.signal_connector", "_SIGNUM", "a launcher's kill signal"),
+    "DefaultDtype": ("lightning.fabric.plugins.precision.utils", "_DtypeContextManager", "a default dtype within it"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The Lightning types of :data:`_LAZY_TYPES`, imported on first use."""
+    if name not in _LAZY_TYPES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, private, _ = _LAZY_TYPES[name]
+    return getattr(importlib.import_module(module), private)
 
 
 # ---------------------------------------------------------------------------------------------------- precision
 def convert_floating_point(tensor: torch.Tensor, dst_type: str | torch.dtype) -> torch.Tensor:
     """``tensor`` cast to ``dst_type`` when it is a floating-point tensor, else unchanged."""
+    from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
+
     return _convert_fp_tensor(tensor, dst_type)
 
 
 # ---------------------------------------------------------------------------------------------------- processes
 def default_process_group_backend(device: torch.device) -> str:
     """The backend Lightning picks for ``device`` (``nccl`` for CUDA, ``gloo`` otherwise)."""
+    from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+
     return _get_default_process_group_backend_for_device(device)
 
 
 def init_process_group(cluster_environment: Any, backend: str, **kwargs: Any) -> None:
     """Initialize the default process group from a Lightning ``ClusterEnvironment`` (``kwargs`` go to
     ``torch.distributed.init_process_group``)."""
+    from lightning.fabric.utilities.distributed import _init_dist_connection
+
     _init_dist_connection(cluster_environment, backend, **kwargs)
 
 
 def all_reduce_if_distributed(tensor: torch.Tensor, group: Any = None, reduce_op: Any = None) -> torch.Tensor:
     """``tensor`` reduced over ``group`` when torch.distributed is initialized, else ``tensor`` (``reduce_op``:
     a ``ReduceOp`` or ``"mean"``/``"sum"``)."""
+    from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+
     return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
 
 # ---------------------------------------------------------------------------------------------------- model and optimizers
 def materialize_distributed_module(module: torch.nn.Module, device: torch.device) -> None:
     """Create on ``device`` the state of ``module`` still on the meta device, and run its ``reset_parameters``."""
+    from lightning.fabric.utilities.init import _materialize_distributed_module
+
     _materialize_distributed_module(module, device)
 
 
 def optimizers_to_device(optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> None:
     """Move the state of every optimizer onto ``device``."""
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
     _optimizers_to_device(optimizers, device)
 
 
@@ -133,6 +145,8 @@ def skip_lightning_backward(automatic_optimization: Any, value: bool) -> None:
 
 def set_sampler_epoch(dataloader: object, epoch: int) -> None:
     """``set_epoch(epoch)`` on the dataloader's sampler and batch sampler, where they have it."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
     _set_sampler_epoch(dataloader, epoch)
 
 

@@ -74,10 +74,10 @@ SIZES = {
 # mesh -> (strategy, its options); every mesh here has 2 ranks unless it says otherwise
 MESHES: dict[str, tuple[str, dict[str, Any]]] = {
     "dp_shard=2": ("fsdp2", {"data_parallel_shard_size": 2, "data_parallel_replicate_size": 1}),
-    "tp=2": ("tensor_parallel", {"tensor_parallel_size": 2, "data_parallel_size": 1}),
+    "tp=2": ("tensor_parallel", {"tensor_parallel_size": 2, "data_parallel_shard_size": 1}),
     "pp=2": ("pipeline", {"pipeline_parallel_size": 2, "schedule": "1f1b", "n_microbatches": PIPELINE_MICROBATCHES}),
     "cp=2": ("context_parallel", {"context_parallel_size": 2}),
-    "dp_shard=2 × tp=2": ("tensor_parallel", {"tensor_parallel_size": 2, "data_parallel_size": 2}),
+    "dp_shard=2 × tp=2": ("tensor_parallel", {"tensor_parallel_size": 2, "data_parallel_shard_size": 2}),
 }
 DEFAULT_MESHES = ("dp_shard=2", "tp=2", "pp=2", "cp=2", "dp_shard=2 × tp=2")
 

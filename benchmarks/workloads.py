@@ -96,7 +96,7 @@ WORKLOADS: tuple[Workload, ...] = (
         strategy="tensor_parallel",
         options=lambda layout: {
             "tensor_parallel_size": layout.ranks_per_node,
-            "data_parallel_size": layout.num_nodes,
+            "data_parallel_shard_size": layout.num_nodes,
         },
     ),
     Workload(

@@ -62,7 +62,7 @@ STRATEGIES: dict[str, StrategySpec] = {
     "fsdp2": StrategySpec(lambda d: lightning_dist.FSDP2Strategy()),
     # tp=2; on 4 ranks 2D: 2 data-parallel replicas × tp=2
     "tensor_parallel": StrategySpec(
-        lambda d: lightning_dist.TensorParallelStrategy(tensor_parallel_size=2, data_parallel_size=d // 2),
+        lambda d: lightning_dist.TensorParallelStrategy(tensor_parallel_size=2, data_parallel_shard_size=d // 2),
         dp=lambda d: d // 2,
     ),
     # the lossless ZeRO++ technique (hpZ over 2 simulated nodes × 2 ranks), so trajectories compare to 1e-10

@@ -169,7 +169,7 @@ def _strategy(name: str, **hybrid_options: Any) -> tuple[Any, int]:
     """A strategy by scenario name (a mesh for hybrid3d, else a single strategy on 4 ranks) and its replica count."""
     single = {
         "fsdp2": (lambda: FSDP2Strategy(), 4),
-        "tensor_parallel": (lambda: TensorParallelStrategy(tensor_parallel_size=2, data_parallel_size=2), 2),
+        "tensor_parallel": (lambda: TensorParallelStrategy(tensor_parallel_size=2, data_parallel_shard_size=2), 2),
         "pipeline": (lambda: PipelineStrategy(data_parallel_shard_size=2), 2),
         "context_parallel": (lambda: ContextParallelStrategy(data_parallel_shard_size=2), 2),
     }

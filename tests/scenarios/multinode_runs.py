@@ -62,7 +62,7 @@ def fsdp2(world: int, workdir: str) -> dict[str, Any]:
 
 
 def tp2d(world: int, workdir: str) -> dict[str, Any]:
-    strategy = TensorParallelStrategy(tensor_parallel_size=2, data_parallel_size="auto")
+    strategy = TensorParallelStrategy(tensor_parallel_size=2, data_parallel_shard_size="auto")
     return _fit(world, strategy, "64-true", {"vocab_size": 64}, dp=world // 2, callbacks=[])
 
 

@@ -118,7 +118,7 @@ class GradRecorder(Callback):
 def strategy(devices: int, dp: int = 1, **options: Any) -> Any:
     if devices == 1:
         return "auto"
-    return TensorParallelStrategy(tensor_parallel_size=devices // dp, data_parallel_size=dp, **options)
+    return TensorParallelStrategy(tensor_parallel_size=devices // dp, data_parallel_shard_size=dp, **options)
 
 
 def train(devices: int, workdir: str, name: str, kind: str, dp: int = 1, **options: Any) -> dict[str, Any]:

@@ -54,7 +54,7 @@ def model_and_data(
 def tp_strategy(devices: int, dp: int = 1, **kwargs: Any) -> Any:
     if devices == 1:
         return "auto"
-    return TensorParallelStrategy(tensor_parallel_size=devices // dp, data_parallel_size=dp, **kwargs)
+    return TensorParallelStrategy(tensor_parallel_size=devices // dp, data_parallel_shard_size=dp, **kwargs)
 
 
 def train(

@@ -1,6 +1,6 @@
 """Bytes of one collective: each dispatcher op's arguments turned into what this rank sends and to whom.
 
-Byte fields of a :class:`CommRecord` (``n`` = group size, ``me`` = this rank's index in the group). For each op,
+Byte fields of a :class:`~lightning_dist.profiling.CommRecord` (``n`` = group size, ``me`` = this rank's index in the group). For each op,
 ``d_j`` is the payload this rank must deliver to group member ``j != me`` under a direct (point-to-point) exchange:
 
 * all_gather_into_tensor, all_gather: ``tensor_bytes`` = gathered output (n x shard); ``d_j`` = own shard (input).
@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from lightning_dist.compat import collective_op_namespaces, op_schema_arguments, resolve_process_group
 
+# --------------------------------------------------------------------------------------------------------------------
 # Traffic model: what one op moves, independent of the group and topology.
 # --------------------------------------------------------------------------------------------------------------------
 

@@ -140,3 +140,16 @@ def test_reshard_after_forward_off_under_a_pipeline_gathers_less_and_trains_the_
     assert (on["resolved"], default["resolved"]) == (True, False)
     assert max_abs_diff(on["losses"], default["losses"]) < 1e-10
     assert 0 < default["all_gather_bytes_per_step"] < on["all_gather_bytes_per_step"] / 3
+
+
+def test_a_reused_model_is_checked_against_the_shared_options_too():
+    """A second Trainer may reuse a parallelized model only with equal settings: the shared options count."""
+    from lightning_dist.strategies.preflight import parallel_settings
+
+    def settings(**options):
+        trainer = L.Trainer(strategy=FSDP2Strategy(**options), accelerator="cpu", devices=2, logger=False)
+        return parallel_settings(trainer.strategy)
+
+    assert settings(activation_checkpointing=True) != settings()
+    assert settings(wrap_regex=r"blocks\.\d+")["wrap_regex"] == repr(r"blocks\.\d+")
+    assert settings(accumulation_sync="last")["accumulation_sync"] == "'last'"

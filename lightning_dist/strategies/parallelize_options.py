@@ -18,6 +18,16 @@ from lightning_dist.parallel.gradient_sync import AccumulationSync
 from lightning_dist.parallel.module_selection import select_modules
 from lightning_dist.parallel.parallelize import ParallelizeConfig, ParallelizeRecord
 
+#: The shared options that change how a model is parallelized (recorded on a parallelized model, with the strategy's
+#: own options, so that a second Trainer reuses it only with equal settings).
+PARALLELIZE_OPTIONS = (
+    "reshard_after_forward",
+    "wrap_modules",
+    "wrap_regex",
+    "activation_checkpointing",
+    "accumulation_sync",
+)
+
 if TYPE_CHECKING:
     from lightning_dist.parallel.tensor_parallel import TensorParallelPlan
     from lightning_dist.strategies.base import MeshParallelStrategy

@@ -20,6 +20,7 @@ from typing_extensions import override
 from lightning_dist.checkpoint.layout import validate_checkpoint
 from lightning_dist.checkpoint.safe_load import resolve_weights_only
 from lightning_dist.compat.lightning import LauncherBase, SignalNumber, SubprocessScriptLauncherBase
+from lightning_dist.strategies.parallelize_options import PARALLELIZE_OPTIONS
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -44,7 +45,7 @@ def parallel_settings(strategy: MeshParallelStrategy) -> dict[str, str]:
         "mesh": str(strategy.parallel_dims),
         "precision": str(strategy.precision_plugin.precision),
     }
-    for name in strategy_options(type(strategy), include_base=False):
+    for name in [*strategy_options(type(strategy), include_base=False), *PARALLELIZE_OPTIONS]:
         settings.setdefault(name, repr(getattr(strategy, name, None)))
     return settings
 

@@ -6,9 +6,10 @@ launch (:meth:`~MeshParallelStrategy.check_model`) and how to parallelize the mo
 owns the rest: processes (gloo on CPU, NCCL on CUDA; none spawned when torchrun or SLURM started them), the checks of
 :mod:`.preflight` before launch, the N-D mesh, the sampler's view of data parallelism, precision-plugin conversion,
 meta-device materialization and placement after sharding, equal replicated copies, and global-norm clipping (in the
-precision plugin). Mixins hold the rest, one job each: :class:`.processes.ProcessSetup` (devices, the launcher,
-the process group and the mesh, teardown), :class:`.model_setup.ModelSetup` (checks before launch, the model's
-set-up), :class:`.step_protocol.StepProtocol` (training, evaluation and optimizer steps, composed of each
+precision plugin). Mixins hold the rest, one job each: :class:`.parallelize_options.ParallelizeOptions` (the
+options every strategy shares, as a parallelize config, and the log of what it did),
+:class:`.processes.ProcessSetup` (devices, the launcher, the process group and the mesh, teardown),
+:class:`.model_setup.ModelSetup` (checks before launch, the model's set-up), :class:`.step_protocol.StepProtocol` (training, evaluation and optimizer steps, composed of each
 parallelism's part), :class:`.collectives.MeshCollectives` (reductions over the right mesh group) and
 :class:`.checkpointing.ShardedCheckpointing` (saving and loading).
 

@@ -15,14 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.nn import Module
-from typing_extensions import override
 
 from lightning_dist.parallel.attention import ALGORITHMS
 from lightning_dist.parallel.context_parallel import LAYOUTS, ContextParallelAttention
 from lightning_dist.parallel.context_parallel_batch import (
     check_entry_lengths,
     fill_positions,
-    gather_outputs,
     parse_sequence_keys,
     sequence_entries,
     shard_batch,
@@ -74,8 +72,8 @@ class ContextParallelSteps(_Base):
         return self.parallel_dims.cp > 1
 
     # ------------------------------------------------------------------ the data
-    def preflight(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
-        """Before launch, also the first batch when the entry point's data can be read here: it must hold token
+    def check_first_batch_before_launch(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
+        """Before launch, the first batch when the entry point's data can be read here: it must hold token
         sequences of a length the layout splits (see :func:`~lightning_dist.strategies.first_batch.first_batch`).
         Only the process that launches the others reads it: ranks created elsewhere (torchrun, SLURM) check their
         first batch together after launch instead, so that no rank refuses alone."""
@@ -85,7 +83,6 @@ class ContextParallelSteps(_Base):
             if batch is not None:
                 entries, _ = sequence_entries(batch, self._keys)
                 check_entry_lengths(batch, entries, self.parallel_dims.cp, self.load_balance)
-        super().preflight(trainer, arguments)
 
     # ------------------------------------------------------------------ the model
     def check_context_parallel_model(self, model: Module) -> None:
@@ -153,10 +150,8 @@ class ContextParallelSteps(_Base):
         )
 
     # ------------------------------------------------------------------ batches and steps
-    @override
-    def transform_batch(self, batch: Any, dataloader_idx: int = 0) -> Any:
+    def shard_sequences(self, batch: Any) -> Any:
         """Every batch's sequence entries, each checked (divisible by 2·cp or cp) and replaced by this rank's shard."""
-        batch = super().transform_batch(batch, dataloader_idx)
         if not self.context_parallel:
             return batch
         cp, rank = self.parallel_dims.cp, self.mesh["cp"].get_local_rank()
@@ -190,7 +185,7 @@ class ContextParallelSteps(_Base):
         return fill_positions(module, self._positions[1], self._seq_len, cp, rank, self.load_balance)
 
     @contextmanager
-    def _global_positions(self) -> Generator[None, None, None]:
+    def global_positions(self) -> Generator[None, None, None]:
         """For one step: the positions pre-hook on the module that takes them, then the label-shift pre-hook on a
         Hugging Face causal LM."""
         if not self.context_parallel or self._seq_len is None:
@@ -222,7 +217,7 @@ class ContextParallelSteps(_Base):
         return [self.lightning_module.get_submodule(self._rope_tables[0])] if self._rope_tables else []
 
     @contextmanager
-    def _first_output_checked(self, step: str) -> Generator[None, None, None]:
+    def first_output_checked(self, step: str) -> Generator[None, None, None]:
         """On the first call of ``step``: refuse a model whose output lost the sequence dimension (see
         :mod:`lightning_dist.parallel.context_parallel_outputs`). Pipelined steps call stages instead: not checked."""
         if step in self._outputs_checked or self._seq_len is None or getattr(self, "pipelined", False):
@@ -245,29 +240,6 @@ class ContextParallelSteps(_Base):
         if self._watchdog is not None:
             self._watchdog.stop()
         raise error or ValueError("Context parallel: another rank refused this step (see its error).")
-
-    @override
-    def train_context(self) -> ExitStack:
-        stack = super().train_context()
-        if self.context_parallel:
-            stack.enter_context(self.attention_context())
-        return stack
-
-    @override
-    def run_training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._global_positions(), self._first_output_checked("training_step"):
-            return super().run_training_step(*args, **kwargs)
-
-    @override
-    def run_eval_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
-        if not self.context_parallel:
-            return super().run_eval_step(step, *args, **kwargs)
-        with self.attention_context(), self._global_positions(), self._first_output_checked(step):
-            output = super().run_eval_step(step, *args, **kwargs)
-        if step == "predict_step" and self._seq_len is not None and output is not None:
-            cp = self.parallel_dims.cp
-            output = gather_outputs(output, self._seq_len, cp, self.process_group("cp"), self.load_balance)
-        return output
 
 
 def _check_position_encoding(model_name: str, structure: ModelStructure) -> None:

@@ -85,6 +85,10 @@ class FSDP2Strategy(MeshParallelStrategy):
                 " data_parallel_replicate_size (it must divide the world size; shard size = world size / it), or use"
                 " sharding='no_shard' if replication is what you want."
             )
+        self.resolve_mesh_options(dims)
+
+    def resolve_mesh_options(self, dims: ParallelDims) -> None:
+        """Options whose value depends on the resolved mesh sizes, resolved with the mesh's checks (none here)."""
 
     @property
     @override

@@ -13,26 +13,25 @@ from __future__ import annotations
 import warnings
 from typing import Any, Literal
 
-import torch
 import torch.distributed as dist
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_dist.parallel import pipeline as pp
 from lightning_dist.parallel.fsdp import is_fully_sharded
-from lightning_dist.parallel.mesh import AXIS_OPTIONS, MESH_AXES, MeshConfigError, ParallelDims
+from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
 from lightning_dist.parallel.parallelize import ParallelizeConfig, parallelize
-from lightning_dist.parallel.tensor_parallel import TensorParallelPlan, TensorParallelPlanError
 from lightning_dist.parallel.validation import check_bool
 from lightning_dist.parallel.zeropp import QuantizedAllGather
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
 from lightning_dist.strategies.context_parallel_steps import ContextParallelSteps
+from lightning_dist.strategies.hybrid3d_mesh import (
+    planner_sizes,
+    refuse_stages_without_tensor_parallel,
+    sizes_from_options,
+)
 from lightning_dist.strategies.pipeline_stages import Split
 from lightning_dist.strategies.pipeline_step import PipelineSteps
 from lightning_dist.strategies.tensor_parallel_steps import PlanSpec, TensorParallelSteps
-
-# Names a mesh_shape may use for an axis (the mesh's own names, and "dp" for the sharded data-parallel axis).
-_AXIS_ALIASES = {**{axis: axis for axis in MESH_AXES}, "dp": "dp_shard"}
 
 
 class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps, MeshParallelStrategy):
@@ -123,7 +122,7 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
             raise ValueError(f"mesh={mesh!r}: pass 'auto' for the planner's mesh, or leave it out and give the sizes.")
         self.mesh_choice = mesh
         self._recommended: dict[str, MeshSize] | None = None
-        self._sizes = _sizes_from_options(sizes, mesh_shape, mesh)
+        self._sizes = sizes_from_options(sizes, mesh_shape, mesh)
         self.mesh_shape = mesh_shape
         self.zeropp = check_bool("zeropp", zeropp)
         if mesh == "auto" and sequence_length is None:
@@ -147,28 +146,8 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         return self.mesh_choice != "auto" or self.lightning_module is not None
 
     def _recommended_sizes(self) -> dict[str, MeshSize]:
-        from lightning_dist.planning.recommend import recommend_mesh
-
-        if self._recommended is not None:  # the launching process asked before launch (preflight) already
-            return self._recommended
-        if self.lightning_module is None:
-            raise MeshConfigError("mesh='auto' is chosen for a model: it is known once the Trainer runs fit.")
-        memory = self.device_memory_gib
-        if memory is None and self.root_device.type == "cuda":
-            memory = torch.cuda.get_device_properties(self.root_device).total_memory / 2**30
-        dims, reason = recommend_mesh(
-            self.lightning_module,
-            self.num_processes * self.num_nodes,
-            self.num_nodes,
-            seq_len=int(self.sequence_length),  # type: ignore[arg-type]
-            micro_batch=self.micro_batch_size,
-            global_batch=None,
-            device_memory_gib=memory,
-            precision=str(self.precision_plugin.precision),
-            activation_checkpointing=self.activation_checkpointing,
-        )
-        self.log_decision(f"mesh='auto': the planner chose {dims} ({reason})")
-        self._recommended = dict(dims.as_dict())
+        if self._recommended is None:  # once: the launching process may have asked before launch (preflight)
+            self._recommended = planner_sizes(self)
         return self._recommended
 
     @override
@@ -216,7 +195,7 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         if dims.pp > 1:
             stages = self.check_pipeline_model(model)
             if plan is not None and not plan.explicit:
-                _refuse_stages_without_tensor_parallel(model, plan, stages)
+                refuse_stages_without_tensor_parallel(model, plan, stages)
         else:
             self.shard_units(model)  # refuses a wrap_modules/wrap_regex choosing nothing
 
@@ -299,53 +278,3 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
             return inputs
         filled = self.positions_hook(self._module)(self._module, (), inputs)
         return inputs if filled is None else filled[1]
-
-
-def _sizes_from_options(
-    sizes: dict[str, MeshSize | None], mesh_shape: list[list[int | str]] | None, mesh: str | None
-) -> dict[str, MeshSize]:
-    """The requested axis sizes from the size options or ``mesh_shape`` (refusing both, or a malformed shape)."""
-    given = {axis: size for axis, size in sizes.items() if size not in (1, None)}
-    if mesh_shape is not None or mesh == "auto":
-        what = "mesh_shape" if mesh_shape is not None else "mesh='auto'"
-        if given:
-            options = ", ".join(f"{AXIS_OPTIONS[a][0]}={s!r}" for a, s in given.items())
-            raise MeshConfigError(f"Give the mesh either as {what} or as sizes, not both ({options} was also set).")
-        if mesh_shape is not None and mesh == "auto":
-            raise MeshConfigError("Give either mesh_shape or mesh='auto', not both.")
-    if mesh_shape is None:
-        if sizes["dp_shard"] is None:  # the default: what the others leave, unless another axis takes it
-            sizes = {**sizes, "dp_shard": 1 if "auto" in given.values() else "auto"}
-        return sizes
-    if len(mesh_shape) != 2 or len(mesh_shape[0]) != len(mesh_shape[1]):
-        raise MeshConfigError(
-            f"mesh_shape={mesh_shape!r}: give two lists of equal length, the sizes and the axis names, e.g."
-            " [[2, 2, 2], ['pp', 'dp_shard', 'tp']]."
-        )
-    shape: dict[str, MeshSize] = dict.fromkeys(MESH_AXES, 1)
-    seen: set[str] = set()
-    for size, name in zip(*mesh_shape):
-        axis = _AXIS_ALIASES.get(str(name))
-        if axis is None:
-            raise MeshConfigError(
-                f"mesh_shape names the axis {name!r}; the axes are {list(MESH_AXES)} (or 'dp' for dp_shard)."
-            )
-        if axis in seen:
-            raise MeshConfigError(f"mesh_shape names the axis {axis!r} twice.")
-        seen.add(axis)
-        shape[axis] = size  # type: ignore[assignment]
-    return shape
-
-
-def _refuse_stages_without_tensor_parallel(model: Module, plan: TensorParallelPlan, stages: pp.StagePlan) -> None:
-    """A pipeline stage holding nothing the automatic plan shards would fail on its rank after launch."""
-    prefix = pp.find_pipelined_module(model)
-    for index, units in enumerate(stages.stages):
-        names = [f"{prefix}.{u}" if prefix else u for u in units]
-        if not any(k == n or k.startswith(f"{n}.") for k in plan.styles for n in names):
-            why = "".join(f"; {n}: {r}" for n, r in plan.unplanned.items() if any(n.startswith(m) for m in names))
-            raise TensorParallelPlanError(
-                f"Pipeline stage {index} ({', '.join(units)}) holds no module that the automatic tensor-parallel plan"
-                f" shards{why}. Pass an explicit `plan=`, or drop tensor parallelism (tensor_parallel_size=1) or the"
-                " pipeline for this model."
-            )

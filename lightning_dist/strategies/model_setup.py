@@ -26,7 +26,7 @@ from lightning_dist.parallel.compile import keep_user_compilation, unwrap_user_c
 from lightning_dist.parallel.fsdp import is_fully_sharded
 from lightning_dist.parallel.placement import place_model
 from lightning_dist.parallel.replicated_state import broadcast_replicated_state, tp_replicated_parameters
-from lightning_dist.parallel.tensor_parallel.apply import tp_sharded_parameters
+from lightning_dist.parallel.tensor_parallel import tp_sharded_parameters
 from lightning_dist.strategies.data_position import LIGHTNING_NOT_RESUMABLE_WARNING, skip_trained_batches
 from lightning_dist.strategies.metric_sync import gather_over_data_parallel, use_metric_group
 from lightning_dist.strategies.preflight import (
@@ -52,6 +52,9 @@ class ModelSetup(_Base):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None
         assert self.accelerator is not None
+        parts = self.step_parts()
+        for part in parts:  # pipeline: manual optimization refused
+            part.before_setup(trainer)
         self.accelerator.setup(trainer)
         if getattr(self.model, PARALLELIZED, None) is None:
             self.model = self.precision_plugin.convert_module(self.model)
@@ -82,24 +85,33 @@ class ModelSetup(_Base):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self.offloads_parameters:
             optimizers_to_device(self.optimizers, self.root_device)  # offloaded optimizer state stays on the CPU
+        for part in parts:  # tensor parallel: an earlier Trainer's plan; pipeline: Lightning's backward skipped
+            part.after_setup(trainer)
 
     # ------------------------------------------------------------------ checks before launch
     def preflight(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
         """Everything that can be checked before processes are launched (see :mod:`.preflight`): the checkpoint
         callbacks, ``ckpt_path``, a model an earlier Trainer already parallelized, and the model against the
-        strategy's options (:meth:`check_model`). ``arguments`` are those of the Trainer entry point."""
+        strategy's options (:meth:`check_model`); around them, each step part's checks of the first batch, in the
+        launching process (context parallel before the model's checks, the pipeline after them). ``arguments`` are
+        those of the Trainer entry point."""
+        launching = self.mesh_is_known() and not self.cluster_environment.creates_processes_externally
+        parts = self.step_parts() if launching else []
+        for part in parts:
+            part.preflight_before_model(trainer, arguments)
         check_checkpoint_callbacks(trainer)
         self._requested_weights_only = arguments.get("weights_only")
         check_ckpt_path(arguments.get("ckpt_path"), self._requested_weights_only)
         model = self.lightning_module
-        if model is None:
-            return
-        self._adopt_user_compiled(model)  # compiled before fit: checked (and named) without `_orig_mod.`
-        applied = getattr(model, PARALLELIZED, None)
-        if applied is not None:
-            check_same_parallelism(self, applied)
-        elif not is_overridden("configure_model", model, pl.LightningModule):
-            self.check_model(model)
+        if model is not None:
+            self._adopt_user_compiled(model)  # compiled before fit: checked (and named) without `_orig_mod.`
+            applied = getattr(model, PARALLELIZED, None)
+            if applied is not None:
+                check_same_parallelism(self, applied)
+            elif not is_overridden("configure_model", model, pl.LightningModule):
+                self.check_model(model)
+        for part in parts:
+            part.preflight_after_model(trainer, arguments)
 
     def _adopt_user_compiled(self, model: Module) -> None:
         """Take apart ``torch.compile(module)`` wrappers the user put inside the model (``configure_model`` or before
@@ -135,6 +147,8 @@ class ModelSetup(_Base):
         count, axes = broadcast_replicated_state(self.model, self.mesh)
         if count:
             self.log_decision(f"{count} replicated tensors made equal across {' × '.join(axes)} (from the first rank)")
+        for part in self.step_parts():  # pipeline: the copies of a weight tied across stages
+            part.make_copies_equal()
 
     def _sync_metrics_over_loss_group(self) -> None:
         """torchmetrics ``Metric`` objects sync over WORLD by default, which counts tensor/pipeline peers (which saw

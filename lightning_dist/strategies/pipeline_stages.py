@@ -15,7 +15,6 @@ from typing_extensions import override
 
 from lightning_dist.compat.lightning import skip_lightning_backward
 from lightning_dist.parallel import pipeline as pp
-from lightning_dist.parallel.fsdp import reshard_all
 from lightning_dist.strategies.first_batch import _rng_kept, first_batch
 from lightning_dist.strategies.pipeline_logs import captured_log
 from lightning_dist.strategies.preflight import PARALLELIZED
@@ -86,14 +85,12 @@ class PipelineStages(_Base):
             return None
         return dict(self.shard_units(module))
 
-    @override
-    def preflight(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
-        """Also, before ``fit`` launches, the first training batch when it can be read here (see
+    def check_first_training_batch(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
+        """Before ``fit`` launches, the first training batch when it can be read here (see
         :func:`~lightning_dist.strategies.first_batch.first_batch`): micro-batches that must divide its size, and the
         stage rehearsal on its real inputs (images, say, where example token ids do not fit the forward). Only the
         launching process reads it; ranks created elsewhere (torchrun, SLURM) meet the same checks on their first
         batch, before the step's first collective."""
-        super().preflight(trainer, arguments)
         model = self.lightning_module
         launching = not self.cluster_environment.creates_processes_externally
         if not (launching and self.mesh_is_known() and self.pipelined and trainer.state.fn == TrainerFn.FITTING):
@@ -139,9 +136,8 @@ class PipelineStages(_Base):
             self.log_decision(f"tied across stages, gradients summed: {tie.describe()}")
         return stages
 
-    @override
-    def _make_replicas_equal(self) -> None:
-        super()._make_replicas_equal()
+    def equalize_tied_copies(self) -> None:
+        """At setup: the copies of a weight tied across stages made equal (and counted once by clipping's norm)."""
         if self.pipelined:
             self._tie_layouts_agree = pp.tied_layouts_agree(self._module, self._ties, self._tie_groups)
             for tie, agree in zip(self._ties, self._tie_layouts_agree):
@@ -150,22 +146,19 @@ class PipelineStages(_Base):
             pp.broadcast_tied_parameters(self._module, self._ties, self._tie_groups, self._tie_layouts_agree)
             pp.count_tied_copies_once(self._module, self._ties)  # clipping's norm: as one process counts it
 
-    @override
-    def setup(self, trainer: pl.Trainer) -> None:
+    def refuse_manual_optimization(self, trainer: pl.Trainer) -> None:
+        """At setup, before the model is parallelized."""
         if self.pipelined and not trainer.lightning_module.automatic_optimization:
             raise RuntimeError(
                 "The pipeline strategy runs forward and backward inside its schedule and does not support manual"
                 " optimization (automatic_optimization=False). Use automatic optimization or another strategy."
             )
-        super().setup(trainer)
+
+    def let_the_schedule_run_backward(self, trainer: pl.Trainer) -> None:
+        """At the end of setup."""
         if self.pipelined:
             # The schedule runs backward: Lightning's closure must neither zero the gradients nor call backward.
             skip_lightning_backward(trainer.fit_loop.epoch_loop.automatic_optimization, True)
-
-    @override
-    def _reshard_after_evaluation(self) -> None:
-        for part in self.model_parts:
-            reshard_all(part)
 
 
 def _first_training_call(model: pl.LightningModule, arguments: dict[str, Any]) -> dict[str, Any] | None:

@@ -11,7 +11,6 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
-from typing_extensions import override
 
 from lightning_dist.parallel import pipeline as pp
 from lightning_dist.strategies.pipeline_logs import LogCapture, MetricSteps, captured_log, share_logs
@@ -63,10 +62,8 @@ class PipelineSteps(PipelineStages):
 
         return run
 
-    @override
-    def run_training_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
-        if not self.pipelined:
-            return super().run_training_step(batch, batch_idx, *args)
+    def pipelined_training_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
+        """A training step through the schedule, which runs forward and backward per micro-batch."""
         trainer = self.lightning_module.trainer
         accumulate = trainer.accumulate_grad_batches
         if batch_idx % accumulate == 0:
@@ -103,29 +100,12 @@ class PipelineSteps(PipelineStages):
         loss = torch.stack([c[0] for c in calls]).mean() if calls else torch.zeros((), device=self.root_device)
         return self._share_logs(LogCapture.merge([c[1] for c in calls]), loss)
 
-    @override
-    def run_backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if not self.pipelined:
-            return super().run_backward(closure_loss, optimizer, *args, **kwargs)
-        return closure_loss  # the schedule ran backward inside the training step
+    def sum_tied_gradients(self) -> None:
+        """Sum the gradients of a weight tied across stages over its copies (after backward, before clipping)."""
+        pp.all_reduce_tied_gradients(self._module, self._ties, self._tie_groups, self._tie_layouts_agree)
 
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        if not self.pipelined:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-        def closure_then_sync() -> Any:
-            result = closure()
-            # before clipping
-            pp.all_reduce_tied_gradients(self._module, self._ties, self._tie_groups, self._tie_layouts_agree)
-            return result
-
-        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
-
-    @override
-    def run_eval_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
-        if not self.pipelined:
-            return super().run_eval_step(step, *args, **kwargs)
+    def pipelined_eval_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
+        """An evaluation step through the schedule's forward-only pass."""
         runner, inputs, batch_size = self._pipelined_call(step, args, False)
         capture, outputs, metrics = LogCapture(), [], MetricSteps(self.lightning_module)
         run = self._run_step_per_microbatch(step, args, batch_size, capture)

@@ -1,18 +1,39 @@
 """The step protocol of a lightning_dist strategy (a mixin of the shared base): how Lightning's training,
-evaluation and optimizer steps reach the parallelized model, and where a strategy takes a step over.
+evaluation and optimizer steps reach the parallelized model. This is the one place that states the order of a
+step, for every mesh. Each parallelism contributes a :class:`~.steps.part.StepPart` (see :data:`STEP_PARTS`); the
+parts whose axis has more than one rank take part, in this order:
 
-* :meth:`StepProtocol.train_context`: contexts that stay active from a training step's forward to the end of its
-  backward (loss parallel's cross-entropy, context parallel's attention dispatch): activation checkpointing
-  recomputes forward inside backward, so a context that closed with the forward would miss the recompute.
-* :meth:`StepProtocol.run_training_step` and :meth:`StepProtocol.run_backward`: a strategy whose schedule runs
-  forward and backward itself (pipeline) overrides both.
-* :meth:`StepProtocol.run_eval_step`: validation, test and predict steps (pipeline: a forward-only schedule).
-* :meth:`StepProtocol.transform_batch`: a batch after it reached the device (context parallel: sequence shards).
-* ``on_nonfinite``: what every rank does when any rank sees a non-finite loss or gradient (skip or stop).
+A training step
+    1. ``batch_to_device`` → :meth:`StepProtocol.transform_batch`: context parallel shards the sequences.
+    2. :meth:`StepProtocol.train_context`, open from forward to the end of backward (activation checkpointing
+       recomputes forward inside backward): context parallel's attention dispatch, loss parallel's cross-entropy.
+    3. The precision plugin's autocast.
+    4. :meth:`StepProtocol.run_training_step`, each part wrapping the next: context parallel (the shard's global
+       positions, the first output checked for a sequence dim) → tensor parallel (a loss-parallel failure explained,
+       the loss checked to be local) → forward and backward: the pipeline's schedule, per micro-batch (the loss of
+       each scaled by micro-batches × accumulation), or else the root module's forward (so FSDP's root hooks run)
+       and then :meth:`StepProtocol.run_backward`, Lightning's (precision plugin, loss scaling).
+    5. :meth:`StepProtocol.optimizer_step`'s closure, after backward: the pipeline sums a tied weight's gradients
+       over its stages → parameters resharded → tensor-parallel gradients made consistent → ``on_nonfinite``.
+    6. Lightning: gradient clipping (the precision plugin's global norm, over the pipeline stages too) → the
+       optimizer's step.
+
+An evaluation step (validation, test, predict)
+    1. :meth:`StepProtocol.transform_batch`, as above.
+    2. The precision plugin's evaluation context.
+    3. :meth:`StepProtocol.run_eval_step`, each part wrapping the next: context parallel (attention dispatch,
+       global positions, first-output check; predictions gathered back to whole sequences) → the pipeline's
+       forward-only pass, or else the root module's forward.
+    4. At the end of the loop, every model part resharded.
+
+A strategy written by hand may still override the hooks above (``train_context``, ``run_training_step``,
+``run_backward``, ``run_eval_step``, ``transform_batch``); the parallelisms of this package do not.
+``on_nonfinite``: what every rank does when any rank sees a non-finite loss or gradient (skip or stop).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Generator
 from contextlib import ExitStack, contextmanager
 from typing import Any, Literal
@@ -29,8 +50,15 @@ from lightning_dist.parallel.gradient_sync import AccumulationSync, deferred_gra
 from lightning_dist.parallel.nonfinite import NonFiniteError, gather_non_finite, gradients_are_finite
 from lightning_dist.parallel.replicated_state import average_gradients
 from lightning_dist.parallel.tensor_parallel import shard_gradients_like_parameters
+from lightning_dist.strategies.steps.context_parallel import ContextParallelPart
+from lightning_dist.strategies.steps.part import StepPart
+from lightning_dist.strategies.steps.pipeline import PipelinePart
+from lightning_dist.strategies.steps.tensor_parallel import TensorParallelPart
 
 NonFiniteMode = Literal["ignore", "skip", "stop"]
+
+#: The parts of a step, outermost first (see the module docstring for what each does where).
+STEP_PARTS: tuple[type[StepPart], ...] = (ContextParallelPart, TensorParallelPart, PipelinePart)
 
 
 class StepProtocol:
@@ -41,8 +69,18 @@ class StepProtocol:
     #: Optimizer steps skipped by ``on_nonfinite="skip"`` in this process.
     skipped_non_finite_steps: int = 0
 
+    def step_parts(self) -> list[StepPart]:
+        """The parts of this strategy's steps on its mesh, in :data:`STEP_PARTS`'s order."""
+        return [kind(self) for kind in STEP_PARTS if kind.applies_to(self)]
+
+    def _step_runner(self, parts: list[StepPart]) -> StepPart | None:
+        """The part that runs forward and backward itself (the pipeline), if any."""
+        return next((part for part in parts if part.runs_steps), None)
+
     def transform_batch(self, batch: Any, dataloader_idx: int = 0) -> Any:
         """Transform a batch after it reached the device (context parallel shards it on the sequence dim)."""
+        for part in self.step_parts():
+            batch = part.transform_batch(batch, dataloader_idx)
         return batch
 
     @override
@@ -51,26 +89,49 @@ class StepProtocol:
         return self.transform_batch(batch, dataloader_idx)
 
     def train_context(self) -> ExitStack:
-        """Contexts that must stay active from a training step's forward to the end of its backward. Subclasses add
-        theirs to the stack ``super().train_context()`` returns. (Precision's autocast is entered around the
-        forward only, as torch recommends.)"""
-        return ExitStack()
+        """Contexts that must stay active from a training step's forward to the end of its backward: the parts'. A
+        strategy adds its own to the stack ``super().train_context()`` returns. (Precision's autocast is entered
+        around the forward only, as torch recommends.)"""
+        stack = ExitStack()
+        for part in self.step_parts():
+            for context in part.train_contexts():
+                stack.enter_context(context)
+        return stack
 
     def run_training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the training step through the root module's ``__call__`` (so FSDP's root hooks run). A strategy that
-        takes the step over (pipeline: forward and backward inside its schedule) overrides this and
-        :meth:`run_backward`."""
-        return forward_redirection(self)(self.model, self.lightning_module, "training_step", *args, **kwargs)
+        """Run the training step: the parts' wrappers around the schedule of a part that runs it (pipeline), or
+        around the root module's ``__call__`` (so FSDP's root hooks run)."""
+        parts = self.step_parts()
+        runner = self._step_runner(parts)
+        if runner is not None:
+            run = runner.run_training_step
+        else:
+            run = functools.partial(forward_redirection(self), self.model, self.lightning_module, "training_step")
+        for part in reversed(parts):
+            run = part.wrap_training_step(run)
+        return run(*args, **kwargs)
 
     def run_backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """The backward of a training step, inside :meth:`train_context`: Lightning's (precision plugin, loss
-        scaling). A strategy whose schedule already ran backward (pipeline) overrides this."""
+        scaling), unless a part's schedule already ran it."""
+        runner = self._step_runner(self.step_parts())
+        if runner is not None:
+            return runner.run_backward(closure_loss)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def run_eval_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
-        """Run ``validation_step``/``test_step``/``predict_step`` through the root module's ``__call__`` (so FSDP's
-        root hooks gather its parameters). A strategy that evaluates differently (pipeline) overrides this."""
-        return forward_redirection(self)(self.model, self.lightning_module, step, *args, **kwargs)
+        """Run ``validation_step``/``test_step``/``predict_step``: the parts' wrappers around a part's forward-only
+        schedule (pipeline), or around the root module's ``__call__`` (so FSDP's root hooks gather its
+        parameters)."""
+        parts = self.step_parts()
+        runner = self._step_runner(parts)
+        if runner is not None:
+            run = functools.partial(runner.run_eval_step, step)
+        else:
+            run = functools.partial(forward_redirection(self), self.model, self.lightning_module, step)
+        for part in reversed(parts):
+            run = part.wrap_eval_step(step, run)
+        return run(*args, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -125,8 +186,12 @@ class StepProtocol:
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         # The closure runs forward/backward; gathered parameters must not outlive it into the update.
+        parts = self.step_parts()
+
         def closure_then_reshard() -> Any:
             result = closure()
+            for part in parts:  # before clipping (pipeline: a tied weight's gradients summed over its stages)
+                part.after_backward()
             reshard_all(self.model)
             if self._tp_sharded:  # before clipping and the update (see shard_gradients_like_parameters)
                 shard_gradients_like_parameters(self._tp_sharded)
@@ -164,8 +229,8 @@ class StepProtocol:
         rank_zero_warn(f"Skipped the optimizer step {where} on every rank: {report.describe()} (on_nonfinite='skip').")
 
     def _reshard_after_evaluation(self) -> None:
-        if self.model is not None:
-            reshard_all(self.model)
+        for part in self.model_parts:
+            reshard_all(part)
 
     @override
     def on_validation_end(self) -> None:

@@ -4,19 +4,11 @@ a vocabulary-sharded head has been applied."""
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
-from typing_extensions import override
 
-from lightning_dist.parallel.loss_parallel import (
-    VocabParallelCrossEntropy,
-    check_local_loss,
-    explain_loss_parallel_failure,
-)
 from lightning_dist.parallel.tensor_parallel import (
     TensorParallelPlan,
     TensorParallelPlanError,
@@ -98,31 +90,15 @@ class TensorParallelSteps(_Base):
             + " (full plan: `lightning-dist plan`)"
         )
 
-    @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        super().setup(trainer)
-        if self._tp_plan is None:  # a model an earlier Trainer parallelized: loss parallel needs its plan
+    def restore_tensor_parallel_plan(self) -> None:
+        """At setup, a model an earlier Trainer parallelized: loss parallel needs the plan kept on it."""
+        if self._tp_plan is None:
             self._tp_plan = getattr(self.model, _TP_PLAN, None)
 
     @property
-    def _loss_parallel_head(self) -> str | None:
+    def loss_parallel_head(self) -> str | None:
+        """The output head whose logits stay sharded on the vocabulary (loss parallel), once a plan is applied."""
         return self._tp_plan.loss_parallel_head if self._tp_plan is not None else None
-
-    @override
-    def train_context(self) -> ExitStack:
-        stack = super().train_context()
-        if self._loss_parallel_head is not None:
-            stack.enter_context(VocabParallelCrossEntropy())
-        return stack
-
-    @override
-    def run_training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._loss_parallel_head is None:
-            return super().run_training_step(*args, **kwargs)
-        with explain_loss_parallel_failure(self._loss_parallel_head):
-            output = super().run_training_step(*args, **kwargs)
-        check_local_loss(output)
-        return output
 
 
 def _summarize_changes(changed: dict[str, str]) -> str:

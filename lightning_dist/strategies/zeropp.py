@@ -130,7 +130,7 @@ class ZeroPPStrategy(FSDP2Strategy):
         self.weight_block_size = weight_block_size
         self.gradient_block_size = gradient_block_size
         self.ranks_per_node = ranks_per_node
-        self._hpz: int | None = None  # resolved in validate_mesh
+        self._hpz: int | None = None  # resolved in resolve_mesh_options
         self._node_groups: NodeGroups | None = None
 
     # ------------------------------------------------------------------ precision
@@ -154,8 +154,8 @@ class ZeroPPStrategy(FSDP2Strategy):
         return self.ranks_per_node if self.ranks_per_node is not None else max(1, self.num_processes)
 
     @override
-    def validate_mesh(self, dims: ParallelDims) -> None:
-        super().validate_mesh(dims)
+    def resolve_mesh_options(self, dims: ParallelDims) -> None:
+        """The hpZ partition size, against the sharding group's size and the ranks per node."""
         self._hpz = resolve_hpz(
             self.hpz_partition_size,
             dims.fsdp,

@@ -1,0 +1,57 @@
+"""Context parallelism's part in a step: the batch's sequences sharded, attention dispatched to the cp group from
+forward to the end of backward, the shard's global positions given to the model, the first output checked for a
+sequence dimension, and predictions gathered back to whole sequences. The work is done by
+:class:`~lightning_dist.strategies.context_parallel_steps.ContextParallelSteps`."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+from lightning_dist.parallel.context_parallel_batch import gather_outputs
+from lightning_dist.strategies.context_parallel_steps import ContextParallelSteps
+from lightning_dist.strategies.steps.part import StepPart, StepRun
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+class ContextParallelPart(StepPart):
+    """The part of a strategy with :class:`ContextParallelSteps` on a mesh with ``cp > 1``."""
+
+    strategy: ContextParallelSteps
+
+    @classmethod
+    def applies_to(cls, strategy: Any) -> bool:
+        return isinstance(strategy, ContextParallelSteps) and strategy.parallel_dims.cp > 1
+
+    def preflight_before_model(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
+        self.strategy.check_first_batch_before_launch(trainer, arguments)
+
+    def transform_batch(self, batch: Any, dataloader_idx: int) -> Any:
+        return self.strategy.shard_sequences(batch)
+
+    def train_contexts(self) -> list[AbstractContextManager]:
+        return [self.strategy.attention_context()]
+
+    def wrap_training_step(self, run: StepRun) -> StepRun:
+        strategy = self.strategy
+
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            with strategy.global_positions(), strategy.first_output_checked("training_step"):
+                return run(*args, **kwargs)
+
+        return training_step
+
+    def wrap_eval_step(self, step: str, run: StepRun) -> StepRun:
+        strategy = self.strategy
+
+        def eval_step(*args: Any, **kwargs: Any) -> Any:
+            with strategy.attention_context(), strategy.global_positions(), strategy.first_output_checked(step):
+                output = run(*args, **kwargs)
+            if step == "predict_step" and strategy._seq_len is not None and output is not None:
+                cp, group = strategy.parallel_dims.cp, strategy.process_group("cp")
+                output = gather_outputs(output, strategy._seq_len, cp, group, strategy.load_balance)
+            return output
+
+        return eval_step

@@ -1,0 +1,92 @@
+"""What one parallelism contributes to a strategy's steps: a :class:`StepPart`.
+
+The order in which the parts act is stated once, in :mod:`lightning_dist.strategies.step_protocol`; a part only says
+what it does at each point. Every hook's default does nothing, so a part implements the few it needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_dist.strategies.base import MeshParallelStrategy
+
+#: A step's run: ``training_step``'s (batch, batch_idx, ...) or an evaluation step's arguments → its output.
+StepRun = Callable[..., Any]
+
+
+class StepPart:
+    """One parallelism's part in the strategy's checks, set-up and steps, on a mesh where its axis has more than one
+    rank (see :meth:`~lightning_dist.strategies.step_protocol.StepProtocol.step_parts`).
+
+    Args:
+        strategy: The strategy whose steps this part joins; the part keeps no state of its own.
+    """
+
+    #: Whether the part runs forward and backward itself (the pipeline's schedule) instead of the root module.
+    runs_steps = False
+
+    def __init__(self, strategy: MeshParallelStrategy) -> None:
+        self.strategy = strategy
+
+    @classmethod
+    def applies_to(cls, strategy: MeshParallelStrategy) -> bool:
+        """Whether ``strategy`` has this parallelism and its mesh axis has more than one rank."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ before launch and at setup
+    def preflight_before_model(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
+        """Checks before launch, in the launching process, before the model is checked (``arguments``: the entry
+        point's)."""
+
+    def preflight_after_model(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
+        """Checks before launch, in the launching process, after the model is checked."""
+
+    def before_setup(self, trainer: pl.Trainer) -> None:
+        """At setup, before the model is parallelized."""
+
+    def after_setup(self, trainer: pl.Trainer) -> None:
+        """At setup, once the model, optimizers and precision are set up."""
+
+    def make_copies_equal(self) -> None:
+        """At setup, after the replicated parameters and buffers were made equal: copies this part keeps itself."""
+
+    # ------------------------------------------------------------------ steps
+    def transform_batch(self, batch: Any, dataloader_idx: int) -> Any:
+        """A batch once it reached the device."""
+        return batch
+
+    def train_contexts(self) -> list[AbstractContextManager]:
+        """Contexts that stay active from a training step's forward to the end of its backward."""
+        return []
+
+    def wrap_training_step(self, run: StepRun) -> StepRun:
+        """``run`` (the inner parts and the forward, or the schedule) with what this part does around it."""
+        return run
+
+    def wrap_eval_step(self, step: str, run: StepRun) -> StepRun:
+        """The same for ``validation_step``/``test_step``/``predict_step``."""
+        return run
+
+    def after_backward(self) -> None:
+        """After a step's backward (its accumulation window's last), before the gradients are resharded and
+        clipped."""
+
+    # ------------------------------------------------------------------ a part that runs the steps (runs_steps)
+    def run_training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward and backward of a training step."""
+        raise NotImplementedError
+
+    def run_backward(self, closure_loss: Tensor) -> Tensor:
+        """What stands for Lightning's backward when :meth:`run_training_step` already ran it."""
+        raise NotImplementedError
+
+    def run_eval_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
+        """Forward of an evaluation step."""
+        raise NotImplementedError

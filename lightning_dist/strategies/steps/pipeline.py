@@ -1,0 +1,52 @@
+"""Pipeline parallelism's part in a step: it runs the steps itself. A training step's forward and backward run per
+micro-batch inside the schedule (Lightning's backward is then skipped), an evaluation step runs the forward-only
+pass, and a weight tied across stages gets its copies' gradients summed before clipping. Before launch the first
+training batch is checked; at setup manual optimization is refused and the tied copies are made equal. The work is
+done by :class:`~lightning_dist.strategies.pipeline_step.PipelineSteps`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from lightning_dist.strategies.pipeline_step import PipelineSteps
+from lightning_dist.strategies.steps.part import StepPart
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+class PipelinePart(StepPart):
+    """The part of a strategy with :class:`PipelineSteps` on a mesh with ``pp > 1``."""
+
+    strategy: PipelineSteps
+    runs_steps = True
+
+    @classmethod
+    def applies_to(cls, strategy: Any) -> bool:
+        return isinstance(strategy, PipelineSteps) and strategy.parallel_dims.pp > 1
+
+    def preflight_after_model(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
+        self.strategy.check_first_training_batch(trainer, arguments)
+
+    def before_setup(self, trainer: pl.Trainer) -> None:
+        self.strategy.refuse_manual_optimization(trainer)
+
+    def after_setup(self, trainer: pl.Trainer) -> None:
+        self.strategy.let_the_schedule_run_backward(trainer)
+
+    def make_copies_equal(self) -> None:
+        self.strategy.equalize_tied_copies()
+
+    def after_backward(self) -> None:
+        self.strategy.sum_tied_gradients()
+
+    def run_training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self.strategy.pipelined_training_step(*args, **kwargs)
+
+    def run_backward(self, closure_loss: Tensor) -> Tensor:
+        return closure_loss  # the schedule ran backward inside the training step
+
+    def run_eval_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
+        return self.strategy.pipelined_eval_step(step, *args, **kwargs)

@@ -76,7 +76,7 @@ def test_a_parameter_shared_by_modules_of_two_units_is_refused_with_a_fix():
 
 def test_recognize_finds_the_parts_of_a_gpt_and_a_hugging_face_style_decoder():
     from examples.gpt import GPT
-    from tests.scenarios.llama_like import LlamaLike
+    from tests.scenarios.models import LlamaLike
 
     gpt = recognize(GPT(vocab_size=64, d_model=32, n_layer=2, n_head=4))
     assert gpt.blocks == ["blocks.0", "blocks.1"]

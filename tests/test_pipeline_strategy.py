@@ -210,7 +210,7 @@ def test_plan_command_prints_the_stage_split(capsys):
     )
     lines = capsys.readouterr().out.splitlines()
     assert [line.split("(rank ")[1][0] for line in lines[1:]] == ["0", "1", "1", "0"]  # the V placement
-    args = ["--model", "scenarios.hf_causal_lm.HFCausalLM", "--init-args", '{"kind": "gpt2"}', "--strategy", "pipeline"]
+    args = ["--model", "scenarios.models.HFCausalLM", "--init-args", '{"kind": "gpt2"}', "--strategy", "pipeline"]
     run_tool("plan", [*args, "--pipeline-parallel-size", "2"])
     out = capsys.readouterr().out
     assert "# pipelined module: model (GPT2LMHeadModel)" in out

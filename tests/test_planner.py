@@ -79,7 +79,7 @@ def test_plan_tool_ranks_meshes_and_recommends_one(capsys):
 
 
 def test_recommend_mesh_works_on_a_real_or_meta_model_without_touching_it():
-    from tests.scenarios.llama_like import LlamaLike
+    from tests.scenarios.models import LlamaLike
 
     torch.manual_seed(0)
     model = LlamaLike(vocab_size=64, hidden_size=32, num_layers=4, num_heads=8, num_key_value_heads=4)
@@ -141,7 +141,7 @@ def test_state_bytes_estimate_matches_a_real_tensor_parallel_run(tmp_path):
 
 
 def test_recommend_mesh_runs_the_inner_model_of_a_lightning_module_without_forward():
-    from tests.scenarios.hf_causal_lm import HFCausalLM  # no forward: its training_step calls self.model
+    from tests.scenarios.models import HFCausalLM  # no forward: its training_step calls self.model
 
     kwargs = {"seq_len": 32, "micro_batch": 2, "global_batch": 8, "device_memory_gib": None, "precision": "32-true"}
     mesh, why = recommend_mesh(HFCausalLM("llama"), 2, **kwargs)

@@ -206,7 +206,7 @@ def test_fused_qkv_checkpoints_move_between_tensor_parallel_and_fsdp2(two_ranks,
     assert max_abs_diff(back["losses"], two_ranks["gpt2_save_fsdp2"]["losses"][3:]) <= FP64_TOL
     # consolidated here, in one process: the tensor-parallel checkpoint loads into the library's own class
     sys.path.insert(0, str(Path(__file__).parent / "scenarios"))  # the scenario scripts' own imports
-    from tp_fused_runs import hf_model  # type: ignore[import-not-found]
+    from models import hf_model  # type: ignore[import-not-found]
 
     from lightning_dist.checkpoint.consolidate import load_full_checkpoint
 

@@ -28,7 +28,7 @@ from lightning_dist.parallel.tensor_parallel import (
     parse_layout,
     resolve_explicit_plan,
 )
-from tests.scenarios.llama_like import LlamaLike
+from tests.scenarios.models import LlamaLike
 
 GPT_PLAN = {
     "tok_emb": {"style": "rowwise", "input_layouts": "replicate", "output_layouts": "replicate"},

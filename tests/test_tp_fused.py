@@ -58,7 +58,7 @@ def test_fewer_key_value_heads_than_ranks_split_each_heads_rows_over_its_sharers
     order = rank_grouped_order(FusedLayout("blocks", 4, 2, 2), tp=4).tolist()
     assert order == [0, 1, 8, 9, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 14, 15]
     sys.path.insert(0, str(Path(__file__).parent / "scenarios"))
-    from tp_library_models import litgpt_model  # type: ignore[import-not-found]
+    from models import litgpt_model  # type: ignore[import-not-found]
 
     model = litgpt_model(16)
     plan = infer_plan(model)
@@ -73,7 +73,7 @@ def test_fewer_key_value_heads_than_ranks_split_each_heads_rows_over_its_sharers
 
 def test_falcon_layouts_are_told_from_its_architecture_flags():
     sys.path.insert(0, str(Path(__file__).parent / "scenarios"))
-    from tp_library_models import falcon_model  # type: ignore[import-not-found]
+    from models import falcon_model  # type: ignore[import-not-found]
 
     qkv = "transformer.h.*.self_attention.query_key_value"
     grouped = infer_plan(falcon_model(16, new_decoder_architecture=True))
@@ -94,7 +94,7 @@ def test_fused_gate_up_rows_give_each_rank_matching_halves():
 
 def test_phi3_plan_shards_qkv_proj_by_heads_and_gate_up_by_halves():
     sys.path.insert(0, str(Path(__file__).parent / "scenarios"))
-    from tp_library_models import phi3_model  # type: ignore[import-not-found]
+    from models import phi3_model  # type: ignore[import-not-found]
 
     model = phi3_model(16)
     plan = infer_plan(model)
@@ -228,7 +228,7 @@ def test_sequence_parallel_on_a_hugging_face_decoder_splits_the_sequence_at_the_
 
 
 # ------------------------------------------------------------------ runs in processes (one launch per world size)
-SCRIPT = "tp_fused_runs.py"
+SCRIPT = "tp_runs.py"
 FP64_TOL = 1e-10
 CLIP = 0.5
 REFERENCE = ["litgpt", "phi3", "gpt2", "mha", "neox", "falcon_gqa", "falcon_mqa"]
@@ -324,7 +324,7 @@ def test_fused_checkpoints_move_between_tensor_parallel_and_fsdp2_and_load_into_
         assert back["global_step"] == 6 and max_abs_diff(back["losses"], saved[3:]) <= FP64_TOL
     sys.path.insert(0, str(Path(__file__).parent / "scenarios"))  # the scenario scripts' own imports
     from common import SEQ_LEN  # type: ignore[import-not-found]
-    from tp_library_models import litgpt_model, phi3_model  # type: ignore[import-not-found]
+    from models import litgpt_model, phi3_model  # type: ignore[import-not-found]
 
     from lightning_dist.checkpoint.consolidate import load_full_checkpoint
 

@@ -1,4 +1,6 @@
-"""Shared pieces of the multi-process scenario scripts: the model setup, recorders and result output.
+"""Shared pieces of the multi-process scenario scripts: the model setup, recorders and result output. The models
+the scripts share are in ``models.py``; a script imports from these two and from the package, never from another
+script.
 
 A scenario script is run as ``python tests/scenarios/<name>.py --devices N --out result.json ...``. With
 ``devices > 1`` Lightning's launcher re-executes it once per extra rank; rank 0 writes the JSON result.
@@ -19,6 +21,7 @@ if str(ROOT) not in sys.path:
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
@@ -27,6 +30,8 @@ import lightning_dist  # noqa: F401
 from examples.data import TextDataModule
 from examples.gpt import GPT
 from lightning_dist.parallel.grad_clip import total_grad_norm
+from lightning_dist.parallel.tensor_parallel import permuted_parameters, to_checkpoint_order
+from lightning_dist.profiling import CommCounter, NodeTopology, attach_phase_hooks
 
 SEQ_LEN = 32
 GLOBAL_BATCH = 8  # samples per optimizer micro-step across all data-parallel ranks
@@ -48,6 +53,87 @@ class StepRecorder(Callback):
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         self.grad_norms.append(float(total_grad_norm(pl_module.parameters())))
+
+
+class AllStagesRecorder(StepRecorder):
+    """:class:`StepRecorder` whose gradient norm covers every pipeline stage, not only this rank's."""
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        pipelined = getattr(trainer.strategy, "pipelined", False)
+        group = trainer.strategy.process_group("pp") if pipelined else None
+        self.grad_norms.append(float(total_grad_norm(pl_module.parameters(), stage_group=group)))
+
+
+def in_checkpoint_order(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A full parameter (or gradient) in the library's row order, as checkpoints hold it."""
+    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    permuted = permuted_parameters(model)
+    if name in permuted:
+        _, dim, order = permuted[name]
+        full = to_checkpoint_order(full, dim, order)
+    return full.detach().cpu().clone()
+
+
+class GradRecorder(Callback):
+    """Full gradients of every parameter (checkpoint row order) at every optimizer step, before clipping."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self.steps.append({n: in_checkpoint_order(pl_module, n, p.grad) for n, p in pl_module.named_parameters()})
+
+
+# ZeRO++ byte counting on ranks declared as nodes of RANKS_PER_NODE, and the example GPT's sizes those scenarios use
+# (large enough that block padding is negligible: a block unit's shard is ~49k elements, the root's ~5k).
+RANKS_PER_NODE = 2
+ZEROPP_MODEL: dict[str, Any] = {"d_model": 128, "n_layer": 2, "n_head": 4}
+
+
+class StepBytes(Callback):
+    """Counts the collectives of one training step (forward / backward / optimizer) with a CommCounter."""
+
+    def __init__(self, step: int = 1) -> None:
+        self.step = step
+        self.counter = CommCounter(NodeTopology(RANKS_PER_NODE))
+        self.hooks: Any = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        if trainer.global_step == self.step:
+            opts = [o._optimizer if hasattr(o, "_optimizer") else o for o in trainer.optimizers]
+            self.hooks = attach_phase_hooks(trainer.strategy.model, self.counter, optimizers=opts)
+            self.counter.__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self.counter.active:
+            self.counter.__exit__(None, None, None)
+            self.hooks.remove()
+
+    def table(self) -> dict[str, int]:
+        c = self.counter
+        ag, rs = "all_gather_into_tensor", ("reduce_scatter_tensor", "all_to_all_single")
+        out = {
+            "forward_all_gather": c.total("cross_node_bytes", op=ag, phase="forward"),
+            "backward_all_gather": c.total("cross_node_bytes", op=ag, phase="backward"),
+            "reduce_scatter": c.total("cross_node_bytes", op=rs, phase="backward"),
+            "total_cross_node": c.total("cross_node_bytes"),
+            "total_sent": c.total("sent_bytes"),
+            "records": len(c.records),
+            "dropped": c.dropped,
+        }
+        out["other_cross_node"] = out["total_cross_node"] - sum(
+            out[k] for k in ("forward_all_gather", "backward_all_gather", "reduce_scatter")
+        )
+        return mean_over_ranks(out)
+
+
+def mean_over_ranks(values: dict[str, int]) -> dict[str, float]:
+    if not dist.is_initialized():
+        return {k: float(v) for k, v in values.items()}
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(t)
+    return {k: float(v) / dist.get_world_size() for k, v in zip(keys, t.tolist())}
 
 
 class OneProcessData(TextDataModule):

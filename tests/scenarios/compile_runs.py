@@ -16,13 +16,13 @@ from typing import Any
 import lightning as L
 import torch
 from common import (  # type: ignore[import-not-found]
+    AllStagesRecorder,
     full_state,
     is_rank_zero,
     make_model_and_data,
     run_scenario_script,
     trainer_kwargs,
 )
-from hybrid3d_runs import AllStagesRecorder  # type: ignore[import-not-found]
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.checkpoint import FileSystemReader
 

@@ -24,6 +24,7 @@ from common import (  # type: ignore[import-not-found]
     trainer_kwargs,
 )
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from models import HFLlama, LitGPTLM  # type: ignore[import-not-found]
 
 from lightning_dist import ContextParallelStrategy, FSDP2Strategy, Hybrid3DStrategy
 from lightning_dist.parallel.context_parallel import ContextParallelAttention, shard_sequence
@@ -40,41 +41,6 @@ def _trainer(devices: int, strategy: Any, callbacks: list[Callback]) -> L.Traine
     )
 
 
-class HFLlama(L.LightningModule):
-    """A stock ``transformers`` ``LlamaForCausalLM`` (4 heads, 2 KV heads) in a plain LightningModule: the labels
-    are the inputs, shifted inside the model. ``ignore_below`` > 0 sets the labels of tokens below it to -100
-    (an uneven number of ignored labels on each sequence shard)."""
-
-    def __init__(self, vocab_size: int, ignore_below: int = 0, logits_loss: bool = False) -> None:
-        super().__init__()
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        config = LlamaConfig(
-            vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=SEQ_LEN,
-        )  # fmt: skip
-        self.model = LlamaForCausalLM(config)
-        self.ignore_below = ignore_below
-        self.logits_loss = logits_loss
-
-    def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        x = batch["input_ids"]
-        if self.logits_loss:  # the model gets no labels: the loss from its logits, labels shifted by the dataset
-            logits = self.model(x).logits
-            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
-        labels = x.masked_fill(x < self.ignore_below, -100) if self.ignore_below else x
-        return self.model(input_ids=x, labels=labels).loss
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self._loss(batch)
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch), sync_dist=True)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-
 def _model_and_data(
     devices: int, dp: int, hf: dict[str, Any] | None, litgpt: bool = False, **data: Any
 ) -> tuple[L.LightningModule, Any]:
@@ -83,8 +49,6 @@ def _model_and_data(
         L.seed_everything(1234, verbose=False)
         model = HFLlama(data.vocab_size, **hf)
     if litgpt:  # litgpt's GPT: RoPE from its cos/sin tables sliced [:T]; input_pos means KV-cache inference
-        from tp_library_models import LitGPTLM  # type: ignore[import-not-found]
-
         L.seed_everything(1234, verbose=False)
         model = LitGPTLM(SEQ_LEN)
     return model, data

@@ -16,15 +16,14 @@ from typing import Any
 import lightning as L
 import torch
 from common import (  # type: ignore[import-not-found]
-    StepRecorder,
+    AllStagesRecorder,
     full_state,
     make_model_and_data,
     run_scenario_script,
     trainer_kwargs,
 )
-from context_parallel_runs import HFLlama  # type: ignore[import-not-found]
-from hf_causal_lm import HFCausalLM  # type: ignore[import-not-found]
 from lightning.pytorch.callbacks import ModelCheckpoint
+from models import HFCausalLM, HFLlama  # type: ignore[import-not-found]
 
 from examples.gpt import GPT
 from lightning_dist import (
@@ -35,7 +34,6 @@ from lightning_dist import (
     TensorParallelStrategy,
 )
 from lightning_dist.parallel.fsdp import fsdp_modules
-from lightning_dist.parallel.grad_clip import total_grad_norm
 from lightning_dist.parallel.tp_checkpoint_layout import permuted_parameters, to_checkpoint_order
 
 STEPS = 4
@@ -68,15 +66,6 @@ class TiedGPT(GPT):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
-
-
-class AllStagesRecorder(StepRecorder):
-    """:class:`StepRecorder` whose gradient norm covers every pipeline stage, not only this rank's."""
-
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        pipelined = getattr(trainer.strategy, "pipelined", False)
-        group = trainer.strategy.process_group("pp") if pipelined else None
-        self.grad_norms.append(float(total_grad_norm(pl_module.parameters(), stage_group=group)))
 
 
 class FirstBackwardGradients(L.Callback):

@@ -18,13 +18,15 @@ from typing import Any
 import lightning as L
 import torch
 from common import (  # type: ignore[import-not-found]
+    RANKS_PER_NODE,
+    ZEROPP_MODEL,
+    StepBytes,
     StepRecorder,
     full_state,
     make_model_and_data,
     run_scenario_script,
     trainer_kwargs,
 )
-from zeropp_runs import MODEL, RANKS_PER_NODE, StepBytes  # type: ignore[import-not-found]
 
 from lightning_dist import FSDP2Strategy, TensorParallelStrategy, ZeroPPStrategy
 
@@ -69,7 +71,7 @@ def tp2d(world: int, workdir: str) -> dict[str, Any]:
 def zeropp(world: int, workdir: str) -> dict[str, Any]:
     counting = StepBytes()
     strategy = ZeroPPStrategy() if UNDER_TORCHRUN else ZeroPPStrategy(ranks_per_node=RANKS_PER_NODE)
-    result = _fit(world, strategy, "bf16-mixed", MODEL, dp=world, callbacks=[counting])
+    result = _fit(world, strategy, "bf16-mixed", ZEROPP_MODEL, dp=world, callbacks=[counting])
     return {**result, "bytes": counting.table(), "hpz": strategy._hpz}
 
 

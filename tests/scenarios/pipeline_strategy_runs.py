@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from common import StepRecorder, make_model_and_data, run_scenario_script, trainer_kwargs  # type: ignore[import-not-found]
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from models import HFCausalLM  # type: ignore[import-not-found]
 from torch.distributed.tensor import DTensor
 
 from lightning_dist import FSDP2Strategy, PipelineStrategy, TensorParallelStrategy
@@ -212,8 +213,6 @@ class TiedCopies(Callback):
 
 
 def _hf_train(devices: int, kind: str, strategy: Any) -> tuple[Any, StepRecorder, list[LoggedLoss], TiedCopies | None]:
-    from hf_causal_lm import HFCausalLM  # type: ignore[import-not-found]
-
     _, data = make_model_and_data(devices, dp_size=1)
     L.seed_everything(1234, verbose=False)
     model = HFCausalLM(kind)

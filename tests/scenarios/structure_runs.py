@@ -17,13 +17,13 @@ import torch
 import torch.nn.functional as F
 from common import (  # type: ignore[import-not-found]
     StepRecorder,
+    in_checkpoint_order,
     is_rank_zero,
     make_model_and_data,
     run_scenario_script,
     trainer_kwargs,
 )
 from torch import nn
-from tp_fused_runs import in_checkpoint_order  # type: ignore[import-not-found]
 
 from examples.gpt import GPT, CausalSelfAttention
 from lightning_dist import FSDP2Strategy, TensorParallelStrategy

@@ -1,6 +1,8 @@
 """Tensor-parallel scenarios: parity with one process (GPT, a Llama-like HF-named model, an nn.TransformerEncoder
 LM), sequence and loss parallel, 2D with FSDP2, bf16-mixed, and checkpoints moving between tensor_parallel and
-fsdp2; plus the fused-projection scenarios of tp_fused_runs.py (run in the same launches).
+fsdp2; and tensor parallel on fused attention projections of library models (GPT-2, GPT-NeoX, stock Llama,
+litgpt, Phi-3, Falcon), their checkpoints moving between tensor_parallel and fsdp2 and consolidated into the library's
+own class.
 
 python tests/scenarios/tp_runs.py --devices 2 --out r.json --workdir DIR --scenarios gpt,llama
 python tests/scenarios/tp_runs.py --devices 1 --out ref.json --workdir DIR --scenarios gpt,llama   # reference
@@ -18,17 +20,18 @@ import torch.distributed as dist
 from common import (  # type: ignore[import-not-found]
     GLOBAL_BATCH,
     SEQ_LEN,
+    GradRecorder,
     OneProcessData,
     StepRecorder,
+    in_checkpoint_order,
     is_rank_zero,
     make_model_and_data,
     run_scenario_script,
     trainer_kwargs,
 )
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from llama_like import EncoderLM, LlamaLike  # type: ignore[import-not-found]
+from models import EncoderLM, LitGPTLM, LlamaLike, hf_model  # type: ignore[import-not-found]
 from torch.distributed.tensor import DTensor, Shard
-from tp_fused_runs import FUSED_SCENARIOS, GradRecorder, in_checkpoint_order  # type: ignore[import-not-found]
 
 from examples.data import TextDataModule
 from lightning_dist import FSDP2Strategy, TensorParallelStrategy
@@ -289,6 +292,131 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "save_fsdp2": lambda d, w: checkpoint_save(d, w, "fsdp2"),
     "fsdp2_from_tp": lambda d, w: checkpoint_resume(d, w, "fsdp2", saved_by="tp"),
     "tp_from_fsdp2": lambda d, w: checkpoint_resume(d, w, "tp", saved_by="fsdp2"),
+}
+
+
+# ------------------------------------------------------------------------------------------------ fused projections
+# Hugging Face GPT-2 (Conv1D c_attn, tied embeddings) and GPT-NeoX (query_key_value) against one process; stock
+# LlamaForCausalLM with sequence parallel and with 2 key/value heads at tp=4; litgpt's GPT (fused qkv, grouped-query
+# attention), Phi-3 (qkv_proj, gate_up_proj), Falcon (query_key_value per group and multi-query); fused-QKV
+# checkpoints (GPT-2, nn.MultiheadAttention, litgpt, Phi-3) moving between tensor_parallel and fsdp2.
+# test_tensor_parallel_parity.py runs the GPT-2/NeoX/Llama ones, test_tp_fused.py the library ones.
+
+
+class LibraryLM(LlamaLike):
+    """A Hugging Face causal LM (``hf``) with LlamaLike's training and validation steps."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(vocab_size=VOCAB)
+        del self.model, self.lm_head
+        self.hf = hf_model(kind)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=input_ids).logits
+
+
+def fused_model_and_data(kind: str, devices: int, dp: int, train_samples: int = 256) -> tuple[L.LightningModule, Any]:
+    L.seed_everything(1234, verbose=False)
+    data_cls = OneProcessData if devices == 1 else TextDataModule
+    data = data_cls(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, train_samples=train_samples, val_samples=32)
+    if kind == "litgpt":
+        return LitGPTLM(SEQ_LEN), data
+    return (EncoderLM() if kind == "mha" else LibraryLM(kind)), data
+
+
+def fused_train(devices: int, workdir: str, name: str, kind: str, dp: int = 1, **options: Any) -> dict[str, Any]:
+    """Fit STEPS clipped optimizer steps; full grads and params (checkpoint order) saved by rank 0."""
+    model, data = fused_model_and_data(kind, devices, dp)
+    recorder, grads = StepRecorder(), GradRecorder()
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=tp_strategy(devices, dp, **options), precision="64-true"),
+        max_steps=STEPS,
+        gradient_clip_val=CLIP,
+        callbacks=[recorder, grads],
+    )
+    trainer.fit(model, data)
+    sharded = sum(
+        p.numel() * p.element_size()
+        for p in model.parameters()
+        if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements[-1:])
+    )
+    params = {n: in_checkpoint_order(model, n, p) for n, p in model.named_parameters()}
+    if is_rank_zero():
+        torch.save({"params": params, "grads": grads.steps}, f"{workdir}/{name}_d{devices}.pt")
+    return {
+        "losses": recorder.losses,
+        "grad_norms": recorder.grad_norms,
+        "param_bytes_max_rank": _max_over_ranks(state_bytes(model)["parameters"]),
+        "tp_sharded_param_bytes": sharded,
+        "param_bytes_total": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "plan_summary": getattr(trainer.strategy, "_tp_plan", None) and trainer.strategy._tp_plan.summary(),
+    }
+
+
+def _fused_ckpt_strategy(kind: str) -> Any:
+    return TensorParallelStrategy(tensor_parallel_size=2) if kind == "tp" else FSDP2Strategy()
+
+
+def fused_checkpoint_save(devices: int, workdir: str, model_kind: str, kind: str) -> dict[str, Any]:
+    """Fit CKPT_STEPS steps under ``kind`` (tp or fsdp2) with a sharded checkpoint every 3 steps."""
+    model, data = fused_model_and_data(model_kind, devices, 1 if kind == "tp" else devices, train_samples=EPOCH_SAMPLES)
+    recorder = StepRecorder()
+    folder = f"{workdir}/ckpt_{model_kind}_{kind}"
+    ckpt = ModelCheckpoint(dirpath=folder, every_n_train_steps=3, save_top_k=-1, filename="{step}")
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=_fused_ckpt_strategy(kind), precision="64-true", enable_checkpointing=True),
+        max_steps=CKPT_STEPS,
+        callbacks=[recorder, ckpt],
+    )
+    trainer.fit(model, data)
+    return {"losses": recorder.losses}
+
+
+def fused_checkpoint_resume(devices: int, workdir: str, model_kind: str, kind: str, saved_by: str) -> dict[str, Any]:
+    """Resume the step-3 checkpoint written under ``saved_by`` with ``kind`` and fit to CKPT_STEPS."""
+    model, data = fused_model_and_data(model_kind, devices, 1 if kind == "tp" else devices, train_samples=EPOCH_SAMPLES)
+    recorder = StepRecorder()
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=_fused_ckpt_strategy(kind), precision="64-true"),
+        max_steps=CKPT_STEPS,
+        callbacks=[recorder],
+    )
+    trainer.fit(model, data, ckpt_path=f"{workdir}/ckpt_{model_kind}_{saved_by}/step=3.ckpt")
+    return {"losses": recorder.losses, "global_step": trainer.global_step}
+
+
+FUSED_SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
+    "gpt2": lambda d, w: fused_train(d, w, "gpt2", "gpt2"),
+    "neox": lambda d, w: fused_train(d, w, "neox", "neox"),
+    "gpt2_2d": lambda d, w: fused_train(d, w, "gpt2_2d", "gpt2", dp=2),
+    "neox_2d": lambda d, w: fused_train(d, w, "neox_2d", "neox", dp=2),
+    "hf_llama": lambda d, w: fused_train(d, w, "hf_llama", "hf_llama"),
+    "hf_llama_sp": lambda d, w: fused_train(d, w, "hf_llama_sp", "hf_llama", sequence_parallel=True),
+    "hf_llama_tp4": lambda d, w: fused_train(d, w, "hf_llama_tp4", "hf_llama"),  # at 4 devices: 2 KV heads < tp
+    "gpt2_save_tp": lambda d, w: fused_checkpoint_save(d, w, "gpt2", "tp"),
+    "gpt2_save_fsdp2": lambda d, w: fused_checkpoint_save(d, w, "gpt2", "fsdp2"),
+    "gpt2_fsdp2_from_tp": lambda d, w: fused_checkpoint_resume(d, w, "gpt2", "fsdp2", "tp"),
+    "gpt2_tp_from_fsdp2": lambda d, w: fused_checkpoint_resume(d, w, "gpt2", "tp", "fsdp2"),
+    "mha_save_tp": lambda d, w: fused_checkpoint_save(d, w, "mha", "tp"),
+    "mha_fsdp2_from_tp": lambda d, w: fused_checkpoint_resume(d, w, "mha", "fsdp2", "tp"),
+    "litgpt": lambda d, w: fused_train(d, w, "litgpt", "litgpt"),
+    "litgpt_save_tp": lambda d, w: fused_checkpoint_save(d, w, "litgpt", "tp"),
+    "litgpt_fsdp2_from_tp": lambda d, w: fused_checkpoint_resume(d, w, "litgpt", "fsdp2", "tp"),
+    "litgpt_save_fsdp2": lambda d, w: fused_checkpoint_save(d, w, "litgpt", "fsdp2"),
+    "litgpt_tp_from_fsdp2": lambda d, w: fused_checkpoint_resume(d, w, "litgpt", "tp", "fsdp2"),
+    "phi3": lambda d, w: fused_train(d, w, "phi3", "phi3"),
+    "phi3_save_tp": lambda d, w: fused_checkpoint_save(d, w, "phi3", "tp"),
+    "phi3_fsdp2_from_tp": lambda d, w: fused_checkpoint_resume(d, w, "phi3", "fsdp2", "tp"),
+    "falcon_gqa": lambda d, w: fused_train(d, w, "falcon_gqa", "falcon_gqa"),
+    "falcon_mqa": lambda d, w: fused_train(d, w, "falcon_mqa", "falcon_mqa"),
+    "gpt2_sp": lambda d, w: fused_train(d, w, "gpt2_sp", "gpt2", sequence_parallel=True),
+    "mha_sp": lambda d, w: fused_train(d, w, "mha_sp", "mha", sequence_parallel=True),
+    "mha": lambda d, w: fused_train(d, w, "mha", "mha"),
+    "litgpt_2d": lambda d, w: fused_train(d, w, "litgpt_2d", "litgpt", dp=2),
+    "gpt2_tp4": lambda d, w: fused_train(d, w, "gpt2_tp4", "gpt2"),  # at 4 devices
+    "neox_tp4": lambda d, w: fused_train(d, w, "neox_tp4", "neox"),  # at 4 devices
+    "litgpt_tp4": lambda d, w: fused_train(d, w, "litgpt_tp4", "litgpt"),  # at 4 devices: 2 query groups < tp
+    "phi3_tp4": lambda d, w: fused_train(d, w, "phi3_tp4", "phi3"),  # at 4 devices: 2 key/value heads < tp
 }
 
 SCENARIOS.update(FUSED_SCENARIOS)

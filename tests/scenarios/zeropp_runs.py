@@ -14,6 +14,9 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from common import (  # type: ignore[import-not-found]
+    RANKS_PER_NODE,
+    ZEROPP_MODEL,
+    StepBytes,
     StepRecorder,
     make_model_and_data,
     run_scenario_script,
@@ -29,13 +32,10 @@ from lightning_dist.parallel.zeropp import (
     new_node_groups,
     reduce_scatter_nbytes,
 )
-from lightning_dist.profiling import CommCounter, NodeTopology, attach_phase_hooks
+from lightning_dist.profiling import CommCounter, NodeTopology
 from lightning_dist.strategies.step_protocol import StepProtocol
 
-RANKS_PER_NODE = 2
 PARITY_STEPS = 20
-# Large enough that block padding is negligible (a block unit's shard is ~49k elements, the root's ~5k).
-MODEL: dict[str, Any] = {"d_model": 128, "n_layer": 2, "n_head": 4}
 ZEROPP_VARIANTS: dict[str, dict[str, Any]] = {
     "zeropp": {},
     "zeropp_qwz": {"hpz_partition_size": None, "quantized_gradients": False},
@@ -52,52 +52,6 @@ def make_strategy(name: str, **kwargs: Any) -> Any:
     return ZeroPPStrategy(ranks_per_node=RANKS_PER_NODE, **ZEROPP_VARIANTS[name], **kwargs)
 
 
-class StepBytes(Callback):
-    """Counts the collectives of one training step (forward / backward / optimizer) with a CommCounter."""
-
-    def __init__(self, step: int = 1) -> None:
-        self.step = step
-        self.counter = CommCounter(NodeTopology(RANKS_PER_NODE))
-        self.hooks: Any = None
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
-        if trainer.global_step == self.step:
-            opts = [o._optimizer if hasattr(o, "_optimizer") else o for o in trainer.optimizers]
-            self.hooks = attach_phase_hooks(trainer.strategy.model, self.counter, optimizers=opts)
-            self.counter.__enter__()
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if self.counter.active:
-            self.counter.__exit__(None, None, None)
-            self.hooks.remove()
-
-    def table(self) -> dict[str, int]:
-        c = self.counter
-        ag, rs = "all_gather_into_tensor", ("reduce_scatter_tensor", "all_to_all_single")
-        out = {
-            "forward_all_gather": c.total("cross_node_bytes", op=ag, phase="forward"),
-            "backward_all_gather": c.total("cross_node_bytes", op=ag, phase="backward"),
-            "reduce_scatter": c.total("cross_node_bytes", op=rs, phase="backward"),
-            "total_cross_node": c.total("cross_node_bytes"),
-            "total_sent": c.total("sent_bytes"),
-            "records": len(c.records),
-            "dropped": c.dropped,
-        }
-        out["other_cross_node"] = out["total_cross_node"] - sum(
-            out[k] for k in ("forward_all_gather", "backward_all_gather", "reduce_scatter")
-        )
-        return mean_over_ranks(out)
-
-
-def mean_over_ranks(values: dict[str, int]) -> dict[str, float]:
-    if not dist.is_initialized():
-        return {k: float(v) for k, v in values.items()}
-    keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(t)
-    return {k: float(v) / dist.get_world_size() for k, v in zip(keys, t.tolist())}
-
-
 def fit(
     name: str,
     devices: int,
@@ -108,7 +62,7 @@ def fit(
     model_kwargs: dict | None = None,
     **trainer_overrides: Any,
 ) -> tuple[L.Trainer, StepRecorder]:
-    model, data = make_model_and_data(devices, **(model_kwargs or MODEL))
+    model, data = make_model_and_data(devices, **(model_kwargs or ZEROPP_MODEL))
     recorder = StepRecorder()
     trainer = L.Trainer(
         **trainer_kwargs(devices, strategy=strategy or make_strategy(name), **trainer_overrides),
@@ -184,12 +138,12 @@ def checkpoints(devices: int, workdir: str) -> dict[str, Any]:
             steps,
             precision="32-true",
             callbacks=[ckpt],
-            model_kwargs={**MODEL, "train_samples": samples},
+            model_kwargs={**ZEROPP_MODEL, "train_samples": samples},
             enable_checkpointing=True,
         )
         out[f"{saver}_saved"] = recorder.losses
     for saver, loader in (("fsdp2", "zeropp"), ("zeropp", "fsdp2"), ("fsdp2", "zeropp_hpz")):
-        model, data = make_model_and_data(devices, train_samples=samples, **MODEL)
+        model, data = make_model_and_data(devices, train_samples=samples, **ZEROPP_MODEL)
         recorder = StepRecorder()
         trainer = L.Trainer(
             **trainer_kwargs(devices, strategy=make_strategy(loader), precision="32-true"),

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_dist.compat.hugging_face import attention_implementation
 from lightning_dist.parallel.context_parallel import gather_sequence, local_positions, shard_sequence
 
 CAUSAL_LM_LOSS = "ForCausalLM"
@@ -133,7 +134,7 @@ def check_attention_implementation(name: str, module: nn.Module) -> None:
     """Refuse a Hugging Face model whose attention does not call ``F.scaled_dot_product_attention`` (``eager``,
     ``flash_attention_2``...): context parallelism routes SDPA, and any other attention would attend within each
     rank's shard only."""
-    implementation = getattr(module.config, "_attn_implementation", "sdpa")
+    implementation = attention_implementation(module.config, "sdpa")
     if implementation != "sdpa":
         raise ValueError(
             f"Context parallel: {name} ({type(module).__name__}) computes attention with"

@@ -15,6 +15,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_dist.compat import foreach_norms
+
 
 @dataclass(frozen=True)
 class NonFiniteReport:
@@ -47,7 +49,7 @@ def gradients_are_finite(parameters: Iterable[Tensor]) -> bool:
     by_device: dict[torch.device, list[Tensor]] = {}
     for grad in grads:
         by_device.setdefault(grad.device, []).append(grad)
-    return all(bool(torch.isfinite(torch.stack(torch._foreach_norm(g)).sum())) for g in by_device.values())
+    return all(bool(torch.isfinite(torch.stack(foreach_norms(g)).sum())) for g in by_device.values())
 
 
 def gather_non_finite(loss_finite: bool, grads_finite: bool, device: torch.device) -> NonFiniteReport:

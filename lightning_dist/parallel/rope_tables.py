@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
+from lightning_dist.compat import buffer_registry
 from lightning_dist.parallel.context_parallel import local_positions
 
 
@@ -28,7 +29,7 @@ def global_rope_rows(
     Raises:
         ValueError: the tables have fewer rows than the sequence has positions.
     """
-    tables = {name: module._buffers[name] for name in names}
+    tables = {name: buffer_registry(module)[name] for name in names}
     rows = min(t.shape[0] for t in tables.values())
     if rows < seq_len:
         raise ValueError(

@@ -1,0 +1,85 @@
+"""The documentation is true to the repository: every relative link of README.md and docs/ points at a file that
+exists, and the file map of docs/architecture.md names every folder and module of the package, each where it is."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+ENTRY = re.compile(r"^( *)(\S+(?:, \S+)*)(?:  +(.*))?$")  # an entry: its name(s), two spaces, what it holds
+NAME = re.compile(r"[A-Za-z_][\w.]*\.py\b|[A-Za-z_]\w*/(?![\w.])")  # a module, or a folder
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
+def test_every_relative_link_resolves(page: Path) -> None:
+    broken = []
+    for target in LINK.findall(page.read_text()):
+        path = target.split("#", 1)[0]
+        if "://" in target or not path:
+            continue
+        if not (page.parent / path).exists():
+            broken.append(target)
+    assert not broken, f"{page.relative_to(ROOT)} links to paths that do not exist: {broken}"
+
+
+def file_map() -> list[tuple[Path, set[str]]]:
+    """The map's entries as (folder or file, the names its description mentions): the code block after the heading
+    "File map" of docs/architecture.md, one entry per line whose indentation says its parent folder; deeper-indented
+    lines continue the entry above."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text[text.index("```", text.index("## File map")) + 3 :]
+    block = block[block.index("\n") + 1 : block.index("```")]
+    entries: list[tuple[Path, set[str]]] = []
+    parents: list[tuple[int, Path]] = [(-1, ROOT)]
+    entry_indent = -1
+    for line in block.splitlines():
+        match = ENTRY.match(line)
+        indent = len(line) - len(line.lstrip())
+        if entries and indent > entry_indent + 2:  # a continuation of the entry above
+            entries[-1][1].update(NAME.findall(line))
+            continue
+        assert match, f"cannot read the file map line {line!r}"
+        while parents[-1][0] >= indent:
+            parents.pop()
+        parent = parents[-1][1]
+        names = [name.rstrip(",") for name in match.group(2).split(", ")]
+        for name in names:
+            entries.append((parent / name, set(NAME.findall(match.group(3) or ""))))
+        if len(names) == 1 and names[0].endswith("/"):
+            parents.append((indent, parent / names[0]))
+        entry_indent = indent
+    return entries
+
+
+def test_the_file_map_names_only_what_exists() -> None:
+    missing = []
+    for path, mentioned in file_map():
+        if not path.exists():
+            missing.append(str(path.relative_to(ROOT)))
+        base = path if path.is_dir() else path.parent
+        for name in mentioned:  # a name in a folder's description is somewhere below that folder
+            if not (base / name).exists() and not any(base.rglob(name.rstrip("/"))):
+                missing.append(f"{name} (below {base.relative_to(ROOT)})")
+    assert not missing, f"docs/architecture.md's file map names what does not exist: {missing}"
+
+
+def test_the_file_map_names_every_folder_and_module_of_the_package() -> None:
+    named = {path for path, _ in file_map()}
+    mentioned = {(path if path.is_dir() else path.parent, name) for path, names in file_map() for name in names}
+    unnamed = []
+    for path in sorted((ROOT / "lightning_dist").rglob("*")):
+        if "__pycache__" in path.parts or path.name == "__init__.py" or path.suffix not in (".py", ""):
+            continue
+        if path.is_dir() and not any(path.glob("*.py")):
+            continue
+        in_description = any(
+            base in path.parents and path.name + ("/" if path.is_dir() else "") == name for base, name in mentioned
+        )
+        if path not in named and not in_description:
+            unnamed.append(str(path.relative_to(ROOT)) + ("/" if path.is_dir() else ""))
+    assert not unnamed, f"docs/architecture.md's file map leaves out {unnamed}: add each with what it holds"

@@ -13,7 +13,7 @@ from typing import Any
 
 FP64_TOLERANCE = 1e-10  # the package's bar for fp64 on CPU: per-step losses and final parameters
 FP32_TOLERANCE = 1e-4  # the bar for a model that computes parts in float32 inside a float64 run (ModelSpec.why_fp32)
-ZEROPP_LOSS_REL_TOLERANCE = 5e-2  # ZeRO++ quantizes weights (int8) and gradients (int4) on purpose (README)
+ZEROPP_LOSS_REL_TOLERANCE = 5e-2  # ZeRO++ quantizes weights (int8) and gradients (int4) on purpose
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ for ring/all-gather, contiguous for Ulysses):
 
 * **activation memory**: the bytes autograd keeps from forward to backward (distinct storages saved for backward
   while the layer runs, inputs included), per rank. Transient buffers (the ring's next K/V shard, the all-gathered
-  K/V, Ulysses' full-sequence heads) live only during the call and are not included; see the docs' context_parallel table.
+  K/V, Ulysses' full-sequence heads) live only during the call and are not included (docs: context_parallel).
 * **longest sequence**: the largest ``S`` (a multiple of ``2·cp``) whose measured activation memory fits the budget,
   found from the measured bytes per local token and checked by measuring ``S`` (fits) and the next multiple (does
   not).

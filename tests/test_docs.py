@@ -1,5 +1,6 @@
-"""The documentation is true to the repository: every relative link of README.md and docs/ points at a file that
-exists, and the file map of docs/architecture.md names every folder and module of the package, each where it is."""
+"""The documentation is true to the repository: every relative link of README.md and docs/ points at a file (and a
+section) that exists, every path and `lightning_dist.` name they write exists, and the file map of
+docs/architecture.md names every folder and module of the package, each where it is."""
 
 from __future__ import annotations
 
@@ -25,6 +26,28 @@ def test_every_relative_link_resolves(page: Path) -> None:
         if not (page.parent / path).exists():
             broken.append(target)
     assert not broken, f"{page.relative_to(ROOT)} links to paths that do not exist: {broken}"
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors a Markdown page has: explicit `<a id="...">` and GitHub's slugs of its headings."""
+    text = page.read_text()
+    found = set(re.findall(r"""\bid=["']([^"']+)["']""", text))
+    for heading in re.findall(r"^#+ +(.+?) *$", text, flags=re.MULTILINE):
+        found.add(re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-"))
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
+def test_every_link_to_a_section_finds_it(page: Path) -> None:
+    broken = []
+    for target in LINK.findall(page.read_text()):
+        path, _, fragment = target.partition("#")
+        if "://" in target or not fragment or not (path or page.name).endswith(".md"):
+            continue
+        linked = page.parent / path if path else page
+        if linked.exists() and fragment not in anchors(linked):
+            broken.append(target)
+    assert not broken, f"{page.relative_to(ROOT)} links to sections that do not exist: {broken}"
 
 
 def file_map() -> list[tuple[Path, set[str]]]:
@@ -83,3 +106,44 @@ def test_the_file_map_names_every_folder_and_module_of_the_package() -> None:
         if path not in named and not in_description:
             unnamed.append(str(path.relative_to(ROOT)) + ("/" if path.is_dir() else ""))
     assert not unnamed, f"docs/architecture.md's file map leaves out {unnamed}: add each with what it holds"
+
+
+PATH_IN_CODE = re.compile(r"`([A-Za-z_][\w./-]*(?:\.py|\.md|\.yaml|/))`")  # `parallel/describe.py`, `configs/`
+DOTTED = re.compile(r"\blightning_dist(?:\.\w+)+")  # lightning_dist.parallel.parallelize.parallelize
+SEARCHED = ("lightning_dist", "benchmarks", "tests", "docs", "examples", "configs")
+
+
+def named_path_exists(name: str) -> bool:
+    """A path in backticks: from the repository root or the package when it has a folder in it, else anywhere."""
+    if "/" in name.rstrip("/"):
+        return (ROOT / name).exists() or (ROOT / "lightning_dist" / name).exists()
+    folder = name.endswith("/")
+    for top in SEARCHED:
+        for found in (ROOT / top).rglob(name.rstrip("/")):
+            if found.is_dir() == folder and "__pycache__" not in found.parts:
+                return True
+    return (ROOT / name).exists()
+
+
+def dotted_name_exists(dotted: str) -> bool:
+    """`lightning_dist.a.b.c`: the longest prefix that is a module or package, then a name defined or imported in it
+    (read from its source, without importing the package)."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 0, -1):
+        base = ROOT.joinpath(*parts[:end])
+        source = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+        if source.is_file():
+            break
+    else:
+        return False
+    if end == len(parts):
+        return True
+    return re.search(rf"\b{re.escape(parts[end])}\b", source.read_text()) is not None
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
+def test_every_path_and_module_named_in_the_docs_exists(page: Path) -> None:
+    text = page.read_text()
+    missing = [name for name in PATH_IN_CODE.findall(text) if not named_path_exists(name)]
+    missing += [name for name in DOTTED.findall(text) if not dotted_name_exists(name)]
+    assert not missing, f"{page.relative_to(ROOT)} names paths or modules that do not exist: {missing}"

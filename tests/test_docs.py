@@ -1,6 +1,6 @@
-"""The documentation is true to the repository: every relative link of README.md and docs/ points at a file (and a
-section) that exists, every path and `lightning_dist.` name they write exists, and the file map of
-docs/architecture.md names every folder and module of the package, each where it is."""
+"""The documentation is short and true to the repository: the README keeps at most 400 lines, every relative link of
+README.md and docs/ points at a file (and a section) that exists, every path and `lightning_dist.` name they write
+exists, and the file map of docs/architecture.md names every folder and module of the package, each where it is."""
 
 from __future__ import annotations
 
@@ -14,6 +14,11 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 ENTRY = re.compile(r"^( *)(\S+(?:, \S+)*)(?:  +(.*))?$")  # an entry: its name(s), two spaces, what it holds
 NAME = re.compile(r"[A-Za-z_][\w.]*\.py\b|[A-Za-z_]\w*/(?![\w.])")  # a module, or a folder
+
+
+def test_the_readme_is_a_short_front_page() -> None:
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines <= 400, f"README.md has {lines} lines; keep it at most 400 and move the rest to a page under docs/"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))

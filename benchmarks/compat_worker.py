@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 import lightning_dist  # noqa: F401  (registers the strategy names)
 from benchmarks.compat_cells import COLUMNS, FP32_TOLERANCE, FP64_TOLERANCE, compare, describe_failure
 from benchmarks.compat_models import MODELS, STEPS, CompatModule, dataloader
-from lightning_dist.parallel.tp_checkpoint_layout import permuted_parameters, to_checkpoint_order
+from lightning_dist.parallel.tensor_parallel import permuted_parameters, to_checkpoint_order
 
 
 class LossRecorder(Callback):

@@ -11,8 +11,8 @@ from torch import nn
 
 from lightning_dist.parallel.fsdp import shared_submodules
 from lightning_dist.parallel.model_structure import MLP, recognize
-from lightning_dist.parallel.tensor_parallel_plan import TensorParallelPlanError
-from lightning_dist.parallel.tp_plan_inference import infer_plan
+from lightning_dist.parallel.tensor_parallel.inference import infer_plan
+from lightning_dist.parallel.tensor_parallel.plan import TensorParallelPlanError
 
 FP64_TOL = 1e-10
 CASES = [

@@ -8,7 +8,7 @@ import pytest
 from jsonargparse import ArgumentParser
 
 from lightning_dist import FSDP2Strategy, TensorParallelStrategy, ZeroPPStrategy
-from lightning_dist.parallel.tensor_parallel_plan import TensorParallelPlanError
+from lightning_dist.parallel.tensor_parallel import TensorParallelPlanError
 
 BOOL_OPTIONS = [
     (FSDP2Strategy, "activation_checkpointing"),

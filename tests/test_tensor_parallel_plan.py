@@ -18,16 +18,17 @@ from examples.gpt import GPT
 from lightning_dist import TensorParallelStrategy
 from lightning_dist.commands import TOOLS
 from lightning_dist.commands import plan as plan_command
-from lightning_dist.parallel.loss_parallel import LossParallelError, VocabParallelCrossEntropy
 from lightning_dist.parallel.mesh import MeshConfigError
 from lightning_dist.parallel.tensor_parallel import (
+    LossParallelError,
     TensorParallelPlanError,
-    _check_sequence_length,
+    VocabParallelCrossEntropy,
     build_style,
     infer_plan,
     parse_layout,
     resolve_explicit_plan,
 )
+from lightning_dist.parallel.tensor_parallel.apply import _check_sequence_length
 from tests.scenarios.models import LlamaLike
 
 GPT_PLAN = {
@@ -391,7 +392,7 @@ def test_attention_without_a_head_count_is_left_replicated_and_qkv_widths_are_ch
 
 
 def test_loss_parallel_checks_targets_and_reduction():
-    from lightning_dist.parallel.loss_parallel import check_targets
+    from lightning_dist.parallel.tensor_parallel.loss_parallel import check_targets
 
     check_targets(torch.tensor([0, 7, -100]), 8, -100)
     with pytest.raises(LossParallelError, match=r"target 8 is out of bounds for 8 classes"):

@@ -21,8 +21,7 @@ from typing import Any
 import torch
 import yaml
 
-from lightning_dist.parallel.tensor_parallel import resolve_plan
-from lightning_dist.parallel.tensor_parallel_plan import TensorParallelPlanError
+from lightning_dist.parallel.tensor_parallel import TensorParallelPlanError, resolve_plan
 from lightning_dist.parallel.validation import check_positive_int
 
 

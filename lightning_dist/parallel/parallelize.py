@@ -48,7 +48,8 @@ from lightning_dist.parallel.compile import compile_modules, describe_compile_op
 from lightning_dist.parallel.fsdp import FSDPConfig, apply_fsdp, fsdp_modules, shared_submodules
 from lightning_dist.parallel.mesh import ParallelMesh
 from lightning_dist.parallel.module_selection import summarize
-from lightning_dist.parallel.tensor_parallel import TensorParallelPlan, apply_tensor_parallel
+from lightning_dist.parallel.tensor_parallel.apply import apply_tensor_parallel
+from lightning_dist.parallel.tensor_parallel.plan import TensorParallelPlan
 from lightning_dist.parallel.zeropp import install_comms
 
 Unit = tuple[str, nn.Module]

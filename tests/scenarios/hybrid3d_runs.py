@@ -34,7 +34,7 @@ from lightning_dist import (
     TensorParallelStrategy,
 )
 from lightning_dist.parallel.fsdp import fsdp_modules
-from lightning_dist.parallel.tp_checkpoint_layout import permuted_parameters, to_checkpoint_order
+from lightning_dist.parallel.tensor_parallel import permuted_parameters, to_checkpoint_order
 
 STEPS = 4
 AXES = {"pp": "pipeline_parallel_size", "dp": "data_parallel_shard_size", "cp": "context_parallel_size",

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_dist.parallel.grad_clip import count_in_norm_elsewhere
 from lightning_dist.parallel.pipeline.split import StagePlacement, StagePlan, stage_ids_for_rank
-from lightning_dist.parallel.tensor_parallel import shard_gradients_like_parameters
+from lightning_dist.parallel.tensor_parallel.apply import shard_gradients_like_parameters
 
 
 @dataclass(frozen=True)

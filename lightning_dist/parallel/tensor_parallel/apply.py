@@ -1,4 +1,4 @@
-"""Applying a tensor-parallel plan (see :mod:`lightning_dist.parallel.tensor_parallel_plan`) to a model.
+"""Applying a tensor-parallel plan (see :mod:`lightning_dist.parallel.tensor_parallel.plan`) to a model.
 
 ``apply_tensor_parallel(model, tp_mesh, plan)`` turns each style into a ``torch.distributed.tensor.parallel`` style
 (plus two small ones of ours), parallelizes the modules, and sets head-count attributes of attention modules to the
@@ -25,32 +25,30 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_dist.parallel.model_structure import KV_HEAD_ATTRIBUTES, is_conv1d
-from lightning_dist.parallel.tensor_parallel_plan import (
-    STYLES,
-    TensorParallelPlan,
-    TensorParallelPlanError,
-    normalize_style,
-    style_name,
-)
-from lightning_dist.parallel.tp_fused import (
+from lightning_dist.parallel.tensor_parallel.fused import (
     Conv1DParallel,
     FusedColwiseParallel,
     FusedGateUpParallel,
     layout_from_spec,
 )
-from lightning_dist.parallel.tp_kv_heads import ReplicatedKVHeadParallel
-from lightning_dist.parallel.tp_multihead import MultiheadAttentionParallel
-from lightning_dist.parallel.tp_plan_inference import infer_plan, resolve_explicit_plan
+from lightning_dist.parallel.tensor_parallel.inference import infer_plan, resolve_explicit_plan
+from lightning_dist.parallel.tensor_parallel.kv_heads import ReplicatedKVHeadParallel
+from lightning_dist.parallel.tensor_parallel.multihead import MultiheadAttentionParallel
+from lightning_dist.parallel.tensor_parallel.plan import (
+    TensorParallelPlan,
+    TensorParallelPlanError,
+    normalize_style,
+    style_name,
+)
 
 __all__ = [
-    "STYLES",
-    "TensorParallelPlan",
-    "TensorParallelPlanError",
     "apply_tensor_parallel",
     "build_style",
-    "infer_plan",
     "parse_layout",
-    "resolve_explicit_plan",
+    "resolve_plan",
+    "set_count",
+    "shard_gradients_like_parameters",
+    "tp_sharded_parameters",
 ]
 
 _LAYOUT = re.compile(r"^\s*shard\(\s*(-?\d+)\s*\)\s*$", re.IGNORECASE)

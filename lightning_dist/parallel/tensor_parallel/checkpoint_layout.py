@@ -1,7 +1,7 @@
 """Checkpoints keep a fused projection's original row order although tensor parallelism permutes it.
 
 Sharding a ``[Q | K | V]`` projection by heads permutes its rows into rank order (see
-:mod:`lightning_dist.parallel.tp_fused`). The permutation is undone at the state-dict boundary:
+:mod:`lightning_dist.parallel.tensor_parallel.fused`). The permutation is undone at the state-dict boundary:
 
 - the module's ``state_dict()`` returns the parameter in the original order, and ``load_state_dict()`` takes the
   original order and permutes it again (module hooks, installed when the rows are permuted; torch's

@@ -96,7 +96,7 @@ def rank_grouped_order(layout: FusedLayout, tp: int) -> Tensor | None:
     ``permuted = weight[index]`` is then sharded contiguously over ``tp`` ranks; ``None`` when the rows are in rank
     order already (``"per_head"``). With fewer key/value heads than ranks (``"blocks"`` only), the ``tp / kv_heads``
     consecutive ranks whose query heads use key/value head ``g`` each hold an equal piece of ``[k_g | v_g]``, which
-    they gather in forward (:class:`~lightning_dist.parallel.tp_fused.FusedColwiseParallel`): every row is still held
+    they gather in forward (:class:`~lightning_dist.parallel.tensor_parallel.fused.FusedColwiseParallel`): every row is still held
     by exactly one rank.
     """
     if layout.order != "blocks":

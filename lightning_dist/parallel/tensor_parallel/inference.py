@@ -23,7 +23,8 @@ from lightning_dist.parallel.model_structure import (
     projection_features,
     recognize,
 )
-from lightning_dist.parallel.tensor_parallel_plan import (
+from lightning_dist.parallel.tensor_parallel.fused import fused_spec
+from lightning_dist.parallel.tensor_parallel.plan import (
     SEQUENCE_GATHER,
     DivisibilityCheck,
     StyleSpec,
@@ -36,7 +37,6 @@ from lightning_dist.parallel.tensor_parallel_plan import (
     size_checks,
     style_name,
 )
-from lightning_dist.parallel.tp_fused import fused_spec
 
 _MHA_SEQUENCE_PARALLEL = (
     "nn.MultiheadAttention with batch_first=False under sequence_parallel (the residual stream is split on dim 1,"

@@ -21,7 +21,7 @@ A plan maps module names to *styles* (plain data: a string or a small dict, so i
 A dict adds layouts: ``{"style": "colwise", "output_layouts": "shard(-1)", "use_local_output": false}``; layouts
 are ``"replicate"`` or ``"shard(<dim>)"``. Keys may use ``*`` for one name component (``"blocks.*.attn.q"``).
 
-The automatic plan is worked out in :mod:`lightning_dist.parallel.tp_plan_inference` from what
+The automatic plan is worked out in :mod:`lightning_dist.parallel.tensor_parallel.inference` from what
 :mod:`lightning_dist.parallel.model_structure` recognises.
 """
 
@@ -127,7 +127,7 @@ class TensorParallelPlan:
         token_embedding: Name of the token embedding, if found (its input's sequence length is checked).
         grouped_query: Attention module name → ``{"heads", "kv_heads", "projections"}`` (its key/value projections):
             when tp exceeds the key/value heads, each rank holds the whole key/value projections and computes the
-            one head its query heads use (:mod:`lightning_dist.parallel.tp_kv_heads`); a fused ``[Q | K | V]``
+            one head its query heads use (:mod:`lightning_dist.parallel.tensor_parallel.kv_heads`); a fused ``[Q | K | V]``
             projection (no ``projections``) splits each key/value head's rows over the ranks sharing it instead.
         unreduced: Parameter name → why the automatic plan cannot keep it correct (it would get a different gradient
             on each tp rank, which nothing reduces); any entry makes :meth:`validate` refuse the plan.

@@ -18,8 +18,8 @@ for ring/all-gather, contiguous for Ulysses):
 * **longest sequence**: the largest ``S`` (a multiple of ``2·cp``) whose measured activation memory fits the budget,
   found from the measured bytes per local token and checked by measuring ``S`` (fits) and the next multiple (does
   not).
-* **bytes sent**: the collectives' own counters (:func:`lightning_dist.parallel.attention.count_bytes_sent`),
-  forward and backward, next to :func:`lightning_dist.parallel.attention.bytes_per_layer`.
+* **bytes sent**: the collectives' own counters (:func:`lightning_dist.parallel.context_parallel.attention.count_bytes_sent`),
+  forward and backward, next to :func:`lightning_dist.parallel.context_parallel.attention.bytes_per_layer`.
 
 The step time (:func:`time_step`, 2 processes): ``Trainer.fit`` of the example GPT (:data:`TIMED_MODEL`) on one
 global batch and sequence length, once with ``context_parallel`` / ``context_parallel_allgather`` /
@@ -47,14 +47,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_dist.parallel.attention import (
+from lightning_dist.parallel.context_parallel.attention import (
     ALGORITHMS,
     LayerBytes,
     bytes_per_layer,
     context_parallel_attention,
     count_bytes_sent,
 )
-from lightning_dist.parallel.context_parallel import shard_sequence
+from lightning_dist.parallel.context_parallel.dispatch import shard_sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 CP_SIZES = (1, 2, 4)

@@ -20,7 +20,7 @@ from benchmarks.compat_cells import (
 from benchmarks.compat_models import MODELS
 from benchmarks.compat_table import render
 from benchmarks.compatibility import DOCS, RESULTS, _merge, run_matrix
-from lightning_dist.parallel.context_parallel_outputs import PooledOutputError
+from lightning_dist.parallel.context_parallel.outputs import PooledOutputError
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
 
 

@@ -22,24 +22,24 @@ from torch import nn
 
 from examples.gpt import GPT
 from lightning_dist import ContextParallelStrategy
-from lightning_dist.parallel.context_parallel import local_positions, shard_sequence
-from lightning_dist.parallel.context_parallel_batch import (
+from lightning_dist.parallel.context_parallel.batch import (
     NotASequenceError,
     fill_positions,
     parse_sequence_keys,
     sequence_entries,
     shard_batch,
 )
-from lightning_dist.parallel.context_parallel_labels import (
+from lightning_dist.parallel.context_parallel.dispatch import local_positions, shard_sequence
+from lightning_dist.parallel.context_parallel.labels import (
     PackedOrPaddedError,
     check_plain_causal,
     find_causal_lm,
     is_causal_lm,
 )
-from lightning_dist.parallel.context_parallel_outputs import watch_pooled_outputs
+from lightning_dist.parallel.context_parallel.outputs import watch_pooled_outputs
+from lightning_dist.parallel.context_parallel.rope_tables import global_rope_rows
 from lightning_dist.parallel.mesh import MeshConfigError
 from lightning_dist.parallel.model_structure import recognize
-from lightning_dist.parallel.rope_tables import global_rope_rows
 from lightning_dist.strategies.first_batch import first_batch
 
 TOL = 1e-10  # fp64: the same operations in another order across two processes

@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from launch import run_scenarios
 from torch.nn.functional import scaled_dot_product_attention as early_bound_sdpa
 
-from lightning_dist.parallel.attention import bytes_per_layer
-from lightning_dist.parallel.attention.blocks import block_tasks
-from lightning_dist.parallel.attention.kernels import CPU_FLASH, MATH
-from lightning_dist.parallel.attention.ulysses import UlyssesHeadsError, check_heads
-from lightning_dist.parallel.context_parallel import (
+from lightning_dist.parallel.context_parallel.attention import bytes_per_layer
+from lightning_dist.parallel.context_parallel.attention.blocks import block_tasks
+from lightning_dist.parallel.context_parallel.attention.kernels import CPU_FLASH, MATH
+from lightning_dist.parallel.context_parallel.attention.ulysses import UlyssesHeadsError, check_heads
+from lightning_dist.parallel.context_parallel.dispatch import (
     ContextParallelAttention,
     ContextParallelAttentionError,
     check_sequence_length,

@@ -38,7 +38,7 @@ def test_every_rank_ends_soon_after_one_fails_naming_it(tmp_path, scenario):
 
 
 def _watchdogs(store, failures, **kwargs):
-    from lightning_dist.parallel.watchdog import FailureWatchdog
+    from lightning_dist.parallel.runtime.watchdog import FailureWatchdog
 
     return [
         FailureWatchdog(store, "t", rank, 2, on_failure=lambda m, r=rank: failures.append((r, m)), **kwargs).start()

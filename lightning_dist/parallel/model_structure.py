@@ -1,7 +1,7 @@
 """Recognising the parts of a transformer: blocks, attention and its head counts, MLPs, embeddings, head, norms.
 
 ``recognize(model)`` inspects a single-device model (nothing changes, no communication) and returns a
-:class:`ModelStructure` that the tensor-parallel plan, the context-parallel attention swap and the pipeline split
+:class:`ModelStructure` that the tensor-parallel plan, context parallelism's checks and the pipeline split
 read. It knows the common naming of hand-written GPTs, Hugging Face decoders (Llama/Mistral/Qwen, GPT-2, GPT-NeoX),
 litgpt, and ``torch.nn``'s transformer layers. What looks like attention but cannot be understood is listed in
 :attr:`ModelStructure.unsupported` with the reason. Pure PyTorch.

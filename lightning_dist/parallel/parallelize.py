@@ -3,11 +3,10 @@
 The order is torchtitan's, and each step runs only where its option or mesh axis is on:
 
 1. tensor parallelism (a resolved plan over the ``tp`` axis);
-2. the attention swap of context parallelism (an extension point; no strategy sets it yet);
-3. activation checkpointing of the units;
-4. ``torch.compile`` of each unit, in place (:meth:`torch.nn.Module.compile`: no ``_orig_mod.`` in any name, so
+2. activation checkpointing of the units;
+3. ``torch.compile`` of each unit, in place (:meth:`torch.nn.Module.compile`: no ``_orig_mod.`` in any name, so
    checkpoints are interchangeable between compiled and uncompiled runs);
-5. FSDP2 (or HSDP) over the data-parallel mesh: shared modules, then the units, then the modules outside them as
+4. FSDP2 (or HSDP) over the data-parallel mesh: shared modules, then the units, then the modules outside them as
    one unit, then the root; with custom collectives (ZeRO++) installed on every unit.
 
 Compile granularity: each repeated block, and nothing outside the blocks. Compiling a block before ``fully_shard``
@@ -36,7 +35,6 @@ Strategies are presets: they map their options onto one :class:`ParallelizeConfi
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,7 +60,6 @@ class ParallelizeConfig:
     Attributes:
         units: The repeated blocks (name, module): activation-checkpointed and sharded as FSDP units.
         tp_plan: A resolved tensor-parallel plan, applied over the ``tp`` axis; ``None``: no tensor parallelism.
-        attention_swap: Called with the model after tensor parallelism (context parallel's attention dispatch).
         activation_checkpointing: Recompute the units' activations in backward.
         compile: ``torch.compile`` keyword arguments for each unit (``{}``: the defaults); ``None``: no compilation.
         fsdp: How to shard; ``None``: no FSDP2.
@@ -74,7 +71,6 @@ class ParallelizeConfig:
 
     units: list[Unit] = field(default_factory=list)
     tp_plan: TensorParallelPlan | None = None
-    attention_swap: Callable[[nn.Module], Any] | None = None
     activation_checkpointing: bool = False
     compile: dict[str, Any] | None = None
     fsdp: FSDPConfig | None = None
@@ -115,8 +111,6 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelizeConfig)
     names = {id(m): n for n, m in model.named_modules()}  # before fully_shard renames the classes
     if config.tp_plan is not None:
         record.tp_changes = apply_tensor_parallel(model, mesh["tp"], config.tp_plan)
-    if config.attention_swap is not None:
-        config.attention_swap(model)
     if config.activation_checkpointing:
         apply_activation_checkpointing(m for _, m in config.units)
         record.checkpointed = summarize(config.units)

@@ -60,7 +60,7 @@ from lightning_dist.strategies.step_protocol import NonFiniteMode, StepProtocol
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_dist.parallel.watchdog import FailureWatchdog
+    from lightning_dist.parallel.runtime.watchdog import FailureWatchdog
 
 MeshSize = int | Literal["auto"]
 
@@ -87,7 +87,7 @@ class MeshParallelStrategy(
         timeout: Timeout for collectives.
         on_nonfinite: When a loss or gradient is NaN or infinite on any rank: ``"skip"`` drops that optimizer step
             on every rank (with a warning naming the step and the ranks), ``"stop"`` raises
-            :class:`~lightning_dist.parallel.nonfinite.NonFiniteError` on every rank, ``"ignore"`` (default) checks
+            :class:`~lightning_dist.parallel.runtime.nonfinite.NonFiniteError` on every rank, ``"ignore"`` (default) checks
             nothing. The check costs one gradient norm pass and a tiny all-gather per optimizer step.
         compile: ``torch.compile`` the model's repeated blocks in place after tensor parallelism and activation
             checkpointing, before FSDP2 shards them (torchtitan's order; names and checkpoint keys do not change).

@@ -27,7 +27,7 @@ class ContextParallelStrategy(ContextParallelSteps, MeshParallelStrategy):
     Labels must be aligned per position in the batch (shifting them inside ``training_step`` would cross shard
     boundaries), except for a Hugging Face causal LM given ``labels`` (``model(input_ids=x, labels=x)``): the
     strategy shifts those over the whole sequence and passes ``shift_labels`` and ``num_items_in_batch`` (see
-    :mod:`lightning_dist.parallel.context_parallel_labels`), so the loss is the whole sequence's mean however
+    :mod:`lightning_dist.parallel.context_parallel.labels`), so the loss is the whole sequence's mean however
     unevenly ``-100`` labels fall on the shards; the causal mask such a model builds from zigzag positions is
     computed as causal attention over global positions (a padding ``attention_mask`` or packed ``position_ids`` are
     refused). A loss computed in ``training_step`` from labels aligned per position is each shard's mean: equal to

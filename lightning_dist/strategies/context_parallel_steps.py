@@ -16,24 +16,24 @@ import torch
 import torch.distributed as dist
 from torch.nn import Module
 
-from lightning_dist.parallel.attention import ALGORITHMS
-from lightning_dist.parallel.context_parallel import LAYOUTS, ContextParallelAttention
-from lightning_dist.parallel.context_parallel_batch import (
+from lightning_dist.parallel.context_parallel.attention import ALGORITHMS
+from lightning_dist.parallel.context_parallel.batch import (
     check_entry_lengths,
     fill_positions,
     parse_sequence_keys,
     sequence_entries,
     shard_batch,
 )
-from lightning_dist.parallel.context_parallel_labels import (
+from lightning_dist.parallel.context_parallel.dispatch import LAYOUTS, ContextParallelAttention
+from lightning_dist.parallel.context_parallel.labels import (
     check_attention_implementation,
     find_causal_lm,
     is_causal_decoder,
     shift_labels_hook,
 )
-from lightning_dist.parallel.context_parallel_outputs import watch_pooled_outputs
+from lightning_dist.parallel.context_parallel.outputs import watch_pooled_outputs
+from lightning_dist.parallel.context_parallel.rope_tables import global_rope_rows
 from lightning_dist.parallel.model_structure import ModelStructure, recognize
-from lightning_dist.parallel.rope_tables import global_rope_rows
 from lightning_dist.strategies.first_batch import first_batch
 
 if TYPE_CHECKING:
@@ -219,7 +219,7 @@ class ContextParallelSteps(_Base):
     @contextmanager
     def first_output_checked(self, step: str) -> Generator[None, None, None]:
         """On the first call of ``step``: refuse a model whose output lost the sequence dimension (see
-        :mod:`lightning_dist.parallel.context_parallel_outputs`). Pipelined steps call stages instead: not checked."""
+        :mod:`lightning_dist.parallel.context_parallel.outputs`). Pipelined steps call stages instead: not checked."""
         if step in self._outputs_checked or self._seq_len is None or getattr(self, "pipelined", False):
             yield
             return

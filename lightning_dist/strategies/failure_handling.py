@@ -2,7 +2,7 @@
 
 Under a torchrun restart, the process group also gets a store of its own attempt (:func:`restart_store_kwargs`).
 
-The strategy starts a :class:`~lightning_dist.parallel.watchdog.FailureWatchdog` once the process group exists,
+The strategy starts a :class:`~lightning_dist.parallel.runtime.watchdog.FailureWatchdog` once the process group exists,
 publishes its own exception from ``on_exception``, and stops the watchdog in ``teardown``. When the watchdog finds
 another rank's failure while this rank is still running, this rank ends itself: on NCCL it first aborts its process
 groups so that the collective it is blocked in raises and Lightning's normal exception path runs (and kills the
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from lightning_dist.compat import abort_process_groups, default_store
-from lightning_dist.parallel.watchdog import FailureWatchdog
+from lightning_dist.parallel.runtime.watchdog import FailureWatchdog
 
 if TYPE_CHECKING:
     from lightning_dist.strategies.base import MeshParallelStrategy

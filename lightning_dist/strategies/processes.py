@@ -14,7 +14,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from typing_extensions import override
 
 from lightning_dist.compat.lightning import default_process_group_backend, init_process_group, set_device_mesh
-from lightning_dist.parallel.process_group_exit import destroy_process_groups
+from lightning_dist.parallel.runtime.process_group_exit import destroy_process_groups
 from lightning_dist.strategies.failure_handling import (
     explain_exception,
     restart_store_kwargs,

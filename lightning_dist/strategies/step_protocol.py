@@ -47,8 +47,8 @@ from typing_extensions import override
 from lightning_dist.compat.lightning import forward_redirection
 from lightning_dist.parallel.fsdp import reshard_all
 from lightning_dist.parallel.gradient_sync import AccumulationSync, deferred_gradient_sync
-from lightning_dist.parallel.nonfinite import NonFiniteError, gather_non_finite, gradients_are_finite
 from lightning_dist.parallel.replicated_state import average_gradients
+from lightning_dist.parallel.runtime.nonfinite import NonFiniteError, gather_non_finite, gradients_are_finite
 from lightning_dist.parallel.tensor_parallel import shard_gradients_like_parameters
 from lightning_dist.strategies.steps.context_parallel import ContextParallelPart
 from lightning_dist.strategies.steps.part import StepPart

@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from models import HFLlama, LitGPTLM  # type: ignore[import-not-found]
 
 from lightning_dist import ContextParallelStrategy, FSDP2Strategy, Hybrid3DStrategy
-from lightning_dist.parallel.context_parallel import ContextParallelAttention, shard_sequence
+from lightning_dist.parallel.context_parallel.dispatch import ContextParallelAttention, shard_sequence
 
 STEPS = 4
 

@@ -37,8 +37,12 @@ from torch import nn
 from torch.nn.functional import scaled_dot_product_attention as early_bound_sdpa
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
-from lightning_dist.parallel.attention import UlyssesHeadsError, context_parallel_attention, count_bytes_sent
-from lightning_dist.parallel.context_parallel import (
+from lightning_dist.parallel.context_parallel.attention import (
+    UlyssesHeadsError,
+    context_parallel_attention,
+    count_bytes_sent,
+)
+from lightning_dist.parallel.context_parallel.dispatch import (
     ContextParallelAttention,
     ContextParallelAttentionError,
     gather_sequence,

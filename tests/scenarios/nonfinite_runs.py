@@ -18,7 +18,7 @@ from common import full_state, make_model_and_data, run_scenario_script, trainer
 
 from examples.gpt import GPT
 from lightning_dist import FSDP2Strategy
-from lightning_dist.parallel.nonfinite import NonFiniteError
+from lightning_dist.parallel.runtime.nonfinite import NonFiniteError
 
 POISONED_STEP, POISONED_RANK, STEPS = 2, 1, 4
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from lightning_dist.parallel.context_parallel_batch import gather_outputs
+from lightning_dist.parallel.context_parallel.batch import gather_outputs
 from lightning_dist.strategies.context_parallel_steps import ContextParallelSteps
 from lightning_dist.strategies.steps.part import StepPart, StepRun
 

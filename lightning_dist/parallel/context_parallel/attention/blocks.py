@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_dist.parallel.attention.kernels import BlockKernel, select_kernel
+from lightning_dist.parallel.context_parallel.attention.kernels import BlockKernel, select_kernel
 
 
 @dataclass(frozen=True)

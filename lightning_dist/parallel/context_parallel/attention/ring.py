@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_dist.parallel.attention.blocks import (
+from lightning_dist.parallel.context_parallel.attention.blocks import (
     OnlineSoftmax,
     attend,
     attend_backward,
@@ -23,8 +23,8 @@ from lightning_dist.parallel.attention.blocks import (
     expand_kv_heads,
     save_for_backward,
 )
-from lightning_dist.parallel.attention.comm import RingShift
-from lightning_dist.parallel.attention.kernels import select_kernel
+from lightning_dist.parallel.context_parallel.attention.comm import RingShift
+from lightning_dist.parallel.context_parallel.attention.kernels import select_kernel
 
 _KV_TAG = 11
 _DKV_TAG = 12

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from torch import nn
 
 from lightning_dist.compat import buffer_registry
-from lightning_dist.parallel.context_parallel import local_positions
+from lightning_dist.parallel.context_parallel.dispatch import local_positions
 
 
 @contextmanager

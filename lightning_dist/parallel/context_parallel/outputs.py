@@ -18,7 +18,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from lightning_dist.parallel.context_parallel_batch import batch_tensors, path_name
+from lightning_dist.parallel.context_parallel.batch import batch_tensors, path_name
 
 
 class PooledOutputError(ValueError):

@@ -14,10 +14,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_dist.parallel.attention.blocks import accumulation_dtype, expand_kv_heads, sum_kv_head_grads
-from lightning_dist.parallel.attention.comm import all_to_all
-from lightning_dist.parallel.attention.kernels import select_kernel
-from lightning_dist.parallel.attention.layout import local_positions
+from lightning_dist.parallel.context_parallel.attention.blocks import (
+    accumulation_dtype,
+    expand_kv_heads,
+    sum_kv_head_grads,
+)
+from lightning_dist.parallel.context_parallel.attention.comm import all_to_all
+from lightning_dist.parallel.context_parallel.attention.kernels import select_kernel
+from lightning_dist.parallel.context_parallel.attention.layout import local_positions
 
 
 class UlyssesHeadsError(ValueError):

@@ -1,7 +1,7 @@
 """Context parallelism in pure PyTorch: sequence layouts and the SDPA dispatch.
 
 A sequence of length ``S`` is split over the ``cp`` ranks of a context-parallel group in one of two layouts (defined
-in :mod:`lightning_dist.parallel.attention.layout`, re-exported here):
+in :mod:`lightning_dist.parallel.context_parallel.attention.layout`, re-exported here):
 
 * ``"contiguous"``: rank ``r`` holds tokens ``[r·S/cp, (r+1)·S/cp)``.
 * ``"zigzag"`` (load-balanced for causal attention): the sequence is cut into ``2·cp`` chunks and rank ``r`` holds
@@ -27,8 +27,8 @@ from torch.overrides import TorchFunctionMode
 from typing_extensions import Self
 
 from lightning_dist.compat import sdpa_builtin_home
-from lightning_dist.parallel.attention import ALGORITHMS, context_parallel_attention
-from lightning_dist.parallel.attention.layout import (
+from lightning_dist.parallel.context_parallel.attention import ALGORITHMS, context_parallel_attention
+from lightning_dist.parallel.context_parallel.attention.layout import (
     LAYOUTS,
     check_layout,
     check_sequence_length,

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_dist.parallel.context_parallel import (
+from lightning_dist.parallel.context_parallel.dispatch import (
     check_sequence_length,
     gather_sequence,
     local_positions,

@@ -15,12 +15,12 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_dist.parallel.attention.allgather import AllGatherAttention
-from lightning_dist.parallel.attention.comm import count_bytes_sent
-from lightning_dist.parallel.attention.costs import LayerBytes, bytes_per_layer
-from lightning_dist.parallel.attention.layout import check_layout
-from lightning_dist.parallel.attention.ring import RingAttention
-from lightning_dist.parallel.attention.ulysses import UlyssesHeadsError, ulysses_attention
+from lightning_dist.parallel.context_parallel.attention.allgather import AllGatherAttention
+from lightning_dist.parallel.context_parallel.attention.comm import count_bytes_sent
+from lightning_dist.parallel.context_parallel.attention.costs import LayerBytes, bytes_per_layer
+from lightning_dist.parallel.context_parallel.attention.layout import check_layout
+from lightning_dist.parallel.context_parallel.attention.ring import RingAttention
+from lightning_dist.parallel.context_parallel.attention.ulysses import UlyssesHeadsError, ulysses_attention
 
 ALGORITHMS = ("ring", "allgather", "ulysses")
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_dist.compat.hugging_face import attention_implementation
-from lightning_dist.parallel.context_parallel import gather_sequence, local_positions, shard_sequence
+from lightning_dist.parallel.context_parallel.dispatch import gather_sequence, local_positions, shard_sequence
 
 CAUSAL_LM_LOSS = "ForCausalLM"
 _CLASS_SUFFIXES = ("ForCausalLM", "LMHeadModel")

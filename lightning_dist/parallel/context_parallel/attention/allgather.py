@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_dist.parallel.attention.blocks import (
+from lightning_dist.parallel.context_parallel.attention.blocks import (
     BlockTask,
     OnlineSoftmax,
     attend,
@@ -24,8 +24,8 @@ from lightning_dist.parallel.attention.blocks import (
     expand_kv_heads,
     save_for_backward,
 )
-from lightning_dist.parallel.attention.comm import all_gather, reduce_scatter
-from lightning_dist.parallel.attention.kernels import select_kernel
+from lightning_dist.parallel.context_parallel.attention.comm import all_gather, reduce_scatter
+from lightning_dist.parallel.context_parallel.attention.kernels import select_kernel
 
 # (q_rows, causal) → the key/value rows of each source rank that those queries see.
 _Plan = dict[tuple[int, int, bool], list[tuple[int, slice]]]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from lightning_dist.checkpoint.consolidate import load_full_checkpoint, save_safetensors, save_torch, weights_only
+from lightning_dist.commands import add_trust_code_argument
 
 
 def main(argv: list[str]) -> None:
@@ -27,12 +28,7 @@ def main(argv: list[str]) -> None:
         help="output format (default: safetensors if OUT ends with .safetensors, else torch); safetensors holds"
         " the weights only",
     )
-    parser.add_argument(
-        "--trust-code",
-        action="store_true",
-        help="unpickle the checkpoint's files in full (weights_only=False), which can run code stored in them; only"
-        " for checkpoints from a source you trust. By default nothing but tensors and plain data is unpickled",
-    )
+    add_trust_code_argument(parser)
     args = parser.parse_args(argv)
     fmt = args.format or ("safetensors" if args.out.endswith(".safetensors") else "torch")
     checkpoint = load_full_checkpoint(args.checkpoint, weights_only=not args.trust_code)

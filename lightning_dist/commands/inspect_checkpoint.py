@@ -7,6 +7,7 @@ import argparse
 import json
 
 from lightning_dist.checkpoint.summary import format_summary, summarize_checkpoint
+from lightning_dist.commands import add_trust_code_argument
 
 
 def main(argv: list[str]) -> None:
@@ -22,12 +23,7 @@ def main(argv: list[str]) -> None:
         action="store_true",
         help="check only that every file is there with its size (skip reading every byte to verify checksums)",
     )
-    parser.add_argument(
-        "--trust-code",
-        action="store_true",
-        help="unpickle the checkpoint's files in full (weights_only=False), which can run code stored in them; only"
-        " for checkpoints from a source you trust. By default nothing but tensors and plain data is unpickled",
-    )
+    add_trust_code_argument(parser)
     args = parser.parse_args(argv)
     summary = summarize_checkpoint(args.checkpoint, checksums=not args.no_checksums, weights_only=not args.trust_code)
     if args.json:

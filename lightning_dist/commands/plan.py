@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import yaml
 
+from lightning_dist.commands import add_model_arguments
 from lightning_dist.parallel.tensor_parallel import TensorParallelPlanError, resolve_plan
 from lightning_dist.parallel.validation import check_positive_int
 
@@ -29,9 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-dist plan", description="Print the automatic tensor-parallel plan of a model as YAML."
     )
-    parser.add_argument("--config", help="a lightning-dist/LightningCLI YAML: model and strategy options from it")
-    parser.add_argument("--model", help="class path of the model (LightningModule or nn.Module)")
-    parser.add_argument("--init-args", default="{}", help="JSON object of the model's constructor arguments")
+    add_model_arguments(parser)
     parser.add_argument("--strategy", default="tensor_parallel", help="only tensor_parallel strategies have a plan")
     parser.add_argument(
         "--tensor-parallel-size", type=_positive_int, default=None, help="check the plan against this size"

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_dist.commands import add_model_arguments
 from lightning_dist.parallel import pipeline as pp
 
 
@@ -35,9 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-dist plan", description="Print the pipeline stage split of a model."
     )
-    parser.add_argument("--config", help="a lightning-dist/LightningCLI YAML: model and strategy options from it")
-    parser.add_argument("--model", help="class path of the model (LightningModule or nn.Module)")
-    parser.add_argument("--init-args", default="{}", help="JSON object of the model's constructor arguments")
+    add_model_arguments(parser)
     parser.add_argument("--strategy", default=None, help="pipeline, pipeline_gpipe, pipeline_interleaved, ...")
     parser.add_argument("--pipeline-parallel-size", type=int, default=None, help="ranks in one pipeline")
     parser.add_argument("--schedule", default=None, help="a schedule name (default: the strategy name's)")

@@ -36,12 +36,20 @@ AllGather, ReduceScatter = fsdp_collective_protocols()
 from lightning_dist.parallel.quantization import check_bits, check_block_size, pack, packed_nbytes, unpack
 
 
-class _Allocate:
+class _Quantized:
+    """What both quantized collectives share: the checked quantization settings and FSDP2's buffer allocation."""
+
+    def __init__(self, bits: int, block_size: int) -> None:
+        check_bits(bits)
+        check_block_size(block_size)
+        self.bits = bits
+        self.block_size = block_size
+
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
 
-class QuantizedAllGather(_Allocate, AllGather):
+class QuantizedAllGather(_Quantized, AllGather):
     """qwZ: FSDP2 all-gather of blockwise-quantized shards.
 
     Args:
@@ -52,11 +60,8 @@ class QuantizedAllGather(_Allocate, AllGather):
     """
 
     def __init__(self, group_size: int, bits: int = 8, block_size: int = 256) -> None:
-        check_bits(bits)
-        check_block_size(block_size)
+        super().__init__(bits, block_size)
         self.group_size = group_size
-        self.bits = bits
-        self.block_size = block_size
 
     def __call__(
         self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, async_op: bool = False
@@ -123,7 +128,7 @@ def new_node_groups(group_ranks: Sequence[int], ranks_per_node: int) -> NodeGrou
     return NodeGroups(ranks_per_node, nodes, intra, inter)
 
 
-class QuantizedReduceScatter(_Allocate, ReduceScatter):
+class QuantizedReduceScatter(_Quantized, ReduceScatter):
     """qgZ: FSDP2 reduce-scatter as a quantized two-hop all-to-all (inside the node, then across nodes).
 
     Honours the op FSDP2 passes: ``AVG`` returns the mean over the whole sharding group, ``SUM`` the sum (FSDP2
@@ -136,11 +141,8 @@ class QuantizedReduceScatter(_Allocate, ReduceScatter):
     """
 
     def __init__(self, groups: NodeGroups, bits: int = 4, block_size: int = 256) -> None:
-        check_bits(bits)
-        check_block_size(block_size)
+        super().__init__(bits, block_size)
         self.groups = groups
-        self.bits = bits
-        self.block_size = block_size
 
     def __call__(
         self,

@@ -20,10 +20,7 @@ class ContextParallelPart(StepPart):
     """The part of a strategy with :class:`ContextParallelSteps` on a mesh with ``cp > 1``."""
 
     strategy: ContextParallelSteps
-
-    @classmethod
-    def applies_to(cls, strategy: Any) -> bool:
-        return isinstance(strategy, ContextParallelSteps) and strategy.parallel_dims.cp > 1
+    mixin, axis = ContextParallelSteps, "cp"
 
     def preflight_before_model(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
         self.strategy.check_first_batch_before_launch(trainer, arguments)

@@ -35,10 +35,14 @@ class StepPart:
     def __init__(self, strategy: MeshParallelStrategy) -> None:
         self.strategy = strategy
 
+    #: The strategy mixin that does this parallelism's work, and its mesh axis.
+    mixin: type
+    axis: str
+
     @classmethod
     def applies_to(cls, strategy: MeshParallelStrategy) -> bool:
         """Whether ``strategy`` has this parallelism and its mesh axis has more than one rank."""
-        raise NotImplementedError
+        return isinstance(strategy, cls.mixin) and getattr(strategy.parallel_dims, cls.axis) > 1
 
     # ------------------------------------------------------------------ before launch and at setup
     def preflight_before_model(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:

@@ -23,9 +23,7 @@ class PipelinePart(StepPart):
     strategy: PipelineSteps
     runs_steps = True
 
-    @classmethod
-    def applies_to(cls, strategy: Any) -> bool:
-        return isinstance(strategy, PipelineSteps) and strategy.parallel_dims.pp > 1
+    mixin, axis = PipelineSteps, "pp"
 
     def preflight_after_model(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
         self.strategy.check_first_training_batch(trainer, arguments)

@@ -24,10 +24,7 @@ class TensorParallelPart(StepPart):
     """The part of a strategy with :class:`TensorParallelSteps` on a mesh with ``tp > 1``."""
 
     strategy: TensorParallelSteps
-
-    @classmethod
-    def applies_to(cls, strategy: Any) -> bool:
-        return isinstance(strategy, TensorParallelSteps) and strategy.parallel_dims.tp > 1
+    mixin, axis = TensorParallelSteps, "tp"
 
     def after_setup(self, trainer: pl.Trainer) -> None:
         self.strategy.restore_tensor_parallel_plan()

@@ -11,7 +11,6 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lightning_dist.parallel.context_parallel.attention.blocks import (
@@ -25,7 +24,7 @@ from lightning_dist.parallel.context_parallel.attention.blocks import (
     save_for_backward,
 )
 from lightning_dist.parallel.context_parallel.attention.comm import all_gather, reduce_scatter
-from lightning_dist.parallel.context_parallel.attention.kernels import select_kernel
+from lightning_dist.parallel.context_parallel.attention.kernels import shard_setting
 
 # (q_rows, causal) → the key/value rows of each source rank that those queries see.
 _Plan = dict[tuple[int, int, bool], list[tuple[int, slice]]]
@@ -52,9 +51,7 @@ class AllGatherAttention(torch.autograd.Function):
     def forward(
         ctx: Any, query: Tensor, key: Tensor, value: Tensor, group: Any, layout: str, causal: bool, scale: float
     ) -> Tensor:
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        kernel = select_kernel(query.device, query.dtype)
-        groups = query.shape[-3] // key.shape[-3]
+        cp, rank, kernel, groups = shard_setting(query, key, group)
         shards = all_gather(torch.stack([key, value]), group)
         acc = OnlineSoftmax(query)
         for (start, stop, causal_block), pieces in _plan(rank, cp, query.shape[-2], layout, causal).items():

@@ -17,8 +17,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_dist.compat import aten_attention_op
@@ -134,3 +136,10 @@ def select_kernel(device: torch.device, dtype: torch.dtype) -> BlockKernel:
     if device.type == "cuda":
         return CUDA_FLASH if dtype in (torch.float16, torch.bfloat16) else CUDA_EFFICIENT
     return MATH
+
+
+def shard_setting(query: Tensor, key: Tensor, group: Any) -> tuple[int, int, BlockKernel, int]:
+    """For local shards ``query: [B, H, L, D]``, ``key: [B, G, L, D]``: the cp group's size, this rank in it, the
+    block kernel of the device and dtype, and the query heads per key/value head (``H / G``)."""
+    kernel = select_kernel(query.device, query.dtype)
+    return dist.get_world_size(group), dist.get_rank(group), kernel, query.shape[-3] // key.shape[-3]

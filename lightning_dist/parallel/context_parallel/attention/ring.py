@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lightning_dist.parallel.context_parallel.attention.blocks import (
@@ -24,7 +23,7 @@ from lightning_dist.parallel.context_parallel.attention.blocks import (
     save_for_backward,
 )
 from lightning_dist.parallel.context_parallel.attention.comm import RingShift
-from lightning_dist.parallel.context_parallel.attention.kernels import select_kernel
+from lightning_dist.parallel.context_parallel.attention.kernels import shard_setting
 
 _KV_TAG = 11
 _DKV_TAG = 12
@@ -37,9 +36,7 @@ class RingAttention(torch.autograd.Function):
     def forward(
         ctx: Any, query: Tensor, key: Tensor, value: Tensor, group: Any, layout: str, causal: bool, scale: float
     ) -> Tensor:
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        kernel = select_kernel(query.device, query.dtype)
-        groups = query.shape[-3] // key.shape[-3]
+        cp, rank, kernel, groups = shard_setting(query, key, group)
         acc = OnlineSoftmax(query)
         kv = torch.stack([key, value])
         for step in range(cp):

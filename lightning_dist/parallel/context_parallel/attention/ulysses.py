@@ -56,26 +56,18 @@ def _heads_to_sequence(x: Tensor, group: Any) -> Tensor:
     return by_source.movedim(0, len(lead)).reshape(*lead, cp * heads, seq // cp, dim)
 
 
-class _SequenceToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
-        ctx.group = group
-        return _sequence_to_heads(x, group)
+class _Exchange(torch.autograd.Function):
+    """The all-to-all between sequence shards and head shards (``to_heads``) or back; backward is the other way."""
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _heads_to_sequence(grad, ctx.group), None
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
-        ctx.group = group
-        return _heads_to_sequence(x, group)
+    def forward(ctx: Any, x: Tensor, group: Any, to_heads: bool) -> Tensor:
+        ctx.group, ctx.to_heads = group, to_heads
+        return _sequence_to_heads(x, group) if to_heads else _heads_to_sequence(x, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _sequence_to_heads(grad, ctx.group), None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        back = _heads_to_sequence if ctx.to_heads else _sequence_to_heads
+        return back(grad, ctx.group), None, None
 
 
 class LocalAttention(torch.autograd.Function):
@@ -114,8 +106,8 @@ def ulysses_attention(
     """Attention over the full sequence from the local shards ``[B, H, L, D]`` (key/value ``[B, G, L, D]``)."""
     cp = dist.get_world_size(group)
     check_heads(query.shape[-3], key.shape[-3], cp)
-    q = _SequenceToHeads.apply(query, group)
-    k, v = _SequenceToHeads.apply(torch.stack([key, value]), group).unbind(0)
+    q = _Exchange.apply(query, group, True)
+    k, v = _Exchange.apply(torch.stack([key, value]), group, True).unbind(0)
     reorder = layout == "zigzag" and causal
     if reorder:
         positions = _shard_order_positions(q.shape[-2], cp, layout, q.device)
@@ -124,4 +116,4 @@ def ulysses_attention(
     out = LocalAttention.apply(q, k, v, causal, scale)
     if reorder:
         out = out.index_select(-2, positions)
-    return _HeadsToSequence.apply(out, group)
+    return _Exchange.apply(out, group, False)

@@ -1,8 +1,8 @@
 """The shared base's step protocol on real processes (2 ranks): train_context() is active through backward, where
 activation checkpointing recomputes forward; on a pipeline mesh reduce() hands every rank the last stage's value and
-gradient norms sum over the stages; and a hand-written pipeline (tests/scenarios/hand_pipeline.py: the example GPT
-in four stages, two model parts per rank) trains, clips, saves, resumes strictly and saves a full state exactly as
-one process trains the whole model (fp64, 1e-10)."""
+gradient norms sum over the stages; and a hand-written pipeline (HandPipeline in tests/scenarios/protocol_runs.py:
+the example GPT in four stages, two model parts per rank) trains, clips, saves, resumes strictly and saves a full
+state exactly as one process trains the whole model (fp64, 1e-10)."""
 
 from __future__ import annotations
 

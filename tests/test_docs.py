@@ -152,3 +152,10 @@ def test_every_path_and_module_named_in_the_docs_exists(page: Path) -> None:
     missing = [name for name in PATH_IN_CODE.findall(text) if not named_path_exists(name)]
     missing += [name for name in DOTTED.findall(text) if not dotted_name_exists(name)]
     assert not missing, f"{page.relative_to(ROOT)} names paths or modules that do not exist: {missing}"
+
+
+def test_the_docs_index_links_every_page() -> None:
+    index = ROOT / "docs" / "README.md"
+    linked = {(index.parent / target.split("#", 1)[0]).resolve() for target in LINK.findall(index.read_text())}
+    unlinked = [str(page.relative_to(ROOT)) for page in PAGES[1:] if page != index and page.resolve() not in linked]
+    assert not unlinked, f"docs/README.md (the index) does not link {unlinked}: add a row for each"

@@ -1,6 +1,6 @@
 """The collectives of context-parallel attention, each counting the bytes this rank sends.
 
-Counting convention (bytes *sent by one rank*, what the formulas of the README table give):
+Counting convention (bytes *sent by one rank*, what the formulas in docs/strategies/context_parallel.md give):
 
 * ring shift: the whole tensor (one send to the next rank);
 * all-gather of a ``b``-byte shard over ``c`` ranks: ``(c−1)·b`` (what a ring all-gather sends);

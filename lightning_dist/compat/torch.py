@@ -61,7 +61,7 @@ PRIVATE_TORCH_NAMES: dict[str, tuple[str, str]] = {
     "_apply": ("torch 2.13", "tensor parallel: ParallelStyle's apply hook, run by our fused styles"),
 }
 
-# Minor versions of torch the whole suite has passed on (CPU/gloo; CUDA where stated in docs/testing.md).
+# Minor versions of torch the whole suite has passed on (CPU/gloo; CUDA where docs/testing.md or the GPU benchmark says so).
 TESTED_TORCH: tuple[tuple[int, int], ...] = ((2, 13), (2, 14))
 
 

@@ -59,6 +59,7 @@ PRIVATE_TORCH_NAMES: dict[str, tuple[str, str]] = {
     "_cdata": ("torch 2.13", "planning/model_facts.py: identity of a tensor storage"),
     "_foreach_norm": ("torch 2.13", "runtime/nonfinite.py: one fused norm per device for the non-finite check"),
     "_apply": ("torch 2.13", "tensor parallel: ParallelStyle's apply hook, run by our fused styles"),
+    "_grouped_mm": ("torch 2.13", "expert parallel: grouped GEMM of the local experts on CUDA (older torch)"),
 }
 
 # Minor versions of torch the whole suite has passed on (CPU/gloo; CUDA where docs/testing.md or the GPU benchmark says so).
@@ -325,3 +326,12 @@ def sdpa_builtin_home() -> ModuleType:
 def aten_attention_op(name: str) -> Any:
     """A fused attention kernel or its backward, e.g. ``"_scaled_dot_product_flash_attention_for_cpu"``."""
     return getattr(torch.ops.aten, name).default
+
+
+def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """One matmul per group of rows: rows ``offs[g-1]:offs[g]`` of ``input`` times ``weight[g]`` (``(G, K, N)``).
+
+    ``torch.nn.functional.grouped_mm`` where torch has it (2.10+), else ``torch._grouped_mm``.
+    """
+    fn = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    return fn(input, weight, offs=offs)

@@ -1,0 +1,33 @@
+"""Expert parallelism for unchanged mixture-of-experts models, pure PyTorch (no Lightning import).
+
+Each rank of the ep mesh keeps ``E/ep`` experts of every MoE layer; tokens travel to their experts by all-to-all
+and back. Routing stays the model's own code. Which file holds what:
+
+- :mod:`.structure` — recognizing MoE layers from structure (:func:`find_expert_layers`), the dense-model message.
+- :mod:`.dispatch` — token permutation by expert, the uneven differentiable all-to-all, combine.
+- :mod:`.local_experts` — the local experts' computation (per-expert loop; grouped GEMM on CUDA bf16).
+- :mod:`.apply` — :func:`check_expert_parallel` (before launch), :func:`apply_expert_parallel` (shard the experts
+  as DTensors over ep, swap the experts' call), :func:`expert_parameters`.
+"""
+
+from lightning_dist.parallel.expert_parallel.apply import (
+    ExpertParallelRecord,
+    apply_expert_parallel,
+    check_expert_parallel,
+    expert_parameters,
+)
+from lightning_dist.parallel.expert_parallel.dispatch import all_to_all, combine, dispatch
+from lightning_dist.parallel.expert_parallel.structure import ExpertLayer, ExpertParallelError, find_expert_layers
+
+__all__ = [
+    "ExpertLayer",
+    "ExpertParallelError",
+    "ExpertParallelRecord",
+    "all_to_all",
+    "apply_expert_parallel",
+    "check_expert_parallel",
+    "combine",
+    "dispatch",
+    "expert_parameters",
+    "find_expert_layers",
+]

@@ -1,0 +1,188 @@
+"""Applying expert parallelism: each ep rank keeps ``E/ep`` experts of every mixture-of-experts layer and the
+experts module's call becomes dispatch → local experts → combine. The model's router, its top-k choice, weight
+normalization and any shared expert stay the model's own code; parameter names do not change.
+
+Expert parameters become DTensors sharded on dim 0 (the expert dim) over the ep mesh, so a checkpoint holds them
+with their global shape. Their gradients come back through the all-to-all summed over the ep ranks' tokens; they
+are scaled by ``1 / gradient_divide_factor`` on the way (the data-parallel size) so that they are the mean over the
+data-parallel ranks, as FSDP makes the other gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from lightning_dist.compat.hugging_face import apply_experts_gate
+from lightning_dist.parallel.expert_parallel.dispatch import combine, dispatch
+from lightning_dist.parallel.expert_parallel.local_experts import StackedWeights, run_local_experts
+from lightning_dist.parallel.expert_parallel.structure import (
+    STACKED_BIASES,
+    ExpertLayer,
+    ExpertParallelError,
+    describe_dense,
+    find_expert_layers,
+)
+
+# The experts layouts of transformers' @use_experts_implementation this module computes (attribute, supported value).
+_SUPPORTED_LAYOUT = {"has_gate": True, "is_concatenated": True, "has_post_expert_norm": False}
+
+
+@dataclass
+class ExpertParallelRecord:
+    """What :func:`apply_expert_parallel` did, for log lines and tests.
+
+    Attributes:
+        layers: Mixture-of-experts layers made expert-parallel.
+        num_experts: Experts per layer (``E``); ``local_experts``: kept per rank (``E/ep``).
+        ep: The ep group's size.
+        parameters: Qualified names of the expert parameters sharded over ep.
+    """
+
+    layers: int
+    num_experts: int
+    local_experts: int
+    ep: int
+    parameters: list[str]
+
+    def describe(self) -> str:
+        return (
+            f"expert parallel: {self.layers} MoE layers, {self.num_experts} experts each, {self.local_experts} per"
+            f" rank over ep={self.ep} (tokens sent to their experts by all-to-all)"
+        )
+
+
+def check_expert_parallel(model: nn.Module, ep: int) -> list[ExpertLayer]:
+    """The model's expert layers, or :class:`ExpertParallelError` saying why ``ep`` cannot split them. No
+    communication: run it before processes start."""
+    layers = find_expert_layers(model)
+    if not layers:
+        raise ExpertParallelError(describe_dense(model))
+    for layer in layers:
+        if layer.kind == "module_list":
+            owner = type(model.get_submodule(layer.name.rpartition(".")[0])).__name__
+            raise ExpertParallelError(
+                f"{layer.name} is a ModuleList of {layer.num_experts} × {type(layer.experts[0]).__name__} experts"
+                f" (litgpt LLaMAMoE style), routed inside {owner}"
+                ".forward together with the expert loop; expert parallelism supports transformers 5.x experts modules"
+                " (3-D gate_up_proj/down_proj) so far. Use fsdp2 without expert_parallel_size for this model."
+            )
+        unsupported = {
+            a: getattr(layer.experts, a) for a, v in _SUPPORTED_LAYOUT.items() if getattr(layer.experts, a, v) != v
+        }
+        if unsupported:
+            raise ExpertParallelError(
+                f"{layer.name} ({type(layer.experts).__name__}) has an experts layout expert parallelism does not"
+                f" compute yet: {unsupported}. Use fsdp2 without expert_parallel_size for this model."
+            )
+        if layer.num_experts % ep:
+            raise ExpertParallelError(
+                f"expert_parallel_size={ep} does not divide the {layer.num_experts} experts of {layer.name}: every ep"
+                f" rank must hold the same number of experts. Choose an expert_parallel_size that divides"
+                f" {layer.num_experts} ({', '.join(str(d) for d in _divisors(layer.num_experts))})."
+            )
+    return layers
+
+
+def apply_expert_parallel(
+    model: nn.Module, ep_mesh: DeviceMesh, gradient_divide_factor: int | None = None
+) -> ExpertParallelRecord:
+    """Shard the experts of every MoE layer of ``model`` over the 1-D ``ep_mesh`` (in place; collective).
+
+    Args:
+        model: The unchanged model (transformers 5.x MoE); its expert weights must be equal on every ep rank.
+        ep_mesh: The ranks that exchange tokens; rank ``r`` keeps experts ``r·E/ep … (r+1)·E/ep − 1``.
+        gradient_divide_factor: The data-parallel size the expert gradients are averaged over (the ranks whose
+            tokens reach an expert); default: the ep size, for ep ranks that are all the data-parallel ranks.
+    """
+    ep = ep_mesh.size()
+    layers = check_expert_parallel(model, ep)
+    divide = gradient_divide_factor or ep
+    names: list[str] = []
+    for layer in layers:
+        experts = layer.experts
+        for pname, param in list(experts.named_parameters(recurse=False)):
+            if param.shape[0] != layer.num_experts:
+                raise ExpertParallelError(
+                    f"{layer.name}.{pname} has shape {tuple(param.shape)}: no leading expert dim of"
+                    f" {layer.num_experts}, so it cannot be split by expert."
+                )
+            sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
+            experts.register_parameter(pname, nn.Parameter(sharded, requires_grad=param.requires_grad))
+            names.append(f"{layer.name}.{pname}")
+        experts.expert_parallel = ExpertParallelState(ep_mesh.get_group(), layer.num_experts, 1.0 / divide)
+        experts.__class__ = _expert_parallel_class(type(experts))
+    return ExpertParallelRecord(len(layers), layers[0].num_experts, layers[0].num_experts // ep, ep, names)
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters :func:`apply_expert_parallel` sharded over ep (FSDP must leave them alone)."""
+    out = []
+    for module in model.modules():
+        if isinstance(getattr(module, "expert_parallel", None), ExpertParallelState):
+            out.extend(module.parameters(recurse=False))
+    return out
+
+
+@dataclass
+class ExpertParallelState:
+    """What an expert-parallel experts module needs at call time."""
+
+    group: Any
+    num_experts: int
+    grad_scale: float
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def _local(module: nn.Module, name: str, scale: float) -> torch.Tensor | None:
+    param = getattr(module, name, None)
+    if param is None:
+        return None
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return _ScaleGrad.apply(local, scale)
+
+
+def _expert_parallel_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    state: ExpertParallelState = self.expert_parallel
+    rows, moved = dispatch(hidden_states, top_k_index, state.num_experts, state.group)
+    weights = StackedWeights(
+        gate_up=_local(self, "gate_up_proj", state.grad_scale),
+        down=_local(self, "down_proj", state.grad_scale),
+        gate_up_bias=_local(self, STACKED_BIASES[0], state.grad_scale),
+        down_bias=_local(self, STACKED_BIASES[1], state.grad_scale),
+        transposed=bool(getattr(self, "is_transposed", False)),
+    )
+    out = run_local_experts(rows, moved.tokens_per_expert, weights, lambda h: apply_experts_gate(self, h))
+    return combine(out, moved, top_k_weights, hidden_states.dtype, state.group)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _expert_parallel_class(cls: type) -> type:
+    """A subclass of the experts class whose ``forward`` is the expert-parallel one (the class keeps its name's
+    module path so ``repr`` and checkpoints are unaffected; parameter names are the same)."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": _expert_parallel_forward})
+    return _CLASSES[cls]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

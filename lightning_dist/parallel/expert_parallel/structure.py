@@ -1,0 +1,102 @@
+"""Finding a model's mixture-of-experts layers from its structure, without module names.
+
+Two shapes are recognized:
+
+- **stacked** (transformers 5.x: Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V3, gpt-oss): one experts module per
+  layer holding 3-D parameters ``gate_up_proj (E, 2I, H)`` and ``down_proj (E, H, I)`` (transposed in gpt-oss, with
+  ``*_bias`` in some), called by its parent as ``experts(hidden (T, H), top_k_index (T, k), top_k_weights (T, k))``
+  after the parent's router (``gate``) chose the experts. Expert parallelism replaces only that call.
+- **module list** (litgpt ``LLaMAMoE`` and user code in that shape): a module with an ``experts`` ``ModuleList`` of
+  same-class experts beside a router ``gate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+STACKED_PARAMETERS = ("gate_up_proj", "down_proj")
+STACKED_BIASES = ("gate_up_proj_bias", "down_proj_bias")
+ROUTER_NAMES = ("gate", "router")
+
+
+class ExpertParallelError(ValueError):
+    """Raised when expert parallelism cannot be applied to a model as it is."""
+
+
+@dataclass
+class ExpertLayer:
+    """One mixture-of-experts layer.
+
+    Attributes:
+        name: The experts module's qualified name (``model.layers.0.mlp.experts``).
+        experts: The experts module (3-D parameters, or a ``ModuleList``).
+        router: The router's qualified name (``model.layers.0.mlp.gate``), or ``None`` when there is none beside it.
+        num_experts: ``E``.
+        kind: ``"stacked"`` or ``"module_list"``.
+    """
+
+    name: str
+    experts: nn.Module
+    router: str | None
+    num_experts: int
+    kind: str
+
+    @property
+    def parameter_names(self) -> list[str]:
+        return [f"{self.name}.{n}" for n, _ in self.experts.named_parameters()]
+
+
+def find_expert_layers(model: nn.Module) -> list[ExpertLayer]:
+    """Every mixture-of-experts layer of ``model``, in module order (empty for a dense model)."""
+    modules = dict(model.named_modules())
+    layers = []
+    for name, module in modules.items():
+        parent_name = name.rpartition(".")[0]
+        parent = modules.get(parent_name) if name else None
+        router = _router_name(parent, parent_name)
+        if _is_stacked(module):
+            layers.append(ExpertLayer(name, module, router, module.down_proj.shape[0], "stacked"))
+        elif isinstance(module, nn.ModuleList) and name.rpartition(".")[2] == "experts" and router is not None:
+            classes = {type(m) for m in module}
+            if len(module) > 1 and len(classes) == 1:
+                layers.append(ExpertLayer(name, module, router, len(module), "module_list"))
+    return layers
+
+
+def describe_dense(model: nn.Module) -> str:
+    """What the recognizer looked for and what ``model`` has instead, for the message of a model without experts."""
+    three_d = [n for n, p in model.named_parameters() if p.dim() == 3][:4]
+    lists = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and n.rpartition(".")[2] == "experts"]
+    found = []
+    if three_d:
+        found.append(
+            f"3-D parameters {', '.join(three_d)} (not a gate_up_proj/down_proj pair with a leading expert dim)"
+        )
+    if lists:
+        found.append(f"ModuleLists named experts without a router 'gate' beside them: {', '.join(lists[:4])}")
+    return (
+        f"{type(model).__name__} has no mixture-of-experts layer: looked for an experts module with 3-D"
+        " parameters gate_up_proj (E, 2I, H) and down_proj (E, H, I) (transformers 5.x MoE models), and for an"
+        " 'experts' ModuleList beside a router 'gate' (litgpt LLaMAMoE); found "
+        + ("; ".join(found) if found else "neither (a dense model)")
+        + ". Expert parallelism needs a mixture-of-experts model: use plain fsdp2 for a dense one."
+    )
+
+
+def _is_stacked(module: nn.Module) -> bool:
+    params = dict(module.named_parameters(recurse=False))
+    if not all(n in params for n in STACKED_PARAMETERS):
+        return False
+    gate_up, down = params["gate_up_proj"], params["down_proj"]
+    return gate_up.dim() == 3 and down.dim() == 3 and gate_up.shape[0] == down.shape[0] > 1
+
+
+def _router_name(parent: nn.Module | None, parent_name: str) -> str | None:
+    if parent is None:
+        return None
+    for attr in ROUTER_NAMES:
+        if isinstance(getattr(parent, attr, None), nn.Module):
+            return f"{parent_name}.{attr}" if parent_name else attr
+    return None

@@ -1,0 +1,76 @@
+"""Expert parallelism: MoE layers recognized from structure, and a stock tiny Mixtral whose experts are split over
+ep ranks matching one process (real processes over gloo)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from launch import run_scenarios
+
+from lightning_dist.parallel.expert_parallel import ExpertParallelError, check_expert_parallel, find_expert_layers
+
+FP64_TOL = 1e-10
+
+
+def _mixtral(num_experts: int = 4) -> torch.nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=num_experts, num_experts_per_tok=2, max_position_embeddings=16,
+    )  # fmt: skip
+    return MixtralForCausalLM(config)
+
+
+def test_transformers_experts_are_found_with_their_router():
+    layers = find_expert_layers(_mixtral())
+    assert [(x.name, x.router, x.num_experts, x.kind) for x in layers] == [
+        (f"model.layers.{i}.mlp.experts", f"model.layers.{i}.mlp.gate", 4, "stacked") for i in range(2)
+    ]
+
+
+def test_litgpt_module_list_experts_are_found_and_refused_with_what_was_found():
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    config = Config(
+        block_size=16, vocab_size=64, padded_vocab_size=64, n_layer=1, n_head=4, n_embd=32, mlp_class_name="LLaMAMoE",
+        moe_intermediate_size=48, n_expert=4, n_expert_per_token=2,
+    )  # fmt: skip
+    layers = find_expert_layers(GPT(config))
+    assert [(x.name, x.router, x.num_experts, x.kind) for x in layers] == [
+        ("transformer.h.0.mlp.experts", "transformer.h.0.mlp.gate", 4, "module_list")
+    ]
+    with pytest.raises(ExpertParallelError, match=r"ModuleList of 4 × LLaMAMLP experts .*LLaMAMoE"):
+        check_expert_parallel(GPT(config), 2)
+
+
+def test_a_dense_model_is_refused_saying_what_was_looked_for():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1))
+    with pytest.raises(ExpertParallelError, match=r"LlamaForCausalLM has no mixture-of-experts layer.*gate_up_proj"):
+        check_expert_parallel(model, 2)
+
+
+def test_experts_not_divisible_by_ep_are_refused_with_the_divisors():
+    with pytest.raises(ExpertParallelError, match=r"expert_parallel_size=4 does not divide the 6 experts.*1, 2, 3, 6"):
+        check_expert_parallel(_mixtral(num_experts=6), 4)
+
+
+@pytest.fixture(scope="module")
+def core_runs(tmp_path_factory) -> dict[str, Any]:
+    return run_scenarios("expert_parallel_core_runs.py", 2, tmp_path_factory.mktemp("ep_core"), ["mixtral_fp64"])
+
+
+@pytest.mark.slow
+def test_mixtral_experts_split_over_two_ranks_match_one_process_in_fp64(core_runs):
+    """Each rank keeps 2 of 4 experts per layer; tokens reach them by all-to-all; loss and every gradient (dense
+    ones averaged over the ranks, expert ones gathered) equal one process's."""
+    run = core_runs["mixtral_fp64"]
+    assert run["loss_diff"] <= FP64_TOL and run["grad_diff"] <= FP64_TOL, run
+    assert run["expert_parameters"] == 4
+    assert all(shape[0] == 2 for shape in run["local_shapes"].values()), run["local_shapes"]
+    assert not core_runs["lightning_imported"]

@@ -8,6 +8,7 @@ Importing the package registers its strategy names with ``lightning.pytorch``'s 
     trainer = L.Trainer(strategy="fsdp2", devices=4)
 """
 
+from lightning_dist.callbacks import MeshThroughputMonitor
 from lightning_dist.compat import warn_if_untested_torch
 from lightning_dist.plugins import (
     AsyncDistributedCheckpointIO,
@@ -40,6 +41,7 @@ __all__ = [
     "FullStateCheckpointIO",
     "Hybrid3DStrategy",
     "MeshParallelStrategy",
+    "MeshThroughputMonitor",
     "PipelineStrategy",
     "TensorParallelStrategy",
     "ZeroPPPrecision",

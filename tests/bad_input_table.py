@@ -295,6 +295,17 @@ ROWS: list[BadInput] = [
     # --- precision
     BadInput("A precision plugin of another strategy family", lambda t: _deepspeed_precision(),
              ValueError, r"DeepSpeedPrecision.*cannot be used with lightning_dist strategies\. Pass `precision=` with one of: 32-true"),
+    BadInput("float8 without torchao installed", lambda t: _without_torchao(lambda: _fit(FSDP2Strategy(float8="rowwise"))),
+             ModuleNotFoundError, r"float8='rowwise' needs torchao, which is not installed\. Install it with: pip install 'lightning-dist\[fp8\]'"),
+    BadInput("An unknown float8 recipe", lambda t: FSDP2Strategy(float8="e4m3"),
+             ValueError, r"float8='e4m3' is not a float8 recipe\. Use one of \['rowwise', 'tensorwise', 'mxfp8'\]", CONSTRUCTION),
+    BadInput("float8 on a GPU without FP8 matmuls (an A100, SM80)", lambda t: _float8_on_gpu("rowwise", (8, 0)),
+             ValueError, r"float8='rowwise' needs FP8 matmuls, which need a GPU of compute capability 8\.9 or newer"),
+    BadInput("float8='mxfp8' on an H100 (SM90)", lambda t: _float8_on_gpu("mxfp8", (9, 0)),
+             ValueError, r"float8='mxfp8' needs .* 10\.0 or newer \(B200 or newer\); this GPU is 9\.0"),
+    BadInput("float8='tensorwise' with an int reshard_after_forward",
+             lambda t: _fit(FSDP2Strategy(float8="tensorwise", reshard_after_forward=2), devices=4),
+             ValueError, r"float8='tensorwise' all-gathers FP8 weights through FSDP2's tensor-subclass hooks, which torch does not support with an int reshard_after_forward=2"),
     # --- checkpoints and callbacks
     BadInput("A ckpt_path that does not exist", lambda t: _fit("fsdp2", ckpt_path=t / "epoch=3.ckpt"),
              CheckpointError, r"Checkpoint not found: '.*epoch=3\.ckpt' does not exist"),
@@ -307,6 +318,25 @@ ROWS: list[BadInput] = [
              lambda t: _fit("fsdp2", plugins=[AsyncDistributedCheckpointIO()], callbacks=[ModelCheckpoint(save_last="link")]),
              ValueError, r"ModelCheckpoint\(save_last='link'\) cannot be combined with AsyncDistributedCheckpointIO"),
 ]  # fmt: skip
+
+
+def _without_torchao(attempt: Callable[[], Any]) -> Any:
+    """``attempt()`` as on a machine where torchao is not installed (the package asks for its version there)."""
+    import lightning_dist.strategies.float8_setup as setup
+
+    found = setup.torchao_version
+    setup.torchao_version = lambda: None
+    try:
+        return attempt()
+    finally:
+        setup.torchao_version = found
+
+
+def _float8_on_gpu(recipe: str, capability: tuple[int, int]) -> None:
+    """The check ``fit`` runs before launch on CUDA, with the compute capability such a GPU reports (no GPU here)."""
+    from lightning_dist.parallel.float8 import float8_emulation
+
+    float8_emulation(recipe, "cuda", capability)  # type: ignore[arg-type]
 
 
 def _deepspeed_precision() -> None:

@@ -174,9 +174,14 @@ def is_norm(module: nn.Module) -> bool:
 
 
 def is_projection(module: nn.Module) -> bool:
-    """An ``nn.Linear`` (exactly, not a subclass with other semantics, except Falcon's plain ``x @ W.T + b``) or
+    """An ``nn.Linear`` (exactly, not a subclass with other semantics, except Falcon's plain ``x @ W.T + b`` and
+    torchao's ``Float8Linear``, the same product in FP8, which ``float8`` puts in before tensor parallelism) or
     Hugging Face's ``Conv1D``."""
-    return type(module) is nn.Linear or type(module).__name__ == "FalconLinear" or is_conv1d(module)
+    return type(module) is nn.Linear or type(module).__name__ in _LINEAR_SUBCLASSES or is_conv1d(module)
+
+
+#: ``nn.Linear`` subclasses whose forward is still ``x @ W.T + b`` (tensor-parallel styles apply to them).
+_LINEAR_SUBCLASSES = ("FalconLinear", "Float8Linear")
 
 
 def is_conv1d(module: nn.Module) -> bool:

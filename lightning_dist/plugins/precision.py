@@ -161,7 +161,8 @@ def unsupported_precision_message(precision: object) -> str:
     if str(precision).startswith("transformer-engine"):
         message += (
             " FP8 training through Transformer Engine is not implemented by lightning_dist: installing"
-            " transformer_engine does not change this. Use precision='bf16-mixed'."
+            " transformer_engine does not change this. Use precision='bf16-mixed' (or '32-true') with the strategy"
+            " option float8='rowwise' or 'tensorwise' for FP8 matmuls through torchao (docs/float8.md)."
         )
     return message
 

@@ -9,7 +9,8 @@ meta-device materialization and placement after sharding, equal replicated copie
 precision plugin). Mixins hold the rest, one job each: :class:`.parallelize_options.ParallelizeOptions` (the
 options every strategy shares, as a parallelize config, and the log of what it did),
 :class:`.processes.ProcessSetup` (devices, the launcher, the process group and the mesh, teardown),
-:class:`.model_setup.ModelSetup` (checks before launch, the model's set-up), :class:`.step_protocol.StepProtocol` (training, evaluation and optimizer steps, composed of each
+:class:`.model_setup.ModelSetup` (checks before launch, the model's set-up), :class:`.float8_setup.Float8Setup`
+(FP8 training), :class:`.step_protocol.StepProtocol` (training, evaluation and optimizer steps, composed of each
 parallelism's part), :class:`.collectives.MeshCollectives` (reductions over the right mesh group) and
 :class:`.checkpointing.ShardedCheckpointing` (saving and loading).
 
@@ -36,6 +37,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 
 from lightning_dist.parallel.compile import resolve_compile_options
+from lightning_dist.parallel.float8 import Float8Recipe, check_float8_recipe, check_float8_skip
 from lightning_dist.parallel.fsdp_options import (
     check_reshard_after_forward,
     check_reshard_after_forward_mesh,
@@ -51,6 +53,7 @@ from lightning_dist.parallel.validation import check_bool
 from lightning_dist.plugins.precision import FSDP2Precision, to_fsdp2_precision
 from lightning_dist.strategies.checkpointing import ShardedCheckpointing
 from lightning_dist.strategies.collectives import MeshCollectives
+from lightning_dist.strategies.float8_setup import Float8Setup
 from lightning_dist.strategies.model_setup import ModelSetup
 from lightning_dist.strategies.parallelize_options import ParallelizeOptions
 from lightning_dist.strategies.preflight import strategy_options, unknown_options_message
@@ -66,7 +69,14 @@ MeshSize = int | Literal["auto"]
 
 
 class MeshParallelStrategy(
-    ParallelizeOptions, ShardedCheckpointing, MeshCollectives, StepProtocol, ModelSetup, ProcessSetup, ParallelStrategy
+    ParallelizeOptions,
+    Float8Setup,
+    ShardedCheckpointing,
+    MeshCollectives,
+    StepProtocol,
+    ModelSetup,
+    ProcessSetup,
+    ParallelStrategy,
 ):
     """Base of all lightning_dist strategies (not registered itself).
 
@@ -91,8 +101,9 @@ class MeshParallelStrategy(
             nothing. The check costs one gradient norm pass and a tiny all-gather per optimizer step.
         compile: ``torch.compile`` the model's repeated blocks in place after tensor parallelism and activation
             checkpointing, before FSDP2 shards them (torchtitan's order; names and checkpoint keys do not change).
-            ``False`` (default), ``True`` (torch.compile's defaults) or a dict of ``torch.compile`` keyword arguments
-            such as ``{"mode": "max-autotune-no-cudagraphs"}``. A model the user compiled with
+            ``False``, ``True`` (torch.compile's defaults) or a dict of ``torch.compile`` keyword arguments
+            such as ``{"mode": "max-autotune-no-cudagraphs"}``; ``None`` (default): off, except with ``float8`` on
+            CUDA (FP8 is only fast compiled). A model the user compiled with
             ``torch.compile(model)`` is unwrapped first and compiled this way. Resolved in :attr:`compile_options`.
         reshard_after_forward: Whether FSDP2 frees a unit's gathered parameters after forward (and all-gathers them
             again in backward): ``True``, ``False``, or an int ``k`` that keeps a 1/k slice after forward so backward
@@ -109,6 +120,13 @@ class MeshParallelStrategy(
             full unsharded gradients held in between, as in DDP); ``"replicas_last"`` (with ``dp_replicate``, HSDP)
             reduce-scatters every micro-batch but all-reduces across replica groups only after the last. Only
             ``"every"`` under a pipeline (its schedule decides).
+        float8: FP8 training through torchao (``pip install 'lightning-dist[fp8]'``): ``"rowwise"``,
+            ``"tensorwise"`` (FP8 weight all-gather under FSDP2) or ``"mxfp8"`` (B200); ``None`` (default): off.
+            Converts every ``nn.Linear`` whose dims are multiples of 16 (32 for mxfp8), except the output head,
+            before any parallelism; weights and optimizer state stay in the base precision. Emulated on the CPU
+            (numerics only). See docs/float8.md.
+        float8_skip: Linear layers left out of ``float8``: a qualified module name or a regex matched against the
+            whole name (``"blocks\\.0\\..*"``), or a list of them.
     """
 
     #: Short name used in log lines ("fsdp2: ...").
@@ -124,12 +142,14 @@ class MeshParallelStrategy(
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         on_nonfinite: NonFiniteMode = "ignore",
-        compile: bool | dict[str, Any] = False,
+        compile: bool | dict[str, Any] | None = None,
         reshard_after_forward: bool | int | None = None,
         wrap_modules: list[type[Module] | str] | set[type[Module]] | None = None,
         wrap_regex: str | None = None,
         activation_checkpointing: bool = False,
         accumulation_sync: AccumulationSync = "every",
+        float8: Float8Recipe | None = None,
+        float8_skip: list[str] | str | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:  # a misspelt option of the concrete strategy arrives here, forwarded as a keyword
@@ -142,6 +162,9 @@ class MeshParallelStrategy(
         self.on_nonfinite = on_nonfinite
         #: The ``torch.compile`` keyword arguments of the ``compile`` option, or ``None`` when it is off.
         self.compile_options: dict[str, Any] | None = resolve_compile_options(compile)
+        self.compile_set = compile is not None  # else float8 on CUDA turns it on
+        self.float8 = check_float8_recipe(float8)
+        self.float8_skip = check_float8_skip(float8_skip)
         # The FSDP-family options: every strategy shards with FSDP2 wherever its mesh has data-parallel ranks.
         self.reshard_after_forward = check_reshard_after_forward(reshard_after_forward)
         self.wrap_modules, self.wrap_regex = check_unit_choice(wrap_modules, wrap_regex)

@@ -59,6 +59,7 @@ class ModelSetup(_Base):
         if getattr(self.model, PARALLELIZED, None) is None:
             self.model = self.precision_plugin.convert_module(self.model)
             self._adopt_user_compiled(self.model)
+            self.convert_float8(self.model)  # before any parallelism (torchtitan's order)
             self.model = self.parallelize(self.model)
             object.__setattr__(self.model, PARALLELIZED, parallel_settings(self))
             # Meta-initialized (empty_init) state is created where it will live: the CPU under offload.
@@ -102,6 +103,7 @@ class ModelSetup(_Base):
         check_checkpoint_callbacks(trainer)
         self._requested_weights_only = arguments.get("weights_only")
         check_ckpt_path(arguments.get("ckpt_path"), self._requested_weights_only)
+        self.check_float8()
         model = self.lightning_module
         if model is not None:
             self._adopt_user_compiled(model)  # compiled before fit: checked (and named) without `_orig_mod.`

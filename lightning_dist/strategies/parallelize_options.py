@@ -26,6 +26,8 @@ PARALLELIZE_OPTIONS = (
     "wrap_regex",
     "activation_checkpointing",
     "accumulation_sync",
+    "float8",
+    "float8_skip",
 )
 
 if TYPE_CHECKING:

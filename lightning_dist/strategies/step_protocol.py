@@ -16,7 +16,7 @@ A training step
     5. :meth:`StepProtocol.optimizer_step`'s closure, after backward: the pipeline sums a tied weight's gradients
        over its stages → parameters resharded → tensor-parallel gradients made consistent → ``on_nonfinite``.
     6. Lightning: gradient clipping (the precision plugin's global norm, over the pipeline stages too) → the
-       optimizer's step.
+       optimizer's step → ``float8='tensorwise'`` under FSDP2: the FP8 all-gather scales of the next forward.
 
 An evaluation step (validation, test, predict)
     1. :meth:`StepProtocol.transform_batch`, as above.
@@ -201,7 +201,12 @@ class StepProtocol:
                 self._guard_non_finite(result, optimizer)
             return result
 
-        return super().optimizer_step(optimizer, closure_then_reshard, model, **kwargs)
+        output = super().optimizer_step(optimizer, closure_then_reshard, model, **kwargs)
+        self.float8_after_optimizer_step()  # tensorwise under FSDP2: the next forward's FP8 all-gather scales
+        return output
+
+    def float8_after_optimizer_step(self) -> None:
+        """After every optimizer step (see :class:`~lightning_dist.strategies.float8_setup.Float8Setup`)."""
 
     def _guard_non_finite(self, loss: Any, optimizer: Any) -> None:
         """``on_nonfinite``: after backward, before clipping and the update, every rank learns which ranks saw a

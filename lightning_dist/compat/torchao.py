@@ -1,0 +1,107 @@
+"""torchao, the optional library behind ``float8=...`` (``pip install 'lightning-dist[fp8]'``): every torchao name
+lightning_dist uses, imported here only, with the version they were checked on.
+
+torchao is imported lazily (when a strategy converts a model, never when lightning_dist is imported). On a machine
+without CUDA its CUDA extension libraries fail to load with a warning per library; that warning is dropped here:
+emulation does not use them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from torch import nn
+
+#: The torchao versions the float8 code was tested with (pyproject's ``[fp8]`` extra pins the same range).
+TESTED_TORCHAO = ">=0.18,<0.19"
+INSTALL_LINE = "pip install 'lightning-dist[fp8]'  (or: pip install 'torchao>=0.18,<0.19')"
+
+#: Names from torchao's prototype namespace (not covered by its compatibility promise): ``name -> (checked on, use)``.
+PROTOTYPE_TORCHAO_NAMES: dict[str, tuple[str, str]] = {
+    "MXFP8TrainingOpConfig": ("torchao 0.18.0", "float8='mxfp8': the MXFP8 training config of nn.Linear weights"),
+    "MXFP8TrainingRecipe": ("torchao 0.18.0", "float8='mxfp8': the RCEIL recipe and its emulated variant"),
+    "MXFP8TrainingWeightWrapperTensor": ("torchao 0.18.0", "float8='mxfp8': recognizing a converted weight"),
+}
+
+
+def torchao_version() -> str | None:
+    """The installed torchao version, or ``None`` when torchao is not installed."""
+    try:
+        return version("torchao")
+    except PackageNotFoundError:
+        return None
+
+
+def missing_torchao_message(what: str) -> str:
+    return f"{what} needs torchao, which is not installed. Install it with: {INSTALL_LINE}"
+
+
+def _import(module: str) -> Any:
+    """Import a torchao module, without the warnings of its CUDA libraries failing to load on a CPU build."""
+    logger = logging.getLogger("torchao")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        return importlib.import_module(module)
+    finally:
+        logger.setLevel(level)
+
+
+def float8_linear_config(recipe: str, *, emulate: bool, fsdp_float8_all_gather: bool) -> Any:
+    """torchao's ``Float8LinearConfig`` for ``recipe`` (``"rowwise"``/``"tensorwise"``), emulated or not, with FSDP2's
+    float8 all-gather (tensorwise only) and its precomputed scales."""
+    float8 = _import("torchao.float8")
+    config = float8.Float8LinearConfig.from_recipe_name(recipe)
+    return dataclasses.replace(config, emulate=emulate, enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
+
+
+def convert_linears_to_float8(model: nn.Module, config: Any, keep: Callable[[nn.Module, str], bool]) -> None:
+    """Swap every ``nn.Linear`` of ``model`` that ``keep(module, name)`` accepts for a torchao ``Float8Linear``."""
+    _import("torchao.float8").convert_to_float8_training(model, module_filter_fn=keep, config=config)
+
+
+def mxfp8_config(*, emulate: bool) -> Any:
+    """torchao's MXFP8 training config (RCEIL scales; the emulated variant on hardware without SM100 kernels),
+    computing in the weights' own dtype."""
+    config_module = _import("torchao.prototype.moe_training.config")
+    recipe = config_module.MXFP8TrainingRecipe
+    config = config_module.MXFP8TrainingOpConfig.from_recipe(
+        recipe.MXFP8_EMULATED_RCEIL if emulate else recipe.MXFP8_RCEIL
+    )
+    return dataclasses.replace(config, out_dtype=None)
+
+
+def convert_linears_to_mxfp8(model: nn.Module, config: Any, keep: Callable[[nn.Module, str], bool]) -> None:
+    """Wrap the weight of every ``nn.Linear`` of ``model`` that ``keep(module, name)`` accepts in torchao's MXFP8
+    training tensor (the module stays an ``nn.Linear``; its matmuls run in MXFP8)."""
+    _import("torchao.quantization").quantize_(model, config, filter_fn=keep)
+
+
+def is_float8_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is a torchao FP8 linear: a ``Float8Linear``, or an ``nn.Linear`` whose weight is an MXFP8
+    training tensor."""
+    if torchao_version() is None:
+        return False
+    if isinstance(module, _import("torchao.float8.float8_linear").Float8Linear):
+        return True
+    wrapper = _import("torchao.prototype.moe_training.tensor").MXFP8TrainingWeightWrapperTensor
+    weight = getattr(module, "weight", None)
+    local = weight.to_local() if hasattr(weight, "to_local") else weight
+    return isinstance(local, wrapper)
+
+
+def precompute_float8_scales(module: nn.Module) -> None:
+    """One all-reduce computing the scales of every FSDP2-sharded float8 weight of ``module`` (after the optimizer
+    step), so that the next forward's float8 all-gathers need no amax of their own."""
+    _import("torchao.float8").precompute_float8_dynamic_scale_for_fsdp(module)
+
+
+def float8_tensor_parallel_styles() -> tuple[type, type, type]:
+    """torchao's ``Float8ColwiseParallel``, ``Float8RowwiseParallel`` and ``PrepareFloat8ModuleInput``."""
+    tp = _import("torchao.float8.float8_tensor_parallel")
+    return tp.Float8ColwiseParallel, tp.Float8RowwiseParallel, tp.PrepareFloat8ModuleInput

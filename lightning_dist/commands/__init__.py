@@ -17,6 +17,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "consolidate": ("consolidate", "merge a sharded checkpoint into one file"),
     "inspect": ("inspect_checkpoint", "summarize a checkpoint"),
     "plan": ("plan", "print the tensor-parallel plan (as YAML) or the pipeline stage split of a model"),
+    "verify": ("verify", "check that a configuration trains under its strategy as it does in one process"),
 }
 
 

@@ -1,0 +1,108 @@
+"""``lightning-dist verify``: does the user's own module train under a strategy as it does in one process?
+
+It trains the module for a few steps under the strategy, and again in one process (the reference) with the same
+global batch, the same samples in the same steps and the same initial weights (copied, not re-seeded), then
+compares what each step logged, the gradients, the parameters, the optimizer states, and a checkpoint saved under
+the strategy and loaded in one process. See ``docs/verify.md``.
+
+Where things are:
+    ``run.py``       the check from start to end (both launches, the checkpoint round trip, the report)
+    ``phase.py``     one run, in processes of its own (``python -m lightning_dist.verification.phase``)
+    ``recorder.py``  the callback both runs carry: initial weights, the reference's batch, the records
+    ``settings.py``  the options, and the Trainer settings both runs get from them
+    ``data.py``      the reference's data loaders (the strategy's global batch, on fewer ranks)
+    ``tensors.py``   parameters, gradients and optimizer states read whole, under the user's names
+    ``compare.py``   the comparison, as rows; ``causes.py`` the likely cause of a difference
+    ``report.py``    :class:`VerifyReport`: the table, the JSON, passed or not
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import sys
+from typing import Any
+
+from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
+
+from lightning_dist.verification.report import VerifyReport
+from lightning_dist.verification.run import VerifyError, run_check
+from lightning_dist.verification.settings import ONE_PROCESS, VerifySettings
+
+
+def verify(
+    model: LightningModule,
+    datamodule: LightningDataModule | None = None,
+    strategy: str | Strategy = "fsdp2",
+    devices: int = 2,
+    steps: int = 3,
+    *,
+    tolerance: float | None = None,
+    dtype: str | None = None,
+    against: str = ONE_PROCESS,
+    keep_dropout: bool = False,
+    seed: int = 0,
+    workdir: str | None = None,
+    timeout: float = 900.0,
+    **trainer_kwargs: Any,
+) -> VerifyReport:
+    """Check that ``model`` trains under ``strategy`` on ``devices`` processes as it does in one process.
+
+    The runs happen in new processes (as with ``Trainer(devices=N)``), so ``model`` and ``datamodule`` are pickled
+    to them: define their classes in an importable module or in the script you run (guarded by
+    ``if __name__ == "__main__":``), not in a notebook cell. ``model`` itself is not changed.
+
+    Args:
+        model: The LightningModule (its data from its own ``*_dataloader`` hooks unless ``datamodule`` is given).
+        datamodule: The data, if not the module's own hooks.
+        strategy: The strategy to check: a registered name or an instance.
+        devices: Processes (devices) per node of the strategy's run.
+        steps: Optimizer steps each run trains.
+        tolerance, dtype, against, keep_dropout, seed, workdir, timeout: As in
+            :class:`~lightning_dist.verification.settings.VerifySettings`.
+        **trainer_kwargs: Any other ``Trainer`` arguments of the run (``precision``, ``accelerator``,
+            ``accumulate_grad_batches``, ``gradient_clip_val``, ...).
+
+    Returns:
+        The :class:`VerifyReport`; ``bool(report)`` is whether everything matched within the tolerance.
+    """
+    settings = VerifySettings(steps, tolerance, dtype, against, keep_dropout, workdir, seed, timeout)
+    kwargs = {"strategy": strategy, "devices": devices, **trainer_kwargs}
+    main_path = getattr(sys.modules["__main__"], "__file__", None)
+    try:
+        objects = pickle.dumps({"model": model, "datamodule": datamodule, "trainer_kwargs": kwargs})
+    except Exception as error:  # pickling fails in many ways; all of them end here
+        raise VerifyError(
+            f"verify runs the model in new processes and could not pickle it ({error}). Define the module's classes"
+            " in an importable file and keep unpicklable objects (open files, lambdas) out of its attributes."
+        ) from error
+    if main_path is None and b"__main__" in objects:
+        raise VerifyError(
+            "verify runs the model in new processes, which cannot import classes defined in an interactive session"
+            " or notebook. Move the LightningModule (and data) classes into a .py file and import them."
+        )
+    name = strategy if isinstance(strategy, str) else type(strategy).__name__
+    return run_check(
+        settings,
+        copy.deepcopy(model),
+        name,
+        str(trainer_kwargs.get("precision", "32-true")),
+        {"cli_args": None, "main_path": main_path},
+        stated_tolerance(strategy),
+        (devices, int(trainer_kwargs.get("num_nodes", 1))),
+        objects=objects,
+    )
+
+
+def stated_tolerance(strategy: str | Strategy | Any) -> tuple[float, str, tuple[str, ...]] | None:
+    """What a strategy states about its own comparison (``verification_tolerance``: ZeRO++'s quantized
+    communication), for a registered name or an instance."""
+    if isinstance(strategy, str) and strategy in StrategyRegistry:
+        entry = StrategyRegistry[strategy]
+        strategy = entry["strategy"](**entry["init_params"])
+    stated = getattr(strategy, "verification_tolerance", None)
+    return stated() if callable(stated) else None
+
+
+__all__ = ["VerifyError", "VerifyReport", "VerifySettings", "stated_tolerance", "verify"]

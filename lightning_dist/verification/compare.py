@@ -1,0 +1,192 @@
+"""The comparison of a verify check: the strategy's records against the reference's, as rows of a report.
+
+Differences are relative: a tensor's ``max|a − b| / max|b|`` (its largest error against its largest value), a
+scalar's ``|a − b| / max(|b|, 1)``. A row passes when its difference is at most the tolerance.
+
+What is compared, in the order a training step produces it (the first row over the tolerance is the first
+difference): per training batch, the loss and every logged value; per optimizer step, the learning rates, the
+gradient norm and every parameter's gradient; after validation, the logged values; at the end, the parameters, the
+optimizer states and the checkpoint round trip. Copies of one parameter on several ranks of the strategy's run must
+agree with each other too (``replicas``): a gradient that was not reduced shows there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+#: How many of the worst parameters the parameter row names.
+WORST = 5
+
+
+@dataclasses.dataclass
+class Row:
+    """One compared quantity. ``when`` is the step or moment, ``worst`` the names that differ most (worst first)."""
+
+    quantity: str
+    when: str
+    difference: float
+    tolerance: float
+    worst: list[tuple[str, float]] = dataclasses.field(default_factory=list)
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.difference <= self.tolerance
+
+
+def tensor_difference(a: Tensor | None, b: Tensor | None) -> float:
+    """``max|a − b| / max|b|`` (``inf`` when only one exists or the shapes differ)."""
+    if a is None or b is None:
+        return 0.0 if a is None and b is None else math.inf
+    if a.shape != b.shape:
+        return math.inf
+    a, b = a.double(), b.double()
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    error = float((a - b).abs().max()) if b.numel() else 0.0
+    return error / scale if scale > 0 else error
+
+
+def scalar_difference(a: float | None, b: float | None) -> float:
+    """``|a − b| / max(|b|, 1)`` (``inf`` when only one exists)."""
+    if a is None or b is None:
+        return 0.0 if a is None and b is None else math.inf
+    if math.isnan(a) and math.isnan(b):
+        return 0.0
+    return abs(a - b) / max(abs(b), 1.0)
+
+
+def merge_ranks(records: list[dict[str, Tensor | None]]) -> tuple[dict[str, Tensor | None], list[Row]]:
+    """One tensor per name from the ranks' dicts (a pipeline rank holds its stages' names only), and a row per name
+    whose copies on different ranks disagree (``replicas``)."""
+    merged: dict[str, Tensor | None] = {}
+    first_rank: dict[str, int] = {}
+    disagreements = []
+    for rank, record in enumerate(records):
+        for name, tensor in record.items():
+            if name not in merged:
+                merged[name], first_rank[name] = tensor, rank
+                continue
+            diff = tensor_difference(tensor, merged[name])
+            if diff > 0:
+                disagreements.append((name, diff, first_rank[name], rank))
+    rows = [
+        Row("replicas", "", diff, 0.0, [(name, diff)], f"{name}: rank {r} differs from rank {r0}")
+        for name, diff, r0, r in disagreements
+    ]
+    return merged, rows
+
+
+def compare_tensors(
+    quantity: str, when: str, ours: dict[str, Tensor | None], ref: dict[str, Tensor | None], tolerance: float
+) -> Row:
+    """One row for a dict of tensors: the worst difference, the names that differ most, and names on one side
+    only."""
+    diffs = {name: tensor_difference(ours.get(name), ref.get(name)) for name in sorted(set(ours) | set(ref))}
+    worst = sorted(diffs.items(), key=lambda item: -item[1])[:WORST]
+    only = sorted(set(ours) ^ set(ref))
+    detail = f"only on one side: {', '.join(only[:WORST])}" if only else ""
+    return Row(quantity, when, max(diffs.values(), default=0.0), tolerance, worst, detail)
+
+
+def gradient_norm(grads: dict[str, Tensor | None]) -> float:
+    """The global 2-norm of the gradients."""
+    return math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values() if g is not None))
+
+
+def compare_runs(ours: list[dict[str, Any]], ref: list[dict[str, Any]], tolerance: float) -> list[Row]:
+    """Every row of the report, in the order a run produces the quantities (see the module docstring)."""
+    rows: list[Row] = []
+    ref_losses, our_losses = ref[0]["losses"], ours[0]["losses"]
+    logged = {entry["when"]: entry["values"] for entry in ref[0]["logged"]}
+    our_logged = {entry["when"]: entry["values"] for entry in ours[0]["logged"]}
+    steps = _steps_by_batch(ours[0], ref[0])
+    for when in dict.fromkeys([*logged, *our_logged]):
+        if when.startswith("train batch "):
+            index = int(when.rsplit(" ", 1)[1])
+            rows.append(Row("loss", when, scalar_difference(_at(our_losses, index), _at(ref_losses, index)), tolerance))
+        rows += _logged_rows(when, our_logged.get(when, {}), logged.get(when, {}), tolerance)
+        for key in steps.get(when, []):
+            rows += _step_rows(key, ours, ref, tolerance)
+    params, replica_rows = merge_ranks([r["params"] for r in ours])
+    rows += replica_rows
+    rows.append(compare_tensors("parameters", "end", params, ref[0]["params"], tolerance))
+    for index, (mine, theirs) in enumerate(zip(ours[0]["optimizers"], ref[0]["optimizers"])):
+        merged = _merge_optimizer([r["optimizers"][index] for r in ours])
+        rows.append(_compare_optimizer(index, merged, theirs, tolerance))
+    return rows
+
+
+def _at(values: list[Any], index: int) -> Any:
+    return values[index] if index < len(values) else None
+
+
+def _steps_by_batch(ours: dict[str, Any], ref: dict[str, Any]) -> dict[str, list[tuple[int, int]]]:
+    """The optimizer steps (optimizer, step) taken in each training batch, by its logged moment."""
+    placed: dict[str, list[tuple[int, int]]] = {}
+    for record in (ref, ours):
+        for step in record["steps"]:
+            keys = placed.setdefault(f"train batch {step['batch']}", [])
+            if (step["optimizer"], step["step"]) not in keys:
+                keys.append((step["optimizer"], step["step"]))
+    return placed
+
+
+def _logged_rows(when: str, ours: dict[str, float], ref: dict[str, float], tolerance: float) -> list[Row]:
+    rows = []
+    for name in sorted(set(ours) | set(ref)):
+        detail = "" if name in ours and name in ref else ("not logged by the reference" if name in ours else
+                                                          "not logged under the strategy")  # fmt: skip
+        rows.append(
+            Row(f"logged {name}", when, scalar_difference(ours.get(name), ref.get(name)), tolerance, [], detail)
+        )
+    return rows
+
+
+def _step_rows(
+    key: tuple[int, int], ours: list[dict[str, Any]], ref: list[dict[str, Any]], tolerance: float
+) -> list[Row]:
+    optimizer, step = key
+    when = (
+        f"optimizer {optimizer} step {step}" if len({s["optimizer"] for s in ref[0]["steps"]}) > 1 else f"step {step}"
+    )
+    ref_step = next((s for s in ref[0]["steps"] if (s["optimizer"], s["step"]) == key), None)
+    our_steps = [next((s for s in r["steps"] if (s["optimizer"], s["step"]) == key), None) for r in ours]
+    if ref_step is None or any(s is None for s in our_steps):
+        side = "the reference" if ref_step is None else "the strategy's run"
+        return [Row("optimizer step", when, math.inf, tolerance, [], f"{side} did not take this step")]
+    lr = max(scalar_difference(a, b) for a, b in zip(our_steps[0]["lrs"], ref_step["lrs"]))
+    grads, replica_rows = merge_ranks([s["grads"] for s in our_steps])
+    for row in replica_rows:
+        row.quantity, row.when = "gradient replicas", when
+    norm = scalar_difference(gradient_norm(grads), gradient_norm(ref_step["grads"]))
+    return [
+        Row("learning rate", when, lr, tolerance),
+        *replica_rows,
+        Row("gradient norm", when, norm, tolerance),
+        compare_tensors("gradients", when, grads, ref_step["grads"], tolerance),
+    ]
+
+
+def _merge_optimizer(ranks: list[dict[str, dict[str, Any]]]) -> dict[str, Tensor | None]:
+    flat: list[dict[str, Tensor | None]] = []
+    for record in ranks:
+        flat.append({f"{name} {key}": _as_tensor(v) for name, state in record.items() for key, v in state.items()})
+    return merge_ranks(flat)[0]
+
+
+def _compare_optimizer(
+    index: int, ours: dict[str, Tensor | None], ref: dict[str, dict[str, Any]], tolerance: float
+) -> Row:
+    flat = {f"{name} {key}": _as_tensor(v) for name, state in ref.items() for key, v in state.items()}
+    row = compare_tensors("optimizer state", "end", ours, flat, tolerance)
+    row.when = f"end (optimizer {index})"
+    return row
+
+
+def _as_tensor(value: Any) -> Tensor:
+    return value if isinstance(value, Tensor) else torch.tensor(float(value), dtype=torch.float64)

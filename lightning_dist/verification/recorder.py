@@ -1,0 +1,163 @@
+"""The callback verify adds to both runs: it gives the module the shared initial weights, gives the reference the
+strategy's global batch, and records on every rank what the comparison needs (``<workdir>/<role>/rank<r>.pt``).
+
+Every hook here runs on every rank, because reading a logged value synced with ``sync_dist=True`` and reading a
+sharded tensor whole are collectives.
+"""
+
+from __future__ import annotations
+
+import os
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_dist.verification.data import loader_batch_sizes, scale_dataloader_hooks
+from lightning_dist.verification.tensors import (
+    full_gradients,
+    full_optimizer_state,
+    full_parameters,
+    load_initial_weights,
+    zero_dropout,
+)
+
+
+class VerifyRecorder(Callback):
+    """Records one run of ``lightning-dist verify`` (see :mod:`lightning_dist.verification`).
+
+    Args:
+        workdir: The verify run's folder; this run writes ``<workdir>/<role>/``.
+        role: ``"candidate"`` (the strategy under test) or ``"reference"``.
+        candidate_replicas: The reference's: how many data-parallel ranks the strategy's run had, so that its own
+            batch size becomes the strategy's per-rank one × that / its own ranks (0: the candidate, no change).
+        keep_dropout: Leave dropout on (its draws cannot agree between layouts, so verify zeroes it by default).
+        save_checkpoint: Save a checkpoint at the end (the candidate's, for the round trip).
+    """
+
+    def __init__(
+        self,
+        workdir: str,
+        role: str,
+        candidate_replicas: int = 0,
+        keep_dropout: bool = False,
+        save_checkpoint: bool = False,
+    ) -> None:
+        self.folder = Path(workdir) / role
+        self.initial = Path(workdir) / "initial.pt"
+        self.candidate_replicas = candidate_replicas
+        self.keep_dropout = keep_dropout
+        self.save_checkpoint = save_checkpoint
+        self.record: dict[str, Any] = {"logged": [], "losses": [], "steps": [], "dropout_zeroed": []}
+        self._optimizer_steps: dict[int, int] = {}
+        self._batch_idx = self._batches = 0
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        configure_model = pl_module.configure_model
+
+        def configure_then_load() -> None:  # Lightning calls it just before the strategy parallelizes the module
+            configure_model()
+            load_initial_weights(pl_module, torch.load(self.initial, map_location="cpu", weights_only=True))
+            if not self.keep_dropout:
+                self.record["dropout_zeroed"] = zero_dropout(pl_module)
+
+        pl_module.configure_model = configure_then_load  # type: ignore[method-assign]
+        if self.candidate_replicas:
+            scale = Fraction(self.candidate_replicas, _replicas(trainer))
+            scale_dataloader_hooks(trainer.datamodule if trainer.datamodule is not None else pl_module, scale)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        val = [] if trainer.val_dataloaders is None else loader_batch_sizes(trainer.val_dataloaders)
+        self.record["meta"] = {
+            "rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "replicas": _replicas(trainer),
+            "train_batch_sizes": loader_batch_sizes(trainer.train_dataloader),
+            "val_batch_sizes": val,
+            "strategy": type(strategy).__name__,
+            "mesh": str(getattr(strategy, "parallel_dims", "")),
+            "precision": str(trainer.precision),
+            "accumulate_grad_batches": trainer.accumulate_grad_batches,
+        }
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._batch_idx = self._batches  # counted over epochs: batch_idx starts again at 0 in each
+        self._batches += 1
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, Tensor):
+            loss = float(trainer.strategy.reduce(loss.detach().clone(), reduce_op="mean"))
+        self.record["losses"].append(loss)
+        self._log_values(trainer, f"train batch {self._batch_idx}")
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        index = _optimizer_index(trainer, optimizer)
+        step = self._optimizer_steps[index] = self._optimizer_steps.get(index, -1) + 1
+        self.record["steps"].append(
+            {
+                "optimizer": index,
+                "step": step,
+                "batch": self._batch_idx,
+                "lrs": [float(group["lr"]) for group in optimizer.param_groups],
+                "grads": full_gradients(pl_module),
+            }
+        )
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._log_values(trainer, f"validation after step {trainer.global_step}")
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log_values(trainer, "end of training")
+        self.record["params"] = full_parameters(pl_module)
+        self.record["optimizers"] = [full_optimizer_state(pl_module, opt) for opt in trainer.optimizers]
+        if self.save_checkpoint:
+            trainer.save_checkpoint(self.folder / "checkpoint")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"rank{trainer.global_rank}.pt"
+        torch.save(self.record, path.with_suffix(".tmp"))
+        os.replace(path.with_suffix(".tmp"), path)
+
+    def _log_values(self, trainer: pl.Trainer, when: str) -> None:
+        values = {
+            name: float(value)
+            for name, value in trainer.callback_metrics.items()
+            if isinstance(value, Tensor) and value.numel() == 1
+        }
+        self.record["logged"].append({"when": when, "step": trainer.global_step, "values": values})
+
+
+def _optimizer_index(trainer: pl.Trainer, optimizer: Optimizer) -> int:
+    for index, candidate in enumerate(trainer.optimizers):
+        if candidate is optimizer or getattr(candidate, "optimizer", None) is optimizer:
+            return index
+    return 0
+
+
+def _replicas(trainer: pl.Trainer) -> int:
+    """The data-parallel ranks of ``trainer``'s strategy: the number of different batches one step reads."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return int(kwargs.get("num_replicas", 1))

@@ -1,0 +1,180 @@
+"""A verify check from start to end: the shared initial weights, the strategy's run, the reference's run, the
+comparison, the checkpoint round trip and the report.
+
+The two runs are separate launches (:mod:`lightning_dist.verification.phase`) in a work folder of verify's own; this
+process only builds the module once (for its initial weights, and at the end to load the strategy's checkpoint
+the way one process would).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_dist.checkpoint.consolidate import load_full_checkpoint
+from lightning_dist.verification.causes import likely_causes
+from lightning_dist.verification.compare import Row, compare_runs, merge_ranks, tensor_difference
+from lightning_dist.verification.report import VerifyReport
+from lightning_dist.verification.settings import ONE_PROCESS, VerifySettings, default_tolerance, reference_strategy
+from lightning_dist.verification.tensors import initial_state
+
+#: A file verify writes first into its work folder; a folder without it that is not empty is not verify's to use.
+MARKER = "lightning-dist-verify"
+_ENV_OF_A_LAUNCH = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED")
+
+
+class VerifyError(RuntimeError):
+    """verify cannot run the check it was asked for (an unusable work folder, data it cannot scale)."""
+
+
+def prepare_workdir(settings: VerifySettings) -> tuple[Path, bool]:
+    """verify's work folder, and whether verify created it (then it is removed after a passing check)."""
+    if settings.workdir is None:
+        return Path(tempfile.mkdtemp(prefix="lightning-dist-verify-")), True
+    path = Path(settings.workdir)
+    if path.exists() and any(path.iterdir()) and not (path / MARKER).exists():
+        raise VerifyError(
+            f"--workdir {str(path)!r} is not empty and was not made by verify; verify writes and replaces files in"
+            " its work folder. Give a new or empty folder."
+        )
+    for role in ("candidate", "reference"):  # a previous check's runs: verify's own files
+        shutil.rmtree(path / role, ignore_errors=True)
+    path.mkdir(parents=True, exist_ok=True)
+    return path, False
+
+
+def run_check(
+    settings: VerifySettings,
+    module: nn.Module,
+    strategy: str,
+    precision: str,
+    shared: dict[str, Any],
+    stated_tolerance: tuple[float, str, tuple[str, ...]] | None = None,
+    devices: tuple[Any, int] = (1, 1),
+    objects: bytes | None = None,
+) -> VerifyReport:
+    """Run the check on ``module`` (a copy this function may change), whose runs are described by ``shared`` (what
+    :mod:`~lightning_dist.verification.phase` reads: ``cli_args``, or the Python API's ``main_path`` and its pickled
+    ``objects``). ``stated_tolerance`` is the strategy's own (tolerance, why, the quantities it holds for)."""
+    start = time.perf_counter()
+    workdir, temporary = prepare_workdir(settings)
+    (workdir / MARKER).write_text("a lightning-dist verify work folder\n")
+    if objects is not None:
+        (workdir / "objects.pkl").write_bytes(objects)
+    tolerance, reason = _tolerance(settings, precision, stated_tolerance)
+    against = "one process" if settings.against == ONE_PROCESS else f"{settings.against} on the same processes"
+    report = VerifyReport(strategy, against, tolerance, reason, settings.steps, workdir=str(workdir))
+    if hasattr(module, "configure_model"):
+        module.configure_model()
+    torch.save(initial_state(module), workdir / "initial.pt")
+    (workdir / "settings.json").write_text(json.dumps({"settings": vars(settings), **shared}))
+    (workdir / "candidate.json").write_text(json.dumps({}))
+    ours = _run(workdir, "candidate", settings.timeout, report)
+    if ours is not None:
+        meta = ours[0]["meta"]
+        report.strategy = f"{strategy} ({meta['mesh']})" if meta["mesh"] else strategy
+        role = {"trainer": reference_strategy(settings.against, *devices), "candidate_replicas": meta["replicas"]}
+        (workdir / "reference.json").write_text(json.dumps(role))
+        ref = _run(workdir, "reference", settings.timeout, report)
+        if ref is not None:
+            report.rows = compare_runs(ours, ref, tolerance)
+            if stated_tolerance is not None and settings.tolerance is None:
+                report.notes.append(_limit_to(report.rows, stated_tolerance))
+            report.rows.append(_checkpoint_row(module, workdir / "candidate" / "checkpoint", ours))
+            report.causes = likely_causes(report.rows, module)
+            zeroed = ours[0]["dropout_zeroed"]
+            if zeroed:
+                report.notes.append(f"dropout set to 0 on both sides in {len(zeroed)} places ({', '.join(zeroed[:4])}"
+                                    f"{', ...' if len(zeroed) > 4 else ''}); --keep-dropout leaves it on")  # fmt: skip
+    report.seconds = time.perf_counter() - start
+    if report.passed and temporary:
+        shutil.rmtree(workdir, ignore_errors=True)
+        report.workdir = ""
+    return report
+
+
+def _limit_to(rows: list[Row], stated: tuple[float, str, tuple[str, ...]]) -> str:
+    """Rows the strategy's stated tolerance does not cover become informational (compared, not judged)."""
+    covered = stated[2]
+    skipped = sorted({row.quantity for row in rows if not row.quantity.startswith(covered) and row.quantity not in
+                      ("replicas", "gradient replicas", "checkpoint")})  # fmt: skip
+    for row in rows:
+        if row.quantity in skipped:
+            row.tolerance, row.detail = float("inf"), "shown, not judged: " + stated[1]
+    return f"{stated[1]}; judged: {', '.join(covered)}, replicas and the checkpoint; shown only: {', '.join(skipped)}"
+
+
+def _tolerance(
+    settings: VerifySettings, precision: str, stated: tuple[float, str, tuple[str, ...]] | None
+) -> tuple[float, str]:
+    if settings.tolerance is not None:
+        return settings.tolerance, "given"
+    precision = settings.precision_override or precision
+    by_dtype = default_tolerance(precision)
+    if stated is not None and stated[0] > by_dtype:
+        return stated[0], stated[1]
+    return by_dtype, f"the default for {precision}"
+
+
+def _run(workdir: Path, role: str, timeout: float, report: VerifyReport) -> list[dict[str, Any]] | None:
+    """Launch ``role``'s run; its ranks' records, or ``None`` with ``report.failure`` saying why there are none."""
+    env = {k: v for k, v in os.environ.items() if k not in _ENV_OF_A_LAUNCH}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+    log = workdir / f"{role}.log"
+    command = [sys.executable, "-m", "lightning_dist.verification.phase", str(workdir), role]
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+            process.wait()
+            code = None
+    paths = sorted((workdir / role).glob("rank*.pt"), key=lambda p: int(p.stem[4:]))
+    if code == 0 and paths:
+        return [torch.load(path, map_location="cpu", weights_only=True) for path in paths]
+    what = "the strategy's run" if role == "candidate" else "the reference run"
+    if code is None:
+        report.failure = f"{what} did not finish in {timeout:.0f} s (log: {log})"
+    else:
+        report.failure = f"{what} failed: {last_error(log.read_text(errors='replace'))} (log: {log})"
+    return None
+
+
+def last_error(log: str) -> str:
+    """The last exception line of a run's output (``Type: message``), or its last line."""
+    errors = re.findall(r"^(?:[\w.]+(?:Error|Exception|Exit)|[\w.]*Misconfiguration\w*)\b:? ?.*$", log, re.MULTILINE)
+    if errors:
+        return errors[-1].strip()
+    lines = [line for line in log.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "no output"
+
+
+def _checkpoint_row(module: nn.Module, path: Path, ours: list[dict[str, Any]]) -> Row:
+    """The checkpoint saved under the strategy, loaded into the module in this one process (strictly), against the
+    weights the strategy's run ended with: they must be equal."""
+    try:
+        state = load_full_checkpoint(path)["state_dict"]
+        loaded = copy.deepcopy(module)
+        dtypes = {v.dtype for v in state.values() if torch.is_floating_point(v)}
+        if len(dtypes) == 1:
+            loaded.to(dtypes.pop())
+        loaded.load_state_dict(state, strict=True)
+    except Exception as error:  # noqa: BLE001  (any failure to load is what this row reports)
+        return Row("checkpoint", "end", float("inf"), 0.0, [], f"could not load it in one process: {error}")
+    params, _ = merge_ranks([r["params"] for r in ours])
+    diffs = {n: tensor_difference(p.detach(), params.get(n)) for n, p in loaded.named_parameters()}
+    worst = sorted(diffs.items(), key=lambda item: -item[1])[:5]
+    return Row("checkpoint", "end", max(diffs.values(), default=0.0), 0.0, worst, "saved, then loaded in one process")

@@ -1,0 +1,127 @@
+"""What a rank holds, as one process would hold it: parameters, gradients and optimizer states as whole CPU tensors,
+in the model's own row order, under the names of the user's module.
+
+Every function that reads a DTensor is a collective over that DTensor's mesh: every rank of the mesh must call it
+on the same parameters in the same order (they do: ranks of one mesh hold the same modules).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_dist.parallel.tensor_parallel import permuted_parameters, to_checkpoint_order
+
+_DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+# Module wrappers that add a segment to parameter names: activation checkpointing, torch.compile, FSDP1-style.
+_WRAPPER_SEGMENTS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)(?=\.)")
+
+
+def user_name(name: str) -> str:
+    """``name`` without the segments wrappers insert (``_orig_mod``, ``_checkpoint_wrapped_module``)."""
+    return _WRAPPER_SEGMENTS.sub("", name).lstrip(".")
+
+
+def _whole(tensor: Tensor, permuted: tuple[Any, int, Tensor] | None) -> Tensor:
+    if permuted is not None:  # fused q/k/v rows under tensor parallelism: back to the model's order
+        tensor = to_checkpoint_order(tensor, permuted[1], permuted[2])
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
+    return tensor.detach().to("cpu", copy=True)
+
+
+def full_parameters(module: nn.Module) -> dict[str, Tensor]:
+    """Every parameter this rank holds, whole, by user name (collective over each DTensor's mesh)."""
+    permuted = permuted_parameters(module)
+    return {user_name(n): _whole(p, permuted.get(n)) for n, p in module.named_parameters()}
+
+
+def full_gradients(module: nn.Module) -> dict[str, Tensor | None]:
+    """The gradient of every parameter this rank holds, whole, by user name (``None``: no gradient)."""
+    permuted = permuted_parameters(module)
+    return {
+        user_name(n): None if p.grad is None else _whole(p.grad, permuted.get(n)) for n, p in module.named_parameters()
+    }
+
+
+def full_optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, dict[str, Tensor | float]]:
+    """The optimizer's state of every parameter of ``module`` it holds: user name → state name → whole value."""
+    permuted = permuted_parameters(module)
+    states: dict[str, dict[str, Tensor | float]] = {}
+    for name, param in module.named_parameters():
+        state = optimizer.state.get(param)
+        if not state:
+            continue
+        values: dict[str, Tensor | float] = {}
+        for key, value in sorted(state.items()):
+            if isinstance(value, Tensor) and value.dim() > 0 and value.shape == param.shape:
+                values[key] = _whole(value, permuted.get(name))
+            elif isinstance(value, Tensor):
+                values[key] = float(value.full_tensor() if isinstance(value, DTensor) else value)
+            elif isinstance(value, (int, float)):
+                values[key] = float(value)
+        states[user_name(name)] = values
+    return states
+
+
+def zero_dropout(module: nn.Module) -> list[str]:
+    """Set every dropout probability in ``module`` to 0 and return the names of what was changed.
+
+    Dropout draws cannot agree between layouts: one process draws one mask for the global batch, each rank its own
+    for its part. ``nn.Dropout`` modules, and the float attributes models keep for functional dropout
+    (``attention_dropout``, ``attn_pdrop``, ...), are zeroed.
+    """
+    changed = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, _DROPOUT_MODULES) and sub.p > 0:
+            sub.p = 0.0
+            changed.append(name)
+            continue
+        for attr, value in list(vars(sub).items()):
+            if isinstance(value, float) and value > 0 and ("dropout" in attr or "pdrop" in attr):
+                setattr(sub, attr, 0.0)
+                changed.append(f"{name}.{attr}" if name else attr)
+    return changed
+
+
+def load_initial_weights(module: nn.Module, state: dict[str, Tensor]) -> None:
+    """Copy ``state`` (the parameters and buffers of an identical module) into ``module``, in place."""
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise RuntimeError(
+            "verify could not give both runs the same initial weights: the module built in this process does not have"
+            f" the same parameters as the one built first (missing {missing[:5]}, unexpected {unexpected[:5]})."
+            " Build every parameter in __init__ or configure_model from the constructor arguments only."
+        )
+
+
+def initial_state(module: nn.Module) -> dict[str, Tensor]:
+    """The parameters and buffers of an unparallelized ``module``, as CPU copies (for :func:`load_initial_weights`)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items() if isinstance(v, Tensor)}
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """The bytes of every tensor in a nested dict/list of them."""
+    if isinstance(tensors, Tensor):
+        return tensors.numel() * tensors.element_size()
+    if isinstance(tensors, dict):
+        return sum(tensor_bytes(v) for v in tensors.values())
+    if isinstance(tensors, (list, tuple)):
+        return sum(tensor_bytes(v) for v in tensors)
+    return 0
+
+
+__all__ = [
+    "full_gradients",
+    "full_optimizer_state",
+    "full_parameters",
+    "initial_state",
+    "load_initial_weights",
+    "tensor_bytes",
+    "user_name",
+    "zero_dropout",
+]

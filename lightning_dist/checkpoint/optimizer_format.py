@@ -23,7 +23,9 @@ def names_to_positions(state: dict[str, Any]) -> dict[str, Any]:
             ids.append(position[name])
         group["params"] = ids
         groups.append(group)
-    return {"state": {position[name]: value for name, value in state["state"].items()}, "param_groups": groups}
+    # An optimizer without per-parameter state (SGD without momentum) has an empty "state", which DCP does not write.
+    per_parameter = state.get("state", {})
+    return {"state": {position[name]: value for name, value in per_parameter.items()}, "param_groups": groups}
 
 
 def positions_to_names(state: dict[str, Any], names_in_order: list[list[str]]) -> dict[str, Any]:

@@ -34,7 +34,7 @@ def describe(
         extras: Lines of the strategy's own (its collectives, its attention...), logged after these.
     """
     stage = " per stage" if per_stage else ""
-    lines = []
+    lines = [record.experts.describe()] if record.experts is not None else []
     if record.checkpointed:
         lines.append(f"activation checkpointing on {record.checkpointed}{stage}")
     if record.compiled:
@@ -45,6 +45,7 @@ def describe(
         where = f"dp_shard={dims.dp_shard}" + (f" × cp={dims.cp}" if dims.cp > 1 else "")
         where += f" × dp_replicate={dims.dp_replicate}" if dims.dp_replicate > 1 else ""
         where += " (gradients averaged over cp)" if dims.cp > 1 else ""
+        where += " (experts left out: split over ep)" if record.experts is not None else ""
         lines.append(
             f"{label} sharded {record.units}"
             + (f" + {', '.join(name for name, _ in config.extra_units)}" if config.extra_units else "")

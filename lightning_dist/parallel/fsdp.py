@@ -48,9 +48,11 @@ def apply_fsdp(
     blocks: Iterable[nn.Module],
     config: FSDPConfig,
     root_mp_policy: MixedPrecisionPolicy | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> list[nn.Module]:
     """Shard every block as its own communication group, then everything outside the blocks (embeddings, final norm,
     head) as one group kept gathered from forward to the end of backward, then the root. Returns that group.
+    ``ignored_params`` stay as they are in every unit (expert-parallel experts, sharded over ep already).
 
     ``mesh`` is 1-D (fully sharded) or 2-D ``(replicate, shard)`` (HSDP). The modules outside the blocks run first
     and last in forward, so backward needs them again at once. They are not left to the root: the root's "forward"
@@ -69,6 +71,7 @@ def apply_fsdp(
                 reshard_after_forward=config.reshard_after_forward,
                 mp_policy=config.mp_policy,
                 offload_policy=config.offload_policy,
+                ignored_params=ignored_params,
             )
     outside = modules_outside(model, blocks)
     if outside:
@@ -78,6 +81,7 @@ def apply_fsdp(
             reshard_after_forward=False,
             mp_policy=config.mp_policy,
             offload_policy=config.offload_policy,
+            ignored_params=ignored_params,
         )
         _ignore_view_output_warning(outside)
     fully_shard(
@@ -86,6 +90,7 @@ def apply_fsdp(
         reshard_after_forward=False,
         mp_policy=root_mp_policy or config.mp_policy,
         offload_policy=config.offload_policy,
+        ignored_params=ignored_params,
     )
     return outside
 

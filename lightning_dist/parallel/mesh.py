@@ -6,6 +6,11 @@ size 1. Three derived groups are named once here and used everywhere:
 - ``batch`` = dp_replicate × dp_shard: ranks that see different data (the sampler's replicas).
 - ``fsdp``  = dp_shard × cp: parameters are sharded and gradients reduced over it.
 - ``loss``  = dp_replicate × dp_shard × cp: logged scalars are averaged over it.
+
+Expert parallelism (``ep``) is not a sixth axis: as in torchtitan it borrows ranks from ``fsdp`` (ep divides
+dp_shard × cp). ``mesh["ep"]`` is the inner ``ep`` ranks of each fsdp group (they exchange tokens and each holds
+``E/ep`` experts); ``mesh["ep_replicas"]`` is the rest of the loss group (dp_replicate × dp_shard·cp/ep), the ranks
+that hold the same experts.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ AXIS_OPTIONS: dict[str, tuple[str, ...]] = {
     "dp_shard": ("data_parallel_shard_size", "data_parallel_size"),
     "cp": ("context_parallel_size",),
     "tp": ("tensor_parallel_size",),
+    "ep": ("expert_parallel_size",),
 }
 
 
@@ -51,12 +57,21 @@ class ParallelDims:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    #: Expert parallelism: ranks borrowed from ``fsdp`` (dp_shard × cp) that split the experts; not in the product.
+    ep: int = 1
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if not is_positive_int(value):
                 raise MeshConfigError(f"Mesh axis {f.name!r} must be a positive integer, got {value!r}.")
+        if self.fsdp % self.ep:
+            raise MeshConfigError(
+                f"expert_parallel_size={self.ep} must divide dp_shard × cp = {self.dp_shard} × {self.cp} ="
+                f" {self.fsdp}: expert parallelism borrows its ranks from the data-parallel shard group. Choose an"
+                f" expert_parallel_size among {[d for d in range(1, self.fsdp + 1) if self.fsdp % d == 0]}, or more"
+                " data-parallel ranks."
+            )
 
     @classmethod
     def resolve(
@@ -67,6 +82,12 @@ class ParallelDims:
         Axes not given are 1. ``options`` names the option that set each axis (``{"tp": "tensor_parallel_size"}``),
         for the messages. Raises :class:`MeshConfigError` naming the sizes when they do not fit.
         """
+        ep = sizes.pop("ep", 1)
+        if ep != "auto" and not is_positive_int(ep):
+            raise MeshConfigError(
+                f"expert_parallel_size={ep!r} is not a valid size. Pass a positive int, or 'auto' for all of"
+                " dp_shard × cp."
+            )
         unknown = set(sizes) - set(MESH_AXES)
         if unknown:
             raise MeshConfigError(f"Unknown mesh axes {sorted(unknown)}; the axes are {list(MESH_AXES)}.")
@@ -101,7 +122,9 @@ class ParallelDims:
                 f"{_describe(named)} make a mesh of {product} ranks, but {world_size} processes are running"
                 f" (devices × num_nodes). Make the sizes multiply to {world_size}, or set one of them to 'auto'."
             )
-        return cls(**fixed)  # type: ignore[arg-type]
+        if ep == "auto":  # every rank of the fsdp group (dp_shard × cp)
+            ep = fixed.get("dp_shard", 1) * fixed.get("cp", 1)  # type: ignore[operator]
+        return cls(**fixed, ep=ep)  # type: ignore[arg-type]
 
     @property
     def world_size(self) -> int:
@@ -125,7 +148,8 @@ class ParallelDims:
 
     def __str__(self) -> str:
         parts = [f"{name}={size}" for name, size in self.as_dict().items() if size > 1]
-        return " × ".join(parts) if parts else "single rank"
+        text = " × ".join(parts) if parts else "single rank"
+        return f"{text} (ep={self.ep} of dp_shard × cp)" if self.ep > 1 else text
 
     def build_mesh(self, device_type: str) -> ParallelMesh:
         """Create the 5-D mesh (size-1 axes included) and the derived groups. Collective: call on every rank."""
@@ -141,6 +165,11 @@ class ParallelDims:
         else:
             sizes, names = (self.dp_replicate, self.fsdp), ("dp_replicate", "fsdp")
             data_parallel = unflatten_mesh(derived["loss"], 0, sizes, names)
+        if self.ep > 1:
+            # loss = dp_replicate × dp_shard × cp, row-major: its inner ep ranks are ep's, the rest hold the same experts
+            sizes = (self.dp_replicate * self.fsdp // self.ep, self.ep)
+            split = unflatten_mesh(derived["loss"], 0, sizes, ("ep_replicas", "ep"))
+            derived["ep"], derived["ep_replicas"] = split["ep"], split["ep_replicas"]
         return ParallelMesh(self, world, derived, data_parallel)
 
 

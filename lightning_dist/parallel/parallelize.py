@@ -2,7 +2,8 @@
 
 The order is torchtitan's, and each step runs only where its option or mesh axis is on:
 
-1. tensor parallelism (a resolved plan over the ``tp`` axis);
+1. tensor parallelism (a resolved plan over the ``tp`` axis), then expert parallelism (experts split over ``ep``,
+   left out of FSDP2);
 2. activation checkpointing of the units;
 3. ``torch.compile`` of each unit, in place (:meth:`torch.nn.Module.compile`: no ``_orig_mod.`` in any name, so
    checkpoints are interchangeable between compiled and uncompiled runs);
@@ -43,6 +44,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_dist.parallel.activation_checkpointing import apply_activation_checkpointing, turn_off_generation_cache
 from lightning_dist.parallel.compile import compile_modules, describe_compile_options
+from lightning_dist.parallel.expert_parallel import ExpertParallelRecord, apply_expert_parallel, expert_parameters
 from lightning_dist.parallel.fsdp import FSDPConfig, apply_fsdp, fsdp_modules, shared_submodules
 from lightning_dist.parallel.mesh import ParallelMesh
 from lightning_dist.parallel.module_selection import summarize
@@ -67,6 +69,7 @@ class ParallelizeConfig:
         extra_units: Modules sharded as units of their own besides the blocks, not checkpointed (ZeRO++ hpZ).
         all_gather: A custom FSDP2 all-gather for every unit (ZeRO++ qwZ).
         reduce_scatter: A custom FSDP2 reduce-scatter for every unit (ZeRO++ qgZ).
+        expert_parallel: Split the mixture-of-experts layers' experts over ``mesh["ep"]`` (``dims.ep`` > 1).
     """
 
     units: list[Unit] = field(default_factory=list)
@@ -78,6 +81,7 @@ class ParallelizeConfig:
     extra_units: list[Unit] = field(default_factory=list)
     all_gather: Any = None
     reduce_scatter: Any = None
+    expert_parallel: bool = False
 
 
 @dataclass
@@ -93,6 +97,7 @@ class ParallelizeRecord:
         outside: Names of the modules outside the units, sharded together as one unit.
         fsdp_modules: Modules ``fully_shard`` was applied to (the root included).
         comms_units: FSDP modules that got the custom collectives.
+        experts: What expert parallelism did, or ``None``.
     """
 
     tp_changes: dict[str, str] = field(default_factory=dict)
@@ -103,6 +108,7 @@ class ParallelizeRecord:
     outside: list[str] = field(default_factory=list)
     fsdp_modules: int = 0
     comms_units: int = 0
+    experts: ExpertParallelRecord | None = None
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelizeConfig) -> ParallelizeRecord:
@@ -111,6 +117,10 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelizeConfig)
     names = {id(m): n for n, m in model.named_modules()}  # before fully_shard renames the classes
     if config.tp_plan is not None:
         record.tp_changes = apply_tensor_parallel(model, mesh["tp"], config.tp_plan)
+    if config.expert_parallel:
+        dims = mesh.dims
+        replicas = mesh["ep_replicas"] if dims.dp_replicate * dims.fsdp > dims.ep else None
+        record.experts = apply_expert_parallel(model, mesh["ep"], dims.dp_replicate * dims.fsdp, replicas)
     if config.activation_checkpointing:
         apply_activation_checkpointing(m for _, m in config.units)
         record.checkpointed = summarize(config.units)
@@ -123,7 +133,10 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelizeConfig)
     record.units = summarize(config.units)
     shard = [m for _, m in [*config.units, *config.extra_units]]
     record.shared = [names[id(m)] for m in shared_submodules(model, shard)]
-    outside = apply_fsdp(model, mesh.data_parallel, shard, config.fsdp, root_mp_policy=config.root_mp_policy)
+    ignored = set(expert_parameters(model)) if record.experts is not None else None
+    outside = apply_fsdp(
+        model, mesh.data_parallel, shard, config.fsdp, root_mp_policy=config.root_mp_policy, ignored_params=ignored
+    )
     record.outside = [names[id(m)] for m in outside]
     sharded = fsdp_modules(model)
     record.fsdp_modules = len(sharded)

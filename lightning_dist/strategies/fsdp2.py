@@ -9,6 +9,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_dist.parallel.expert_parallel import check_expert_parallel
 from lightning_dist.parallel.fsdp import (
     SHARDING_MODES,
     FSDPConfig,
@@ -19,7 +20,7 @@ from lightning_dist.parallel.fsdp import (
 )
 from lightning_dist.parallel.mesh import ParallelDims
 from lightning_dist.parallel.parallelize import ParallelizeConfig, ParallelizeRecord, parallelize
-from lightning_dist.parallel.validation import check_bool
+from lightning_dist.parallel.validation import check_bool, is_positive_int
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
 
 
@@ -37,6 +38,12 @@ class FSDP2Strategy(MeshParallelStrategy):
         data_parallel_shard_size: Ranks a parameter is sharded over. ``"auto"``: what the other sizes leave.
         data_parallel_replicate_size: Replica groups for ``"hybrid"``; ``"auto"`` means one per node.
         cpu_offload: Keep sharded parameters, gradients and optimizer state in CPU memory.
+        expert_parallel_size: Expert parallelism for mixture-of-experts models (transformers 5.x Mixtral, Qwen3-MoE...):
+            each group of this many data-parallel ranks splits every MoE layer's experts (each rank keeps
+            ``E / expert_parallel_size``) and sends tokens to them by all-to-all, instead of all-gathering every
+            expert. It must divide the experts and ``data_parallel_shard_size``; ``"auto"``: all of
+            ``data_parallel_shard_size`` (the ``expert_parallel`` strategy name); 1 (default): off. See
+            docs/expert_parallel.md.
         **kwargs: The options every strategy takes (``reshard_after_forward``, which overrides what ``sharding``
             implies, ``wrap_modules``, ``wrap_regex``, ``activation_checkpointing``, ``accumulation_sync``,
             ``compile``...): see :class:`~lightning_dist.strategies.base.MeshParallelStrategy`.
@@ -50,6 +57,7 @@ class FSDP2Strategy(MeshParallelStrategy):
         data_parallel_shard_size: MeshSize = "auto",
         data_parallel_replicate_size: MeshSize = "auto",
         cpu_offload: bool = False,
+        expert_parallel_size: MeshSize = 1,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -61,15 +69,22 @@ class FSDP2Strategy(MeshParallelStrategy):
         self.data_parallel_shard_size = data_parallel_shard_size
         self.data_parallel_replicate_size = data_parallel_replicate_size
         self.cpu_offload = check_bool("cpu_offload", cpu_offload)
+        if expert_parallel_size != "auto" and not is_positive_int(expert_parallel_size):
+            raise ValueError(
+                f"expert_parallel_size={expert_parallel_size!r} is neither a positive int (1: off) nor 'auto' (every"
+                " data-parallel shard rank)."
+            )
+        self.expert_parallel_size = expert_parallel_size
 
     @override
     def mesh_sizes(self) -> dict[str, MeshSize]:
+        ep = {"ep": self.expert_parallel_size} if self.expert_parallel_size != 1 else {}
         if self.sharding == "no_shard":
-            return {"dp_replicate": "auto", "dp_shard": 1}
+            return {"dp_replicate": "auto", "dp_shard": 1, **ep}
         replicate = self.data_parallel_replicate_size
         if replicate == "auto":  # hybrid: one replica group per node; otherwise no replication
             replicate = self.num_nodes if self.sharding == "hybrid" else 1
-        return {"dp_replicate": replicate, "dp_shard": self.data_parallel_shard_size}
+        return {"dp_replicate": replicate, "dp_shard": self.data_parallel_shard_size, **ep}
 
     @override
     def validate_mesh(self, dims: ParallelDims) -> None:
@@ -97,6 +112,8 @@ class FSDP2Strategy(MeshParallelStrategy):
 
     @override
     def check_model(self, model: Module) -> None:
+        if self.expert_parallel_size != 1:
+            check_expert_parallel(model, self.parallel_dims.ep)
         if not is_fully_sharded(model):
             units = self.shard_units(model)
             shared_submodules(model, [m for _, m in [*units, *self.extra_shard_units(model, units)]])
@@ -140,6 +157,7 @@ class FSDP2Strategy(MeshParallelStrategy):
             fsdp=self.fsdp_config,
             root_mp_policy=self.precision_plugin.root_mp_policy,
             extra_units=self.extra_shard_units(model, units),
+            expert_parallel=self.parallel_dims.ep > 1,
         )
 
     def comms_log(self, record: ParallelizeRecord) -> list[str]:

@@ -43,6 +43,12 @@ STRATEGY_NAMES: list[tuple[str, type, str, dict[str, Any]]] = [
         "FSDP2 with activation checkpointing of every block",
         {"activation_checkpointing": True},
     ),
+    (
+        "expert_parallel",
+        FSDP2Strategy,
+        "FSDP2 with expert parallelism: every process holds 1/N of each MoE layer's experts (all-to-all dispatch)",
+        {"expert_parallel_size": "auto"},
+    ),
     ("zeropp", ZeroPPStrategy, "ZeRO++ on FSDP2: quantized weights (qwZ), hpZ and qgZ", {}),
     (
         "zeropp_qwz",

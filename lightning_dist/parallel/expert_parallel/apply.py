@@ -5,7 +5,10 @@ normalization and any shared expert stay the model's own code; parameter names d
 Expert parameters become DTensors sharded on dim 0 (the expert dim) over the ep mesh, so a checkpoint holds them
 with their global shape. Their gradients come back through the all-to-all summed over the ep ranks' tokens; they
 are scaled by ``1 / gradient_divide_factor`` on the way (the data-parallel size) so that they are the mean over the
-data-parallel ranks, as FSDP makes the other gradients.
+data-parallel ranks, as FSDP makes the other gradients. Ranks outside the ep group that hold the same experts
+(``replicas``: dp_replicate × dp_shard·cp/ep) sum their gradients in the same backward, each micro-batch's as it is
+computed, so accumulation needs nothing more. FSDP leaves these parameters alone (:func:`expert_parameters` are its
+``ignored_params``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -90,7 +94,10 @@ def check_expert_parallel(model: nn.Module, ep: int) -> list[ExpertLayer]:
 
 
 def apply_expert_parallel(
-    model: nn.Module, ep_mesh: DeviceMesh, gradient_divide_factor: int | None = None
+    model: nn.Module,
+    ep_mesh: DeviceMesh,
+    gradient_divide_factor: int | None = None,
+    replicas: DeviceMesh | None = None,
 ) -> ExpertParallelRecord:
     """Shard the experts of every MoE layer of ``model`` over the 1-D ``ep_mesh`` (in place; collective).
 
@@ -99,6 +106,8 @@ def apply_expert_parallel(
         ep_mesh: The ranks that exchange tokens; rank ``r`` keeps experts ``r·E/ep … (r+1)·E/ep − 1``.
         gradient_divide_factor: The data-parallel size the expert gradients are averaged over (the ranks whose
             tokens reach an expert); default: the ep size, for ep ranks that are all the data-parallel ranks.
+        replicas: The ranks holding the same experts as this one (other data, same ep position), whose expert
+            gradients are summed; ``None`` or one rank: none.
     """
     ep = ep_mesh.size()
     layers = check_expert_parallel(model, ep)
@@ -115,7 +124,10 @@ def apply_expert_parallel(
             sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
             experts.register_parameter(pname, nn.Parameter(sharded, requires_grad=param.requires_grad))
             names.append(f"{layer.name}.{pname}")
-        experts.expert_parallel = ExpertParallelState(ep_mesh.get_group(), layer.num_experts, 1.0 / divide)
+        replica_group = replicas.get_group() if replicas is not None and replicas.size() > 1 else None
+        experts.expert_parallel = ExpertParallelState(
+            ep_mesh.get_group(), layer.num_experts, 1.0 / divide, replica_group
+        )
         experts.__class__ = _expert_parallel_class(type(experts))
     return ExpertParallelRecord(len(layers), layers[0].num_experts, layers[0].num_experts // ep, ep, names)
 
@@ -136,25 +148,33 @@ class ExpertParallelState:
     group: Any
     num_experts: int
     grad_scale: float
+    replica_group: Any = None
 
 
-class _ScaleGrad(torch.autograd.Function):
+class _ExpertGradient(torch.autograd.Function):
+    """Identity in forward; in backward the gradient is scaled to a data-parallel mean and summed over the ranks
+    that hold the same experts."""
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
+    def forward(ctx: Any, x: torch.Tensor, scale: float, replica_group: Any) -> torch.Tensor:
+        ctx.scale, ctx.replica_group = scale, replica_group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad = grad * ctx.scale
+        if ctx.replica_group is not None:
+            dist.all_reduce(grad, group=ctx.replica_group)
+        return grad, None, None
 
 
-def _local(module: nn.Module, name: str, scale: float) -> torch.Tensor | None:
+def _local(module: nn.Module, name: str, state: ExpertParallelState, dtype: torch.dtype) -> torch.Tensor | None:
     param = getattr(module, name, None)
     if param is None:
         return None
     local = param.to_local() if isinstance(param, DTensor) else param
-    return _ScaleGrad.apply(local, scale)
+    # FSDP's mixed precision does not reach these parameters: compute in the activations' dtype, as it would.
+    return _ExpertGradient.apply(local, state.grad_scale, state.replica_group).to(dtype)
 
 
 def _expert_parallel_forward(
@@ -162,11 +182,12 @@ def _expert_parallel_forward(
 ) -> torch.Tensor:
     state: ExpertParallelState = self.expert_parallel
     rows, moved = dispatch(hidden_states, top_k_index, state.num_experts, state.group)
+    dtype = hidden_states.dtype
     weights = StackedWeights(
-        gate_up=_local(self, "gate_up_proj", state.grad_scale),
-        down=_local(self, "down_proj", state.grad_scale),
-        gate_up_bias=_local(self, STACKED_BIASES[0], state.grad_scale),
-        down_bias=_local(self, STACKED_BIASES[1], state.grad_scale),
+        gate_up=_local(self, "gate_up_proj", state, dtype),
+        down=_local(self, "down_proj", state, dtype),
+        gate_up_bias=_local(self, STACKED_BIASES[0], state, dtype),
+        down_bias=_local(self, STACKED_BIASES[1], state, dtype),
         transposed=bool(getattr(self, "is_transposed", False)),
     )
     out = run_local_experts(rows, moved.tokens_per_expert, weights, lambda h: apply_experts_gate(self, h))

@@ -1,0 +1,133 @@
+"""Expert parallelism under the Trainer: a stock tiny ``MixtralForCausalLM`` trained by fsdp2 with
+``expert_parallel_size`` against one process, and the bytes of one step against plain fsdp2.
+
+python tests/scenarios/expert_parallel_runs.py --devices 1 --out ref.json --workdir DIR --scenarios fp64,fp32
+python tests/scenarios/expert_parallel_runs.py --devices 2 --out r.json --workdir DIR --scenarios ep_fp64,ep_fp32,bytes
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from common import (  # type: ignore[import-not-found]
+    GLOBAL_BATCH,
+    SEQ_LEN,
+    OneProcessData,
+    StepRecorder,
+    full_state,
+    mean_over_ranks,
+    run_scenario_script,
+    trainer_kwargs,
+)
+from lightning.pytorch.callbacks import Callback
+
+from examples.data import TextDataModule
+from lightning_dist import FSDP2Strategy
+from lightning_dist.profiling import CommCounter, attach_phase_hooks
+
+STEPS = 4
+ACCUMULATE = 2
+CLIP = 0.5
+HIDDEN, EXPERTS, TOP_K = 32, 4, 2
+
+
+class MixtralLM(L.LightningModule):
+    """A stock tiny ``MixtralForCausalLM`` (2 MoE layers of 4 experts, top-2), next-token loss on its logits."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        config = MixtralConfig(
+            vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
+            max_position_embeddings=SEQ_LEN, attn_implementation="eager", experts_implementation="eager",
+            router_jitter_noise=0.0,
+        )  # fmt: skip
+        self.model = MixtralForCausalLM(config)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        # The loss from the logits in their own dtype: transformers' loss casts them to fp32, hiding fp64 parity.
+        x = batch["input_ids"]
+        logits = self.model(input_ids=x).logits[:, :-1]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class StepTraffic(Callback):
+    """Bytes each rank sends in training step 1 (the second), by collective and phase."""
+
+    def __init__(self) -> None:
+        self.counter = CommCounter()
+        self.hooks: Any = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        if idx == 1:
+            self.hooks = attach_phase_hooks(trainer.strategy.model, self.counter, optimizers=[])
+            self.counter.__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self.counter.active:
+            self.counter.__exit__(None, None, None)
+            self.hooks.remove()
+
+    def table(self) -> dict[str, float]:
+        c = self.counter
+        a2a = "all_to_all_single"
+        return mean_over_ranks(
+            {
+                "all_gather": c.total(op="all_gather_into_tensor"),
+                "all_to_all_forward": c.total(op=a2a, phase="forward"),
+                "all_to_all_backward": c.total(op=a2a, phase="backward"),
+                "all_to_all_count": c.total("count", op=a2a),
+                "reduce_scatter": c.total(op="reduce_scatter_tensor"),
+                "total": c.total(),
+            }
+        )
+
+
+def train(devices: int, precision: str, ep: int | None, steps: int = STEPS, traffic: bool = False) -> dict[str, Any]:
+    L.seed_everything(1234, verbose=False)
+    data_cls = OneProcessData if devices == 1 else TextDataModule
+    data = data_cls(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // devices, train_samples=256, val_samples=32)
+    model = MixtralLM(data.vocab_size)
+    strategy: Any = "auto" if devices == 1 else FSDP2Strategy(expert_parallel_size=ep or 1)
+    recorder, counter = StepRecorder(), StepTraffic()
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=strategy, precision=precision, limit_val_batches=0),
+        max_steps=steps,
+        accumulate_grad_batches=1 if traffic else ACCUMULATE,
+        gradient_clip_val=None if traffic else CLIP,
+        callbacks=[recorder, counter] if traffic else [recorder],
+    )
+    trainer.fit(model, data)
+    result: dict[str, Any] = {"losses": recorder.losses, "grad_norms": recorder.grad_norms}
+    if traffic:
+        result["bytes"] = counter.table()
+        result["local_tokens"] = GLOBAL_BATCH // devices * SEQ_LEN
+        result["expert_local_shapes"] = sorted(
+            {str(tuple(p.to_local().shape)) for n, p in model.named_parameters() if "experts" in n}
+        )
+    else:
+        result["params"] = {n: t.tolist() for n, t in full_state(model).items()}
+    return result
+
+
+SCENARIOS = {
+    "fp64": lambda devices, workdir: train(devices, "64-true", None),
+    "fp32": lambda devices, workdir: train(devices, "32-true", None),
+    "ep_fp64": lambda devices, workdir: train(devices, "64-true", devices),
+    "ep_fp32": lambda devices, workdir: train(devices, "32-true", devices),
+    "bytes_fsdp2": lambda devices, workdir: train(devices, "32-true", None, steps=2, traffic=True),
+    "bytes_ep": lambda devices, workdir: train(devices, "32-true", devices, steps=2, traffic=True),
+}
+
+if __name__ == "__main__":
+    run_scenario_script(SCENARIOS)

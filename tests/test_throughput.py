@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch import run_scenarios
 from torch import nn
 
 from lightning_dist import MeshThroughputMonitor
@@ -163,3 +164,65 @@ def test_the_callback_is_a_yaml_trainer_callback(tmp_path: Path) -> None:
     assert isinstance(callback, MeshThroughputMonitor) and (callback.peak_tflops, callback.prog_bar) == (312, True)
     with pytest.raises(ValueError, match="peak_tflops=0"):
         MeshThroughputMonitor(peak_tflops=0)
+
+
+GLOBAL_TOKENS = 8 * 32  # tests/scenarios/common.py: a global batch of 8 samples of 32 tokens, for any mesh
+EVERY = 4
+
+
+def _gpt_flops_per_token(vocab: int, h: int = 32, layers: int = 3, seq: int = 32) -> float:
+    """The test GPT (examples/gpt.py, d_model 32, 3 blocks) by hand: 6·N + 12·L·H·S, N without the embeddings."""
+    block = 4 * h * h + (h * 4 * h + 4 * h) + (4 * h * h + h) + 2 * 2 * h  # attention, MLP with biases, 2 LayerNorms
+    n = layers * block + 2 * h + h * vocab  # + final LayerNorm + bias-free head
+    return 6 * n + 12 * layers * h * seq
+
+
+def interval_brackets(before: dict, after: dict) -> list[tuple[float, float]]:
+    """For each logged interval, the shortest and longest seconds the monitor can have measured, validation left out:
+    each of its readings lies between the clock before it and the clock after it."""
+    out, previous = [], (before["start"], after["start"])
+    for b, a in zip(before["logs"], after["logs"]):
+        inside = [
+            (vb, va) for vb, va in zip(before["validations"], after["validations"]) if previous[0] <= vb[0] < b["at"]
+        ]
+        shortest = b["at"] - previous[1] - sum(va[1] - vb[0] for vb, va in inside)
+        longest = a["at"] - previous[0] - sum(vb[1] - va[0] for vb, va in inside)
+        out.append((shortest, longest))
+        previous = (b["at"], a["at"])
+    return out
+
+
+@pytest.mark.slow
+def test_logged_throughput_is_the_wall_clock_s_and_counts_the_mesh(tmp_path: Path) -> None:
+    """Real 2-process Trainer runs (fsdp2, tensor_parallel, context_parallel; CPU, gloo), validation
+    after every 6 steps, a value logged every 4. The tokens are the global batch the test knows, 8 × 32 per step on
+    every mesh. Two clocks, one callback before the monitor and one after it, bracket each of the monitor's
+    readings, so a process descheduled on the loaded machine widens the bracket instead of failing the test:
+
+    * each logged tokens/s is within 5% of the tokens over the wall-clock seconds of the same steps (validation
+      left out), and TFLOP/s per device and MFU follow from it with the hand-counted FLOPs of the model;
+    * the whole loop's tokens over its wall clock (on_train_start to on_train_end, less validation) is within 5%
+      of the rate the logged values give.
+
+    Counting tokens × world size (2) on tensor_parallel, or one rank's tokens on fsdp2, misses by 2×;
+    the sharded sequence's length in the attention term on context_parallel misses TFLOP/s by 7%."""
+    runs = run_scenarios("throughput_runs.py", 2, tmp_path, ["fsdp2", "tensor_parallel", "context_parallel"])
+    tokens = EVERY * GLOBAL_TOKENS
+    for name, run in runs.items():
+        before, after, flops = run["before"], run["after"], _gpt_flops_per_token(run["vocab_size"])
+        logs = after["logs"]
+        assert [log["step"] for log in logs] == [4, 8, 12], name
+        assert len(after["validations"]) == 2  # after steps 6 and 12
+        for log, (shortest, longest) in zip(logs, interval_brackets(before, after)):
+            logged = log["throughput/tokens_per_s"]
+            assert 0.95 * tokens / longest <= logged <= 1.05 * tokens / shortest, (name, log, shortest, longest)
+            assert log["throughput/tokens_per_s_per_device"] == pytest.approx(logged / 2)
+            tflops = logged * flops / 2 / 1e12
+            assert log["throughput/tflops_per_device"] == pytest.approx(tflops, rel=1e-6), (name, log)
+            if name == "tensor_parallel":  # on a CPU, no MFU without peak_tflops
+                assert "throughput/mfu" not in log
+            else:
+                assert log["throughput/mfu"] == pytest.approx(tflops / 0.5, rel=1e-6), (name, log)
+        loop = after["end"] - before["start"] - sum(end - start for start, end in after["validations"])
+        logged_seconds = sum(tokens / log["throughput/tokens_per_s"] for log in logs)
+        assert len(logs) * tokens / loop == pytest.approx(len(logs) * tokens / logged_seconds, rel=0.05), name

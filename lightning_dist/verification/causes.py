@@ -7,6 +7,7 @@ import ast
 import inspect
 import textwrap
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -19,8 +20,11 @@ _RANK_CALLS = {"get_rank", "get_node_local_rank"}
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
-def likely_causes(rows: list[Row], model: nn.Module | None) -> list[str]:
-    """Sentences naming the likely cause of the first difference among ``rows`` (empty when none differs)."""
+def likely_causes(
+    rows: list[Row], model: nn.Module | None, ours: dict[str, Any] | None = None, ref: dict[str, Any] | None = None
+) -> list[str]:
+    """Sentences naming the likely cause of the first difference among ``rows`` (empty when none differs);
+    ``ours`` and ``ref`` are the first rank's records of each run (their first step's module calls)."""
     first = next((row for row in rows if not row.ok), None)
     if first is None:
         return []
@@ -44,6 +48,10 @@ def likely_causes(rows: list[Row], model: nn.Module | None) -> list[str]:
             f" Log it with self.log({name!r}, ..., sync_dist=True), or log a torchmetrics Metric object."
         )
         return [cause]
+    if before_update and ours is not None and ref is not None and "cp=" in ours["meta"]["mesh"]:
+        reduced = reduced_before(ours["calls"], ref["calls"])
+        if reduced:
+            causes.append(reduced)
     if before_update:
         reads = rank_reads(model) if model is not None else []
         causes += [f"the module's code reads the rank, so each rank computes something else: {r}" for r in reads]
@@ -63,6 +71,31 @@ def likely_causes(rows: list[Row], model: nn.Module | None) -> list[str]:
     if not causes and first.quantity == "checkpoint":
         causes.append("the checkpoint saved under the strategy does not hold the weights it trained.")
     return causes
+
+
+def reduced_before(ours: list[dict[str, Any]], ref: list[dict[str, Any]]) -> str | None:
+    """Under context parallelism: the first module call that received the same shapes as in one process after
+    calls that received the split sequence, which means the step's own code reduced (pooled) the sequence before
+    it, each rank over its shard only. ``None`` when the calls show no such place."""
+    split = None
+    for mine, theirs in zip(ours, ref):
+        if mine["name"] != theirs["name"]:
+            return None
+        if mine["inputs"] != theirs["inputs"]:
+            split = split or (mine, theirs)
+        elif split is not None and mine["inputs"]:
+            return (
+                f"{mine['name']} ({mine['class']}) received {_shapes(mine['inputs'])} under the strategy, the same as in"
+                f" one process, after {split[0]['name']} had received the split sequence ({_shapes(split[0]['inputs'])}"
+                f" here, {_shapes(split[1]['inputs'])} in one process): the sequence dimension was reduced"
+                " (pooled) in between, in the step's own code, so each rank reduced only its own shard. Context"
+                " parallelism is exact only for per-token outputs and losses: train this model with fsdp2."
+            )
+    return None
+
+
+def _shapes(shapes: list[list[int]]) -> str:
+    return ", ".join(str(tuple(s)) for s in shapes)
 
 
 def _loss_matches(rows: list[Row], when: str) -> bool:

@@ -8,6 +8,7 @@ sharded tensor whole are collectives.
 from __future__ import annotations
 
 import os
+from contextlib import ExitStack
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_dist.verification.calls import record_calls
 from lightning_dist.verification.data import loader_batch_sizes, scale_dataloader_hooks
 from lightning_dist.verification.tensors import (
     full_gradients,
@@ -54,9 +56,10 @@ class VerifyRecorder(Callback):
         self.candidate_replicas = candidate_replicas
         self.keep_dropout = keep_dropout
         self.save_checkpoint = save_checkpoint
-        self.record: dict[str, Any] = {"logged": [], "losses": [], "steps": [], "dropout_zeroed": []}
+        self.record: dict[str, Any] = {"logged": [], "losses": [], "steps": [], "dropout_zeroed": [], "calls": []}
         self._optimizer_steps: dict[int, int] = {}
         self._batch_idx = self._batches = 0
+        self._tracing = ExitStack()
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -97,11 +100,14 @@ class VerifyRecorder(Callback):
     ) -> None:
         self._batch_idx = self._batches  # counted over epochs: batch_idx starts again at 0 in each
         self._batches += 1
+        if self._batch_idx == 0:  # the first step's module calls and their shapes (see causes.reduced_before)
+            self.record["calls"] = self._tracing.enter_context(record_calls(pl_module))
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._tracing.close()
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, Tensor):
             loss = float(trainer.strategy.reduce(loss.detach().clone(), reduce_op="mean"))

@@ -93,7 +93,7 @@ def run_check(
             if stated_tolerance is not None and settings.tolerance is None:
                 report.notes.append(_limit_to(report.rows, stated_tolerance))
             report.rows.append(_checkpoint_row(module, workdir / "candidate" / "checkpoint", ours))
-            report.causes = likely_causes(report.rows, module)
+            report.causes = likely_causes(report.rows, module, ours[0], ref[0])
             zeroed = ours[0]["dropout_zeroed"]
             if zeroed:
                 report.notes.append(f"dropout set to 0 on both sides in {len(zeroed)} places ({', '.join(zeroed[:4])}"

@@ -16,7 +16,7 @@ The formula is PaLM's (Chowdhery et al. 2022, appendix B), as torchtitan compute
 
 The layers and width come from the mesh planner's :func:`~lightning_dist.planning.model_facts.model_facts`, the
 embeddings and attention heads from :func:`~lightning_dist.parallel.model_structure.recognize`, the experts from
-:func:`find_experts`.
+expert parallelism's recognizer (:func:`find_experts`).
 """
 
 from __future__ import annotations
@@ -25,13 +25,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from lightning_dist.parallel.expert_parallel import find_expert_layers
 from lightning_dist.parallel.model_structure import ModelStructure, recognize
 from lightning_dist.planning.model_facts import model_facts
 
 #: Attributes that hold how many experts a token is routed to (on the MoE block, its router, or a config).
 TOP_K_ATTRIBUTES = ("top_k", "num_experts_per_tok", "experts_per_token", "moe_top_k", "router_topk")
-#: Attributes that hold the number of experts of a module that keeps them stacked in 3-D parameters.
-NUM_EXPERTS_ATTRIBUTES = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def flops_per_token(params: float, layers: int, attention_width: int, seq_len: int) -> float:
@@ -41,7 +40,7 @@ def flops_per_token(params: float, layers: int, attention_width: int, seq_len: i
 
 
 @dataclass(frozen=True)
-class ExpertLayer:
+class RoutedExperts:
     """One layer's routed experts: where they are, their parameters (all experts together) and the routing."""
 
     name: str
@@ -129,45 +128,22 @@ def _embedding_parameters(model: nn.Module, structure: ModelStructure) -> list[n
     return list(found.values())
 
 
-def find_experts(model: nn.Module) -> list[ExpertLayer]:
-    """The routed experts of ``model``, one entry per layer. Two layouts are recognised:
-
-    * a module holding every expert stacked in parameters of three or more dimensions whose first is the number of
-      experts, with that number in one of :data:`NUM_EXPERTS_ATTRIBUTES` (``transformers`` 5.x: Mixtral, Qwen3-MoE,
-      DeepSeek-V3 ``experts`` with ``gate_up_proj`` ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]``);
-    * an ``nn.ModuleList`` named ``experts`` of at least two modules of one type (hand-written MoE layers and older
-      ``transformers``).
-
-    ``k`` is read from :data:`TOP_K_ATTRIBUTES` on the experts module, its parent (the MoE block) and the parent's
-    other children (the router), or a ``config`` attribute of any of them or of ``model``.
-    """
+def find_experts(model: nn.Module) -> list[RoutedExperts]:
+    """The routed experts of ``model``, one entry per layer, as expert parallelism recognizes them
+    (:func:`~lightning_dist.parallel.expert_parallel.find_expert_layers`: ``transformers`` 5.x stacked experts, or an
+    ``experts`` ModuleList beside a router). ``k`` is read from :data:`TOP_K_ATTRIBUTES` on the experts module, its
+    parent (the MoE block) and the parent's other children (the router), or a ``config`` attribute of any of them or
+    of ``model``."""
     modules = dict(model.named_modules())
-    found: list[ExpertLayer] = []
-    for name, module in modules.items():
-        experts = _stacked_experts(module) or _listed_experts(name, module)
-        if not experts:
-            continue
-        if any(name.startswith(f"{layer.name}.") for layer in found):
-            continue
-        parent = modules.get(name.rpartition(".")[0]) if name else None
-        found.append(
-            ExpertLayer(name, sum(p.numel() for p in module.parameters()), experts, _top_k(module, parent, model))
+    return [
+        RoutedExperts(
+            layer.name,
+            sum(p.numel() for p in layer.experts.parameters()),
+            layer.num_experts,
+            _top_k(layer.experts, modules.get(layer.name.rpartition(".")[0]), model),
         )
-    return found
-
-
-def _stacked_experts(module: nn.Module) -> int:
-    count = next((getattr(module, a) for a in NUM_EXPERTS_ATTRIBUTES if isinstance(getattr(module, a, None), int)), 0)
-    own = list(module.parameters(recurse=False))
-    if count >= 2 and own and all(p.dim() >= 3 and p.shape[0] == count for p in own):
-        return count
-    return 0
-
-
-def _listed_experts(name: str, module: nn.Module) -> int:
-    if not isinstance(module, nn.ModuleList) or name.rpartition(".")[2] != "experts" or len(module) < 2:
-        return 0
-    return len(module) if len({type(m) for m in module}) == 1 else 0
+        for layer in find_expert_layers(model)
+    ]
 
 
 def _top_k(experts: nn.Module, parent: nn.Module | None, model: nn.Module) -> int | None:

@@ -1,12 +1,14 @@
 """The ``float8`` option (FP8 training through torchao, emulated on the CPU): the option and its checks, which layers
-are converted, and real runs under fsdp2, tensor_parallel, pipeline and hybrid3d against the same run without float8.
+are converted, and real runs under fsdp2, tensor_parallel, pipeline and hybrid3d against runs without float8.
 
-Tolerance: FP8 rounds each matmul input to 3 mantissa bits (e4m3), so an FP8 run is not an fp32 run; over 6 AdamW
-steps of the example GPT (d_model 32, 2 blocks, lr 1e-2) the losses stayed within 2.2e-3 of the same run without
-float8 under every strategy (measured: fsdp2 rowwise 2.1e-3, tensorwise 1.0e-3, tensor_parallel 1.9e-3, pipeline
-1.6e-3, hybrid3d 1.9e-3). The bound is 1e-2, the issue's expectation (~1e-2 over 6 steps; the holdout GPT with dims
-64/256 measured 7.4e-3 rowwise). A run without any conversion differs by 0 (fp32 on CPU is deterministic here), so
-the bound only passes runs that converted and still train the same model.
+Tolerance: FP8 rounds each matmul input to 3 mantissa bits (e4m3), so an FP8 run is not an fp32 run. Over 6 AdamW
+steps of the example GPT (d_model 32, 2 blocks, lr 1e-2 after 2 warm-up steps) the losses stayed within 2.1e-3 of
+fsdp2's run without float8 (measured: fsdp2 rowwise 2.1e-3, tensorwise 1.0e-3, tensor_parallel 1.9e-3, hybrid3d
+pp2×tp2 1.9e-3; a bf16 pipeline resumed with FP8: 1.7e-3 from the uninterrupted bf16 run). Strategies other than
+fsdp2 are compared with fsdp2's fp32 run: without float8 they match one process to 1e-4 (the parity tests), far inside
+the bound. The bound is 1e-2, the issue's expectation (~1e-2 over 6 steps; its holdout GPT with dims 64/256 measured
+7.4e-3 rowwise). Every FP8 run must also differ from its reference (> 0): a run that converted nothing would not.
+The stock transformers Llama has its own bound, stated at its test.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from lightning_dist.parallel.float8 import (
 FP8_TOL = 1e-2
 SCRIPT = "float8_runs.py"
 BLOCK_LINEARS = [f"blocks.{i}.{m}" for i in range(2) for m in ("attn.key", "attn.proj", "attn.query", "attn.value")]
+LLAMA_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj")  # fmt: skip
 BLOCK_LINEARS = sorted(BLOCK_LINEARS + [f"blocks.{i}.mlp.{m}" for i in range(2) for m in ("down", "up")])
 
 
@@ -125,7 +129,7 @@ def test_tensorwise_with_an_int_reshard_after_forward_is_refused_before_launch(t
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("float8")
-    return run_scenarios(SCRIPT, 2, workdir, ["fsdp2", "tensor_parallel", "pipeline"])
+    return run_scenarios(SCRIPT, 2, workdir, ["fsdp2", "tensor_parallel", "pipeline", "llama"])
 
 
 def _check_fp8_run(run: dict, reference: dict) -> None:
@@ -172,18 +176,41 @@ def test_an_fp8_fsdp2_checkpoint_holds_no_float8_and_resumes_in_fp32_tensor_para
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["tensor_parallel", "pipeline"])
-def test_tensor_parallel_and_pipeline_train_fp8_within_the_tolerance(two_rank_runs, strategy):
-    run = two_rank_runs[strategy]
+def test_tensor_parallel_shards_the_fp8_layers_and_stays_within_the_tolerance(two_rank_runs):
+    run = two_rank_runs["tensor_parallel"]
     _check_fp8_run(run, two_rank_runs["fsdp2"]["plain"])
-    local = [n for n in BLOCK_LINEARS if strategy == "tensor_parallel" or n.startswith("blocks.0.")]
-    assert run["converted"] == local  # pipeline rank 0 holds stage 0
-    if strategy == "tensor_parallel":  # the plan shards the converted layers (Float8Linear is still x @ W.T)
-        assert {f"{n}.weight" for n in local} <= set(run["dtensor_params"])
+    assert run["converted"] == BLOCK_LINEARS
+    # The plan shards the converted layers as it would plain ones (a Float8Linear is still x @ W.T).
+    assert {f"{n}.weight" for n in BLOCK_LINEARS} <= set(run["dtensor_params"])
+
+
+@pytest.mark.slow
+def test_a_bf16_pipeline_checkpoint_resumes_with_fp8_within_the_tolerance(two_rank_runs):
+    bf16, resumed = two_rank_runs["pipeline"]["bf16"], two_rank_runs["pipeline"]["bf16_resumed_in_fp8"]
+    assert bf16["converted"] == [] and resumed["converted"] == [n for n in BLOCK_LINEARS if n.startswith("blocks.0.")]
+    assert resumed["weight_dtypes"] == resumed["optimizer_state_dtypes"] == ["torch.float32"]  # bf16-mixed masters
+    assert len(resumed["losses"]) == 3
+    assert 0 < max_abs_diff(bf16["losses"][3:], resumed["losses"]) <= FP8_TOL
+
+
+@pytest.mark.slow
+def test_a_stock_transformers_llama_trains_fp8_under_fsdp2(two_rank_runs):
+    """Tolerance 5e-2: this model trains at lr 1e-2 from the first step (no warm-up) and its GQA key/value
+    projections are 32×16, the narrowest FP8 accepts, so the runs part faster than the example GPT's: 5e-4 after
+    the first step (the GPT's size), 2.8e-2 by the sixth (measured)."""
+    plain, fp8 = two_rank_runs["llama"]["plain"], two_rank_runs["llama"]["float8"]
+    layers = [f"model.model.layers.{i}.{m}" for i in range(2) for m in LLAMA_LINEARS]
+    assert fp8["converted"] == sorted(layers) and fp8["plain"] == ["model.lm_head"]
+    assert fp8["log"][0].endswith("converted 14 nn.Linear layers (emulated on the CPU: checks numerics only);"
+                                  " skipped: model.lm_head (output head)")  # fmt: skip
+    assert fp8["weight_dtypes"] == fp8["optimizer_state_dtypes"] == ["torch.float32"]
+    assert abs(plain["losses"][0] - fp8["losses"][0]) <= FP8_TOL
+    assert 0 < max_abs_diff(plain["losses"], fp8["losses"]) <= 5e-2
 
 
 @pytest.mark.slow
 def test_hybrid3d_pp2_tp2_trains_fp8_within_the_tolerance(two_rank_runs, tmp_path):
+    # The one 4-process launch of this file (2 cores: ~40-60 s, most of it starting 4 processes).
     run = run_scenarios(SCRIPT, 4, tmp_path, ["hybrid3d"])["hybrid3d"]
     _check_fp8_run(run, two_rank_runs["fsdp2"]["plain"])
     assert {f"{n}.weight" for n in BLOCK_LINEARS if n.startswith("blocks.0.")} <= set(run["dtensor_params"])

@@ -89,10 +89,10 @@ def is_float8_linear(module: nn.Module) -> bool:
         return False
     if isinstance(module, _import("torchao.float8.float8_linear").Float8Linear):
         return True
-    wrapper = _import("torchao.prototype.moe_training.tensor").MXFP8TrainingWeightWrapperTensor
+    # By name: importing torchao's prototype namespace only to ask would print its deprecation warnings.
     weight = getattr(module, "weight", None)
     local = weight.to_local() if hasattr(weight, "to_local") else weight
-    return isinstance(local, wrapper)
+    return type(local).__name__ == "MXFP8TrainingWeightWrapperTensor"
 
 
 def precompute_float8_scales(module: nn.Module) -> None:

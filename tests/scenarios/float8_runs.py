@@ -2,7 +2,7 @@
 layers converted, FSDP2's FP8 all-gather bytes, checkpoints and a resume across strategies.
 
 python tests/scenarios/float8_runs.py --devices 2 --out r.json --workdir DIR \
-    --scenarios fsdp2,tensor_parallel,pipeline
+    --scenarios fsdp2,tensor_parallel,pipeline,llama
 python tests/scenarios/float8_runs.py --devices 4 --out r.json --workdir DIR --scenarios hybrid3d
 """
 
@@ -22,6 +22,7 @@ from common import (  # type: ignore[import-not-found]
     trainer_kwargs,
 )
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from models import HFLlama  # type: ignore[import-not-found]
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
 
@@ -78,11 +79,24 @@ class AllGatherBytes(Callback):
         return {"all_gather": gather / self.steps, "all_reduces": reduces / self.steps}
 
 
-def _fit(devices: int, strategy: Any, *, dp: int, callbacks: list = (), ckpt_path: str | None = None, **kw: Any):
+def _fit(
+    devices: int,
+    strategy: Any,
+    *,
+    dp: int,
+    callbacks: list = (),
+    ckpt_path: str | None = None,
+    llama: bool = False,
+    precision: str = "32-true",
+    **kw: Any,
+):
     model, data = make_model_and_data(devices, dp_size=dp, **MODEL)
+    if llama:  # a stock transformers LlamaForCausalLM (GQA 4/2: k/v projections 32×16), its loss computed inside
+        L.seed_everything(1234, verbose=False)
+        model = HFLlama(64)
     recorder, logs = AllStagesRecorder(), LogLines()
     trainer = L.Trainer(
-        **trainer_kwargs(devices, strategy=strategy, precision="32-true", **kw),
+        **trainer_kwargs(devices, strategy=strategy, precision=precision, **kw),
         max_steps=STEPS,
         callbacks=[recorder, *callbacks],
     )
@@ -145,7 +159,24 @@ def tensor_parallel(devices: int, workdir: str) -> dict[str, Any]:
 
 
 def pipeline(devices: int, workdir: str) -> dict[str, Any]:
-    return _fit(devices, PipelineStrategy(pipeline_parallel_size=devices, float8="rowwise"), dp=1)[1]
+    """pp=2 in bf16-mixed without float8 for STEPS steps with a checkpoint at step 3, and the same pipeline with
+    rowwise FP8 resuming from it."""
+    out: dict[str, Any] = {}
+    shutil.rmtree(f"{workdir}/bf16", ignore_errors=True)
+    every = ModelCheckpoint(dirpath=f"{workdir}/bf16", every_n_train_steps=3, save_top_k=-1)
+    bf16 = {"precision": "bf16-mixed", "dp": 1}
+    strategy = PipelineStrategy(pipeline_parallel_size=devices)
+    _, out["bf16"] = _fit(devices, strategy, callbacks=[every], enable_checkpointing=True, **bf16)
+    strategy = PipelineStrategy(pipeline_parallel_size=devices, float8="rowwise")
+    _, out["bf16_resumed_in_fp8"] = _fit(devices, strategy, ckpt_path=f"{workdir}/bf16/epoch=0-step=3.ckpt", **bf16)
+    return out
+
+
+def llama(devices: int, workdir: str) -> dict[str, Any]:
+    """A stock transformers Llama under fsdp2, without float8 and with rowwise."""
+    _, plain = _fit(devices, FSDP2Strategy(), dp=devices, llama=True)
+    _, fp8 = _fit(devices, FSDP2Strategy(float8="rowwise"), dp=devices, llama=True)
+    return {"plain": plain, "float8": fp8}
 
 
 def hybrid3d(devices: int, workdir: str) -> dict[str, Any]:
@@ -159,6 +190,7 @@ if __name__ == "__main__":
             "fsdp2": fsdp2,
             "tensor_parallel": tensor_parallel,
             "pipeline": pipeline,
+            "llama": llama,
             "hybrid3d": hybrid3d,
         }
     )

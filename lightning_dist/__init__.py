@@ -44,10 +44,21 @@ __all__ = [
     "MeshThroughputMonitor",
     "PipelineStrategy",
     "TensorParallelStrategy",
+    "VerifyReport",
     "ZeroPPPrecision",
     "ZeroPPStrategy",
     "__version__",
+    "verify",
 ]
 
 register_strategies()
 warn_if_untested_torch()
+
+
+def __getattr__(name: str) -> object:
+    # lightning_dist.verify(...) and VerifyReport, imported on first use (they bring LightningCLI's parser along)
+    if name in ("verify", "VerifyReport"):
+        from lightning_dist import verification
+
+        return getattr(verification, name)
+    raise AttributeError(f"module 'lightning_dist' has no attribute {name!r}")

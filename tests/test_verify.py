@@ -141,3 +141,47 @@ def test_pipeline_times_tensor_parallel_in_float64_matches_within_1e_10(tmp_path
     assert code == 0, output[-3000:]
     assert report["tolerance"] == 1e-10 and "pp=2 × tp=2" in report["strategy"]
     assert max(row["difference"] for row in report["rows"]) <= 1e-10
+
+
+API_SCRIPT = textwrap.dedent(
+    '''
+    import json, sys
+    import lightning_dist
+    from examples.data import TextDataModule
+    from examples.gpt import GPT
+
+
+    class MyGPT(GPT):
+        """Defined in the script: the runs must import it from here."""
+
+
+    if __name__ == "__main__":
+        model = MyGPT(vocab_size=64, seq_len=64, d_model=32, n_layer=2, n_head=4)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        report = lightning_dist.verify(
+            model, TextDataModule(batch_size=4), strategy="tensor_parallel", devices=2, steps=2, dtype="float64",
+            accelerator="cpu", accumulate_grad_batches=2,
+        )
+        unchanged = all((before[k] == v).all() for k, v in model.state_dict().items())
+        print(report.table())
+        json.dump({"report": report.to_json(), "unchanged": bool(unchanged)}, open(sys.argv[1], "w"))
+    '''
+)
+
+
+@pytest.mark.slow
+def test_the_python_api_verifies_a_module_defined_in_the_running_script(tmp_path):
+    """``lightning_dist.verify(model, datamodule, ...)`` from a script, with gradient accumulation and a class the
+    script itself defines; the caller's model is left as it was."""
+    (tmp_path / "run.py").write_text(API_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = tmp_path / "out.json"
+    done = subprocess.run([sys.executable, "run.py", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert done.returncode == 0 and out.exists(), (done.stdout + done.stderr)[-3000:]
+    result = json.loads(out.read_text())
+    report = result["report"]
+    assert report["passed"] and report["tolerance"] == 1e-10 and result["unchanged"], report["summary"]
+    # 2 optimizer steps of 2 accumulated batches each: 4 losses, 2 gradient comparisons
+    assert sum(row["quantity"] == "loss" for row in report["rows"]) == 4
+    assert [row["when"] for row in report["rows"] if row["quantity"] == "gradients"] == ["step 0", "step 1"]

@@ -201,6 +201,20 @@ class ZeroPPStrategy(FSDP2Strategy):
         nodes = self.parallel_dims.fsdp // per_node
         return [f"{', '.join(parts)} on {record.fsdp_modules} FSDP units; {nodes} node(s) × {per_node} ranks"]
 
+    def verification_tolerance(self) -> tuple[float, str, tuple[str, ...]] | None:
+        """What ``lightning-dist verify`` may hold this strategy to: with qwZ or qgZ on, the weights and gradients
+        are quantized on purpose, so the losses and logged values are judged within 5e-2 relative (the bound the
+        package's ZeRO++ tests hold over 20 steps) and gradients, parameters and optimizer states are shown only."""
+        if not (self.quantized_weights or self.quantized_gradients):
+            return None
+        what = " and ".join(
+            part
+            for part, on in ((f"int{self.weight_bits} weights", self.quantized_weights),
+                             (f"int{self.gradient_bits} gradients", self.quantized_gradients))
+            if on
+        )  # fmt: skip
+        return 5e-2, f"ZeRO++ communicates {what} on purpose", ("loss", "logged")
+
     def _groups(self) -> NodeGroups:
         if self._node_groups is None:  # created once, by every rank, in the same order
             ranks = dist.get_process_group_ranks(self.process_group("fsdp"))

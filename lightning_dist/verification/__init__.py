@@ -69,7 +69,6 @@ def verify(
     """
     settings = VerifySettings(steps, tolerance, dtype, against, keep_dropout, workdir, seed, timeout)
     kwargs = {"strategy": strategy, "devices": devices, **trainer_kwargs}
-    main_path = getattr(sys.modules["__main__"], "__file__", None)
     try:
         objects = pickle.dumps({"model": model, "datamodule": datamodule, "trainer_kwargs": kwargs})
     except Exception as error:  # pickling fails in many ways; all of them end here
@@ -77,6 +76,8 @@ def verify(
             f"verify runs the model in new processes and could not pickle it ({error}). Define the module's classes"
             " in an importable file and keep unpicklable objects (open files, lambdas) out of its attributes."
         ) from error
+    # classes of the running script pickle as __main__.X: the runs import the script first (as multiprocessing does)
+    main_path = getattr(sys.modules["__main__"], "__file__", None) if b"__main__" in objects else None
     if main_path is None and b"__main__" in objects:
         raise VerifyError(
             "verify runs the model in new processes, which cannot import classes defined in an interactive session"

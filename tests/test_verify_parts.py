@@ -1,0 +1,127 @@
+"""The parts of `lightning-dist verify` that need no processes: the reference's data, the comparison and its order,
+the likely causes, the settings, and the work folder it may write."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from fractions import Fraction
+
+import pytest
+import torch
+from launch import REPO_ROOT
+from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
+
+from lightning_dist.verification.causes import likely_causes, rank_reads
+from lightning_dist.verification.compare import Row, compare_runs, merge_ranks, tensor_difference
+from lightning_dist.verification.data import VerifyDataError, scaled_loader
+from lightning_dist.verification.run import MARKER, VerifyError, last_error, prepare_workdir
+from lightning_dist.verification.settings import VerifySettings, default_tolerance, is_removed_callback
+
+
+def test_the_reference_reads_the_global_batch_of_every_data_parallel_rank():
+    loader = DataLoader(TensorDataset(torch.arange(64.0)), batch_size=4, shuffle=True, drop_last=True)
+    scaled = scaled_loader(loader, Fraction(4, 2))
+    assert scaled.batch_size == 8 and scaled.drop_last and scaled.dataset is loader.dataset
+    assert scaled_loader(loader, Fraction(1)) is loader
+    with pytest.raises(VerifyDataError, match="3 samples per step cannot be split over the reference's 2 ranks"):
+        scaled_loader(DataLoader(loader.dataset, batch_size=1), Fraction(3, 2))
+    custom = DataLoader(loader.dataset, batch_sampler=BatchSampler(SequentialSampler(loader.dataset), 4, False))
+    with pytest.raises(VerifyDataError, match="custom batch_sampler"):
+        scaled_loader(custom, Fraction(2))
+
+
+def test_differences_are_relative_to_the_largest_value_and_a_missing_side_is_infinite():
+    assert tensor_difference(torch.tensor([1.0, 10.0]), torch.tensor([1.5, 10.0])) == 0.05
+    assert tensor_difference(None, torch.ones(2)) == math.inf and tensor_difference(None, None) == 0
+    assert tensor_difference(torch.ones(2), torch.ones(3)) == math.inf
+
+
+def test_copies_of_a_parameter_on_two_ranks_must_agree():
+    merged, rows = merge_ranks([{"w": torch.ones(2), "a": torch.zeros(1)}, {"w": torch.tensor([1.0, 2.0])}])
+    assert set(merged) == {"w", "a"} and [r.worst[0][0] for r in rows] == ["w"] and not rows[0].ok
+
+
+def _record(loss: float, grad: float, logged: float) -> dict:
+    params = {"w": torch.tensor([1.0, grad])}
+    step = {"optimizer": 0, "step": 0, "batch": 0, "lrs": [0.1], "grads": {"w": torch.tensor([grad, 1.0])}}
+    logged_values = [{"when": "train batch 0", "step": 1, "values": {"acc": logged}}]
+    optimizer = [{"w": {"exp_avg": torch.tensor([grad, 1.0]), "step": 1.0}}]
+    return {"losses": [loss], "logged": logged_values, "steps": [step], "params": params, "optimizers": optimizer}
+
+
+def test_the_first_difference_is_the_first_quantity_a_step_produces():
+    ref = [_record(1.0, 0.5, 0.25)]
+    rows = compare_runs([_record(1.0, 0.5, 0.25)], ref, 1e-6)
+    assert [r.quantity for r in rows] == [
+        "loss", "logged acc", "learning rate", "gradient norm", "gradients", "parameters", "optimizer state",
+    ]  # fmt: skip
+    assert all(r.ok for r in rows)
+    rows = compare_runs([_record(1.0, 0.5, 0.5)], ref, 1e-6)
+    first = next(r for r in rows if not r.ok)
+    assert first.quantity == "logged acc"
+    assert "sync_dist=True" in likely_causes(rows, None)[0]  # the loss matched: a value logged per rank
+    rows = compare_runs([_record(1.0, 0.7, 0.25)], ref, 1e-6)
+    assert next(r for r in rows if not r.ok).quantity == "gradient norm"
+
+
+class _ReadsTheRank(torch.nn.Module):
+    def forward(self, x):
+        return x * self.global_rank
+
+
+def test_the_modules_own_code_that_reads_the_rank_is_named_with_its_line():
+    found = rank_reads(torch.nn.Sequential(_ReadsTheRank()))
+    assert len(found) == 1 and found[0].startswith("test_verify_parts.py:") and "self.global_rank" in found[0]
+    rows = [Row("loss", "train batch 0", 1.0, 1e-4)]
+    assert "reads the rank" in likely_causes(rows, torch.nn.Sequential(_ReadsTheRank()))[0]
+
+
+def test_tolerances_by_precision_and_the_strategys_own_statement():
+    assert default_tolerance("64-true") == 1e-10 and default_tolerance("32-true") == 1e-4
+    assert default_tolerance("bf16-mixed") == 2e-2 and default_tolerance("32-true", 5e-2) == 5e-2
+    from lightning_dist import ZeroPPStrategy
+
+    tolerance, why, judged = ZeroPPStrategy().verification_tolerance()
+    assert tolerance == 5e-2 and "int8 weights and int4 gradients" in why and judged == ("loss", "logged")
+    assert ZeroPPStrategy(quantized_weights=False, quantized_gradients=False).verification_tolerance() is None
+    with pytest.raises(ValueError, match="at least one"):
+        VerifySettings(steps=0)
+    with pytest.raises(ValueError, match="float64"):
+        VerifySettings(dtype="float16")
+
+
+def test_checkpoint_and_early_stopping_callbacks_are_left_out_others_kept():
+    assert is_removed_callback(ModelCheckpoint()) and is_removed_callback(EarlyStopping("x"))
+    assert is_removed_callback({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint"})
+    assert not is_removed_callback(LearningRateMonitor())
+    assert not is_removed_callback({"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"})
+
+
+def test_a_work_folder_verify_did_not_make_is_never_written(tmp_path):
+    (tmp_path / "mine.txt").write_text("the user's")
+    with pytest.raises(VerifyError, match="is not empty and was not made by verify"):
+        prepare_workdir(VerifySettings(workdir=str(tmp_path)))
+    assert os.listdir(tmp_path) == ["mine.txt"]
+    ours = tmp_path / "ours"
+    (ours / "candidate").mkdir(parents=True)
+    (ours / MARKER).write_text("")
+    assert prepare_workdir(VerifySettings(workdir=str(ours))) == (ours, False)
+    assert not (ours / "candidate").exists()
+
+
+def test_the_error_line_of_a_failed_run_is_found():
+    log = "noise\nTraceback (most recent call last):\n  ...\nlightning_dist.X.PooledOutputError: pooled\nmore\n"
+    assert last_error(log) == "lightning_dist.X.PooledOutputError: pooled"
+
+
+def test_a_bad_configuration_ends_the_check_before_any_run(tmp_path):
+    config = str(REPO_ROOT / "configs" / "fsdp2.yaml")
+    command = [sys.executable, "-m", "lightning_dist.cli", "verify", "--config", config, "--trainer.strategy=fsdp3"]
+    command += ["--workdir", str(tmp_path / "w")]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "fsdp3" in done.stderr and "fsdp2" in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "w").exists()

@@ -10,11 +10,17 @@ peak memory, no compile cache shared between setups), one after the other on GPU
 * ``fsdp2_user_compile``: ``fsdp2`` with the model compiled by the user in ``configure_model`` (kept, with a warning).
 * ``mp_fsdp``: Lightning ``ModelParallelStrategy`` with a hand-written ``configure_model`` (``fully_shard`` on each
   decoder layer, then the root).
+* ``fsdp2_fp8_rowwise_compile`` / ``fsdp2_fp8_tensorwise_compile``: ``fsdp2`` with ``float8="rowwise"`` or
+  ``"tensorwise"`` (torchao) and ``compile=True``. Skipped, with the reason in the table, where torchao is missing,
+  the strategy has no ``float8`` option, or the GPU is older than SM89.
 
 Step time is the median of ``steps`` timed steps after ``warmup`` untimed ones (the first of which compiles);
-tokens/s = batch · seq_len / step time; MFU = tokens/s · (6·N + 12·L·H·S) / the GPU's dense peak
-(:mod:`benchmarks.hardware`; N = matmul parameters, the input embedding excluded); peak memory is
-``torch.cuda.max_memory_allocated``. Ratios are against ``auto_compile``.
+tokens/s = batch · seq_len / step time; MFU = tokens/s · (6·N + 12·L·H·S) / the GPU's dense bf16 peak, for every
+row (the fp8 rows too, so that they compare; :mod:`lightning_dist.profiling`, N = the active non-embedding
+parameters); peak memory is ``torch.cuda.max_memory_allocated``. Each run also carries ``MeshThroughputMonitor``
+(logging every ``warmup`` steps): ``logged_tokens_per_s`` / ``logged_mfu`` are its last value, a check of the
+callback against the timer. Ratios are against ``auto_compile``; the targets (issue 29) are
+``fsdp2_compile`` ≥ 1.0 × ``auto_compile`` and each fp8 row ≥ 1.25 × ``fsdp2_compile``.
 """
 
 from __future__ import annotations
@@ -42,7 +48,16 @@ SETUPS: dict[str, str] = {
     "fsdp2_compile": "lightning_dist fsdp2, compile=True",
     "fsdp2_user_compile": "lightning_dist fsdp2, user compiles self.model in configure_model",
     "mp_fsdp": "Lightning ModelParallelStrategy, hand-written fully_shard per decoder layer + root",
+    "fsdp2_fp8_rowwise_compile": "lightning_dist fsdp2, float8='rowwise', compile=True",
+    "fsdp2_fp8_tensorwise_compile": "lightning_dist fsdp2, float8='tensorwise', compile=True",
 }
+FP8_RECIPES: dict[str, str] = {"fsdp2_fp8_rowwise_compile": "rowwise", "fsdp2_fp8_tensorwise_compile": "tensorwise"}
+# (numerator, denominator, least ratio): the issue's targets
+TARGETS: list[tuple[str, str, float]] = [
+    ("fsdp2_compile", "auto_compile", 1.0),
+    ("fsdp2_fp8_rowwise_compile", "fsdp2_compile", 1.25),
+    ("fsdp2_fp8_tensorwise_compile", "fsdp2_compile", 1.25),
+]
 
 
 @dataclass(frozen=True)
@@ -79,10 +94,6 @@ class LlamaSize:
     @property
     def _norms(self) -> int:
         return (2 * self.num_hidden_layers + 1) * self.hidden_size
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token, ``6·N + 12·L·H·S`` (PaLM, appendix B; as :mod:`benchmarks.hardware`)."""
-        return 6.0 * self.num_matmul_parameters + 12.0 * self.num_hidden_layers * self.hidden_size * seq_len
 
 
 SIZES: dict[str, LlamaSize] = {
@@ -156,29 +167,54 @@ def main(argv: list[str] | None = None) -> int:
     table = to_markdown(rows)
     (out / "gpu_report.md").write_text(table)
     print(table)
-    return 1 if any("error" in r for r in rows) else 0
+    return 1 if any("error" in r for r in rows) else 0  # a skipped row (no torchao, no FP8 GPU) is no failure
 
 
-def ratios(rows: list[dict[str, Any]]) -> dict[tuple[str, str], float]:
+def measured(row: dict[str, Any]) -> bool:
+    """A row with figures (not failed, not skipped)."""
+    return "error" not in row and "skipped" not in row
+
+
+def ratios(rows: list[dict[str, Any]], reference: str = REFERENCE) -> dict[tuple[str, str], float]:
     """tokens/s of each (size, setup) divided by the reference setup's of the same size."""
-    ref = {r["size"]: r["tokens_per_s"] for r in rows if r["setup"] == REFERENCE and "error" not in r}
+    ref = {r["size"]: r["tokens_per_s"] for r in rows if r["setup"] == reference and measured(r)}
     return {
-        (r["size"], r["setup"]): r["tokens_per_s"] / ref[r["size"]]
-        for r in rows
-        if "error" not in r and r["size"] in ref
+        (r["size"], r["setup"]): r["tokens_per_s"] / ref[r["size"]] for r in rows if measured(r) and r["size"] in ref
     }
 
 
+def target_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per target of :data:`TARGETS` and size: the ratio and whether it is met, or why it is not known."""
+    lines = []
+    for size in dict.fromkeys(r["size"] for r in rows):
+        for numerator, denominator, least in TARGETS:
+            ratio = ratios(rows, denominator).get((size, numerator))
+            if ratio is None:
+                missing = [
+                    f"{s}: {r.get('skipped') or r.get('error')}"
+                    for s in (numerator, denominator)
+                    for r in rows
+                    if r["setup"] == s and r["size"] == size and not measured(r)
+                ]
+                state = "not measured" + (f" ({'; '.join(missing)})" if missing else "")
+            else:
+                state = f"{ratio:.2f}× {'✅ met' if ratio >= least else '❌ missed'}"
+            lines.append(f"- {size}: {numerator} / {denominator} ≥ {least:g}×: {state}")
+    return lines
+
+
 def to_markdown(rows: list[dict[str, Any]]) -> str:
-    """One table: tokens/s, MFU, peak memory, first-step time, and the ratio to ``auto_compile``."""
+    """One table: tokens/s, MFU, peak memory, first-step time, and the ratio to ``auto_compile``; then the
+    targets."""
     rel = ratios(rows)
     lines = [
         f"| size | setup | tokens/s | MFU | peak memory (GiB) | first step (s) | vs {REFERENCE} |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['size']} | {r['setup']} | {r['error']} | | | | |")
+        if not measured(r):
+            reason = r.get("error") or f"skipped: {r['skipped']}"
+            lines.append(f"| {r['size']} | {r['setup']} | {reason} | | | | |")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
         memory = f"{r['peak_memory_gib']:.1f}" if r.get("peak_memory_gib") is not None else "-"
@@ -187,7 +223,26 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
             f"| {r['size']} | {r['setup']} | {r['tokens_per_s'] / 1e3:.1f}k | {mfu} | {memory}"
             f" | {r['first_step_s']:.1f} | {f'{ratio:.2f}×' if ratio is not None else '-'} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", "Targets (issue 29):", "", *target_lines(rows)]) + "\n"
+
+
+def fp8_skip_reason(recipe: str, strategy_class: type | None = None, device: str = "cuda") -> str | None:
+    """Why an fp8 row cannot run here (``None``: it can): torchao missing, a strategy without the ``float8`` option,
+    or a GPU older than SM89 (FP8 tensor cores start with Ada/Hopper)."""
+    import importlib.util
+
+    from lightning_dist import FSDP2Strategy
+
+    if importlib.util.find_spec("torchao") is None:
+        return "torchao is not installed (pip install 'lightning-dist[fp8]')"
+    try:
+        (strategy_class or FSDP2Strategy)(compile=True, float8=recipe)
+    except TypeError as error:
+        return f"this build's fsdp2 strategy has no float8 option ({error})"
+    if device == "cuda" and torch.cuda.get_device_capability(0) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(0)
+        return f"FP8 matmuls need compute capability 8.9 or newer; {torch.cuda.get_device_name(0)} is {major}.{minor}"
+    return None
 
 
 # ------------------------------------------------------------------------------------------------- one setup
@@ -195,15 +250,17 @@ def run_one(setup: str, size: LlamaSize, args: argparse.Namespace, device: str =
     """Train ``setup`` on GPU 0 for warmup + steps steps in this process; the measured row.
 
     ``device="cpu"`` runs the same code on the CPU (no MFU, no peak memory): the suite's check that every setup
-    trains before anyone spends GPU time on it.
+    trains before anyone spends GPU time on it. An fp8 setup that cannot run here returns a row with ``skipped``.
     """
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.utils.data import DataLoader, TensorDataset
 
-    import lightning_dist  # noqa: F401
     from benchmarks.hardware import compute_dtype, lookup_peak
-    from lightning_dist import FSDP2Strategy
+    from lightning_dist import FSDP2Strategy, MeshThroughputMonitor
+    from lightning_dist.profiling import token_flops
 
+    if setup in FP8_RECIPES and (reason := fp8_skip_reason(FP8_RECIPES[setup], device=device)):
+        return {"setup": setup, "size": size.name, "skipped": reason}
     batch = args.batch_size or size.batch_size
     total = args.warmup + args.steps
     tokens = torch.randint(
@@ -211,25 +268,29 @@ def run_one(setup: str, size: LlamaSize, args: argparse.Namespace, device: str =
     )
     loader = DataLoader(TensorDataset(tokens), batch_size=batch, shuffle=False, drop_last=True)
     strategy: Any = {
-        "auto": "auto",
-        "auto_compile": "auto",
-        "fsdp2": FSDP2Strategy(),
-        "fsdp2_compile": FSDP2Strategy(compile=True),
-        "fsdp2_user_compile": FSDP2Strategy(),
-        "mp_fsdp": ModelParallelStrategy(),
-    }[setup]
+        "auto": lambda: "auto",
+        "auto_compile": lambda: "auto",
+        "fsdp2": FSDP2Strategy,
+        "fsdp2_compile": lambda: FSDP2Strategy(compile=True),
+        "fsdp2_user_compile": FSDP2Strategy,
+        "mp_fsdp": ModelParallelStrategy,
+        **{name: (lambda r=recipe: FSDP2Strategy(compile=True, float8=r)) for name, recipe in FP8_RECIPES.items()},
+    }[setup]()
     model = _lightning_module(
         size, user_compile=setup in ("auto_compile", "fsdp2_user_compile"), hand=setup == "mp_fsdp"
     )
+    flops_per_token = token_flops(model).per_token(args.seq_len)
     cuda = device == "cuda"
     timer = _StepTimer(cuda)
+    monitor = MeshThroughputMonitor()  # the callback users log with, checked against the timer
     trainer = L.Trainer(
         accelerator=device,
         devices=1,
         strategy=strategy,
         precision=args.precision,
         max_steps=total,
-        callbacks=[timer],
+        callbacks=[timer, monitor],
+        log_every_n_steps=max(1, args.warmup),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -251,7 +312,10 @@ def run_one(setup: str, size: LlamaSize, args: argparse.Namespace, device: str =
         "step_s": step,
         "first_step_s": timer.seconds[0],
         "tokens_per_s": tokens_per_s,
-        "mfu": tokens_per_s * size.flops_per_token(args.seq_len) / peak if peak else None,
+        "mfu": tokens_per_s * flops_per_token / peak if peak else None,
+        "flops_per_token": flops_per_token,
+        "logged_tokens_per_s": monitor.last_figures.get("tokens_per_s"),
+        "logged_mfu": monitor.last_figures.get("mfu"),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "num_parameters": size.num_parameters,
     }

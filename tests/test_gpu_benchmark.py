@@ -69,12 +69,44 @@ def test_table_ratios_are_against_auto_compile():
             "peak_memory_gib": 29.0,
             "first_step_s": 2.0,
         },
+        {"setup": "fsdp2_compile", "size": "0.5b", "tokens_per_s": 2400.0, "first_step_s": 30.0},
+        {"setup": "fsdp2_fp8_rowwise_compile", "size": "0.5b", "tokens_per_s": 2880.0, "first_step_s": 50.0},
+        {"setup": "fsdp2_fp8_tensorwise_compile", "size": "0.5b", "skipped": "torchao is not installed"},
         {"setup": "fsdp2_compile", "size": "2.4b", "error": "out of memory"},
     ]
-    assert gpu.ratios(rows) == {("0.5b", "auto_compile"): 1.0, ("0.5b", "fsdp2"): 0.75}
+    assert gpu.ratios(rows) == {
+        ("0.5b", "auto_compile"): 1.0,
+        ("0.5b", "fsdp2"): 0.75,
+        ("0.5b", "fsdp2_compile"): 1.2,
+        ("0.5b", "fsdp2_fp8_rowwise_compile"): 1.44,
+    }
     table = gpu.to_markdown(rows)
     assert "| 0.5b | fsdp2 | 1.5k | 30.0% | 29.0 | 2.0 | 0.75× |" in table
     assert "| 2.4b | fsdp2_compile | out of memory |" in table
+    assert "| 0.5b | fsdp2_fp8_tensorwise_compile | skipped: torchao is not installed |" in table
+    assert "- 0.5b: fsdp2_compile / auto_compile ≥ 1×: 1.20× ✅ met" in table
+    assert "- 0.5b: fsdp2_fp8_rowwise_compile / fsdp2_compile ≥ 1.25×: 1.20× ❌ missed" in table
+    assert (
+        "- 0.5b: fsdp2_fp8_tensorwise_compile / fsdp2_compile ≥ 1.25×: not measured"
+        " (fsdp2_fp8_tensorwise_compile: torchao is not installed)" in table
+    )
+    assert "- 2.4b: fsdp2_compile / auto_compile ≥ 1×: not measured (fsdp2_compile: out of memory)" in table
+
+
+def test_fp8_rows_say_why_they_cannot_run() -> None:
+    """The fp8 rows need torchao and the strategies' float8 option; without either they are skipped with the reason
+    (on a GPU older than SM89 too), not run into an error."""
+    import importlib.util
+
+    class NoFloat8Option:  # a strategy class from before the float8 option
+        def __init__(self, compile: bool = False) -> None: ...
+
+    if importlib.util.find_spec("torchao") is None:
+        assert "pip install 'lightning-dist[fp8]'" in gpu.fp8_skip_reason("rowwise", device="cpu")
+        return
+    assert "has no float8 option" in gpu.fp8_skip_reason("rowwise", NoFloat8Option, device="cpu")
+    assert gpu.fp8_skip_reason("rowwise", device="cpu") is None  # this build has the option
+    assert set(gpu.FP8_RECIPES) <= set(gpu.SETUPS) and set(gpu.FP8_RECIPES.values()) == {"rowwise", "tensorwise"}
 
 
 SMOKE = """
@@ -87,7 +119,9 @@ print(json.dumps([gpu.run_one(setup, size, args, device="cpu") for setup in sys.
 # Left out, as compiling on 2 cores is what costs here: fsdp2_user_compile (its model is auto_compile's, its strategy
 # fsdp2's; a user-compiled model under fsdp2 is checked in test_compile) and auto_compile (Lightning's own path: the
 # user's torch.compile in configure_model, the code fsdp2_user_compile shares).
-SMOKE_SETUPS = [setup for setup in gpu.SETUPS if setup not in ("fsdp2_user_compile", "auto_compile")]
+# The fp8 rows too: FP8 is only fast compiled, and compiling emulated FP8 on 2 cores costs minutes (their
+# numerics under fsdp2 are tested in test_float8).
+SMOKE_SETUPS = [s for s in gpu.SETUPS if s not in ("fsdp2_user_compile", "auto_compile", *gpu.FP8_RECIPES)]
 
 
 @pytest.mark.slow
@@ -110,4 +144,5 @@ def test_every_setup_trains_on_the_cpu_before_it_costs_gpu_time():
     assert [r["setup"] for r in rows] == SMOKE_SETUPS
     for row in rows:
         assert row["tokens_per_s"] > 0 and row["device"] == "cpu" and row["mfu"] is None, row
+        assert row["flops_per_token"] > 0 and row["logged_tokens_per_s"] > 0 and row["logged_mfu"] is None, row
     assert "| tiny | fsdp2 |" in gpu.to_markdown(rows)

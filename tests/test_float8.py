@@ -1,10 +1,11 @@
 """The ``float8`` option (FP8 training through torchao, emulated on the CPU): the option and its checks, which layers
-are converted, and real runs under fsdp2, tensor_parallel, pipeline and hybrid3d against runs without float8.
+are converted, and real runs under fsdp2, tensor_parallel, pipeline, context_parallel and hybrid3d against runs
+without float8.
 
 Tolerance: FP8 rounds each matmul input to 3 mantissa bits (e4m3), so an FP8 run is not an fp32 run. Over 6 AdamW
 steps of the example GPT (d_model 32, 2 blocks, lr 1e-2 after 2 warm-up steps) the losses stayed within 2.1e-3 of
 fsdp2's run without float8 (measured: fsdp2 rowwise 2.1e-3, tensorwise 1.0e-3, tensor_parallel 1.9e-3, hybrid3d
-pp2×tp2 1.9e-3; a bf16 pipeline resumed with FP8: 1.7e-3 from the uninterrupted bf16 run). Strategies other than
+pp2×tp2 1.9e-3, context_parallel cp=2 1.6e-3; a bf16 pipeline resumed with FP8: 1.7e-3 from the uninterrupted bf16 run). Strategies other than
 fsdp2 are compared with fsdp2's fp32 run: without float8 they match one process to 1e-4 (the parity tests), far inside
 the bound. The bound is 1e-2, the issue's expectation (~1e-2 over 6 steps; its holdout GPT with dims 64/256 measured
 7.4e-3 rowwise). Every FP8 run must also differ from its reference (> 0): a run that converted nothing would not.
@@ -129,7 +130,7 @@ def test_tensorwise_with_an_int_reshard_after_forward_is_refused_before_launch(t
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("float8")
-    return run_scenarios(SCRIPT, 2, workdir, ["fsdp2", "tensor_parallel", "pipeline", "llama"])
+    return run_scenarios(SCRIPT, 2, workdir, ["fsdp2", "tensor_parallel", "pipeline", "context_parallel", "llama"])
 
 
 def _check_fp8_run(run: dict, reference: dict) -> None:
@@ -182,6 +183,13 @@ def test_tensor_parallel_shards_the_fp8_layers_and_stays_within_the_tolerance(tw
     assert run["converted"] == BLOCK_LINEARS
     # The plan shards the converted layers as it would plain ones (a Float8Linear is still x @ W.T).
     assert {f"{n}.weight" for n in BLOCK_LINEARS} <= set(run["dtensor_params"])
+
+
+@pytest.mark.slow
+def test_context_parallel_trains_fp8_within_the_tolerance(two_rank_runs):
+    run = two_rank_runs["context_parallel"]
+    _check_fp8_run(run, two_rank_runs["fsdp2"]["plain"])
+    assert run["converted"] == BLOCK_LINEARS
 
 
 @pytest.mark.slow

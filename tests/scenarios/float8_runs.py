@@ -2,7 +2,7 @@
 layers converted, FSDP2's FP8 all-gather bytes, checkpoints and a resume across strategies.
 
 python tests/scenarios/float8_runs.py --devices 2 --out r.json --workdir DIR \
-    --scenarios fsdp2,tensor_parallel,pipeline,llama
+    --scenarios fsdp2,tensor_parallel,pipeline,context_parallel,llama
 python tests/scenarios/float8_runs.py --devices 4 --out r.json --workdir DIR --scenarios hybrid3d
 """
 
@@ -26,7 +26,13 @@ from models import HFLlama  # type: ignore[import-not-found]
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
 
-from lightning_dist import FSDP2Strategy, Hybrid3DStrategy, PipelineStrategy, TensorParallelStrategy
+from lightning_dist import (
+    ContextParallelStrategy,
+    FSDP2Strategy,
+    Hybrid3DStrategy,
+    PipelineStrategy,
+    TensorParallelStrategy,
+)
 from lightning_dist.compat.torchao import is_float8_linear
 from lightning_dist.profiling import CommCounter
 
@@ -172,6 +178,10 @@ def pipeline(devices: int, workdir: str) -> dict[str, Any]:
     return out
 
 
+def context_parallel(devices: int, workdir: str) -> dict[str, Any]:
+    return _fit(devices, ContextParallelStrategy(context_parallel_size=devices, float8="rowwise"), dp=1)[1]
+
+
 def llama(devices: int, workdir: str) -> dict[str, Any]:
     """A stock transformers Llama under fsdp2, without float8 and with rowwise."""
     _, plain = _fit(devices, FSDP2Strategy(), dp=devices, llama=True)
@@ -190,6 +200,7 @@ if __name__ == "__main__":
             "fsdp2": fsdp2,
             "tensor_parallel": tensor_parallel,
             "pipeline": pipeline,
+            "context_parallel": context_parallel,
             "llama": llama,
             "hybrid3d": hybrid3d,
         }

@@ -70,7 +70,7 @@ def verify(tmp_path: Path, *args: str) -> tuple[int, dict, str]:
     report = tmp_path / "report.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "lightning_dist.cli", "verify", *args, "--json", str(report)]
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(command, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     output = done.stdout + done.stderr
     assert report.exists(), output[-3000:]
     return done.returncode, json.loads(report.read_text()), output
@@ -158,13 +158,15 @@ API_SCRIPT = textwrap.dedent(
     if __name__ == "__main__":
         model = MyGPT(vocab_size=64, seq_len=64, d_model=32, n_layer=2, n_head=4)
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        report = lightning_dist.verify(
-            model, TextDataModule(batch_size=4), strategy="tensor_parallel", devices=2, steps=2, dtype="float64",
-            accelerator="cpu", accumulate_grad_batches=2,
-        )
+        common = dict(devices=2, steps=2, dtype="float64", accelerator="cpu", accumulate_grad_batches=2,
+                      reference_cache="cache")
+        report = lightning_dist.verify(model, TextDataModule(batch_size=4), strategy="tensor_parallel", **common)
         unchanged = all((before[k] == v).all() for k, v in model.state_dict().items())
         print(report.table())
-        json.dump({"report": report.to_json(), "unchanged": bool(unchanged)}, open(sys.argv[1], "w"))
+        again = lightning_dist.verify(model, TextDataModule(batch_size=4), strategy="context_parallel", **common)
+        print(again.table())
+        json.dump({"report": report.to_json(), "unchanged": bool(unchanged), "again": again.to_json()},
+                  open(sys.argv[1], "w"))
     '''
 )
 
@@ -172,12 +174,12 @@ API_SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_the_python_api_verifies_a_module_defined_in_the_running_script(tmp_path):
     """``lightning_dist.verify(model, datamodule, ...)`` from a script, with gradient accumulation and a class the
-    script itself defines; the caller's model is left as it was."""
+    script itself defines; the caller's model is left as it was; a second check reuses the cached reference."""
     (tmp_path / "run.py").write_text(API_SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     out = tmp_path / "out.json"
-    done = subprocess.run([sys.executable, "run.py", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+    done = subprocess.run([sys.executable, "run.py", str(out)], check=False, cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
     assert done.returncode == 0 and out.exists(), (done.stdout + done.stderr)[-3000:]
     result = json.loads(out.read_text())
     report = result["report"]
@@ -185,3 +187,7 @@ def test_the_python_api_verifies_a_module_defined_in_the_running_script(tmp_path
     # 2 optimizer steps of 2 accumulated batches each: 4 losses, 2 gradient comparisons
     assert sum(row["quantity"] == "loss" for row in report["rows"]) == 4
     assert [row["when"] for row in report["rows"] if row["quantity"] == "gradients"] == ["step 0", "step 1"]
+    # a second strategy with the same global batch reuses the reference run kept in the cache
+    again = result["again"]
+    assert again["passed"] and "cp=2" in again["strategy"], again["summary"]
+    assert any("reference run was reused" in note for note in again["notes"]) and "reused" not in str(report["notes"])

@@ -15,6 +15,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from lightning_dist.verification import VerifyError, stated_tolerance
 from lightning_dist.verification.run import run_check
@@ -43,7 +44,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
     p.add_argument("--workdir", help="folder for the runs (default: a temporary one, removed when the check passes)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds each run may take (default 900)")
+    p.add_argument("--reference-cache", metavar="DIR", help="keep reference runs in DIR and reuse them in later checks"
+                   " of the same configuration (checking several strategies trains the reference once)")  # fmt: skip
     return p
+
+
+def _reference_key(cli: Any) -> str:
+    """The configuration apart from the strategy's processes (the reference has its own), as text."""
+    config = cli.config.clone()
+    for key in ("trainer.strategy", "trainer.devices", "trainer.num_nodes", "trainer.default_root_dir", "trainer.logger"):
+        if key in config:
+            del config[key]
+    return cli.parser.dump(config, skip_check=True)
 
 
 def main(argv: list[str]) -> None:
@@ -52,7 +64,7 @@ def main(argv: list[str]) -> None:
 
     args, fit_args = parser().parse_known_args(argv)
     settings = VerifySettings(args.steps, args.tolerance, args.dtype, args.against, args.keep_dropout, args.workdir,
-                              timeout=args.timeout)  # fmt: skip
+                              timeout=args.timeout, reference_cache=args.reference_cache)  # fmt: skip
     try:
         # The configuration, built once here: its errors end the check before any run; its module gives the
         # initial weights both runs copy.
@@ -71,6 +83,7 @@ def main(argv: list[str]) -> None:
             {"cli_args": fit_args, "main_path": None},
             stated_tolerance(trainer.strategy),
             (trainer.num_devices, trainer.num_nodes),
+            reference_key=_reference_key(cli),
         )
     except VerifyError as error:
         print(f"lightning-dist verify: error: {error}", file=sys.stderr)

@@ -19,6 +19,7 @@ Where things are:
 from __future__ import annotations
 
 import copy
+import hashlib
 import pickle
 import sys
 from typing import Any
@@ -45,6 +46,7 @@ def verify(
     seed: int = 0,
     workdir: str | None = None,
     timeout: float = 900.0,
+    reference_cache: str | None = None,
     **trainer_kwargs: Any,
 ) -> VerifyReport:
     """Check that ``model`` trains under ``strategy`` on ``devices`` processes as it does in one process.
@@ -59,7 +61,7 @@ def verify(
         strategy: The strategy to check: a registered name or an instance.
         devices: Processes (devices) per node of the strategy's run.
         steps: Optimizer steps each run trains.
-        tolerance, dtype, against, keep_dropout, seed, workdir, timeout: As in
+        tolerance, dtype, against, keep_dropout, seed, workdir, timeout, reference_cache: As in
             :class:`~lightning_dist.verification.settings.VerifySettings`.
         **trainer_kwargs: Any other ``Trainer`` arguments of the run (``precision``, ``accelerator``,
             ``accumulate_grad_batches``, ``gradient_clip_val``, ...).
@@ -67,7 +69,7 @@ def verify(
     Returns:
         The :class:`VerifyReport`; ``bool(report)`` is whether everything matched within the tolerance.
     """
-    settings = VerifySettings(steps, tolerance, dtype, against, keep_dropout, workdir, seed, timeout)
+    settings = VerifySettings(steps, tolerance, dtype, against, keep_dropout, workdir, seed, timeout, reference_cache)
     kwargs = {"strategy": strategy, "devices": devices, **trainer_kwargs}
     try:
         objects = pickle.dumps({"model": model, "datamodule": datamodule, "trainer_kwargs": kwargs})
@@ -93,7 +95,17 @@ def verify(
         stated_tolerance(strategy),
         (devices, int(trainer_kwargs.get("num_nodes", 1))),
         objects=objects,
+        reference_key=_reference_key(model, datamodule, trainer_kwargs),
     )
+
+
+def _reference_key(model: LightningModule, datamodule: LightningDataModule | None, trainer_kwargs: dict) -> str:
+    """The module, data and Trainer arguments, apart from the strategy's processes (the reference has its own)."""
+    kept = {k: v for k, v in trainer_kwargs.items() if k not in ("strategy", "devices", "num_nodes")}
+    try:
+        return hashlib.sha256(pickle.dumps((model, datamodule, kept))).hexdigest()
+    except Exception:  # noqa: BLE001  (unpicklable Trainer arguments: no reuse)
+        return ""
 
 
 def stated_tolerance(strategy: str | Strategy | Any) -> tuple[float, str, tuple[str, ...]] | None:

@@ -9,6 +9,7 @@ the way one process would).
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import re
@@ -64,10 +65,12 @@ def run_check(
     stated_tolerance: tuple[float, str, tuple[str, ...]] | None = None,
     devices: tuple[Any, int] = (1, 1),
     objects: bytes | None = None,
+    reference_key: str = "",
 ) -> VerifyReport:
     """Run the check on ``module`` (a copy this function may change), whose runs are described by ``shared`` (what
     :mod:`~lightning_dist.verification.phase` reads: ``cli_args``, or the Python API's ``main_path`` and its pickled
-    ``objects``). ``stated_tolerance`` is the strategy's own (tolerance, why, the quantities it holds for)."""
+    ``objects``). ``stated_tolerance`` is the strategy's own (tolerance, why, the quantities it holds for);
+    ``reference_key`` names what the reference trains apart from the strategy (for ``settings.reference_cache``)."""
     start = time.perf_counter()
     workdir, temporary = prepare_workdir(settings)
     (workdir / MARKER).write_text("a lightning-dist verify work folder\n")
@@ -87,7 +90,12 @@ def run_check(
         report.strategy = f"{strategy} ({meta['mesh']})" if meta["mesh"] else strategy
         role = {"trainer": reference_strategy(settings.against, *devices), "candidate_replicas": meta["replicas"]}
         (workdir / "reference.json").write_text(json.dumps(role))
-        ref = _run(workdir, "reference", settings.timeout, report)
+        cached = _cached_reference(settings, reference_key, workdir, role)
+        ref = _load_ranks(cached) if cached else _run(workdir, "reference", settings.timeout, report)
+        if cached:
+            report.notes.append(f"the reference run was reused from {cached}")
+        if ref is not None and not cached and settings.reference_cache and reference_key:
+            _keep_reference(workdir / "reference", settings, reference_key, workdir, role)
         if ref is not None:
             report.rows = compare_runs(ours, ref, tolerance)
             if stated_tolerance is not None and settings.tolerance is None:
@@ -142,15 +150,51 @@ def _run(workdir: Path, role: str, timeout: float, report: VerifyReport) -> list
             os.killpg(process.pid, 9)
             process.wait()
             code = None
-    paths = sorted((workdir / role).glob("rank*.pt"), key=lambda p: int(p.stem[4:]))
-    if code == 0 and paths:
-        return [torch.load(path, map_location="cpu", weights_only=True) for path in paths]
+    ranks = _load_ranks(workdir / role)
+    if code == 0 and ranks:
+        return ranks
     what = "the strategy's run" if role == "candidate" else "the reference run"
     if code is None:
         report.failure = f"{what} did not finish in {timeout:.0f} s (log: {log})"
     else:
         report.failure = f"{what} failed: {last_error(log.read_text(errors='replace'))} (log: {log})"
     return None
+
+
+def _load_ranks(folder: Path) -> list[dict[str, Any]]:
+    paths = sorted(folder.glob("rank*.pt"), key=lambda p: int(p.stem[4:]))
+    return [torch.load(path, map_location="cpu", weights_only=True) for path in paths]
+
+
+def _reference_digest(settings: VerifySettings, key: str, workdir: Path, role: dict[str, Any]) -> str:
+    """What the reference's run depends on: the module and data (``key``), the initial weights, the settings that
+    shape the runs, and its processes and batch."""
+    digest = hashlib.sha256(key.encode())
+    digest.update(hashlib.sha256((workdir / "initial.pt").read_bytes()).digest())
+    shaping = {k: getattr(settings, k) for k in ("steps", "dtype", "against", "keep_dropout", "seed")}
+    digest.update(json.dumps([shaping, role], sort_keys=True).encode())
+    return digest.hexdigest()[:24]
+
+
+def _cached_reference(settings: VerifySettings, key: str, workdir: Path, role: dict[str, Any]) -> Path | None:
+    if not (settings.reference_cache and key):
+        return None
+    folder = Path(settings.reference_cache) / _reference_digest(settings, key, workdir, role)
+    return folder if any(folder.glob("rank*.pt")) else None
+
+
+def _keep_reference(run: Path, settings: VerifySettings, key: str, workdir: Path, role: dict[str, Any]) -> None:
+    assert settings.reference_cache is not None
+    cache = Path(settings.reference_cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    target = cache / _reference_digest(settings, key, workdir, role)
+    staging = Path(tempfile.mkdtemp(dir=cache, prefix=".incoming-"))
+    for path in run.glob("rank*.pt"):
+        shutil.copy2(path, staging / path.name)
+    try:
+        os.rename(staging, target)  # whole or not at all; another check may have kept the same run first
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def last_error(log: str) -> str:

@@ -43,6 +43,8 @@ class VerifySettings:
         workdir: Where the runs write (``None``: a new temporary folder, removed after a passing run).
         seed: The seed of both runs (the configuration's ``seed_everything`` when it gives one).
         timeout: Seconds each run may take before it is stopped and reported as hung.
+        reference_cache: A folder where reference runs are kept, and reused by later checks of the same module,
+            data, settings and global batch (checking several strategies then trains the reference once).
     """
 
     steps: int = 3
@@ -53,6 +55,7 @@ class VerifySettings:
     workdir: str | None = None
     seed: int = 0
     timeout: float = 900.0
+    reference_cache: str | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 1:

@@ -84,7 +84,11 @@ def test_the_example_gpt_under_fsdp2_is_equivalent_and_every_quantity_is_compare
     quantities = {row["quantity"] for row in rows}
     assert {"loss", "logged train_loss", "gradient norm", "gradients", "learning rate"} <= quantities
     assert {"logged val_loss", "logged val_acc", "parameters", "optimizer state", "checkpoint"} <= quantities
-    assert [row["when"] for row in rows if row["quantity"] == "loss"] == ["train batch 0", "train batch 1", "train batch 2"]
+    assert [row["when"] for row in rows if row["quantity"] == "loss"] == [
+        "train batch 0",
+        "train batch 1",
+        "train batch 2",
+    ]
     assert max(row["difference"] for row in rows) <= 1e-4 == report["tolerance"]
     assert "fsdp2 (dp_shard=2)" in report["strategy"] and "EQUIVALENT" in output
     assert not list(tmp_path.glob("lightning_logs")) and not list(tmp_path.glob("*.ckpt"))  # nothing of the user's

@@ -52,7 +52,13 @@ def parser() -> argparse.ArgumentParser:
 def _reference_key(cli: Any) -> str:
     """The configuration apart from the strategy's processes (the reference has its own), as text."""
     config = cli.config.clone()
-    for key in ("trainer.strategy", "trainer.devices", "trainer.num_nodes", "trainer.default_root_dir", "trainer.logger"):
+    for key in (
+        "trainer.strategy",
+        "trainer.devices",
+        "trainer.num_nodes",
+        "trainer.default_root_dir",
+        "trainer.logger",
+    ):
         if key in config:
             del config[key]
     return cli.parser.dump(config, skip_check=True)

@@ -2,8 +2,8 @@
 lightning_dist uses, imported here only, with the version they were checked on.
 
 torchao is imported lazily (when a strategy converts a model, never when lightning_dist is imported). On a machine
-without CUDA its CUDA extension libraries fail to load with a warning per library; that warning is dropped here:
-emulation does not use them.
+without CUDA its CUDA extension libraries fail to load with a warning per library, and its import logs torch's
+deprecation of Enum pytree constants; both are dropped here (emulation does not use those libraries).
 """
 
 from __future__ import annotations
@@ -41,15 +41,22 @@ def missing_torchao_message(what: str) -> str:
     return f"{what} needs torchao, which is not installed. Install it with: {INSTALL_LINE}"
 
 
+#: Loggers that speak while torchao is imported: its own (a CUDA library that cannot load on a CPU build) and torch's
+#: pytree registry (torchao 0.18 registers Enum classes as pytree constants, which torch 2.13 deprecates).
+_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
 def _import(module: str) -> Any:
-    """Import a torchao module, without the warnings of its CUDA libraries failing to load on a CPU build."""
-    logger = logging.getLogger("torchao")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    """Import a torchao module without the warnings its import logs (see :data:`_IMPORT_LOGGERS`)."""
+    loggers = [logging.getLogger(name) for name in _IMPORT_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         return importlib.import_module(module)
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def float8_linear_config(recipe: str, *, emulate: bool, fsdp_float8_all_gather: bool) -> Any:

@@ -193,13 +193,13 @@ class MeshThroughputMonitor(Callback):
         if self._flops is not None:
             f = self._flops
             flops = (
-                f"6·N + 12·L·H·S FLOPs per token with N = {f.active_params / 1e6:.4g}M active non-embedding"
+                f"6·N + 12·L·H·S FLOPs per token with N = {f.active_params:,.0f} active non-embedding"
                 f" parameters, L = {f.layers}, H = {f.attention_width}"
             )
         peak = f"peak {self._peak:g} TFLOP/s per device" if self._peak else "no peak (no MFU)"
         return (
             f"MeshThroughputMonitor: tokens per step = one rank's × {self._replicas} data-parallel replicas ×"
-            f" {self._seq_shards} context-parallel shards, over {trainer.world_size} devices; {flops}; {peak}"
+            f" {self._seq_shards} context-parallel shards, FLOPs over {trainer.world_size} devices; {flops}; {peak}"
         )
 
     def _warn_once(self, key: str, message: str) -> None:

@@ -226,3 +226,14 @@ def test_logged_throughput_is_the_wall_clock_s_and_counts_the_mesh(tmp_path: Pat
         loop = after["end"] - before["start"] - sum(end - start for start, end in after["validations"])
         logged_seconds = sum(tokens / log["throughput/tokens_per_s"] for log in logs)
         assert len(logs) * tokens / loop == pytest.approx(len(logs) * tokens / logged_seconds, rel=0.05), name
+
+
+def test_the_docs_peak_table_is_the_code_s() -> None:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "throughput.md").read_text()
+    table = text.split("<!-- peak-table:start -->")[1].split("<!-- peak-table:end -->")[0].strip().splitlines()
+    header = [c.strip().lower() for c in table[0].strip("|").split("|")][1:]
+    rows = {}
+    for line in table[2:]:
+        device, *cells = (c.strip() for c in line.strip("|").split("|"))
+        rows[device] = {dtype: float(c) for dtype, c in zip(header, cells) if c != "-"}
+    assert rows == PEAK_TFLOPS

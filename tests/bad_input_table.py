@@ -112,6 +112,16 @@ def _llama(kv_heads: int) -> _HFCausalLM:
     return _HFCausalLM(LlamaForCausalLM(config))
 
 
+def _mixtral(num_experts: int = 4) -> _HFCausalLM:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=num_experts, num_experts_per_tok=2, max_position_embeddings=32,
+    )  # fmt: skip
+    return _HFCausalLM(MixtralForCausalLM(config))
+
+
 class _Pooling(LightningModule):
     """A model of sets of points (mean-pooled) or feature vectors: not a sequence model."""
 
@@ -292,6 +302,19 @@ ROWS: list[BadInput] = [
     BadInput("A sequence length not divisible by 2·cp",
              lambda t: _fit_leaving_nothing(t, ContextParallelStrategy(), _gpt(), _tokens(length=6)),
              ValueError, r"(?s)'input_ids' \(sequence length 6\).*divisible by 2·cp = 4"),
+    # --- expert parallelism
+    BadInput("expert_parallel_size that does not divide the experts",
+             lambda t: _fit(FSDP2Strategy(expert_parallel_size=4), _mixtral(num_experts=6), devices=4),
+             ValueError, r"expert_parallel_size=4 does not divide the 6 experts of model\.model\.layers\.0\.mlp\.experts.*\(1, 2, 3, 6\)"),
+    BadInput("expert_parallel_size that does not divide dp_shard × cp",
+             lambda t: _fit(FSDP2Strategy(expert_parallel_size=4, data_parallel_shard_size=2, data_parallel_replicate_size=2,
+                                          sharding="hybrid"), _mixtral(), devices=4),
+             ValueError, r"expert_parallel_size=4 must divide dp_shard × cp = 2 × 1 = 2.*among \[1, 2\]"),
+    BadInput("Expert parallelism on a dense model", lambda t: _fit("expert_parallel", _llama(kv_heads=2)),
+             ValueError, r"_HFCausalLM has no mixture-of-experts layer.*found neither \(a dense model\).*use plain fsdp2 for a dense one"),
+    BadInput("expert_parallel_size under a strategy that cannot carry it",
+             lambda t: TensorParallelStrategy(expert_parallel_size=2),
+             TypeError, r"TensorParallelStrategy has no option 'expert_parallel_size'.*carried by fsdp2 and the expert_parallel strategy name only", CONSTRUCTION),
     # --- precision
     BadInput("A precision plugin of another strategy family", lambda t: _deepspeed_precision(),
              ValueError, r"DeepSpeedPrecision.*cannot be used with lightning_dist strategies\. Pass `precision=` with one of: 32-true"),

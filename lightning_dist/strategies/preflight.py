@@ -73,7 +73,14 @@ def unknown_options_message(cls: type, unknown: dict[str, Any]) -> str:
     for name in unknown:
         close = difflib.get_close_matches(name, options, n=1)
         parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    return f"{cls.__name__} has no option {', '.join(parts)}. Its options are: {', '.join(options)}."
+    hint = ""
+    if "expert_parallel_size" in unknown:
+        hint = (
+            " Expert parallelism (expert_parallel_size) is carried by fsdp2 and the expert_parallel strategy name"
+            f" only so far; {cls.__name__} cannot split experts over ranks. Use strategy='expert_parallel', or drop"
+            " expert_parallel_size."
+        )
+    return f"{cls.__name__} has no option {', '.join(parts)}. Its options are: {', '.join(options)}.{hint}"
 
 
 def check_same_parallelism(strategy: MeshParallelStrategy, applied: dict[str, str]) -> None:

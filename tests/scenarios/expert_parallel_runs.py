@@ -3,6 +3,8 @@
 
 python tests/scenarios/expert_parallel_runs.py --devices 1 --out ref.json --workdir DIR --scenarios fp64,fp32
 python tests/scenarios/expert_parallel_runs.py --devices 2 --out r.json --workdir DIR --scenarios ep_fp64,ep_fp32,bytes
+
+``pipeline_fp32`` trains the same model (with transformers' default grouped-mm experts kernel) under pp=2.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from common import (  # type: ignore[import-not-found]
     GLOBAL_BATCH,
     SEQ_LEN,
+    AllStagesRecorder,
     OneProcessData,
     StepRecorder,
     full_state,
@@ -25,7 +28,7 @@ from common import (  # type: ignore[import-not-found]
 from lightning.pytorch.callbacks import Callback
 
 from examples.data import TextDataModule
-from lightning_dist import FSDP2Strategy
+from lightning_dist import FSDP2Strategy, PipelineStrategy
 from lightning_dist.profiling import CommCounter, attach_phase_hooks
 
 STEPS = 4
@@ -37,14 +40,14 @@ HIDDEN, EXPERTS, TOP_K = 32, 4, 2
 class MixtralLM(L.LightningModule):
     """A stock tiny ``MixtralForCausalLM`` (2 MoE layers of 4 experts, top-2), next-token loss on its logits."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, experts_implementation: str = "eager") -> None:
         super().__init__()
         from transformers import MixtralConfig, MixtralForCausalLM
 
         config = MixtralConfig(
             vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
-            max_position_embeddings=SEQ_LEN, attn_implementation="eager", experts_implementation="eager",
+            max_position_embeddings=SEQ_LEN, attn_implementation="eager", experts_implementation=experts_implementation,
             router_jitter_noise=0.0,
         )  # fmt: skip
         self.model = MixtralForCausalLM(config)
@@ -93,13 +96,19 @@ class StepTraffic(Callback):
         )
 
 
-def train(devices: int, precision: str, ep: int | None, steps: int = STEPS, traffic: bool = False) -> dict[str, Any]:
+def train(
+    devices: int, precision: str, ep: int | None, steps: int = STEPS, traffic: bool = False, pipeline: bool = False
+) -> dict[str, Any]:
     L.seed_everything(1234, verbose=False)
-    data_cls = OneProcessData if devices == 1 else TextDataModule
-    data = data_cls(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // devices, train_samples=256, val_samples=32)
-    model = MixtralLM(data.vocab_size)
+    dp = 1 if pipeline else devices
+    data_cls = OneProcessData if dp == 1 else TextDataModule
+    data = data_cls(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, train_samples=256, val_samples=32)
+    # Under the pipeline: transformers' default experts kernel (grouped_mm), whose meta kernel takes bf16 only.
+    model = MixtralLM(data.vocab_size, "grouped_mm" if pipeline else "eager")
     strategy: Any = "auto" if devices == 1 else FSDP2Strategy(expert_parallel_size=ep or 1)
-    recorder, counter = StepRecorder(), StepTraffic()
+    if pipeline:
+        strategy = PipelineStrategy()
+    recorder, counter = (AllStagesRecorder() if pipeline else StepRecorder()), StepTraffic()
     trainer = L.Trainer(
         **trainer_kwargs(devices, strategy=strategy, precision=precision, limit_val_batches=0),
         max_steps=steps,
@@ -115,7 +124,7 @@ def train(devices: int, precision: str, ep: int | None, steps: int = STEPS, traf
         result["expert_local_shapes"] = sorted(
             {str(tuple(p.to_local().shape)) for n, p in model.named_parameters() if "experts" in n}
         )
-    else:
+    elif not pipeline:
         result["params"] = {n: t.tolist() for n, t in full_state(model).items()}
     return result
 
@@ -127,6 +136,7 @@ SCENARIOS = {
     "ep_fp32": lambda devices, workdir: train(devices, "32-true", devices),
     "bytes_fsdp2": lambda devices, workdir: train(devices, "32-true", None, steps=2, traffic=True),
     "bytes_ep": lambda devices, workdir: train(devices, "32-true", devices, steps=2, traffic=True),
+    "pipeline_fp32": lambda devices, workdir: train(devices, "32-true", None, pipeline=True),
 }
 
 if __name__ == "__main__":

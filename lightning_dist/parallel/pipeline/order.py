@@ -19,19 +19,35 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_dist.parallel.expert_parallel.structure import find_expert_layers
+
 # Sequence lengths tried for the example token ids: short (cheap, and below any model's maximum), then one token.
 _EXAMPLE_LENGTHS = (8, 1)
 
 
 def meta_twin(module: nn.Module) -> nn.Module:
-    """A deep copy of ``module`` whose parameters and buffers are on the meta device (no storage is copied)."""
+    """A deep copy of ``module`` whose parameters and buffers are on the meta device (no storage is copied).
+
+    Mixture-of-experts layers' experts modules compute shapes only in the copy (their output is shaped like their
+    input): their kernels cannot run on meta (transformers' grouped-mm meta kernel takes bf16 only, its eager loop
+    calls ``nonzero``), which made an fp32 Mixtral crash under the pipeline.
+    """
     memo: dict[int, Any] = {}
     for tensor in itertools.chain(module.parameters(), module.buffers()):
         meta = torch.empty_like(tensor, device="meta")
         memo[id(tensor)] = (
             nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
         )
-    return copy.deepcopy(module, memo)
+    twin = copy.deepcopy(module, memo)
+    for layer in find_expert_layers(twin):
+        if layer.kind == "stacked":
+            layer.experts.forward = _experts_shape
+    return twin
+
+
+def _experts_shape(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """A stacked experts module's output on meta: ``(tokens, hidden)``, like its input."""
+    return torch.empty_like(hidden_states)
 
 
 def forward_order(

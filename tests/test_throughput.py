@@ -194,9 +194,9 @@ def interval_brackets(before: dict, after: dict) -> list[tuple[float, float]]:
 
 @pytest.mark.slow
 def test_logged_throughput_is_the_wall_clock_s_and_counts_the_mesh(tmp_path: Path) -> None:
-    """Real 2-process Trainer runs (fsdp2, tensor_parallel, context_parallel; CPU, gloo), validation
-    after every 6 steps, a value logged every 4. The tokens are the global batch the test knows, 8 × 32 per step on
-    every mesh. Two clocks, one callback before the monitor and one after it, bracket each of the monitor's
+    """Real 2-process Trainer runs (fsdp2 with 2 micro-batches per step, tensor_parallel, context_parallel; CPU,
+    gloo), validation after every 6 batches, a value logged every 4 optimizer steps. The tokens are the global batch
+    the test knows, 8 × 32 per micro-batch on every mesh. Two clocks, one callback before the monitor and one after it, bracket each of the monitor's
     readings, so a process descheduled on the loaded machine widens the bracket instead of failing the test:
 
     * each logged tokens/s is within 5% of the tokens over the wall-clock seconds of the same steps (validation
@@ -207,12 +207,11 @@ def test_logged_throughput_is_the_wall_clock_s_and_counts_the_mesh(tmp_path: Pat
     Counting tokens × world size (2) on tensor_parallel, or one rank's tokens on fsdp2, misses by 2×;
     the sharded sequence's length in the attention term on context_parallel misses TFLOP/s by 7%."""
     runs = run_scenarios("throughput_runs.py", 2, tmp_path, ["fsdp2", "tensor_parallel", "context_parallel"])
-    tokens = EVERY * GLOBAL_TOKENS
     for name, run in runs.items():
         before, after, flops = run["before"], run["after"], _gpt_flops_per_token(run["vocab_size"])
-        logs = after["logs"]
+        logs, tokens = after["logs"], EVERY * GLOBAL_TOKENS * run["accumulate"]
         assert [log["step"] for log in logs] == [4, 8, 12], name
-        assert len(after["validations"]) == 2  # after steps 6 and 12
+        assert len(after["validations"]) == 12 * run["accumulate"] // 6  # every 6 batches
         for log, (shortest, longest) in zip(logs, interval_brackets(before, after)):
             logged = log["throughput/tokens_per_s"]
             assert 0.95 * tokens / longest <= logged <= 1.05 * tokens / shortest, (name, log, shortest, longest)

@@ -37,13 +37,15 @@ class LoopClock(Callback):
         self.start = self.end = 0.0
         self.logs: list[dict[str, Any]] = []  # the steps the monitor logs at, and the logged values
         self.validations: list[tuple[float, float]] = []
+        self._step = 0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         now = time.perf_counter()
-        if trainer.global_step % EVERY == 0:
+        stepped, self._step = trainer.global_step != self._step, trainer.global_step
+        if stepped and trainer.global_step % EVERY == 0:  # not on the micro-batches of an accumulated step
             logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("throughput/")}
             self.logs.append({"step": trainer.global_step, "at": now, **logged})
 
@@ -60,13 +62,16 @@ class LoopClock(Callback):
         return {"start": self.start, "end": self.end, "logs": self.logs, "validations": self.validations}
 
 
-def _run(strategy: Callable[[], Any], dp: int, **monitor: Any) -> Callable[[int, str], dict[str, Any]]:
+def _run(
+    strategy: Callable[[], Any], dp: int, accumulate: int = 1, **monitor: Any
+) -> Callable[[int, str], dict[str, Any]]:
     def run(devices: int, workdir: str) -> dict[str, Any]:
         model, data = make_model_and_data(devices, dp_size=dp, vocab_size=64)  # tp divides 64
         before, throughput, after = LoopClock(), MeshThroughputMonitor(**monitor), LoopClock()
         trainer = L.Trainer(
             **trainer_kwargs(devices, strategy=strategy(), precision="32-true", val_check_interval=6),
             max_steps=STEPS,
+            accumulate_grad_batches=accumulate,
             log_every_n_steps=EVERY,
             callbacks=[before, throughput, after],
         )
@@ -74,6 +79,7 @@ def _run(strategy: Callable[[], Any], dp: int, **monitor: Any) -> Callable[[int,
         return {
             "vocab_size": model.hparams.vocab_size,
             "world_size": trainer.world_size,
+            "accumulate": accumulate,
             "before": before.readings(),  # each of the monitor's readings is after this clock's
             "after": after.readings(),  # and before this one's; the logged values are read here
         }
@@ -82,7 +88,7 @@ def _run(strategy: Callable[[], Any], dp: int, **monitor: Any) -> Callable[[int,
 
 
 SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
-    "fsdp2": _run(FSDP2Strategy, dp=2, peak_tflops=0.5),
+    "fsdp2": _run(FSDP2Strategy, dp=2, accumulate=2, peak_tflops=0.5),  # a step is 2 micro-batches
     "tensor_parallel": _run(lambda: TensorParallelStrategy(tensor_parallel_size=2), dp=1),  # no peak: no MFU
     "context_parallel": _run(ContextParallelStrategy, dp=1, peak_tflops=0.5),
 }

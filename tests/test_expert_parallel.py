@@ -62,14 +62,19 @@ def test_experts_not_divisible_by_ep_are_refused_with_the_divisors():
 
 @pytest.fixture(scope="module")
 def core_runs(tmp_path_factory) -> dict[str, Any]:
-    return run_scenarios("expert_parallel_core_runs.py", 2, tmp_path_factory.mktemp("ep_core"), ["mixtral_fp64"])
+    return run_scenarios("expert_parallel_core_runs.py", 2, tmp_path_factory.mktemp("ep_core"), [*MOE_KINDS])
+
+
+MOE_KINDS = {"mixtral_fp64": 4, "qwen3_moe_fp64": 4, "qwen2_moe_fp64": 4, "olmoe_fp64": 4}
 
 
 @pytest.mark.slow
-def test_mixtral_experts_split_over_two_ranks_match_one_process_in_fp64(core_runs):
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_moe_experts_split_over_two_ranks_match_one_process_in_fp64(core_runs, kind):
     """Each rank keeps 2 of 4 experts per layer; tokens reach them by all-to-all; loss and every gradient (dense
-    ones averaged over the ranks, expert ones gathered) equal one process's."""
-    run = core_runs["mixtral_fp64"]
+    ones averaged over the ranks, expert ones gathered) equal one process's. Qwen2-MoE's shared expert and
+    OLMoE's / Qwen3-MoE's routing stay the model's own code."""
+    run = core_runs[kind]
     assert run["loss_diff"] <= FP64_TOL and run["grad_diff"] <= FP64_TOL, run
     assert run["expert_parameters"] == 4
     assert all(shape[0] == 2 for shape in run["local_shapes"].values()), run["local_shapes"]

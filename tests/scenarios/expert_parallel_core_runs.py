@@ -1,5 +1,5 @@
-"""Expert parallelism's pure-PyTorch core in real processes (gloo, no Lightning): a stock tiny ``MixtralForCausalLM``
-in fp64, its experts split over ep ranks, against the same model in one process.
+"""Expert parallelism's pure-PyTorch core in real processes (gloo, no Lightning): stock tiny transformers MoE models
+(Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE) in fp64, their experts split over ep ranks, against one process.
 
 Run as ``python tests/scenarios/expert_parallel_core_runs.py --devices 2 --out result.json``. Every rank builds the
 model from one seed, computes the one-process reference on the whole batch itself, then applies expert parallelism
@@ -16,6 +16,7 @@ import socket
 import sys
 import time
 import types
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,16 +39,39 @@ from lightning_dist.parallel.expert_parallel import apply_expert_parallel
 VOCAB, SEQ, BATCH = 64, 16, 4
 
 
-def tiny_mixtral(num_experts: int = 4) -> torch.nn.Module:
-    from transformers import MixtralConfig, MixtralForCausalLM
+def tiny_moe(kind: str = "mixtral", num_experts: int = 4) -> torch.nn.Module:
+    """A stock tiny transformers MoE causal LM in fp64: Mixtral, Qwen3-MoE, Qwen2-MoE (with its shared expert,
+    computed by the layer itself beside the experts) or OLMoE; 2 layers of ``num_experts`` experts, top-2."""
+    import transformers
 
-    config = MixtralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=num_experts, num_experts_per_tok=2, max_position_embeddings=SEQ,
-        attn_implementation="eager", experts_implementation="eager", router_jitter_noise=0.0,
-    )  # fmt: skip
+    common = {
+        "vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": SEQ, "attn_implementation": "eager",
+        "experts_implementation": "eager", "num_experts_per_tok": 2, "eos_token_id": 1, "pad_token_id": 0,
+        "bos_token_id": 0,
+    }  # fmt: skip
+    sparse = {
+        "moe_intermediate_size": 24,
+        "intermediate_size": 48,
+        "num_experts": num_experts,
+        "decoder_sparse_step": 1,
+    }
+    configs = {
+        "mixtral": ("Mixtral", {"intermediate_size": 48, "num_local_experts": num_experts, "router_jitter_noise": 0.0}),
+        "qwen3_moe": ("Qwen3Moe", {**sparse, "mlp_only_layers": []}),
+        "qwen2_moe": ("Qwen2Moe", {**sparse, "mlp_only_layers": [], "shared_expert_intermediate_size": 40}),
+        "olmoe": ("Olmoe", {"intermediate_size": 24, "num_experts": num_experts}),
+    }
+    prefix, extra = configs[kind]
+    config = getattr(transformers, f"{prefix}Config")(**common, **extra)
     torch.manual_seed(1234)
-    return MixtralForCausalLM(config).double()
+    return getattr(transformers, f"{prefix}ForCausalLM")(config).double()
+
+
+def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token loss in the logits' dtype (transformers' own loss casts them to fp32, hiding fp64 parity)."""
+    logits = model(input_ids=tokens).logits[:, :-1]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
 def _max_over_world(value: float) -> float:
@@ -56,19 +80,19 @@ def _max_over_world(value: float) -> float:
     return float(t)
 
 
-def mixtral_fp64(rank: int, world: int) -> dict[str, Any]:
+def moe_fp64(rank: int, world: int, kind: str) -> dict[str, Any]:
     """One forward and backward: the loss (mean over ranks) and every gradient against one process."""
-    model = tiny_mixtral()
+    model = tiny_moe(kind)
     reference = copy.deepcopy(model)
     torch.manual_seed(7)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
-    ref_loss = reference(input_ids=tokens, labels=tokens).loss
+    ref_loss = _loss(reference, tokens)
     ref_loss.backward()
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     record = apply_expert_parallel(model, mesh)
     mine = tokens.chunk(world)[rank]
-    loss = model(input_ids=mine, labels=mine).loss
+    loss = _loss(model, mine)
     loss.backward()
     mean_loss = loss.detach().clone()
     dist.all_reduce(mean_loss)
@@ -96,7 +120,7 @@ def mixtral_fp64(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-SCENARIOS = {"mixtral_fp64": mixtral_fp64}
+SCENARIOS = {f"{kind}_fp64": partial(moe_fp64, kind=kind) for kind in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")}
 
 
 def _worker(rank: int, world: int, port: int, scenarios: list[str], out: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 from fractions import Fraction
@@ -125,3 +126,16 @@ def test_a_bad_configuration_ends_the_check_before_any_run(tmp_path):
     done = subprocess.run(command, check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "fsdp3" in done.stderr and "fsdp2" in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "w").exists()
+
+
+def test_a_stated_tolerance_judges_what_it_covers_and_shows_the_rest():
+    from lightning_dist.verification.report import VerifyReport
+    from lightning_dist.verification.run import _limit_to
+
+    rows = [Row("loss", "train batch 0", 1e-3, 5e-2), Row("learning rate", "step 0", 0.0, 5e-2),
+            Row("gradients", "step 0", 0.9, 5e-2), Row("checkpoint", "end", 0.0, 0.0)]  # fmt: skip
+    note = _limit_to(rows, (5e-2, "int4 gradients on purpose", ("loss", "logged")))
+    assert [row.ok for row in rows] == [True, True, True, True] and "shown only: gradients" in note
+    report = VerifyReport("zeropp", "one process", 5e-2, "stated", 3, rows=rows)
+    assert report.passed and "largest relative difference 1.0e-03" in report.summary()
+    assert re.search(r"step 0 +gradients +9.00e-01  shown", report.table())

@@ -55,7 +55,7 @@ class VerifyReport:
             return f"NOT VERIFIED: {self.failure}"
         row = self.first_difference
         if row is None:
-            worst = max((r.difference for r in self.rows), default=0.0)
+            worst = max((r.difference for r in self.rows if math.isfinite(r.tolerance)), default=0.0)
             return (
                 f"EQUIVALENT: {self.strategy} matches {self.against} over {self.steps} steps"
                 f" (largest relative difference {worst:.1e}, tolerance {self.tolerance:.0e})."
@@ -77,7 +77,7 @@ class VerifyReport:
         if self.rows:
             lines.append(f"{'when':<28} {'quantity':<34} {'difference':>11}  ")
             for row in self.rows:
-                mark = "ok" if row.ok else "DIFFERS"
+                mark = "shown" if math.isinf(row.tolerance) else "ok" if row.ok else "DIFFERS"
                 lines.append(f"{row.when:<28} {row.quantity[:34]:<34} {_number(row.difference):>11}  {mark}")
                 if not row.ok and row.detail:
                     lines.append(f"{'':<28}   {row.detail}")

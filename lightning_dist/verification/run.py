@@ -116,12 +116,15 @@ def run_check(
 def _limit_to(rows: list[Row], stated: tuple[float, str, tuple[str, ...]]) -> str:
     """Rows the strategy's stated tolerance does not cover become informational (compared, not judged)."""
     covered = stated[2]
-    skipped = sorted({row.quantity for row in rows if not row.quantity.startswith(covered) and row.quantity not in
-                      ("replicas", "gradient replicas", "checkpoint")})  # fmt: skip
+    always = ("replicas", "gradient replicas", "checkpoint", "learning rate")
+    skipped = sorted(
+        {row.quantity for row in rows if not row.quantity.startswith(covered) and row.quantity not in always}
+    )
     for row in rows:
         if row.quantity in skipped:
             row.tolerance, row.detail = float("inf"), "shown, not judged: " + stated[1]
-    return f"{stated[1]}; judged: {', '.join(covered)}, replicas and the checkpoint; shown only: {', '.join(skipped)}"
+    judged = ", ".join([*covered, "learning rate", "replicas", "checkpoint"])
+    return f"{stated[1]}; judged within {stated[0]:.0e}: {judged}; shown only: {', '.join(skipped)}"
 
 
 def _tolerance(

@@ -236,3 +236,31 @@ def test_the_docs_peak_table_is_the_code_s() -> None:
         device, *cells = (c.strip() for c in line.strip("|").split("|"))
         rows[device] = {dtype: float(c) for dtype, c in zip(header, cells) if c != "-"}
     assert rows == PEAK_TFLOPS
+
+
+def test_a_model_without_blocks_logs_tokens_per_second_only(tmp_path: Path) -> None:
+    """One process: a model the FLOPs count cannot read (no repeated blocks) and a batch without token ids. With
+    tokens_per_sample the monitor logs tokens/s and says, once, why it logs no TFLOP/s or MFU; the fit goes on."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    class Regression(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(8, 1)
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.layer(batch).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    monitor = MeshThroughputMonitor(tokens_per_sample=8)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, log_every_n_steps=2, callbacks=[monitor],
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    with pytest.warns(UserWarning, match=r"logs no TFLOP/s or MFU: Regression has no repeated blocks.*flops_per_token"):
+        trainer.fit(Regression(), DataLoader(torch.randn(16, 8), batch_size=4))
+    assert set(monitor.last_figures) == {"tokens_per_s", "tokens_per_s_per_device"}
+    logged = float(trainer.callback_metrics["throughput/tokens_per_s"])  # a float32 tensor
+    assert logged == pytest.approx(monitor.last_figures["tokens_per_s"], rel=1e-6) and logged > 0

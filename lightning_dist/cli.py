@@ -54,19 +54,30 @@ def _is_ours(strategy: object) -> bool:
     return str(class_path).startswith("lightning_dist") or isinstance(strategy, MeshParallelStrategy)
 
 
+#: The LightningCLI arguments of ``lightning-dist fit`` (and of verify's runs): any module and datamodule by class path.
+CLI_CLASSES = {
+    "model_class": LightningModule,
+    "datamodule_class": LightningDataModule,
+    "subclass_mode_model": True,
+    "subclass_mode_data": True,
+}
+
+
+def import_from_cwd() -> None:
+    """Like ``python -m``: the current directory is importable, so ``model.class_path`` may name a local module."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
 def main(args: list[str] | None = None) -> None:
     """Run a tool (``lightning-dist <tool> ...``) or a LightningCLI subcommand (fit, validate, test, predict)."""
     argv = sys.argv[1:] if args is None else list(args)
     if argv and argv[0] in TOOLS:
         run_tool(argv[0], argv[1:])
         return
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    import_from_cwd()
     DistCLI(
-        LightningModule,
-        LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
+        **CLI_CLASSES,
         args=args,  # None: LightningCLI reads sys.argv itself (passing both makes it warn)
         parser_kwargs={"epilog": "tools: " + ", ".join(f"{name} ({doc})" for name, (_, doc) in TOOLS.items())},
         save_config_kwargs={"overwrite": True},

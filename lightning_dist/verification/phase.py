@@ -19,11 +19,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 from jsonargparse import Namespace
-from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
-from lightning_dist.cli import DistCLI
+from lightning_dist.cli import CLI_CLASSES, DistCLI, import_from_cwd
 from lightning_dist.verification.recorder import VerifyRecorder
 from lightning_dist.verification.settings import VerifySettings, is_removed_callback, trainer_overrides
 
@@ -60,18 +59,8 @@ def build_from_cli(cli_args: list[str], verify: tuple[VerifySettings, str, Path]
     """The configuration's model, datamodule and Trainer (verify's settings in place), not yet fitted."""
     # verify passes the configuration's part of its own command line as `args` (Lightning warns that both exist)
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-    if str(Path.cwd()) not in sys.path:  # like `lightning-dist fit`: model.class_path may name a local module
-        sys.path.insert(0, str(Path.cwd()))
-    return VerifyCLI(
-        LightningModule,
-        LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        args=cli_args,
-        run=False,
-        save_config_callback=None,
-        verify=verify,
-    )
+    import_from_cwd()
+    return VerifyCLI(**CLI_CLASSES, args=cli_args, run=False, save_config_callback=None, verify=verify)
 
 
 class _MainAliasUnpickler(pickle.Unpickler):

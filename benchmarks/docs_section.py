@@ -78,10 +78,16 @@ def performance_section(results: dict[str, Any], analysis: dict[str, list[dict[s
 def update_performance_doc(results: dict[str, Any], doc: Path) -> bool:
     """Replace the text between the section markers of ``doc`` with :func:`performance_section`; ``False`` if
     there are no markers."""
-    text = doc.read_text()
-    if SECTION_START not in text or SECTION_END not in text:
+    return replace_marked_block(doc, SECTION_START, SECTION_END, performance_section(results))
+
+
+def replace_marked_block(doc: Path, start: str, end: str, block: str) -> bool:
+    """Replace the first ``start`` ... ``end`` block of ``doc`` (markers included) with ``block``, which carries the
+    markers itself; the rest of the file is left as it is. ``False`` (nothing written) if ``doc`` has no markers."""
+    text = doc.read_text() if doc.exists() else ""
+    if start not in text or end not in text.split(start, 1)[1]:
         return False
-    head, rest = text.split(SECTION_START, 1)
-    _, tail = rest.split(SECTION_END, 1)
-    doc.write_text(head + performance_section(results) + tail)
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    doc.write_text(head + block + tail)
     return True

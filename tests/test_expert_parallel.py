@@ -93,7 +93,7 @@ def one_process(tmp_path_factory) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def ep_two_ranks(tmp_path_factory) -> dict[str, Any]:
-    scenarios = ["ep_fp64", "ep_fp32", "bytes_fsdp2", "bytes_ep", "pipeline_fp32"]
+    scenarios = ["ep_fp64", "resume_ep_to_fsdp2", "ep_fp32", "bytes_fsdp2", "bytes_ep", "pipeline_fp32"]
     return run_scenarios(SCRIPT, 2, tmp_path_factory.mktemp("ep_strategy"), scenarios)
 
 
@@ -138,3 +138,12 @@ def test_fp32_mixtral_with_its_grouped_mm_experts_trains_under_the_pipeline(one_
     assert len(run["losses"]) == len(ref["losses"]) == 8
     assert max(abs(a - b) for a, b in zip(ref["losses"], run["losses"])) <= FP32_TOL
     assert max(abs(a - b) for a, b in zip(ref["grad_norms"], run["grad_norms"])) <= FP32_TOL
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_under_ep2_resumes_under_plain_fsdp2(ep_two_ranks):
+    """Expert weights and their optimizer state are saved as DCP with their global shape: plain fsdp2 (experts
+    sharded by FSDP, no ep) resumes the step-2 checkpoint of the ep=2 run and continues to its losses."""
+    uninterrupted, resumed = ep_two_ranks["ep_fp64"]["losses"], ep_two_ranks["resume_ep_to_fsdp2"]["losses"]
+    assert len(resumed) == 4
+    assert max(abs(a - b) for a, b in zip(uninterrupted[4:], resumed)) <= FP64_TOL, (uninterrupted, resumed)

@@ -4,7 +4,8 @@
 python tests/scenarios/expert_parallel_runs.py --devices 1 --out ref.json --workdir DIR --scenarios fp64,fp32
 python tests/scenarios/expert_parallel_runs.py --devices 2 --out r.json --workdir DIR --scenarios ep_fp64,ep_fp32,bytes
 
-``pipeline_fp32`` trains the same model (with transformers' default grouped-mm experts kernel) under pp=2.
+``pipeline_fp32`` trains the same model (with transformers' default grouped-mm experts kernel) under pp=2;
+``resume_ep_to_fsdp2`` (after ``ep_fp64``, which checkpoints at step 2) resumes that checkpoint under plain fsdp2.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from common import (  # type: ignore[import-not-found]
     run_scenario_script,
     trainer_kwargs,
 )
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from examples.data import TextDataModule
 from lightning_dist import FSDP2Strategy, PipelineStrategy
@@ -97,7 +98,14 @@ class StepTraffic(Callback):
 
 
 def train(
-    devices: int, precision: str, ep: int | None, steps: int = STEPS, traffic: bool = False, pipeline: bool = False
+    devices: int,
+    precision: str,
+    ep: int | None,
+    steps: int = STEPS,
+    traffic: bool = False,
+    pipeline: bool = False,
+    save_to: str | None = None,
+    resume_from: str | None = None,
 ) -> dict[str, Any]:
     L.seed_everything(1234, verbose=False)
     dp = 1 if pipeline else devices
@@ -109,14 +117,19 @@ def train(
     if pipeline:
         strategy = PipelineStrategy()
     recorder, counter = (AllStagesRecorder() if pipeline else StepRecorder()), StepTraffic()
+    callbacks: list[Callback] = [recorder, counter] if traffic else [recorder]
+    if save_to:
+        callbacks.append(ModelCheckpoint(dirpath=save_to, every_n_train_steps=2, save_top_k=-1, filename="{step}"))
     trainer = L.Trainer(
-        **trainer_kwargs(devices, strategy=strategy, precision=precision, limit_val_batches=0),
+        **trainer_kwargs(
+            devices, strategy=strategy, precision=precision, limit_val_batches=0, enable_checkpointing=bool(save_to)
+        ),
         max_steps=steps,
         accumulate_grad_batches=1 if traffic else ACCUMULATE,
         gradient_clip_val=None if traffic else CLIP,
-        callbacks=[recorder, counter] if traffic else [recorder],
+        callbacks=callbacks,
     )
-    trainer.fit(model, data)
+    trainer.fit(model, data, ckpt_path=resume_from)
     result: dict[str, Any] = {"losses": recorder.losses, "grad_norms": recorder.grad_norms}
     if traffic:
         result["bytes"] = counter.table()
@@ -129,14 +142,20 @@ def train(
     return result
 
 
+def resume(devices: int, workdir: str) -> dict[str, Any]:
+    """Plain fsdp2 (experts FSDP-sharded, no ep) resumes from the step-2 checkpoint ``ep_fp64`` saved under ep=2."""
+    return train(devices, "64-true", None, resume_from=f"{workdir}/ep_ckpt/step=2.ckpt")
+
+
 SCENARIOS = {
     "fp64": lambda devices, workdir: train(devices, "64-true", None),
     "fp32": lambda devices, workdir: train(devices, "32-true", None),
-    "ep_fp64": lambda devices, workdir: train(devices, "64-true", devices),
+    "ep_fp64": lambda devices, workdir: train(devices, "64-true", devices, save_to=f"{workdir}/ep_ckpt"),
     "ep_fp32": lambda devices, workdir: train(devices, "32-true", devices),
     "bytes_fsdp2": lambda devices, workdir: train(devices, "32-true", None, steps=2, traffic=True),
     "bytes_ep": lambda devices, workdir: train(devices, "32-true", devices, steps=2, traffic=True),
     "pipeline_fp32": lambda devices, workdir: train(devices, "32-true", None, pipeline=True),
+    "resume_ep_to_fsdp2": resume,
 }
 
 if __name__ == "__main__":

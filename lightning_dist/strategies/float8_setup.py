@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
@@ -58,9 +59,9 @@ class Float8Setup(_Base):
         """ZeRO++ (the zeropp strategy, hybrid3d's ``zeropp``) all-gathers weights its own way."""
         return type(self).__name__ == "ZeroPPStrategy" or bool(getattr(self, "zeropp", False))
 
-    def check_float8(self) -> None:
-        """Before launch: torchao installed, FP8 kernels on this GPU (emulation on the CPU), and no setting that
-        cannot carry FSDP2's float8 all-gather."""
+    def check_float8(self, trainer: pl.Trainer | None = None) -> None:
+        """Before launch: torchao installed, FP8 kernels on this GPU (emulation on the CPU), no setting that cannot
+        carry FSDP2's float8 all-gather, and no checkpoint callback for mxfp8 (``trainer``'s callbacks)."""
         recipe = self.float8_recipe
         if recipe is None:
             return
@@ -76,6 +77,13 @@ class Float8Setup(_Base):
                 f" not support with an int reshard_after_forward={raf} (a partial reshard, as ZeRO++'s hpZ). Use"
                 " reshard_after_forward=True or False, or float8='rowwise' (weights all-gathered in the base"
                 " precision)."
+            )
+        if recipe == "mxfp8" and trainer is not None and trainer.checkpoint_callbacks:
+            raise ValueError(
+                "float8='mxfp8' runs cannot be checkpointed yet: torchao 0.18 keeps MXFP8 weights, and the optimizer"
+                " state made from them, as its own tensor subclass, which a checkpoint would pickle as such (it could"
+                " not be loaded with weights_only=True, nor without torchao). Pass Trainer(enable_checkpointing=False)"
+                " and no ModelCheckpoint, or use float8='rowwise' or 'tensorwise', whose checkpoints hold plain tensors."
             )
 
     def convert_float8(self, model: Module) -> None:

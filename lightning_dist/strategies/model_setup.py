@@ -103,7 +103,7 @@ class ModelSetup(_Base):
         check_checkpoint_callbacks(trainer)
         self._requested_weights_only = arguments.get("weights_only")
         check_ckpt_path(arguments.get("ckpt_path"), self._requested_weights_only)
-        self.check_float8()
+        self.check_float8(trainer)
         model = self.lightning_module
         if model is not None:
             self._adopt_user_compiled(model)  # compiled before fit: checked (and named) without `_orig_mod.`

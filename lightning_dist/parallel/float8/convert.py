@@ -3,7 +3,8 @@ model converters, then pipeline split, tensor parallel, activation checkpointing
 
 Which layers: every ``nn.Linear`` whose two dimensions are multiples of :data:`~.recipes.DIM_MULTIPLE`, except the
 output head (its logits feed the loss, where FP8 rounding costs the most accuracy; torchtitan skips it too) and the
-layers ``float8_skip`` names. Parameters keep their names and their dtype: master weights and optimizer state stay in
+layers ``float8_skip`` names; for mxfp8 also layers with a bias (torchao 0.18's MXFP8 linear computes ``x @ W.T``
+and drops the bias: observed, the output differed by exactly the bias). Parameters keep their names and their dtype: master weights and optimizer state stay in
 the base precision; only the matmuls (and, for tensorwise under FSDP2, the weight all-gather) are FP8.
 """
 
@@ -76,6 +77,8 @@ def float8_choice(model: nn.Module, settings: Float8Settings) -> tuple[list[str]
             skipped[name] = "output head"
         elif module.in_features % multiple or module.out_features % multiple:
             skipped[name] = f"{module.in_features}×{module.out_features} not multiples of {multiple}"
+        elif settings.recipe == "mxfp8" and module.bias is not None:
+            skipped[name] = "has a bias, which torchao 0.18's MXFP8 linear leaves out of its output"
         else:
             converted.append(name)
     return converted, skipped

@@ -88,29 +88,57 @@ def run_check(
     if ours is not None:
         meta = ours[0]["meta"]
         report.strategy = f"{strategy} ({meta['mesh']})" if meta["mesh"] else strategy
-        role = {"trainer": reference_strategy(settings.against, *devices), "candidate_replicas": meta["replicas"]}
-        (workdir / "reference.json").write_text(json.dumps(role))
-        cached = _cached_reference(settings, reference_key, workdir, role)
-        ref = _load_ranks(cached) if cached else _run(workdir, "reference", settings.timeout, report)
-        if cached:
-            report.notes.append(f"the reference run was reused from {cached}")
-        if ref is not None and not cached and settings.reference_cache and reference_key:
-            _keep_reference(workdir / "reference", settings, reference_key, workdir, role)
+        ref = _reference_run(settings, workdir, meta["replicas"], devices, reference_key, report)
         if ref is not None:
-            report.rows = compare_runs(ours, ref, tolerance)
-            if stated_tolerance is not None and settings.tolerance is None:
-                report.notes.append(_limit_to(report.rows, stated_tolerance))
-            report.rows.append(_checkpoint_row(module, workdir / "candidate" / "checkpoint", ours))
-            report.causes = likely_causes(report.rows, module, ours[0], ref[0])
-            zeroed = ours[0]["dropout_zeroed"]
-            if zeroed:
-                report.notes.append(f"dropout set to 0 on both sides in {len(zeroed)} places ({', '.join(zeroed[:4])}"
-                                    f"{', ...' if len(zeroed) > 4 else ''}); --keep-dropout leaves it on")  # fmt: skip
+            _compare(report, ours, ref, module, workdir, None if settings.tolerance else stated_tolerance)
     report.seconds = time.perf_counter() - start
     if report.passed and temporary:
         shutil.rmtree(workdir, ignore_errors=True)
         report.workdir = ""
     return report
+
+
+def _reference_run(
+    settings: VerifySettings,
+    workdir: Path,
+    replicas: int,
+    devices: tuple[Any, int],
+    key: str,
+    report: VerifyReport,
+) -> list[dict[str, Any]] | None:
+    """The reference's records: launched with the strategy's global batch, or reused from the reference cache."""
+    role = {"trainer": reference_strategy(settings.against, *devices), "candidate_replicas": replicas}
+    (workdir / "reference.json").write_text(json.dumps(role))
+    cached = _cached_reference(settings, key, workdir, role)
+    if cached:
+        report.notes.append(f"the reference run was reused from {cached}")
+        return _load_ranks(cached)
+    ref = _run(workdir, "reference", settings.timeout, report)
+    if ref is not None and settings.reference_cache and key:
+        _keep_reference(workdir / "reference", settings, key, workdir, role)
+    return ref
+
+
+def _compare(
+    report: VerifyReport,
+    ours: list[dict[str, Any]],
+    ref: list[dict[str, Any]],
+    module: nn.Module,
+    workdir: Path,
+    stated_tolerance: tuple[float, str, tuple[str, ...]] | None,
+) -> None:
+    """The report's rows (the checkpoint round trip last), its likely causes and its notes."""
+    report.rows = compare_runs(ours, ref, report.tolerance)
+    if stated_tolerance is not None:
+        report.notes.append(_limit_to(report.rows, stated_tolerance))
+    report.rows.append(_checkpoint_row(module, workdir / "candidate" / "checkpoint", ours))
+    report.causes = likely_causes(report.rows, module, ours[0], ref[0])
+    zeroed = ours[0]["dropout_zeroed"]
+    if zeroed:
+        shown = ", ".join(zeroed[:4]) + (", ..." if len(zeroed) > 4 else "")
+        report.notes.append(
+            f"dropout set to 0 on both sides in {len(zeroed)} places ({shown}); --keep-dropout leaves it on"
+        )
 
 
 def _limit_to(rows: list[Row], stated: tuple[float, str, tuple[str, ...]]) -> str:

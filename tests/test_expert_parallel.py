@@ -62,7 +62,8 @@ def test_experts_not_divisible_by_ep_are_refused_with_the_divisors():
 
 @pytest.fixture(scope="module")
 def core_runs(tmp_path_factory) -> dict[str, Any]:
-    return run_scenarios("expert_parallel_core_runs.py", 2, tmp_path_factory.mktemp("ep_core"), [*MOE_KINDS])
+    scenarios = [*MOE_KINDS, "mixtral_aux_fp64"]
+    return run_scenarios("expert_parallel_core_runs.py", 2, tmp_path_factory.mktemp("ep_core"), scenarios)
 
 
 MOE_KINDS = {"mixtral_fp64": 4, "qwen3_moe_fp64": 4, "qwen2_moe_fp64": 4, "olmoe_fp64": 4}
@@ -79,6 +80,16 @@ def test_moe_experts_split_over_two_ranks_match_one_process_in_fp64(core_runs, k
     assert run["expert_parameters"] == 4
     assert all(shape[0] == 2 for shape in run["local_shapes"].values()), run["local_shapes"]
     assert not core_runs["lightning_imported"]
+
+
+@pytest.mark.slow
+def test_the_router_auxiliary_loss_is_the_one_process_value_over_the_whole_batch(core_runs):
+    """output_router_logits=True, weight 1: the load-balancing loss comes from the routing statistics summed over
+    the ranks, so it is one process's value (per-rank values averaged would be 1e-3 off), and so are the loss and
+    every gradient. (transformers computes this loss in fp32: hence 1e-6 on its value.)"""
+    run = core_runs["mixtral_aux_fp64"]
+    assert run["aux_diff"] <= 1e-6 and run["per_rank_aux_mean_diff"] > 1e-4, run
+    assert run["loss_diff"] <= FP64_TOL and run["grad_diff"] <= FP64_TOL, run
 
 
 # ---------------------------------------------------------------------------------------------------- the strategy

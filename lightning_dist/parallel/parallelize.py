@@ -120,7 +120,9 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelizeConfig)
     if config.expert_parallel:
         dims = mesh.dims
         replicas = mesh["ep_replicas"] if dims.dp_replicate * dims.fsdp > dims.ep else None
-        record.experts = apply_expert_parallel(model, mesh["ep"], dims.dp_replicate * dims.fsdp, replicas)
+        record.experts = apply_expert_parallel(
+            model, mesh["ep"], dims.dp_replicate * dims.fsdp, replicas, batch=mesh["loss"]
+        )
     if config.activation_checkpointing:
         apply_activation_checkpointing(m for _, m in config.units)
         record.checkpointed = summarize(config.units)

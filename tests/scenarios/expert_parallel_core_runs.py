@@ -39,7 +39,7 @@ from lightning_dist.parallel.expert_parallel import apply_expert_parallel
 VOCAB, SEQ, BATCH = 64, 16, 4
 
 
-def tiny_moe(kind: str = "mixtral", num_experts: int = 4) -> torch.nn.Module:
+def tiny_moe(kind: str = "mixtral", num_experts: int = 4, aux: bool = False) -> torch.nn.Module:
     """A stock tiny transformers MoE causal LM in fp64: Mixtral, Qwen3-MoE, Qwen2-MoE (with its shared expert,
     computed by the layer itself beside the experts) or OLMoE; 2 layers of ``num_experts`` experts, top-2."""
     import transformers
@@ -63,15 +63,28 @@ def tiny_moe(kind: str = "mixtral", num_experts: int = 4) -> torch.nn.Module:
         "olmoe": ("Olmoe", {"intermediate_size": 24, "num_experts": num_experts}),
     }
     prefix, extra = configs[kind]
+    if aux:  # the router's load-balancing loss, weighted 1 so that it shows in the loss
+        extra = {**extra, "output_router_logits": True, "router_aux_loss_coef": 1.0}
     config = getattr(transformers, f"{prefix}Config")(**common, **extra)
     torch.manual_seed(1234)
     return getattr(transformers, f"{prefix}ForCausalLM")(config).double()
 
 
-def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """Next-token loss in the logits' dtype (transformers' own loss casts them to fp32, hiding fp64 parity)."""
-    logits = model(input_ids=tokens).logits[:, :-1]
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+def _loss(model: torch.nn.Module, tokens: torch.Tensor, record: dict | None = None) -> torch.Tensor:
+    """Next-token loss in the logits' dtype (transformers' own loss casts them to fp32, hiding fp64 parity), plus
+    the router's auxiliary loss when the model returns one."""
+    out = model(input_ids=tokens)
+    logits = out.logits[:, :-1]
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    if getattr(out, "aux_loss", None) is None:
+        return loss
+    if record is not None:
+        record["aux"] = float(out.aux_loss.detach())
+        home = sys.modules[type(model).__module__]  # what the model alone computes on this rank's tokens
+        single = getattr(home.load_balancing_loss_func, "single_process", home.load_balancing_loss_func)
+        config = model.config
+        record["aux_this_rank_only"] = float(single(out.router_logits, model.num_experts, config.num_experts_per_tok))
+    return loss + out.aux_loss.to(loss.dtype)
 
 
 def _max_over_world(value: float) -> float:
@@ -80,19 +93,21 @@ def _max_over_world(value: float) -> float:
     return float(t)
 
 
-def moe_fp64(rank: int, world: int, kind: str) -> dict[str, Any]:
+def moe_fp64(rank: int, world: int, kind: str, aux: bool = False) -> dict[str, Any]:
     """One forward and backward: the loss (mean over ranks) and every gradient against one process."""
-    model = tiny_moe(kind)
+    model = tiny_moe(kind, aux=aux)
     reference = copy.deepcopy(model)
     torch.manual_seed(7)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
-    ref_loss = _loss(reference, tokens)
+    ref_aux: dict[str, float] = {}
+    ref_loss = _loss(reference, tokens, ref_aux)
     ref_loss.backward()
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     record = apply_expert_parallel(model, mesh)
     mine = tokens.chunk(world)[rank]
-    loss = _loss(model, mine)
+    aux_values: dict[str, float] = {}
+    loss = _loss(model, mine, aux_values)
     loss.backward()
     mean_loss = loss.detach().clone()
     dist.all_reduce(mean_loss)
@@ -110,7 +125,17 @@ def moe_fp64(rank: int, world: int, kind: str) -> dict[str, Any]:
             dist.all_reduce(grad)
             grad /= world
         grad_err = max(grad_err, float((grad - ref_grads[name]).abs().max()))
+    aux_result = {}
+    if aux:
+        per_rank_mean = torch.tensor([aux_values["aux_this_rank_only"]], dtype=torch.float64)
+        dist.all_reduce(per_rank_mean)
+        aux_result = {
+            "aux_diff": _max_over_world(abs(aux_values["aux"] - ref_aux["aux"])),
+            "aux": ref_aux["aux"],
+            "per_rank_aux_mean_diff": abs(float(per_rank_mean) / world - ref_aux["aux"]),
+        }
     return {
+        **aux_result,
         "loss_diff": _max_over_world(abs(float(mean_loss) - float(ref_loss.detach()))),
         "grad_diff": _max_over_world(grad_err),
         "loss": float(ref_loss.detach()),
@@ -121,6 +146,7 @@ def moe_fp64(rank: int, world: int, kind: str) -> dict[str, Any]:
 
 
 SCENARIOS = {f"{kind}_fp64": partial(moe_fp64, kind=kind) for kind in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")}
+SCENARIOS["mixtral_aux_fp64"] = partial(moe_fp64, kind="mixtral", aux=True)
 
 
 def _worker(rank: int, world: int, port: int, scenarios: list[str], out: str) -> None:

@@ -8,6 +8,7 @@ and back. Routing stays the model's own code. Which file holds what:
 - :mod:`.local_experts` — the local experts' computation (per-expert loop; grouped GEMM on CUDA bf16).
 - :mod:`.apply` — :func:`check_expert_parallel` (before launch), :func:`apply_expert_parallel` (shard the experts
   as DTensors over ep, swap the experts' call), :func:`expert_parameters`.
+- :mod:`.router_loss` — the router's auxiliary loss from the routing statistics of the whole batch.
 """
 
 from lightning_dist.parallel.expert_parallel.apply import (

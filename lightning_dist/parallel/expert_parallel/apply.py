@@ -13,7 +13,7 @@ computed, so accumulation needs nothing more. FSDP leaves these parameters alone
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from lightning_dist.compat.hugging_face import apply_experts_gate
 from lightning_dist.parallel.expert_parallel.dispatch import combine, dispatch
 from lightning_dist.parallel.expert_parallel.local_experts import StackedWeights, run_local_experts
+from lightning_dist.parallel.expert_parallel.router_loss import reduce_router_statistics
 from lightning_dist.parallel.expert_parallel.structure import (
     STACKED_BIASES,
     ExpertLayer,
@@ -46,6 +47,7 @@ class ExpertParallelRecord:
         num_experts: Experts per layer (``E``); ``local_experts``: kept per rank (``E/ep``).
         ep: The ep group's size.
         parameters: Qualified names of the expert parameters sharded over ep.
+        router_loss_modules: Modules whose auxiliary-loss function now reduces its statistics over the batch.
     """
 
     layers: int
@@ -53,11 +55,13 @@ class ExpertParallelRecord:
     local_experts: int
     ep: int
     parameters: list[str]
+    router_loss_modules: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         return (
             f"expert parallel: {self.layers} MoE layers, {self.num_experts} experts each, {self.local_experts} per"
             f" rank over ep={self.ep} (tokens sent to their experts by all-to-all)"
+            + ("; the router's auxiliary loss from the whole batch's routing" if self.router_loss_modules else "")
         )
 
 
@@ -98,6 +102,7 @@ def apply_expert_parallel(
     ep_mesh: DeviceMesh,
     gradient_divide_factor: int | None = None,
     replicas: DeviceMesh | None = None,
+    batch: DeviceMesh | None = None,
 ) -> ExpertParallelRecord:
     """Shard the experts of every MoE layer of ``model`` over the 1-D ``ep_mesh`` (in place; collective).
 
@@ -108,6 +113,8 @@ def apply_expert_parallel(
             tokens reach an expert); default: the ep size, for ep ranks that are all the data-parallel ranks.
         replicas: The ranks holding the same experts as this one (other data, same ep position), whose expert
             gradients are summed; ``None`` or one rank: none.
+        batch: The data-parallel ranks whose tokens make up the batch: the router's auxiliary loss
+            (``output_router_logits=True``) is computed from their summed routing statistics (default: ``ep_mesh``).
     """
     ep = ep_mesh.size()
     layers = check_expert_parallel(model, ep)
@@ -129,7 +136,8 @@ def apply_expert_parallel(
             ep_mesh.get_group(), layer.num_experts, 1.0 / divide, replica_group
         )
         experts.__class__ = _expert_parallel_class(type(experts))
-    return ExpertParallelRecord(len(layers), layers[0].num_experts, layers[0].num_experts // ep, ep, names)
+    patched = reduce_router_statistics(model, (batch or ep_mesh).get_group())
+    return ExpertParallelRecord(len(layers), layers[0].num_experts, layers[0].num_experts // ep, ep, names, patched)
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:

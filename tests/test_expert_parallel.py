@@ -62,7 +62,7 @@ def test_experts_not_divisible_by_ep_are_refused_with_the_divisors():
 
 @pytest.fixture(scope="module")
 def core_runs(tmp_path_factory) -> dict[str, Any]:
-    scenarios = [*MOE_KINDS, "mixtral_aux_fp64"]
+    scenarios = [*MOE_KINDS, "mixtral_aux_fp64", "mixtral_ep1_replicas_fp64"]
     return run_scenarios("expert_parallel_core_runs.py", 2, tmp_path_factory.mktemp("ep_core"), scenarios)
 
 
@@ -90,6 +90,15 @@ def test_the_router_auxiliary_loss_is_the_one_process_value_over_the_whole_batch
     run = core_runs["mixtral_aux_fp64"]
     assert run["aux_diff"] <= 1e-6 and run["per_rank_aux_mean_diff"] > 1e-4, run
     assert run["loss_diff"] <= FP64_TOL and run["grad_diff"] <= FP64_TOL, run
+
+
+@pytest.mark.slow
+def test_ranks_holding_the_same_experts_sum_their_gradients(core_runs):
+    """ep=1 on 2 ranks: each rank holds all 4 experts and the other rank is its replica (as when ep < dp_shard ×
+    cp); the expert gradients are summed over the replicas in backward, the auxiliary loss still sees the batch."""
+    run = core_runs["mixtral_ep1_replicas_fp64"]
+    assert all(shape[0] == 4 for shape in run["local_shapes"].values()), run["local_shapes"]
+    assert run["loss_diff"] <= FP64_TOL and run["grad_diff"] <= FP64_TOL and run["aux_diff"] <= 1e-6, run
 
 
 # ---------------------------------------------------------------------------------------------------- the strategy

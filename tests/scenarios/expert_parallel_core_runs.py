@@ -93,8 +93,9 @@ def _max_over_world(value: float) -> float:
     return float(t)
 
 
-def moe_fp64(rank: int, world: int, kind: str, aux: bool = False) -> dict[str, Any]:
-    """One forward and backward: the loss (mean over ranks) and every gradient against one process."""
+def moe_fp64(rank: int, world: int, kind: str, aux: bool = False, ep: int | None = None) -> dict[str, Any]:
+    """One forward and backward: the loss (mean over ranks) and every gradient against one process. ``ep`` smaller
+    than the world: groups of ``ep`` ranks split the experts, the other ranks hold the same ones (replicas)."""
     model = tiny_moe(kind, aux=aux)
     reference = copy.deepcopy(model)
     torch.manual_seed(7)
@@ -103,8 +104,10 @@ def moe_fp64(rank: int, world: int, kind: str, aux: bool = False) -> dict[str, A
     ref_loss = _loss(reference, tokens, ref_aux)
     ref_loss.backward()
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    record = apply_expert_parallel(model, mesh)
+    ep = ep or world
+    mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("ep_replicas", "ep"))
+    batch = init_device_mesh("cpu", (world,), mesh_dim_names=("batch",))
+    record = apply_expert_parallel(model, mesh["ep"], world, mesh["ep_replicas"], batch=batch)
     mine = tokens.chunk(world)[rank]
     aux_values: dict[str, float] = {}
     loss = _loss(model, mine, aux_values)
@@ -147,6 +150,7 @@ def moe_fp64(rank: int, world: int, kind: str, aux: bool = False) -> dict[str, A
 
 SCENARIOS = {f"{kind}_fp64": partial(moe_fp64, kind=kind) for kind in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")}
 SCENARIOS["mixtral_aux_fp64"] = partial(moe_fp64, kind="mixtral", aux=True)
+SCENARIOS["mixtral_ep1_replicas_fp64"] = partial(moe_fp64, kind="mixtral", aux=True, ep=1)
 
 
 def _worker(rank: int, world: int, port: int, scenarios: list[str], out: str) -> None:

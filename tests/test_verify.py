@@ -195,3 +195,15 @@ def test_the_python_api_verifies_a_module_defined_in_the_running_script(tmp_path
     again = result["again"]
     assert again["passed"] and "cp=2" in again["strategy"], again["summary"]
     assert any("reference run was reused" in note for note in again["notes"]) and "reused" not in str(report["notes"])
+
+
+@pytest.mark.slow
+def test_float8_is_compared_with_a_reference_converted_alike(tmp_path):
+    """float8 (emulated on the CPU): the reference converts the same layers, so verify checks the parallelism; with
+    rowwise scales each rank's FP8 rounding equals one process's, and the fp32 tolerance holds."""
+    code, report, output = verify(
+        tmp_path, "--config", str(REPO_ROOT / "configs" / "fsdp2_fp8.yaml"), "--model.init_args.n_layer=2",
+        "--trainer.strategy.init_args.float8=rowwise", "--steps=2",
+    )  # fmt: skip
+    assert code == 0 and report["tolerance"] == 1e-4, output[-3000:]
+    assert max(row["difference"] for row in report["rows"]) <= 1e-4

@@ -139,3 +139,16 @@ def test_a_stated_tolerance_judges_what_it_covers_and_shows_the_rest():
     report = VerifyReport("zeropp", "one process", 5e-2, "stated", 3, rows=rows)
     assert report.passed and "largest relative difference 1.0e-03" in report.summary()
     assert re.search(r"step 0 +gradients +9.00e-01  shown", report.table())
+
+
+def test_what_verify_takes_from_a_float8_strategy():
+    from lightning_dist import FSDP2Strategy, ZeroPPStrategy
+    from lightning_dist.verification import FLOAT8_TOLERANCE, strategy_facts
+
+    stated, extras = strategy_facts(FSDP2Strategy(float8="tensorwise", float8_skip=["head"]))
+    assert stated[0] == FLOAT8_TOLERANCE and stated[2] == ("loss", "logged")
+    assert extras == {"float8": {"recipe": "tensorwise", "skip": ["head"]}}
+    assert strategy_facts(FSDP2Strategy(float8="rowwise"))[0] is None
+    assert strategy_facts("fsdp2") == (None, {})
+    stated, _ = strategy_facts(ZeroPPStrategy(float8="tensorwise"))
+    assert stated[0] == 5e-2 and "ZeRO++" in stated[1] and "tensorwise" in stated[1]

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from lightning_dist.verification import VerifyError, stated_tolerance
+from lightning_dist.verification import VerifyError, strategy_facts
 from lightning_dist.verification.run import run_check
 from lightning_dist.verification.settings import ONE_PROCESS, VerifySettings
 
@@ -81,15 +81,17 @@ def main(argv: list[str]) -> None:
         trainer = cli.trainer
         strategy = cli.config["trainer"].get("strategy")
         name = strategy if isinstance(strategy, str) else type(trainer.strategy).__name__
+        stated, extras = strategy_facts(trainer.strategy)
         report = run_check(
             settings,
             cli.model,
             name,
             str(trainer.precision),
             {"cli_args": fit_args, "main_path": None},
-            stated_tolerance(trainer.strategy),
+            stated,
             (trainer.num_devices, trainer.num_nodes),
             reference_key=_reference_key(cli),
+            reference_extras=extras,
         )
     except VerifyError as error:
         print(f"lightning-dist verify: error: {error}", file=sys.stderr)

@@ -93,6 +93,7 @@ def run(workdir: Path, role: str) -> None:
         candidate_replicas=role_args.get("candidate_replicas", 0),
         keep_dropout=settings.keep_dropout,
         save_checkpoint=role == "candidate",
+        float8=role_args.get("float8"),
     )
     if shared.get("cli_args") is not None:
         cli = build_from_cli([*shared["cli_args"], f"--seed_everything={settings.seed}"], (settings, role, workdir))

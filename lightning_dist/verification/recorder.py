@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
+from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -41,6 +42,8 @@ class VerifyRecorder(Callback):
             batch size becomes the strategy's per-rank one × that / its own ranks (0: the candidate, no change).
         keep_dropout: Leave dropout on (its draws cannot agree between layouts, so verify zeroes it by default).
         save_checkpoint: Save a checkpoint at the end (the candidate's, for the round trip).
+        float8: The reference's: the strategy's ``float8`` recipe and skip patterns, applied to the module here the
+            way the strategy applies them, so that verify compares the parallelism, not FP8 with the base precision.
     """
 
     def __init__(
@@ -50,12 +53,14 @@ class VerifyRecorder(Callback):
         candidate_replicas: int = 0,
         keep_dropout: bool = False,
         save_checkpoint: bool = False,
+        float8: dict[str, Any] | None = None,
     ) -> None:
         self.folder = Path(workdir) / role
         self.initial = Path(workdir) / "initial.pt"
         self.candidate_replicas = candidate_replicas
         self.keep_dropout = keep_dropout
         self.save_checkpoint = save_checkpoint
+        self.float8 = float8
         self.record: dict[str, Any] = {"logged": [], "losses": [], "steps": [], "dropout_zeroed": [], "calls": []}
         self._optimizer_steps: dict[int, int] = {}
         self._batch_idx = self._batches = 0
@@ -66,12 +71,15 @@ class VerifyRecorder(Callback):
         if stage != "fit":
             return
         configure_model = pl_module.configure_model
+        device = trainer.strategy.root_device.type
 
         def configure_then_load() -> None:  # Lightning calls it just before the strategy parallelizes the module
             configure_model()
             load_initial_weights(pl_module, torch.load(self.initial, map_location="cpu", weights_only=True))
             if not self.keep_dropout:
                 self.record["dropout_zeroed"] = zero_dropout(pl_module)
+            if self.float8:
+                self.record["float8"] = convert_like_the_strategy(pl_module, self.float8, device)
 
         pl_module.configure_model = configure_then_load  # type: ignore[method-assign]
         if self.candidate_replicas:
@@ -161,6 +169,20 @@ def _optimizer_index(trainer: pl.Trainer, optimizer: Optimizer) -> int:
         if candidate is optimizer or getattr(candidate, "optimizer", None) is optimizer:
             return index
     return 0
+
+
+def convert_like_the_strategy(module: Module, float8: dict[str, Any], device: str) -> str:
+    """The strategy's FP8 conversion, applied to the reference's module (emulated off CUDA); its log line."""
+    from lightning_dist.parallel.float8 import Float8Settings, convert_to_float8
+    from lightning_dist.parallel.model_structure import recognize
+
+    settings = Float8Settings(
+        recipe=float8["recipe"],
+        skip=tuple(float8["skip"]),
+        emulate=device != "cuda",
+        head=recognize(module).output_head,
+    )
+    return convert_to_float8(module, settings).describe()
 
 
 def _replicas(trainer: pl.Trainer) -> int:

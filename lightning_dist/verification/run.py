@@ -66,11 +66,14 @@ def run_check(
     devices: tuple[Any, int] = (1, 1),
     objects: bytes | None = None,
     reference_key: str = "",
+    reference_extras: dict[str, Any] | None = None,
 ) -> VerifyReport:
     """Run the check on ``module`` (a copy this function may change), whose runs are described by ``shared`` (what
     :mod:`~lightning_dist.verification.phase` reads: ``cli_args``, or the Python API's ``main_path`` and its pickled
     ``objects``). ``stated_tolerance`` is the strategy's own (tolerance, why, the quantities it holds for);
-    ``reference_key`` names what the reference trains apart from the strategy (for ``settings.reference_cache``)."""
+    ``reference_key`` names what the reference trains apart from the strategy (for ``settings.reference_cache``);
+    ``reference_extras`` go to the reference's run (see :func:`lightning_dist.verification.strategy_facts`)."""
+    reference_extras = reference_extras or {}
     start = time.perf_counter()
     workdir, temporary = prepare_workdir(settings)
     (workdir / MARKER).write_text("a lightning-dist verify work folder\n")
@@ -88,7 +91,7 @@ def run_check(
     if ours is not None:
         meta = ours[0]["meta"]
         report.strategy = f"{strategy} ({meta['mesh']})" if meta["mesh"] else strategy
-        ref = _reference_run(settings, workdir, meta["replicas"], devices, reference_key, report)
+        ref = _reference_run(settings, workdir, meta["replicas"], devices, reference_key, report, reference_extras)
         if ref is not None:
             _compare(report, ours, ref, module, workdir, None if settings.tolerance else stated_tolerance)
     report.seconds = time.perf_counter() - start
@@ -105,9 +108,10 @@ def _reference_run(
     devices: tuple[Any, int],
     key: str,
     report: VerifyReport,
+    extras: dict[str, Any],
 ) -> list[dict[str, Any]] | None:
     """The reference's records: launched with the strategy's global batch, or reused from the reference cache."""
-    role = {"trainer": reference_strategy(settings.against, *devices), "candidate_replicas": replicas}
+    role = {"trainer": reference_strategy(settings.against, *devices), "candidate_replicas": replicas, **extras}
     (workdir / "reference.json").write_text(json.dumps(role))
     cached = _cached_reference(settings, key, workdir, role)
     if cached:

@@ -22,7 +22,7 @@ class VerifyReport:
         failure: Why there is nothing to compare: a run refused or failed (its error), else empty.
         causes: Likely causes of the first difference, where the package can tell.
         notes: What verify changed or could not compare (dropout zeroed, what quantized communication allows).
-        seconds: Wall-clock time of the whole check.
+        seconds: Wall-clock time of the whole check; ``run_seconds`` of each run (``candidate``, ``reference``).
     """
 
     strategy: str
@@ -35,6 +35,7 @@ class VerifyReport:
     causes: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
+    run_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     workdir: str = ""
 
     @property
@@ -88,6 +89,8 @@ class VerifyReport:
         lines += ["", self.summary()]
         lines += [f"likely cause: {cause}" for cause in self.causes]
         lines += [f"note: {note}" for note in self.notes]
+        runs = ", ".join(f"{role} {seconds:.0f} s" for role, seconds in self.run_seconds.items())
+        lines.append(f"time: {self.seconds:.0f} s ({runs})" if runs else f"time: {self.seconds:.0f} s")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
@@ -106,6 +109,7 @@ class VerifyReport:
             "causes": self.causes,
             "notes": self.notes,
             "seconds": round(self.seconds, 1),
+            "run_seconds": {role: round(seconds, 1) for role, seconds in self.run_seconds.items()},
             "rows": [_row_json(row) for row in self.rows],
         }
 

@@ -177,6 +177,7 @@ def _run(workdir: Path, role: str, timeout: float, report: VerifyReport) -> list
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
     log = workdir / f"{role}.log"
     command = [sys.executable, "-m", "lightning_dist.verification.phase", str(workdir), role]
+    start = time.perf_counter()
     with open(log, "w") as out:
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -185,6 +186,7 @@ def _run(workdir: Path, role: str, timeout: float, report: VerifyReport) -> list
             os.killpg(process.pid, 9)
             process.wait()
             code = None
+    report.run_seconds[role] = time.perf_counter() - start
     ranks = _load_ranks(workdir / role)
     if code == 0 and ranks:
         return ranks

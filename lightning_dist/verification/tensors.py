@@ -27,24 +27,32 @@ def user_name(name: str) -> str:
 
 
 def _whole(tensor: Tensor, permuted: tuple[Any, int, Tensor] | None) -> Tensor:
-    if permuted is not None:  # fused q/k/v rows under tensor parallelism: back to the model's order
-        tensor = to_checkpoint_order(tensor, permuted[1], permuted[2])
+    # gathered and detached first: reordering a parameter (a tensor that requires grad) as a DTensor fails
     if isinstance(tensor, DTensor):
         tensor = tensor.full_tensor()
-    return tensor.detach().to("cpu", copy=True)
+    tensor = tensor.detach()
+    if permuted is not None:  # fused q/k/v rows under tensor parallelism: back to the model's order
+        tensor = to_checkpoint_order(tensor, permuted[1], permuted[2])
+    return tensor.to("cpu", copy=True)
+
+
+def _named_parameters(module: nn.Module) -> Any:
+    """Every parameter under every name, tied copies included: a pipeline stage holds its own copy of a weight that
+    one process holds once under two names (a tied embedding and output head), so both sides record both names."""
+    return module.named_parameters(remove_duplicate=False)
 
 
 def full_parameters(module: nn.Module) -> dict[str, Tensor]:
     """Every parameter this rank holds, whole, by user name (collective over each DTensor's mesh)."""
     permuted = permuted_parameters(module)
-    return {user_name(n): _whole(p, permuted.get(n)) for n, p in module.named_parameters()}
+    return {user_name(n): _whole(p, permuted.get(n)) for n, p in _named_parameters(module)}
 
 
 def full_gradients(module: nn.Module) -> dict[str, Tensor | None]:
     """The gradient of every parameter this rank holds, whole, by user name (``None``: no gradient)."""
     permuted = permuted_parameters(module)
     return {
-        user_name(n): None if p.grad is None else _whole(p.grad, permuted.get(n)) for n, p in module.named_parameters()
+        user_name(n): None if p.grad is None else _whole(p.grad, permuted.get(n)) for n, p in _named_parameters(module)
     }
 
 
@@ -52,7 +60,7 @@ def full_optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, d
     """The optimizer's state of every parameter of ``module`` it holds: user name → state name → whole value."""
     permuted = permuted_parameters(module)
     states: dict[str, dict[str, Tensor | float]] = {}
-    for name, param in module.named_parameters():
+    for name, param in _named_parameters(module):
         state = optimizer.state.get(param)
         if not state:
             continue

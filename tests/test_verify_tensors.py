@@ -1,0 +1,61 @@
+"""What verify records of a rank's parameters: tied weights under every name (a pipeline stage holds its own copy
+of a weight one process holds under two names), and fused q/k/v parameters held as DTensors in a permuted row
+order (GPT-2's ``c_attn``, litgpt's ``qkv`` under tensor parallelism) read back whole in the model's order."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+from launch import REPO_ROOT
+from torch import nn
+
+from lightning_dist.verification.tensors import full_gradients, full_parameters
+
+
+def test_a_tied_weight_is_recorded_under_both_of_its_names():
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8, bias=False))
+    model[1].weight = model[0].weight
+    model[1](model[0](torch.arange(3))).sum().backward()
+    params, grads = full_parameters(model), full_gradients(model)
+    assert set(params) == set(grads) == {"0.weight", "1.weight"}
+    assert torch.equal(params["0.weight"], params["1.weight"]) and torch.equal(grads["0.weight"], grads["1.weight"])
+
+
+FUSED = textwrap.dedent(
+    """
+    import sys, torch, torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from lightning_dist.parallel.tensor_parallel import checkpoint_layout
+    from lightning_dist.verification.tensors import full_gradients, full_parameters
+
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    layer = nn.Linear(2, 6, bias=False)
+    original = torch.arange(12.0).reshape(6, 2)
+    order = torch.tensor([0, 2, 4, 1, 3, 5])  # q/k/v rows interleaved per rank, as the plan holds them
+    layer.weight = nn.Parameter(distribute_tensor(original[order], mesh, [Shard(0)]))
+    setattr(layer, checkpoint_layout._ROW_ORDERS, {"weight": (0, order)})
+    layer.weight.grad = distribute_tensor(original[order] * 2, mesh, [Shard(0)])
+    assert torch.equal(full_parameters(layer)["weight"], original)
+    assert torch.equal(full_gradients(layer)["weight"], original * 2)
+    dist.destroy_process_group()
+    print("ok")
+    """
+)
+
+
+def test_a_permuted_dtensor_parameter_is_read_whole_in_the_models_order(tmp_path):
+    """Before the fix this raised "`distribute_tensor` should be used to distribute leaf tensors": the parameter was
+    reordered as a DTensor that requires grad."""
+    script = tmp_path / "fused.py"
+    script.write_text(FUSED)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True,
+                          env=env, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.stdout + done.stderr)[-3000:]

@@ -13,6 +13,7 @@ import torch
 from launch import REPO_ROOT
 from torch import nn
 
+from lightning_dist.verification.compare import compare_tensors
 from lightning_dist.verification.tensors import full_gradients, full_parameters
 
 
@@ -59,3 +60,19 @@ def test_a_permuted_dtensor_parameter_is_read_whole_in_the_models_order(tmp_path
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True,
                           env=env, timeout=300, check=False)  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.stdout + done.stderr)[-3000:]
+
+
+def test_a_tensor_at_rounding_level_is_not_judged_against_its_own_noise():
+    """BERT's attention key biases have a zero gradient in exact arithmetic (softmax cancels them): both runs hold
+    rounding noise there (1e-21 against gradients of 0.2 in fp64), which differed by 230% of itself. Judged against
+    1e-3 of the step's largest gradient it is equal; a real error in a small gradient still shows."""
+    ref = {"w": torch.tensor([0.2, -0.1], dtype=torch.float64), "key.bias": torch.tensor([2.2e-21, -1e-21])}
+    ours = {"w": ref["w"].clone(), "key.bias": torch.tensor([5.6e-21, 1e-21])}
+    assert compare_tensors("gradients", "step 1", ours, ref, 1e-10).ok
+    wrong = {"w": ref["w"].clone(), "key.bias": torch.tensor([2e-5, 0.0])}  # 1e-4 of the largest gradient
+    row = compare_tensors("gradients", "step 1", wrong, ref, 1e-4)
+    assert not row.ok and row.worst[0][0] == "key.bias"
+    # optimizer states are judged per state: exp_avg_sq's scale is not the step count's
+    state = {"p exp_avg_sq": torch.tensor([1e-6, 2e-6]), "p step": torch.tensor(3.0)}
+    off = {"p exp_avg_sq": torch.tensor([1e-6, 2.2e-6]), "p step": torch.tensor(3.0)}
+    assert not compare_tensors("optimizer state", "end", off, state, 1e-4).ok

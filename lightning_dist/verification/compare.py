@@ -1,7 +1,10 @@
 """The comparison of a verify check: the strategy's records against the reference's, as rows of a report.
 
 Differences are relative: a tensor's ``max|a − b| / max|b|`` (its largest error against its largest value), a
-scalar's ``|a − b| / max(|b|, 1)``. A row passes when its difference is at most the tolerance.
+scalar's ``|a − b| / max(|b|, 1)``. A row passes when its difference is at most the tolerance. Within one quantity
+(the gradients of a step, the parameters, one optimizer state), a tensor is judged against at least
+:data:`FLOOR` × the largest value of that quantity: a tensor that is zero in exact arithmetic (the gradient of an
+attention key's bias, which softmax cancels) holds rounding noise, and noise against noise is no measure.
 
 What is compared, in the order a training step produces it (the first row over the tolerance is the first
 difference): per training batch, the loss and every logged value; per optimizer step, the learning rates, the
@@ -21,6 +24,8 @@ from torch import Tensor
 
 #: How many of the worst parameters the parameter row names.
 WORST = 5
+#: A tensor's difference is relative to at least this fraction of the largest value of its quantity.
+FLOOR = 1e-3
 
 
 @dataclasses.dataclass
@@ -39,14 +44,14 @@ class Row:
         return self.difference <= self.tolerance
 
 
-def tensor_difference(a: Tensor | None, b: Tensor | None) -> float:
-    """``max|a − b| / max|b|`` (``inf`` when only one exists or the shapes differ)."""
+def tensor_difference(a: Tensor | None, b: Tensor | None, floor: float = 0.0) -> float:
+    """``max|a − b| / max(max|b|, floor)`` (``inf`` when only one exists or the shapes differ)."""
     if a is None or b is None:
         return 0.0 if a is None and b is None else math.inf
     if a.shape != b.shape:
         return math.inf
     a, b = a.double(), b.double()
-    scale = float(b.abs().max()) if b.numel() else 0.0
+    scale = max(float(b.abs().max()) if b.numel() else 0.0, floor)
     error = float((a - b).abs().max()) if b.numel() else 0.0
     return error / scale if scale > 0 else error
 
@@ -86,11 +91,30 @@ def compare_tensors(
 ) -> Row:
     """One row for a dict of tensors: the worst difference, the names that differ most, and names on one side
     only."""
-    diffs = {name: tensor_difference(ours.get(name), ref.get(name)) for name in sorted(set(ours) | set(ref))}
+    floors = _floors(ref)
+    diffs = {
+        name: tensor_difference(ours.get(name), ref.get(name), floors.get(_kind(name), 0.0))
+        for name in sorted(set(ours) | set(ref))
+    }
     worst = sorted(diffs.items(), key=lambda item: -item[1])[:WORST]
     only = sorted(set(ours) ^ set(ref))
     detail = f"only on one side: {', '.join(only[:WORST])}" if only else ""
     return Row(quantity, when, max(diffs.values(), default=0.0), tolerance, worst, detail)
+
+
+def _kind(name: str) -> str:
+    """The part of a flattened name that says which quantity it is (an optimizer state's key: ``exp_avg``)."""
+    return name.rpartition(" ")[2] if " " in name else ""
+
+
+def _floors(ref: dict[str, Tensor | None]) -> dict[str, float]:
+    """:data:`FLOOR` × the largest value of each kind of tensor in ``ref``."""
+    largest: dict[str, float] = {}
+    for name, tensor in ref.items():
+        if tensor is not None and tensor.numel():
+            kind = _kind(name)
+            largest[kind] = max(largest.get(kind, 0.0), float(tensor.double().abs().max()))
+    return {kind: FLOOR * value for kind, value in largest.items()}
 
 
 def gradient_norm(grads: dict[str, Tensor | None]) -> float:

@@ -132,9 +132,15 @@ def run_error(log: Path) -> dict[str, Any]:
     purpose (its own exception type, or a ``raise`` statement of the package, and not a type that signals a bug,
     the compat matrix's rule), and whether the ranks had started (Lightning's "Initializing distributed" line)."""
     text = log.read_text(errors="replace") if log.exists() else ""
+    text = re.sub(r"^\[rank\d+\]: ", "", text, flags=re.MULTILINE)  # torch's prefix on each line of a rank's error
     block = text.rsplit("Traceback (most recent call last):", 1)[-1] if "Traceback" in text else ""
-    frames = re.findall(r'^  File "([^"]+)", line (\d+), in \S+\n(?:    (.*)\n)?', block, re.MULTILINE)
-    error = next((line.strip() for line in block.splitlines() if line and not line.startswith(" ")), "")
+    matches = list(re.finditer(r'^  File "([^"]+)", line (\d+), in \S+\n(?:    (.*)\n)?', block, re.MULTILINE))
+    frames = [m.groups(default="") for m in matches]
+    after = block[matches[-1].end() :] if matches else block  # the error line and its message's further lines
+    lines = [line for line in after.splitlines() if not re.fullmatch(r"\s*[\^~]+\s*", line)]  # no ^^^ markers
+    start = next((i for i, line in enumerate(lines) if line.strip()), len(lines))
+    end = next((i for i in range(start, len(lines)) if not lines[i].strip()), len(lines))
+    error = " ".join(line.strip() for line in lines[start:end])
     if not error:
         error = next(iter(reversed([line for line in text.splitlines() if line.strip()])), "no output")
     error_type = error.split(":", 1)[0]

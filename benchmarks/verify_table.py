@@ -3,6 +3,7 @@ the region of ``docs/verify.md`` between :data:`START` and :data:`END` (the rest
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +119,7 @@ def render_section(results: dict[str, Any]) -> str:
 
 
 def _short(text: str, limit: int = 600) -> str:
-    text = " ".join(text.split())
+    text = re.sub(r"^[\w.]+\.(\w+(?:Error|Exception))\b", r"\1", " ".join(text.split()))  # the class name only
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 

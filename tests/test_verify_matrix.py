@@ -40,7 +40,7 @@ def test_the_table_shows_each_outcome_and_names_refusals_once():
     assert "❌ [D1](#d1) · 50 s" in tp and "⛔ [R2](#r2) · 12 s" in tp
     tp2d = next(line for line in section.splitlines() if line.startswith("| `tensor_parallel_2d` |"))
     assert "⛔ [R2](#r2) · 14 s" in tp2d  # the same message: one footnote
-    assert section.count('<a id="r2"></a>') == 1 and "TensorParallelPlanError: tied weight" in section
+    assert section.count('<a id="r2"></a>') == 1 and "**R2** TensorParallelPlanError: tied weight" in section
     assert '<a id="d1"></a>**D1** DIFFERENT: first at step 0: gradients (head.weight)' in section
     fp64 = section.split("**fp64**", 1)[1]
     assert "✅ 2e-15 · 30 s" in fp64 and "`zeropp`" not in fp64.split("Refusals")[0]  # fp64: its five columns
@@ -88,3 +88,8 @@ def test_a_refusal_is_an_error_the_package_raises_on_purpose(tmp_path: Path):
         assert found["where"] == f"{Path(path).name}:12"
     log.write_text(LOG.format(path=cases[0][0], code=cases[0][1], error=cases[0][2]).split("\n", 1)[1])
     assert run_error(log)["when"] == "before launch"
+    # torch prefixes each line of a rank's error; a message goes on over several lines
+    text = LOG.format(path=cases[0][0], code=cases[0][1], error=cases[0][2] + "\n  - a.weight: tied\nPass a plan.")
+    log.write_text("".join(f"[rank1]: {line}\n" for line in text.splitlines()))
+    found = run_error(log)
+    assert found["deliberate"] and found["error"] == cases[0][2] + " - a.weight: tied Pass a plan."

@@ -29,7 +29,8 @@ def _cell(record: dict[str, Any] | None, notes: dict[str, str]) -> str:
     text = record.get("error") or record.get("defect", "")
     if outcome == "defect" and record.get("defect") and record.get("error"):
         text = f"{record['defect']}: {record['error']}"
-    key = notes.setdefault(f"{outcome}:{text}", f"{'R' if outcome == 'refused' else 'D'}{len(notes) + 1}")
+    prefix = "R" if outcome == "refused" else "D"
+    key = notes.setdefault(f"{outcome}:{text}", f"{prefix}{sum(k.startswith(prefix) for k in notes.values()) + 1}")
     anchor = key.lower()
     return f"{_MARKS[outcome]} [{key}](#{anchor}) · {record['seconds']:.0f} s"
 
@@ -53,7 +54,8 @@ def _table(results: dict[str, Any], dtype: str, notes: dict[str, str]) -> list[s
     ]
     for label in columns:
         column = COLUMNS[label]
-        mesh = column.mesh + (f", {column.preset}" if column.preset else "")
+        preset = "`data_parallel_replicate_size=2` on one node" if column.nodes > 1 else column.preset
+        mesh = column.mesh + (f", {preset}" if preset else "")
         row = " | ".join(_cell(cells.get(model, {}).get(label), notes) for model in ROWS)
         lines.append(f"| `{column.name}` | {mesh} | {row} |")
     return lines

@@ -37,10 +37,10 @@ def test_the_table_shows_each_outcome_and_names_refusals_once():
     fsdp2 = next(line for line in section.splitlines() if line.startswith("| `fsdp2` | dp_shard=2 |"))
     assert "| ✅ 3e-07 · 41 s | not run |" in fsdp2
     tp = next(line for line in section.splitlines() if line.startswith("| `tensor_parallel` | tp=2 |"))
-    assert "❌ [D1](#d1) · 50 s" in tp and "⛔ [R2](#r2) · 12 s" in tp
+    assert "❌ [D1](#d1) · 50 s" in tp and "⛔ [R1](#r1) · 12 s" in tp
     tp2d = next(line for line in section.splitlines() if line.startswith("| `tensor_parallel_2d` |"))
-    assert "⛔ [R2](#r2) · 14 s" in tp2d  # the same message: one footnote
-    assert section.count('<a id="r2"></a>') == 1 and "**R2** TensorParallelPlanError: tied weight" in section
+    assert "⛔ [R1](#r1) · 14 s" in tp2d  # the same message: one footnote
+    assert section.count('<a id="r1"></a>') == 1 and "**R1** TensorParallelPlanError: tied weight" in section
     assert '<a id="d1"></a>**D1** DIFFERENT: first at step 0: gradients (head.weight)' in section
     fp64 = section.split("**fp64**", 1)[1]
     assert "✅ 2e-15 · 30 s" in fp64 and "`zeropp`" not in fp64.split("Refusals")[0]  # fp64: its five columns

@@ -100,9 +100,11 @@ def classify(report: Any, workdir: Path) -> dict[str, Any]:
         "tolerance": report.tolerance,
         "tolerance_reason": report.tolerance_reason,
     }
-    judged = [row.difference for row in report.rows if row.tolerance != float("inf")]
+    judged = [row for row in report.rows if row.tolerance != float("inf")]
     if judged:
-        record["max_diff"] = max(judged)
+        worst = max(judged, key=lambda row: row.difference)
+        record["max_diff"] = worst.difference
+        record["max_diff_at"] = f"{worst.quantity}, {worst.when}" + (f" ({worst.worst[0][0]})" if worst.worst else "")
     record["reference_reused"] = any("reference run was reused" in note for note in report.notes)
     if report.passed:
         return {"outcome": "passed", **record}

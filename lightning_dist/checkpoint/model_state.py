@@ -45,6 +45,7 @@ from lightning_dist.checkpoint.optimizer_format import (
 )
 from lightning_dist.checkpoint.safe_load import dcp_load_planner, dcp_reader, shard_error
 from lightning_dist.compat import gather_full_state
+from lightning_dist.compat.torchao import plain_state
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -64,12 +65,13 @@ class StageLayout:
 
 def model_state(model: Module, full: bool, stages: StageLayout | None = None) -> dict[str, Any]:
     """Sharded (DTensor) model state, or the full state on CPU on rank 0 (empty elsewhere): with pipeline
-    ``stages``, gathered from every stage. Collective."""
+    ``stages``, gathered from every stage. Plain tensors only: torchao's FP8 weight wrappers are removed (see
+    :func:`~lightning_dist.compat.torchao.plain_state`), sharing storage with the weights. Collective."""
     if not full:
-        return get_model_state_dict(model)
+        return plain_state(get_model_state_dict(model))
     if stages is None:
-        return get_model_state_dict(model, options=_FULL)
-    return _merge_stages(gather_full_state(get_model_state_dict(model), stages.leader), stages)
+        return plain_state(get_model_state_dict(model, options=_FULL))
+    return _merge_stages(gather_full_state(plain_state(get_model_state_dict(model)), stages.leader), stages)
 
 
 def optimizer_state(
@@ -79,11 +81,12 @@ def optimizer_state(
     does (so a one-device run can resume from it). With pipeline ``stages`` the full state stays keyed by name
     (positions of one stage's optimizer mean nothing to another's): lightning_dist loads either. Collective."""
     if not full:  # keyed per parameter under a pipeline: one shared `param_groups.N.params` list would keep one stage's
-        return get_optimizer_state_dict(model, optimizer, options=_optimizer_options(flat=stages is not None))
+        flat = _optimizer_options(flat=stages is not None)
+        return plain_state(get_optimizer_state_dict(model, optimizer, options=flat))
     if stages is None:
-        state = get_optimizer_state_dict(model, optimizer, options=_FULL)
+        state = plain_state(get_optimizer_state_dict(model, optimizer, options=_FULL))
         return names_to_positions(state) if state else state
-    local = gather_full_state(get_optimizer_state_dict(model, optimizer), stages.leader)
+    local = gather_full_state(plain_state(get_optimizer_state_dict(model, optimizer)), stages.leader)
     return _merge_stages(local, stages)
 
 
@@ -146,11 +149,12 @@ def load_sharded(
 ) -> None:
     """Load a DCP checkpoint folder into ``model`` and ``optimizers`` (any saved world size or mesh). Collective."""
     index = dcp_reader(path, weights_only).read_metadata().state_dict_metadata
-    state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
+    # DCP loads into these tensors in place; unwrapped from torchao's FP8 wrappers, they share the weights' storage.
+    state: dict[str, Any] = {"state_dict": plain_state(get_model_state_dict(model))}
     flat = [_saved_flat(index, idx) for idx in range(len(optimizers))]
     for idx, optimizer in enumerate(optimizers):
         options = _optimizer_options(flat[idx])
-        state[f"optimizer_{idx}"] = get_optimizer_state_dict(model, optimizer, options=options)
+        state[f"optimizer_{idx}"] = plain_state(get_optimizer_state_dict(model, optimizer, options=options))
     shapes = _tensor_shapes(state["state_dict"])
     report = compare_shapes(shapes, _checkpoint_shapes(index, "state_dict."), _keys_of_all_stages(shapes, stages))
     check_fit(report, strict, repr(str(path)))

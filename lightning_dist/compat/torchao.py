@@ -11,11 +11,14 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+import sys
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 #: The torchao versions the float8 code was tested with (pyproject's ``[fp8]`` extra pins the same range).
 TESTED_TORCHAO = ">=0.18,<0.19"
@@ -26,7 +29,15 @@ PROTOTYPE_TORCHAO_NAMES: dict[str, tuple[str, str]] = {
     "MXFP8TrainingOpConfig": ("torchao 0.18.0", "float8='mxfp8': the MXFP8 training config of nn.Linear weights"),
     "MXFP8TrainingRecipe": ("torchao 0.18.0", "float8='mxfp8': the RCEIL recipe and its emulated variant"),
     "MXFP8TrainingWeightWrapperTensor": ("torchao 0.18.0", "float8='mxfp8': recognizing a converted weight"),
+    "TrainingWeightWrapperBaseTensor": ("torchao 0.18.0", "float8='mxfp8': its ``_data`` unwrapped for checkpoints"),
 }
+
+#: torchao's weight wrappers (tensor subclasses holding the plain weight) and the attribute holding it, checked on
+#: torchao 0.18.0: ``(module, class, attribute)``. A checkpoint must hold the plain tensor (see :func:`plain_state`).
+_WEIGHT_WRAPPERS = (
+    ("torchao.float8.fsdp_utils", "WeightWithDynamicFloat8CastTensor", "_tensor"),  # tensorwise FSDP2 all-gather
+    ("torchao.prototype.moe_training.tensor", "TrainingWeightWrapperBaseTensor", "_data"),  # mxfp8
+)
 
 
 def torchao_version() -> str | None:
@@ -112,3 +123,40 @@ def float8_tensor_parallel_styles() -> tuple[type, type, type]:
     """torchao's ``Float8ColwiseParallel``, ``Float8RowwiseParallel`` and ``PrepareFloat8ModuleInput``."""
     tp = _import("torchao.float8.float8_tensor_parallel")
     return tp.Float8ColwiseParallel, tp.Float8RowwiseParallel, tp.PrepareFloat8ModuleInput
+
+
+def _unwrapped(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor inside a torchao weight wrapper (the same storage), else ``tensor`` itself."""
+    for module_name, class_name, attribute in _WEIGHT_WRAPPERS:
+        module = sys.modules.get(module_name)  # not imported: no such tensor can exist
+        if module is not None and isinstance(tensor, getattr(module, class_name)):
+            return getattr(tensor, attribute)
+    return tensor
+
+
+def plain_tensor(tensor: Any) -> Any:
+    """``tensor`` without torchao's weight wrapper: a wrapped tensor becomes the plain tensor it holds, a DTensor whose
+    local tensor is wrapped becomes the same DTensor (mesh, placements, global shape) over the plain local tensor.
+    Shares storage with the original, so loading into the result loads into the wrapped weight. Anything else is
+    returned as is."""
+    if isinstance(tensor, DTensor):
+        local = tensor.to_local()
+        inner = _unwrapped(local)
+        if inner is local:
+            return tensor
+        return DTensor.from_local(
+            inner, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+        )
+    return _unwrapped(tensor) if isinstance(tensor, torch.Tensor) else tensor
+
+
+def plain_state(state: Any) -> Any:
+    """A (model or optimizer) state dict with every torchao weight wrapper removed (:func:`plain_tensor`), nested
+    dicts and lists included: torchao's tensorwise FSDP2 weights (and mxfp8's) are tensor subclasses that
+    ``torch.save`` would pickle by class name, so a checkpoint holding them could not be loaded with
+    ``weights_only=True`` nor without torchao."""
+    if isinstance(state, dict):
+        return {key: plain_state(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [plain_state(value) for value in state]
+    return plain_tensor(state)

@@ -129,7 +129,7 @@ def _fit(
 
 def fsdp2(devices: int, workdir: str) -> dict[str, Any]:
     """fsdp2 in fp32 without float8, with rowwise, and with tensorwise (FP8 all-gather; all-gather bytes counted,
-    a checkpoint at step 3), then fp32 tensor parallel resuming from that checkpoint."""
+    a checkpoint at step 3), then fp32 tensor parallel and tensorwise fsdp2 resuming from that checkpoint."""
     out: dict[str, Any] = {}
     for name, options in (("plain", {}), ("rowwise", {"float8": "rowwise"})):
         counter = AllGatherBytes()
@@ -154,7 +154,10 @@ def fsdp2(devices: int, workdir: str) -> dict[str, Any]:
     path = f"{workdir}/ckpt/epoch=0-step=3.ckpt"
     metadata = FileSystemReader(path).read_metadata().state_dict_metadata
     out["checkpoint_dtypes"] = sorted({str(v.properties.dtype) for v in metadata.values() if hasattr(v, "properties")})
+    out["checkpoint"] = path  # read back in one process by the test (load_full_checkpoint)
     _, out["resumed_in_tp"] = _fit(devices, TensorParallelStrategy(tensor_parallel_size=devices), dp=1, ckpt_path=path)
+    # Back into tensorwise FP8: DCP loads through the plain views of torchao's wrapped weights.
+    _, out["resumed_tensorwise"] = _fit(devices, FSDP2Strategy(float8="tensorwise"), dp=devices, ckpt_path=path)
     return out
 
 

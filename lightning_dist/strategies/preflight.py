@@ -71,7 +71,8 @@ def unknown_options_message(cls: type, unknown: dict[str, Any]) -> str:
     options = strategy_options(cls)
     parts = []
     for name in unknown:
-        close = difflib.get_close_matches(name, options, n=1)
+        # expert_parallel_size is explained below; the closest name (data_parallel_size) would only mislead
+        close = difflib.get_close_matches(name, options, n=1) if name != "expert_parallel_size" else []
         parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     hint = ""
     if "expert_parallel_size" in unknown:

@@ -39,7 +39,7 @@ from typing import Any
 
 from benchmarks.compat_cells import _BUG_TYPES, COLUMNS, FP32_TOLERANCE, Column
 from benchmarks.compatibility import versions
-from benchmarks.verify_models import FP64_COLUMNS, ROWS, build
+from benchmarks.verify_models import FP64_COLUMNS, ROWS, build_data, build_module
 from benchmarks.verify_table import update_doc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,12 +61,13 @@ def strategy_of(column: Column) -> Any:
     return column.make()
 
 
-def run_cell(model: str, column_label: str, dtype: str, workdir: Path, cache: Path) -> dict[str, Any]:
-    """``verify`` of ``model`` under ``column_label`` in ``dtype``; the cell's record (see :func:`classify`)."""
+def run_cell(model: str, module: Any, column_label: str, dtype: str, workdir: Path, cache: Path) -> dict[str, Any]:
+    """``verify`` of row ``model`` (its ``module``, the same object in every cell of a run) under ``column_label``
+    in ``dtype``; the cell's record (see :func:`classify`)."""
     import lightning_dist
 
     column = COLUMNS[column_label]
-    module, data = build(model, column.batch_replicas)
+    data = build_data(model, column.batch_replicas)
     # a model that computes parts in float32 inside a fp64 run is held to the fp32 tolerance (as the compat matrix)
     tolerance = FP32_TOLERANCE if dtype == "float64" and ROWS[model].why_fp32 else None
     load = os.getloadavg()[0]
@@ -199,11 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ld_verify_matrix_"))
         print(f"verify matrix: {len(models) * len(columns)} cells ({args.dtype}), work folder {workdir}", flush=True)
         for model in models:
+            module = build_module(model)
             for column in columns:
                 cell_dir = workdir / "cells" / args.dtype / f"{model}@{column}"
                 start = time.monotonic()
                 try:
-                    record = run_cell(model, column, args.dtype, cell_dir, workdir / "reference_cache")
+                    record = run_cell(model, module, column, args.dtype, cell_dir, workdir / "reference_cache")
                 except Exception as error:  # noqa: BLE001  (verify itself failing is a cell outcome too)
                     record = {"outcome": "defect", "defect": "verify raised", "error": f"{type(error).__name__}: "
                               f"{error}", "seconds": round(time.monotonic() - start, 1)}  # fmt: skip

@@ -62,14 +62,22 @@ ROWS: dict[str, MatrixModel] = {
 }
 
 
-def build(label: str, batch_replicas: int) -> tuple[L.LightningModule, L.LightningDataModule]:
-    """The module and data of row ``label`` for a column with ``batch_replicas`` data-parallel ranks."""
-    per_rank = GLOBAL_BATCH // batch_replicas
+def build_module(label: str) -> L.LightningModule:
+    """Row ``label``'s module. Build it once per matrix run and pass the same object to every check: verify keys
+    its reference cache on the pickled module, whose tensors pickle with their memory addresses."""
     if label == "gpt":
-        from examples.data import TextDataModule
         from examples.gpt import GPT
 
         L.seed_everything(SEED, verbose=False)
-        model = GPT(vocab_size=64, seq_len=32, d_model=32, n_layer=GPT_LAYERS, n_head=4)
-        return model, TextDataModule(seq_len=32, batch_size=per_rank, train_samples=64, val_samples=16)
-    return CompatModule(label), SamplesData(MODELS[label].task, per_rank)
+        return GPT(vocab_size=64, seq_len=32, d_model=32, n_layer=GPT_LAYERS, n_head=4)
+    return CompatModule(label)
+
+
+def build_data(label: str, batch_replicas: int) -> L.LightningDataModule:
+    """Row ``label``'s data for a column with ``batch_replicas`` data-parallel ranks (the same global batch)."""
+    per_rank = GLOBAL_BATCH // batch_replicas
+    if label == "gpt":
+        from examples.data import TextDataModule
+
+        return TextDataModule(seq_len=32, batch_size=per_rank, train_samples=64, val_samples=16)
+    return SamplesData(MODELS[label].task, per_rank)

@@ -76,3 +76,20 @@ def test_a_tensor_at_rounding_level_is_not_judged_against_its_own_noise():
     state = {"p exp_avg_sq": torch.tensor([1e-6, 2e-6]), "p step": torch.tensor(3.0)}
     off = {"p exp_avg_sq": torch.tensor([1e-6, 2.2e-6]), "p step": torch.tensor(3.0)}
     assert not compare_tensors("optimizer state", "end", off, state, 1e-4).ok
+
+
+def test_two_identical_modules_built_apart_share_a_cached_reference():
+    """verify's reference cache is keyed on the pickled module; a tensor's own pickle names its memory address, so
+    before the fix two identical modules (one per check, as a script builds them) never shared a reference."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_dist.verification import _reference_key
+
+    torch.manual_seed(0)
+    first = _reference_key(BoringModel(), None, {"accelerator": "cpu"})
+    torch.manual_seed(0)
+    assert _reference_key(BoringModel(), None, {"accelerator": "cpu", "devices": 2}) == first
+    torch.manual_seed(1)
+    assert _reference_key(BoringModel(), None, {"accelerator": "cpu"}) != first  # other weights
+    torch.manual_seed(0)
+    assert _reference_key(BoringModel(), None, {"accelerator": "cpu", "max_steps": 5}) != first

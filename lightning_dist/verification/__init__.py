@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import io
 import pickle
 import sys
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
@@ -110,10 +112,26 @@ def verify(
 def _reference_key(model: LightningModule, datamodule: LightningDataModule | None, trainer_kwargs: dict) -> str:
     """The module, data and Trainer arguments, apart from the strategy's processes (the reference has its own)."""
     kept = {k: v for k, v in trainer_kwargs.items() if k not in ("strategy", "devices", "num_nodes")}
+    out = io.BytesIO()
     try:
-        return hashlib.sha256(pickle.dumps((model, datamodule, kept))).hexdigest()
+        _ContentPickler(out).dump((model, datamodule, kept))
     except Exception:  # noqa: BLE001  (unpicklable Trainer arguments: no reuse)
         return ""
+    return hashlib.sha256(out.getvalue()).hexdigest()
+
+
+class _ContentPickler(pickle.Pickler):
+    """Pickles a tensor as its dtype, shape and a hash of its values: a tensor's own pickle names its storage's
+    memory address, so two identical modules built apart would never share a cached reference."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor):
+            return None
+        tensor = obj.detach()
+        if tensor.device.type == "meta":
+            return ("tensor", str(tensor.dtype), tuple(tensor.shape))
+        values = tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return ("tensor", str(tensor.dtype), tuple(tensor.shape), hashlib.sha256(values).hexdigest())
 
 
 def strategy_facts(strategy: str | Strategy | Any) -> tuple[tuple[float, str, tuple[str, ...]] | None, dict[str, Any]]:

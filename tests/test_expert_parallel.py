@@ -62,7 +62,7 @@ def test_experts_not_divisible_by_ep_are_refused_with_the_divisors():
 
 @pytest.fixture(scope="module")
 def core_runs(tmp_path_factory) -> dict[str, Any]:
-    scenarios = [*MOE_KINDS, "mixtral_aux_fp64", "mixtral_ep1_replicas_fp64"]
+    scenarios = [*MOE_KINDS, "mixtral_aux_fp64", "mixtral_ep1_replicas_fp64", "mixtral_idle_rank_fp64"]
     return run_scenarios("expert_parallel_core_runs.py", 2, tmp_path_factory.mktemp("ep_core"), scenarios)
 
 
@@ -99,6 +99,15 @@ def test_ranks_holding_the_same_experts_sum_their_gradients(core_runs):
     run = core_runs["mixtral_ep1_replicas_fp64"]
     assert all(shape[0] == 4 for shape in run["local_shapes"].values()), run["local_shapes"]
     assert run["loss_diff"] <= FP64_TOL and run["grad_diff"] <= FP64_TOL and run["aux_diff"] <= 1e-6, run
+
+
+@pytest.mark.slow
+def test_a_rank_whose_experts_get_no_token_still_joins_the_backward_all_to_all(core_runs):
+    """The routers send every token to experts 0 and 1 (rank 0's): rank 1 computes nothing, but its empty result
+    must still reach the dispatch all-to-all in backward, or rank 0 waits there forever. Loss and gradients (zero
+    for the idle experts) equal one process's."""
+    run = core_runs["mixtral_idle_rank_fp64"]
+    assert run["loss_diff"] <= FP64_TOL and run["grad_diff"] <= FP64_TOL, run
 
 
 # ---------------------------------------------------------------------------------------------------- the strategy
@@ -167,3 +176,30 @@ def test_a_checkpoint_saved_under_ep2_resumes_under_plain_fsdp2(ep_two_ranks):
     uninterrupted, resumed = ep_two_ranks["ep_fp64"]["losses"], ep_two_ranks["resume_ep_to_fsdp2"]["losses"]
     assert len(resumed) == 4
     assert max(abs(a - b) for a, b in zip(uninterrupted[4:], resumed)) <= FP64_TOL, (uninterrupted, resumed)
+
+
+# ------------------------------------------------------------------------------- 4 processes: dp_shard4 × ep2
+@pytest.fixture(scope="module")
+def ep2_of_four(tmp_path_factory) -> dict[str, Any]:
+    scenarios = ["ep2_of_4_unseeded", "ep2_of_4_fp64"]
+    return run_scenarios(SCRIPT, 4, tmp_path_factory.mktemp("ep2_of_4"), scenarios)
+
+
+@pytest.mark.slow
+def test_ranks_holding_the_same_experts_start_and_stay_bitwise_equal_without_a_seed(ep2_of_four):
+    """dp_shard=4, ep=2: ranks 0 and 2 (1 and 3) hold the same experts. Every rank initialized its own weights (no
+    common seed); distribute_tensor only makes the experts equal within an ep group, so setup broadcasts them over
+    the replicas too, and the replicas' summed gradients keep them equal through training."""
+    gaps = ep2_of_four["ep2_of_4_unseeded"]["replica_gap"]
+    assert gaps == {"after_setup": 0.0, "after_training": 0.0}, gaps
+
+
+@pytest.mark.slow
+def test_fsdp2_with_dp_shard4_and_ep2_trains_mixtral_like_one_process(one_process, ep2_of_four):
+    """Two ep groups of 2 ranks, each rank 2 of 4 experts: losses, gradient norms and final parameters equal one
+    process's (fp64)."""
+    ref, run = one_process["fp64"], ep2_of_four["ep2_of_4_fp64"]
+    assert len(run["losses"]) == len(ref["losses"]) == 8
+    assert max(abs(a - b) for a, b in zip(ref["losses"], run["losses"])) <= FP64_TOL
+    assert max(abs(a - b) for a, b in zip(ref["grad_norms"], run["grad_norms"])) <= FP64_TOL
+    assert _max_param_diff(ref["params"], run["params"]) <= FP64_TOL

@@ -7,7 +7,9 @@ values, and even with one, tp peers compute their copy's gradient from all-reduc
 differ, so the copies drift apart step by step.
 
 :func:`broadcast_replicated_state` copies every parameter and buffer from the first rank of each mesh axis it is
-replicated over, once, after the model is parallelized. :func:`average_replicated_gradients` averages the
+replicated over, once, after the model is parallelized. Expert weights split over ``ep`` (which borrows ranks from
+dp_shard × cp) are replicated over the rest of the loss group, ``ep_replicas``: ``distribute_tensor`` makes them
+equal within each ep group only, so they are broadcast over ``ep_replicas`` too. :func:`average_replicated_gradients` averages the
 gradients of parameters replicated over ``tp`` before each optimizer step, so the copies stay identical. (Gradients
 over the data-parallel axes are reduced by FSDP2 itself; pipeline stages hold different parameters.)
 """
@@ -27,6 +29,9 @@ from lightning_dist.parallel.mesh import DERIVED_GROUPS, MESH_AXES, ParallelMesh
 
 # Axes a copy can be replicated over. Not pp: every stage holds different parameters.
 _REPLICA_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
+# What a tensor split over ep is replicated over instead of dp_replicate/dp_shard/cp (the loss group less ep).
+_EP, _EP_REPLICAS = "ep", "ep_replicas"
+_BROADCAST_ORDER = (*_REPLICA_AXES, _EP_REPLICAS)
 _UNKNOWN = "?"
 
 
@@ -41,7 +46,7 @@ def sharded_axes(tensor: Tensor) -> set[str]:
             continue
         if name in DERIVED_GROUPS:
             axes.update(DERIVED_GROUPS[name])
-        elif name in MESH_AXES:
+        elif name in MESH_AXES or name == _EP:
             axes.add(name)
         else:
             axes.add(_UNKNOWN)
@@ -58,6 +63,9 @@ def replica_axes(tensor: Tensor, mesh: ParallelMesh) -> list[str]:
     if _UNKNOWN in split:
         return []
     sizes = mesh.dims.as_dict()
+    if _EP in split:  # expert weights: the same experts on every rank of ep_replicas (and of tp)
+        replicas = [_EP_REPLICAS] if mesh[_EP_REPLICAS].size() > 1 else []
+        return replicas + [axis for axis in ("tp",) if sizes[axis] > 1 and axis not in split]
     return [axis for axis in _REPLICA_AXES if sizes[axis] > 1 and axis not in split]
 
 
@@ -75,10 +83,10 @@ def broadcast_replicated_state(model: nn.Module, mesh: ParallelMesh) -> tuple[in
         for axis in axes:
             by_axis[axis].append(_local(tensor))
     with torch.no_grad():
-        for axis in _REPLICA_AXES:  # a fixed order: every rank issues the same collectives
+        for axis in _BROADCAST_ORDER:  # a fixed order: every rank issues the same collectives
             if axis in by_axis:
                 _broadcast_flat(by_axis[axis], mesh[axis].get_group())
-    return count, [axis for axis in _REPLICA_AXES if axis in by_axis]
+    return count, [axis for axis in _BROADCAST_ORDER if axis in by_axis]
 
 
 def tp_replicated_parameters(model: nn.Module, mesh: ParallelMesh) -> list[nn.Parameter]:

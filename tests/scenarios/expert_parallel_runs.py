@@ -6,14 +6,21 @@ python tests/scenarios/expert_parallel_runs.py --devices 2 --out r.json --workdi
 
 ``pipeline_fp32`` trains the same model (with transformers' default grouped-mm experts kernel) under pp=2;
 ``resume_ep_to_fsdp2`` (after ``ep_fp64``, which checkpoints at step 2) resumes that checkpoint under plain fsdp2.
+
+With 4 processes (dp_shard=4, ep=2: two ep groups whose ranks hold the same experts pairwise):
+``ep2_of_4_unseeded`` builds the model with a different seed on every rank and reports how far the expert shards of
+ranks holding the same experts are apart after setup and after training; ``ep2_of_4_fp64`` is the seeded run against
+one process, checkpointing at step 2, and ``resume_ep2_to_ep4`` resumes that checkpoint with ep=4.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from common import (  # type: ignore[import-not-found]
     GLOBAL_BATCH,
@@ -97,6 +104,30 @@ class StepTraffic(Callback):
         )
 
 
+class ExpertReplicaGap(Callback):
+    """The largest difference between the expert shards of ranks that hold the same experts (``ep_replicas``),
+    after setup and after training: 0.0 when the copies are bitwise equal."""
+
+    def __init__(self) -> None:
+        self.gaps: dict[str, float] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.gaps["after_setup"] = self._gap(trainer, pl_module)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.gaps["after_training"] = self._gap(trainer, pl_module)
+
+    @staticmethod
+    def _gap(trainer: L.Trainer, pl_module: L.LightningModule) -> float:
+        mine = torch.cat([p.to_local().detach().reshape(-1) for n, p in pl_module.named_parameters() if "experts" in n])
+        group = trainer.strategy.mesh["ep_replicas"].get_group()
+        copies = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(copies, mine, group=group)
+        gap = torch.stack([(c - mine).abs().max() for c in copies]).max().reshape(1)
+        dist.all_reduce(gap, op=dist.ReduceOp.MAX)
+        return float(gap)
+
+
 def train(
     devices: int,
     precision: str,
@@ -106,18 +137,27 @@ def train(
     pipeline: bool = False,
     save_to: str | None = None,
     resume_from: str | None = None,
+    seed_by_rank: bool = False,
 ) -> dict[str, Any]:
     L.seed_everything(1234, verbose=False)
     dp = 1 if pipeline else devices
     data_cls = OneProcessData if dp == 1 else TextDataModule
     data = data_cls(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, train_samples=256, val_samples=32)
+    if seed_by_rank:  # no common seed: every rank initializes its own weights
+        torch.manual_seed(100 + int(os.environ.get("LOCAL_RANK", "0")))
     # Under the pipeline: transformers' default experts kernel (grouped_mm), whose meta kernel takes bf16 only.
     model = MixtralLM(data.vocab_size, "grouped_mm" if pipeline else "eager")
     strategy: Any = "auto" if devices == 1 else FSDP2Strategy(expert_parallel_size=ep or 1)
     if pipeline:
         strategy = PipelineStrategy()
-    recorder, counter = (AllStagesRecorder() if pipeline else StepRecorder()), StepTraffic()
+    recorder, counter, replicas = (
+        (AllStagesRecorder() if pipeline else StepRecorder()),
+        StepTraffic(),
+        ExpertReplicaGap(),
+    )
     callbacks: list[Callback] = [recorder, counter] if traffic else [recorder]
+    if seed_by_rank:
+        callbacks.append(replicas)
     if save_to:
         callbacks.append(ModelCheckpoint(dirpath=save_to, every_n_train_steps=2, save_top_k=-1, filename="{step}"))
     trainer = L.Trainer(
@@ -131,6 +171,8 @@ def train(
     )
     trainer.fit(model, data, ckpt_path=resume_from)
     result: dict[str, Any] = {"losses": recorder.losses, "grad_norms": recorder.grad_norms}
+    if seed_by_rank:
+        return {**result, "replica_gap": replicas.gaps}
     if traffic:
         result["bytes"] = counter.table()
         result["local_tokens"] = GLOBAL_BATCH // devices * SEQ_LEN
@@ -156,6 +198,11 @@ SCENARIOS = {
     "bytes_ep": lambda devices, workdir: train(devices, "32-true", devices, steps=2, traffic=True),
     "pipeline_fp32": lambda devices, workdir: train(devices, "32-true", None, pipeline=True),
     "resume_ep_to_fsdp2": resume,
+    "ep2_of_4_unseeded": lambda devices, workdir: train(devices, "64-true", 2, steps=2, seed_by_rank=True),
+    "ep2_of_4_fp64": lambda devices, workdir: train(devices, "64-true", 2, save_to=f"{workdir}/ep2_of_4_ckpt"),
+    "resume_ep2_to_ep4": lambda devices, workdir: train(
+        devices, "64-true", 4, resume_from=f"{workdir}/ep2_of_4_ckpt/step=2.ckpt"
+    ),
 }
 
 if __name__ == "__main__":

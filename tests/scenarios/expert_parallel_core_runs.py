@@ -93,10 +93,22 @@ def _max_over_world(value: float) -> float:
     return float(t)
 
 
-def moe_fp64(rank: int, world: int, kind: str, aux: bool = False, ep: int | None = None) -> dict[str, Any]:
+def _route_to_first_half(router: torch.nn.Module, args: Any, out: tuple) -> tuple:
+    """A forward hook on a Mixtral router: every token goes to experts 0 and 1 only (those of ep rank 0)."""
+    logits, scores, indices = out
+    return logits, scores, indices % 2
+
+
+def moe_fp64(
+    rank: int, world: int, kind: str, aux: bool = False, ep: int | None = None, idle_rank: bool = False
+) -> dict[str, Any]:
     """One forward and backward: the loss (mean over ranks) and every gradient against one process. ``ep`` smaller
-    than the world: groups of ``ep`` ranks split the experts, the other ranks hold the same ones (replicas)."""
+    than the world: groups of ``ep`` ranks split the experts, the other ranks hold the same ones (replicas).
+    ``idle_rank``: the routers send no token to the last ep rank's experts."""
     model = tiny_moe(kind, aux=aux)
+    if idle_rank:
+        for layer in model.model.layers:
+            layer.mlp.gate.register_forward_hook(_route_to_first_half)
     reference = copy.deepcopy(model)
     torch.manual_seed(7)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
@@ -151,6 +163,7 @@ def moe_fp64(rank: int, world: int, kind: str, aux: bool = False, ep: int | None
 SCENARIOS = {f"{kind}_fp64": partial(moe_fp64, kind=kind) for kind in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")}
 SCENARIOS["mixtral_aux_fp64"] = partial(moe_fp64, kind="mixtral", aux=True)
 SCENARIOS["mixtral_ep1_replicas_fp64"] = partial(moe_fp64, kind="mixtral", aux=True, ep=1)
+SCENARIOS["mixtral_idle_rank_fp64"] = partial(moe_fp64, kind="mixtral", idle_rank=True)
 
 
 def _worker(rank: int, world: int, port: int, scenarios: list[str], out: str) -> None:

@@ -53,11 +53,14 @@ def run_local_experts(
         start += count
         h = _project(x, weights.gate_up[e], weights.gate_up_bias, e, weights.transposed)
         outputs.append(_project(apply_gate(h), weights.down[e], weights.down_bias, e, weights.transposed))
-    if not outputs:  # no token reached this rank's experts: an empty result still joins the autograd graph
+    if not outputs:
+        # No token reached this rank's experts: the empty result still joins the autograd graph, through the weights
+        # (their replica all-reduce) and through the rows, so that the dispatch all-to-all's backward runs here as it
+        # does on the other ep ranks (without it they wait for this rank forever).
         touch = sum(
             w.sum() for w in (weights.gate_up, weights.down, weights.gate_up_bias, weights.down_bias) if w is not None
         )
-        return rows.new_zeros((0, weights.down.shape[2 if weights.transposed else 1])) + 0 * touch
+        return rows.new_zeros((0, weights.down.shape[2 if weights.transposed else 1])) + 0 * (touch + rows.sum())
     return torch.cat(outputs)
 
 

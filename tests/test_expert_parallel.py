@@ -181,7 +181,7 @@ def test_a_checkpoint_saved_under_ep2_resumes_under_plain_fsdp2(ep_two_ranks):
 # ------------------------------------------------------------------------------- 4 processes: dp_shard4 × ep2
 @pytest.fixture(scope="module")
 def ep2_of_four(tmp_path_factory) -> dict[str, Any]:
-    scenarios = ["ep2_of_4_unseeded", "ep2_of_4_fp64"]
+    scenarios = ["ep2_of_4_unseeded", "ep2_of_4_fp64", "resume_ep2_to_ep4"]
     return run_scenarios(SCRIPT, 4, tmp_path_factory.mktemp("ep2_of_4"), scenarios)
 
 
@@ -203,3 +203,12 @@ def test_fsdp2_with_dp_shard4_and_ep2_trains_mixtral_like_one_process(one_proces
     assert max(abs(a - b) for a, b in zip(ref["losses"], run["losses"])) <= FP64_TOL
     assert max(abs(a - b) for a, b in zip(ref["grad_norms"], run["grad_norms"])) <= FP64_TOL
     assert _max_param_diff(ref["params"], run["params"]) <= FP64_TOL
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_under_ep2_resumes_under_ep4(ep2_of_four):
+    """The step-2 checkpoint of the dp_shard4 × ep2 run (2 experts per rank, replicated twice) resumes with ep=4
+    (1 expert per rank, no replicas) and continues to the uninterrupted run's losses."""
+    uninterrupted, resumed = ep2_of_four["ep2_of_4_fp64"]["losses"], ep2_of_four["resume_ep2_to_ep4"]["losses"]
+    assert len(resumed) == 4
+    assert max(abs(a - b) for a, b in zip(uninterrupted[4:], resumed)) <= FP64_TOL, (uninterrupted, resumed)

@@ -8,31 +8,13 @@ every rank. Rank 0 writes ``{scenario: {case: {...}}}`` as JSON.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import socket
-import sys
-import time
-import types
 import zlib
-from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-if "lightning_dist" not in sys.modules:
-    # The package root imports the Lightning strategies; this layer is pure PyTorch. Importing it without the root
-    # starts each process seconds faster and shows that nothing here needs Lightning (checked in the result).
-    _package = types.ModuleType("lightning_dist")
-    _package.__path__ = [str(ROOT / "lightning_dist")]
-    sys.modules["lightning_dist"] = _package
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from pure_torch import run_pure_torch_scenarios  # type: ignore[import-not-found]  (before lightning_dist: see there)
 from torch import nn
 from torch.nn.functional import scaled_dot_product_attention as early_bound_sdpa
 from torch.utils.checkpoint import CheckpointError, checkpoint
@@ -295,43 +277,10 @@ SCENARIOS = {"kernels": kernels, "dispatch": dispatch, "comm_bytes": comm_bytes}
 
 
 # ---------------------------------------------------------------------------------------------------- launch
-def _worker(rank: int, world: int, port: int, scenarios: list[str], out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
-        result = {}
-        for name in scenarios:
-            start = time.perf_counter()
-            result[name] = SCENARIOS[name](rank, pairs)
-            result[f"{name}_seconds"] = round(time.perf_counter() - start, 2)
-        result["lightning_imported"] = any(
-            name.split(".")[0] in ("lightning", "pytorch_lightning") for name in sys.modules
-        )
-        if rank == 0:
-            Path(f"{out}.tmp").write_text(json.dumps(result))
-            os.replace(f"{out}.tmp", out)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--devices", type=int, default=4)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
-    parser.add_argument("--workdir", default=None)
-    args = parser.parse_args()
-    scenarios = list(SCENARIOS) if args.scenarios == "all" else args.scenarios.split(",")
-    mp.spawn(_worker, args=(args.devices, _free_port(), scenarios, args.out), nprocs=args.devices, join=True)
+def _pairs(rank: int, world: int) -> list[dist.ProcessGroup]:
+    """Groups of two ranks, (0, 1), (2, 3), ...: every scenario's second argument."""
+    return [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
 
 
 if __name__ == "__main__":
-    main()
+    run_pure_torch_scenarios(SCENARIOS, 4, _pairs)

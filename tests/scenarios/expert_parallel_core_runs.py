@@ -8,29 +8,14 @@ and runs its own half of the batch. Rank 0 writes ``{scenario: {...}}`` as JSON 
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import os
-import socket
 import sys
-import time
-import types
 from functools import partial
-from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-if "lightning_dist" not in sys.modules:  # the pure-PyTorch layer, without the package root's Lightning imports
-    _package = types.ModuleType("lightning_dist")
-    _package.__path__ = [str(ROOT / "lightning_dist")]
-    sys.modules["lightning_dist"] = _package
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from pure_torch import run_pure_torch_scenarios  # type: ignore[import-not-found]  (before lightning_dist: see there)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -166,40 +151,5 @@ SCENARIOS["mixtral_ep1_replicas_fp64"] = partial(moe_fp64, kind="mixtral", aux=T
 SCENARIOS["mixtral_idle_rank_fp64"] = partial(moe_fp64, kind="mixtral", idle_rank=True)
 
 
-def _worker(rank: int, world: int, port: int, scenarios: list[str], out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        result: dict[str, Any] = {}
-        for name in scenarios:
-            start = time.perf_counter()
-            result[name] = SCENARIOS[name](rank, world)
-            result[f"{name}_seconds"] = round(time.perf_counter() - start, 2)
-        result["lightning_imported"] = any(n.split(".")[0] in ("lightning", "pytorch_lightning") for n in sys.modules)
-        if rank == 0:
-            Path(f"{out}.tmp").write_text(json.dumps(result))
-            os.replace(f"{out}.tmp", out)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
-    parser.add_argument("--workdir", default=None)
-    args = parser.parse_args()
-    scenarios = args.scenarios.split(",")
-    mp.spawn(_worker, args=(args.devices, _free_port(), scenarios, args.out), nprocs=args.devices, join=True)
-
-
 if __name__ == "__main__":
-    main()
+    run_pure_torch_scenarios(SCENARIOS, 2)

@@ -152,3 +152,21 @@ def test_what_verify_takes_from_a_float8_strategy():
     assert strategy_facts("fsdp2") == (None, {})
     stated, _ = strategy_facts(ZeroPPStrategy(float8="tensorwise"))
     assert stated[0] == 5e-2 and "ZeRO++" in stated[1] and "tensorwise" in stated[1]
+
+
+def test_elements_whose_gradient_is_rounding_are_judged_by_their_gradient_not_their_final_value():
+    """Adam turns a rounding-level gradient (here 1e-9 against a difference of 1e-10 between the runs) into an update
+    of any size up to the learning rate: that element's final value is not judged; the others still are."""
+
+    def record(grad_noise: float, final: list[float]) -> dict:
+        grads = {"w": torch.tensor([1.0, 1e-9 + grad_noise])}
+        step = {"optimizer": 0, "step": 0, "batch": 0, "lrs": [0.1], "grads": grads}
+        return {"losses": [1.0], "logged": [{"when": "train batch 0", "step": 1, "values": {}}], "steps": [step],
+                "params": {"w": torch.tensor(final)}, "optimizers": []}  # fmt: skip
+
+    ref = [record(0.0, [1.0, 0.01])]
+    rows = compare_runs([record(1e-10, [1.0, -0.01])], ref, 1e-4)
+    parameters = next(r for r in rows if r.quantity == "parameters")
+    assert parameters.ok and "1 elements whose gradient was at the runs' rounding level" in parameters.detail
+    rows = compare_runs([record(1e-10, [1.01, -0.01])], ref, 1e-4)  # the element with a real gradient differs
+    assert not next(r for r in rows if r.quantity == "parameters").ok

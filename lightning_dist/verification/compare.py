@@ -27,7 +27,8 @@ WORST = 5
 #: A tensor's difference is relative to at least this fraction of the largest value of its quantity.
 FLOOR = 1e-3
 #: A parameter element whose gradient was, at some step, within this many times its tensor's measured gradient
-#: difference between the runs is not judged in the final parameters (see :func:`noise_driven`).
+#: difference between the runs is not judged in the final parameters, whatever the learning rate (see
+#: :func:`noise_driven`).
 NOISE_MARGIN = 10.0
 
 
@@ -117,24 +118,31 @@ def compare_tensors(
     return Row(quantity, when, max(diffs.values(), default=0.0), tolerance, worst, "; ".join(notes))
 
 
-def noise_driven(ours: list[dict[str, Any]], ref: list[dict[str, Any]]) -> dict[str, Tensor]:
-    """Per parameter, the elements whose final value the runs' rounding decides: at some optimizer step, the
-    reference's gradient of the element was within :data:`NOISE_MARGIN` × the largest difference between the two
-    runs' gradients of its tensor. Adam-like optimizers divide each element's gradient by its own running RMS, so the
-    update of an element whose gradient is rounding (an attention key's bias, which softmax cancels; a near-zero
-    gradient in fp32) follows the rounding, at any size up to the learning rate. Those elements are judged through
-    their gradients, not their final values. A strategy that computes gradients wrongly fails the gradient rows."""
+def noise_driven(ours: list[dict[str, Any]], ref: list[dict[str, Any]], tolerance: float) -> dict[str, Tensor]:
+    """Per parameter, the elements whose final value the runs' rounding decides, so that it cannot be held to
+    ``tolerance``. Adam-like optimizers divide each element's gradient by its own running RMS: an element's update is
+    about the learning rate whatever its gradient's size, and its error about ``lr × noise / |g|``, where ``noise``
+    is the largest difference between the two runs' gradients of its tensor at that step. An element is left out
+    where, at some step, that error could exceed ``tolerance`` × its tensor's scale (``|g| ≤ lr · noise / (tolerance ·
+    scale)``), or its gradient is within :data:`NOISE_MARGIN` × noise (an attention key's bias, which softmax cancels:
+    rounding on both sides). Those elements are judged through their gradients, which a strategy that computes
+    gradients wrongly fails."""
+    params = ref[0]["params"]
+    floors = _floors(params)
     masks: dict[str, Tensor] = {}
     for step in ref[0]["steps"]:
         key = (step["optimizer"], step["step"])
         mine = [next((s["grads"] for s in r["steps"] if (s["optimizer"], s["step"]) == key), {}) for r in ours]
         grads, _ = merge_ranks(mine)
+        lr = max(step["lrs"], default=0.0)
         for name, theirs in step["grads"].items():
-            own = grads.get(name)
+            own, param = grads.get(name), params.get(name)
             if theirs is None or own is None or own.shape != theirs.shape:
                 continue
             noise = float((own.double() - theirs.double()).abs().max())
-            near = theirs.double().abs() <= NOISE_MARGIN * noise
+            scale = max(float(param.double().abs().max()) if param is not None else 0.0, floors.get("", 0.0))
+            bound = max(NOISE_MARGIN * noise, lr * noise / (tolerance * scale) if scale > 0 else 0.0)
+            near = theirs.double().abs() <= bound
             masks[name] = masks[name] | near if name in masks else near
     return {name: mask for name, mask in masks.items() if bool(mask.any())}
 
@@ -175,7 +183,8 @@ def compare_runs(ours: list[dict[str, Any]], ref: list[dict[str, Any]], toleranc
             rows += _step_rows(key, ours, ref, tolerance)
     params, replica_rows = merge_ranks([r["params"] for r in ours])
     rows += replica_rows
-    rows.append(compare_tensors("parameters", "end", params, ref[0]["params"], tolerance, noise_driven(ours, ref)))
+    skip = noise_driven(ours, ref, tolerance)
+    rows.append(compare_tensors("parameters", "end", params, ref[0]["params"], tolerance, skip))
     for index, (mine, theirs) in enumerate(zip(ours[0]["optimizers"], ref[0]["optimizers"])):
         merged = _merge_optimizer([r["optimizers"][index] for r in ours])
         rows.append(_compare_optimizer(index, merged, theirs, tolerance))

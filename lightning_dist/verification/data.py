@@ -69,15 +69,3 @@ def _scaled(method: Callable[[], Any], scale: Fraction) -> Callable[[], Any]:
         return scaled_loader(method(), scale)
 
     return hook
-
-
-def loader_batch_sizes(loaders: Any) -> list[int | None]:
-    """The batch size of each loader in a Lightning ``CombinedLoader``, list, dict or single loader."""
-    flattened = getattr(loaders, "flattened", None)
-    if flattened is not None:
-        loaders = flattened
-    if isinstance(loaders, dict):
-        loaders = list(loaders.values())
-    if not isinstance(loaders, (list, tuple)):
-        loaders = [loaders]
-    return [getattr(one, "batch_size", None) for one in loaders]

@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dist.verification.calls import record_calls
-from lightning_dist.verification.data import loader_batch_sizes, scale_dataloader_hooks
+from lightning_dist.verification.data import scale_dataloader_hooks
 from lightning_dist.verification.tensors import (
     full_gradients,
     full_optimizer_state,
@@ -89,13 +89,10 @@ class VerifyRecorder(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
-        val = [] if trainer.val_dataloaders is None else loader_batch_sizes(trainer.val_dataloaders)
         self.record["meta"] = {
             "rank": trainer.global_rank,
             "world_size": trainer.world_size,
             "replicas": _replicas(trainer),
-            "train_batch_sizes": loader_batch_sizes(trainer.train_dataloader),
-            "val_batch_sizes": val,
             "strategy": type(strategy).__name__,
             "mesh": str(getattr(strategy, "parallel_dims", "")),
             "precision": str(trainer.precision),

@@ -112,24 +112,12 @@ def initial_state(module: nn.Module) -> dict[str, Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items() if isinstance(v, Tensor)}
 
 
-def tensor_bytes(tensors: Any) -> int:
-    """The bytes of every tensor in a nested dict/list of them."""
-    if isinstance(tensors, Tensor):
-        return tensors.numel() * tensors.element_size()
-    if isinstance(tensors, dict):
-        return sum(tensor_bytes(v) for v in tensors.values())
-    if isinstance(tensors, (list, tuple)):
-        return sum(tensor_bytes(v) for v in tensors)
-    return 0
-
-
 __all__ = [
     "full_gradients",
     "full_optimizer_state",
     "full_parameters",
     "initial_state",
     "load_initial_weights",
-    "tensor_bytes",
     "user_name",
     "zero_dropout",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -224,3 +225,21 @@ def run_scenario_script(scenarios: dict[str, Any]) -> None:
     args = parse_args()
     names = list(scenarios) if args.scenarios == "all" else args.scenarios.split(",")
     write_result(args.out, {name: scenarios[name](args.devices, args.workdir) for name in names})
+
+
+class LogLines(logging.Handler):
+    """Collects the strategy's rank-zero decision lines (Lightning's logger), those holding ``word`` if given."""
+
+    def __init__(self, word: str = "") -> None:
+        super().__init__(logging.INFO)
+        self.word = word
+        self.lines: list[str] = []
+        logging.getLogger("lightning.pytorch").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.word in record.getMessage():
+            self.lines.append(record.getMessage())
+
+    def close(self) -> None:
+        logging.getLogger("lightning.pytorch").removeHandler(self)
+        super().close()

@@ -8,7 +8,6 @@ python tests/scenarios/compile_runs.py --devices 2 --out r.json --workdir DIR \
 
 from __future__ import annotations
 
-import logging
 import time
 import warnings
 from typing import Any
@@ -17,6 +16,7 @@ import lightning as L
 import torch
 from common import (  # type: ignore[import-not-found]
     AllStagesRecorder,
+    LogLines,
     full_state,
     is_rank_zero,
     make_model_and_data,
@@ -48,22 +48,6 @@ class StepTimer(Callback):
         self.seconds.append(time.perf_counter() - self._start)
 
 
-class LogLines(logging.Handler):
-    """Collects the strategy's rank-zero decision lines."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-        logging.getLogger("lightning.pytorch").addHandler(self)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-    def close(self) -> None:
-        logging.getLogger("lightning.pytorch").removeHandler(self)
-        super().close()
-
-
 class UserCompiledGPT(GPT):
     """The example GPT whose user compiles every block in ``configure_model``, as Lightning's docs suggest."""
 
@@ -84,7 +68,7 @@ def _fit(
 ) -> tuple[GPT, L.Trainer, dict]:
     fresh, data = make_model_and_data(devices, dp_size=dp, **MODEL)  # the same global batch for any dp size
     model = model or fresh
-    recorder, timer, logs = AllStagesRecorder(), StepTimer(), LogLines()
+    recorder, timer, logs = AllStagesRecorder(), StepTimer(), LogLines("compile")
     trainer = L.Trainer(
         **trainer_kwargs(devices, strategy=strategy, precision=PRECISION), max_steps=steps, callbacks=[recorder, timer]
     )
@@ -100,7 +84,7 @@ def _fit(
             "grad_norms": recorder.grad_norms,
             "step_seconds": timer.seconds,
             "compiled_blocks": sum(is_compiled_in_place(b) for b in model.blocks),
-            "log": [line for line in logs.lines if "compile" in line],
+            "log": logs.lines,
             "names_with_orig_mod": [n for n, _ in model.named_parameters() if "_orig_mod" in n],
         },
     )
@@ -179,7 +163,7 @@ def uncompiled_load(devices: int, workdir: str) -> dict[str, Any]:
 def user_compiled(devices: int, workdir: str) -> dict[str, Any]:
     """A user-compiled model under compile=True: unwrapped and compiled per block; loads the uncompiled checkpoint."""
     model = UserCompiledGPT(**make_model_and_data(devices, **MODEL)[0].hparams)
-    logs = LogLines()
+    logs = LogLines("compile")
     try:
         result = _validate_from(devices, workdir, FSDP2Strategy(compile=True), model, f"{workdir}/uncompiled.ckpt")
     finally:
@@ -188,7 +172,7 @@ def user_compiled(devices: int, workdir: str) -> dict[str, Any]:
     return {
         **result,
         "keys": checkpoint_keys(f"{workdir}/user_compiled.ckpt"),
-        "log": [line for line in logs.lines if "compile" in line],
+        "log": logs.lines,
         "names_with_orig_mod": [n for n, _ in model.named_parameters() if "_orig_mod" in n],
         "compiled_blocks": sum(is_compiled_in_place(b) for b in model.blocks),
     }

@@ -8,7 +8,6 @@ python tests/scenarios/float8_runs.py --devices 4 --out r.json --workdir DIR --s
 
 from __future__ import annotations
 
-import logging
 import shutil
 import warnings
 from typing import Any
@@ -17,6 +16,7 @@ import lightning as L
 import torch
 from common import (  # type: ignore[import-not-found]
     AllStagesRecorder,
+    LogLines,
     make_model_and_data,
     run_scenario_script,
     trainer_kwargs,
@@ -43,23 +43,6 @@ MODEL = {
     "n_layer": 2,
     "n_head": 4,
 }  # every block linear is 32×32 or 32×128: all convert
-
-
-class LogLines(logging.Handler):
-    """Collects the strategy's rank-zero decision lines about float8."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-        logging.getLogger("lightning.pytorch").addHandler(self)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "float8" in record.getMessage():
-            self.lines.append(record.getMessage())
-
-    def close(self) -> None:
-        logging.getLogger("lightning.pytorch").removeHandler(self)
-        super().close()
 
 
 class AllGatherBytes(Callback):
@@ -100,7 +83,7 @@ def _fit(
     if llama:  # a stock transformers LlamaForCausalLM (GQA 4/2: k/v projections 32×16), its loss computed inside
         L.seed_everything(1234, verbose=False)
         model = HFLlama(64)
-    recorder, logs = AllStagesRecorder(), LogLines()
+    recorder, logs = AllStagesRecorder(), LogLines("float8")
     trainer = L.Trainer(
         **trainer_kwargs(devices, strategy=strategy, precision=precision, **kw),
         max_steps=STEPS,

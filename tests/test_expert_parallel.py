@@ -117,13 +117,20 @@ FP32_TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> dict[str, Any]:
-    return run_scenarios(SCRIPT, 1, tmp_path_factory.mktemp("ep_reference"), ["fp64", "fp32"])
+    return run_scenarios(SCRIPT, 1, tmp_path_factory.mktemp("ep_reference"), ["fp64", "fp32", *TRAINER_MODELS])
 
 
 @pytest.fixture(scope="module")
 def ep_two_ranks(tmp_path_factory) -> dict[str, Any]:
     scenarios = ["ep_fp64", "resume_ep_to_fsdp2", "ep_fp32", "bytes_fsdp2", "bytes_ep", "pipeline_fp32"]
+    scenarios += [f"ep_{name}" for name in TRAINER_MODELS]
     return run_scenarios(SCRIPT, 2, tmp_path_factory.mktemp("ep_strategy"), scenarios)
+
+
+# Qwen3-MoE and Qwen2-MoE (its shared expert beside the routed ones), without and with the router's auxiliary loss.
+TRAINER_MODELS = [f"{kind}{aux}_fp64" for kind in ("qwen3_moe", "qwen2_moe") for aux in ("", "_aux")]
+# The recorded loss of a micro-batch is divided by the 2 accumulated; the _aux runs' router_aux_loss_coef is 0.5.
+AUX_WEIGHT = 0.5 / 2
 
 
 def _max_param_diff(a: dict[str, list], b: dict[str, list]) -> float:
@@ -141,6 +148,28 @@ def test_fsdp2_with_ep2_trains_mixtral_like_one_process(one_process, ep_two_rank
     assert max(abs(a - b) for a, b in zip(ref["losses"], run["losses"])) <= tol
     assert max(abs(a - b) for a, b in zip(ref["grad_norms"], run["grad_norms"])) <= tol
     assert _max_param_diff(ref["params"], run["params"]) <= tol
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TRAINER_MODELS)
+def test_fsdp2_with_ep2_trains_qwen_moe_models_like_one_process(one_process, ep_two_ranks, name):
+    """Stock tiny Qwen3-MoE and Qwen2-MoE (shared expert) under fsdp2 ep=2, 2 steps × 2 micro-batches with
+    clipping; ``_aux``: output_router_logits=True, the auxiliary loss added with router_aux_loss_coef=0.5 (its
+    routing statistics summed over the batch). Losses, gradient norms and final parameters equal one process's.
+    transformers computes the auxiliary loss in fp32 even in fp64 (in one process too), so the ranks' summed
+    statistics may round it 1 fp32 ulp apart: the loss is compared without it, and it alone to fp32 precision."""
+    ref, run = one_process[name], ep_two_ranks[f"ep_{name}"]
+    assert len(run["losses"]) == len(ref["losses"]) == 4 and len(run["aux"]) == len(ref["aux"])
+    assert bool(ref["aux"]) == name.endswith("_aux_fp64")
+    assert max([abs(a - b) for a, b in zip(ref["aux"], run["aux"])], default=0.0) <= 1e-6
+
+    def without_aux(losses: list[float], aux: list[float]) -> list[float]:
+        return [loss - AUX_WEIGHT * a for loss, a in zip(losses, aux or [0.0] * len(losses))]
+
+    ref_losses, run_losses = without_aux(ref["losses"], ref["aux"]), without_aux(run["losses"], run["aux"])
+    assert max(abs(a - b) for a, b in zip(ref_losses, run_losses)) <= FP64_TOL
+    assert max(abs(a - b) for a, b in zip(ref["grad_norms"], run["grad_norms"])) <= FP64_TOL
+    assert _max_param_diff(ref["params"], run["params"]) <= FP64_TOL
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ one process, checkpointing at step 2, and ``resume_ep2_to_ep4`` resumes that che
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Any
 
 import lightning as L
@@ -43,28 +44,48 @@ STEPS = 4
 ACCUMULATE = 2
 CLIP = 0.5
 HIDDEN, EXPERTS, TOP_K = 32, 4, 2
+AUX_COEF = 0.5
+_SPARSE = {"moe_intermediate_size": 24, "intermediate_size": 48, "num_experts": EXPERTS, "mlp_only_layers": []}
+MOE_MODELS = {  # transformers class prefix, the MoE part of the config
+    "mixtral": ("Mixtral", {"intermediate_size": 48, "num_local_experts": EXPERTS, "router_jitter_noise": 0.0}),
+    "qwen3_moe": ("Qwen3Moe", _SPARSE),
+    "qwen2_moe": ("Qwen2Moe", {**_SPARSE, "shared_expert_intermediate_size": 40}),
+}
 
 
 class MixtralLM(L.LightningModule):
-    """A stock tiny ``MixtralForCausalLM`` (2 MoE layers of 4 experts, top-2), next-token loss on its logits."""
+    """A stock tiny ``MixtralForCausalLM`` (2 MoE layers of 4 experts, top-2), next-token loss on its logits.
 
-    def __init__(self, vocab_size: int, experts_implementation: str = "eager") -> None:
+    ``kind`` builds a stock tiny Qwen3-MoE or Qwen2-MoE (with its shared expert) of the same size instead; ``aux``
+    turns on the router's auxiliary loss (``output_router_logits=True``), added with ``router_aux_loss_coef``.
+    """
+
+    def __init__(
+        self, vocab_size: int, experts_implementation: str = "eager", kind: str = "mixtral", aux: bool = False
+    ) -> None:
         super().__init__()
-        from transformers import MixtralConfig, MixtralForCausalLM
+        import transformers
 
-        config = MixtralConfig(
-            vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
-            max_position_embeddings=SEQ_LEN, attn_implementation="eager", experts_implementation=experts_implementation,
-            router_jitter_noise=0.0,
+        prefix, extra = MOE_MODELS[kind]
+        if aux:
+            extra = {**extra, "output_router_logits": True, "router_aux_loss_coef": AUX_COEF}
+        config = getattr(transformers, f"{prefix}Config")(
+            vocab_size=vocab_size, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_experts_per_tok=TOP_K, max_position_embeddings=SEQ_LEN,
+            attn_implementation="eager", experts_implementation=experts_implementation, **extra,
         )  # fmt: skip
-        self.model = MixtralForCausalLM(config)
+        self.model = getattr(transformers, f"{prefix}ForCausalLM")(config)
+        self.aux_losses: list[float] = []  # transformers computes it in fp32: the tests compare it apart
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         # The loss from the logits in their own dtype: transformers' loss casts them to fp32, hiding fp64 parity.
         x = batch["input_ids"]
-        logits = self.model(input_ids=x).logits[:, :-1]
+        out = self.model(input_ids=x)
+        logits = out.logits[:, :-1]
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+        if out.aux_loss is not None:
+            self.aux_losses.append(float(out.aux_loss))
+            loss = loss + self.model.config.router_aux_loss_coef * out.aux_loss.to(loss.dtype)
         self.log("train_loss", loss)
         return loss
 
@@ -138,6 +159,8 @@ def train(
     save_to: str | None = None,
     resume_from: str | None = None,
     seed_by_rank: bool = False,
+    kind: str = "mixtral",
+    aux: bool = False,
 ) -> dict[str, Any]:
     L.seed_everything(1234, verbose=False)
     dp = 1 if pipeline else devices
@@ -146,7 +169,7 @@ def train(
     if seed_by_rank:  # no common seed: every rank initializes its own weights
         torch.manual_seed(100 + int(os.environ.get("LOCAL_RANK", "0")))
     # Under the pipeline: transformers' default experts kernel (grouped_mm), whose meta kernel takes bf16 only.
-    model = MixtralLM(data.vocab_size, "grouped_mm" if pipeline else "eager")
+    model = MixtralLM(data.vocab_size, "grouped_mm" if pipeline else "eager", kind, aux)
     strategy: Any = "auto" if devices == 1 else FSDP2Strategy(expert_parallel_size=ep or 1)
     if pipeline:
         strategy = PipelineStrategy()
@@ -170,7 +193,7 @@ def train(
         callbacks=callbacks,
     )
     trainer.fit(model, data, ckpt_path=resume_from)
-    result: dict[str, Any] = {"losses": recorder.losses, "grad_norms": recorder.grad_norms}
+    result: dict[str, Any] = {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "aux": model.aux_losses}
     if seed_by_rank:
         return {**result, "replica_gap": replicas.gaps}
     if traffic:
@@ -204,6 +227,13 @@ SCENARIOS = {
         devices, "64-true", 4, resume_from=f"{workdir}/ep2_of_4_ckpt/step=2.ckpt"
     ),
 }
+
+# Qwen3-MoE and Qwen2-MoE (shared expert), without and with the router's auxiliary loss: 2 steps × 2 micro-batches.
+for _kind in ("qwen3_moe", "qwen2_moe"):
+    for _aux in ("", "_aux"):
+        _options = {"steps": 2, "kind": _kind, "aux": bool(_aux)}
+        SCENARIOS[f"{_kind}{_aux}_fp64"] = partial(lambda d, w, o: train(d, "64-true", None, **o), o=_options)
+        SCENARIOS[f"ep_{_kind}{_aux}_fp64"] = partial(lambda d, w, o: train(d, "64-true", d, **o), o=_options)
 
 if __name__ == "__main__":
     run_scenario_script(SCENARIOS)

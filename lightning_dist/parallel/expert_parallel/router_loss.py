@@ -71,7 +71,11 @@ def _local_sums(
     for layer in gate_logits:
         weights = torch.nn.functional.softmax(layer.to(device), dim=-1)
         _, chosen = torch.topk(weights, top_k, dim=-1)
-        weight = torch.ones(chosen.numel(), device=device) if mask is None else mask.repeat_interleave(top_k)
+        weight = (
+            torch.ones(chosen.numel(), dtype=torch.float32, device=device)
+            if mask is None
+            else mask.repeat_interleave(top_k)
+        )
         counts = counts + torch.zeros_like(counts).scatter_add_(0, chosen.reshape(-1), weight)
         if mask is None:
             probs = probs + weights.float().sum(dim=0)

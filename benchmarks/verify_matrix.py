@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ld_verify_matrix_"))
         print(f"verify matrix: {len(models) * len(columns)} cells ({args.dtype}), work folder {workdir}", flush=True)
         for model in models:
-            module = build_module(model, args.dtype)
+            module = build_module(model)
             for column in columns:
                 cell_dir = workdir / "cells" / args.dtype / f"{model}@{column}"
                 start = time.monotonic()

@@ -62,13 +62,7 @@ ROWS: dict[str, MatrixModel] = {
 }
 
 
-#: AdamW's learning rate of the third-party rows, per dtype. fp64 keeps the compatibility matrix's 1e-2; fp32 trains
-#: at 1e-3: at 1e-2 without warm-up, AdamW amplifies fp32 rounding in near-zero gradient elements until later steps'
-#: gradients move apart by more than 1e-4 (the strategies are exact: the same cells pass in fp64 within 1e-11).
-LEARNING_RATES = {"float64": 1e-2, "float32": 1e-3}
-
-
-def build_module(label: str, dtype: str = "float64") -> L.LightningModule:
+def build_module(label: str) -> L.LightningModule:
     """Row ``label``'s module. Build it once per matrix run and pass the same object to every check (verify's
     reference cache then trains each reference once)."""
     if label == "gpt":
@@ -76,7 +70,7 @@ def build_module(label: str, dtype: str = "float64") -> L.LightningModule:
 
         L.seed_everything(SEED, verbose=False)
         return GPT(vocab_size=64, seq_len=32, d_model=32, n_layer=GPT_LAYERS, n_head=4)
-    return CompatModule(label, lr=LEARNING_RATES[dtype])
+    return CompatModule(label)  # AdamW at lr 1e-2, as in the compatibility matrix
 
 
 def build_data(label: str, batch_replicas: int) -> L.LightningDataModule:

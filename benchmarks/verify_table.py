@@ -86,7 +86,7 @@ def render_section(results: dict[str, Any]) -> str:
             title = (
                 f"**fp32** (tolerance {tolerance}; `zeropp`, `zeropp_qwz` and `zeropp_qgz` quantize on purpose and"
                 " are held to what they state: losses and logged values within 5e-2; the third-party models train with"
-                " AdamW at lr 1e-3, see `LEARNING_RATES` in benchmarks/verify_models.py)"
+                " AdamW at lr 1e-2)"
             )
         else:
             title = f'**fp64** (`dtype="float64"`, tolerance {tolerance}; the third-party models with AdamW at lr 1e-2)'

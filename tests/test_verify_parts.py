@@ -170,3 +170,73 @@ def test_elements_whose_gradient_is_rounding_are_judged_by_their_gradient_not_th
     assert parameters.ok and "1 elements whose gradient was at the runs' rounding level" in parameters.detail
     rows = compare_runs([record(1e-10, [1.01, -0.01])], ref, 1e-4)  # the element with a real gradient differs
     assert not next(r for r in rows if r.quantity == "parameters").ok
+
+
+def _anchored(grad: float, after_step: float) -> tuple[dict, dict]:
+    """Two steps of the strategy's run and of an anchored reference: the reference's state after step 0 is
+    ``after_step`` where the strategy's own is 1.0 (its record keeps it as the anchor of train batch 1)."""
+
+    def step(index: int) -> dict:
+        return {"optimizer": 0, "step": index, "batch": index, "lrs": [0.1], "grads": {"w": torch.tensor([grad])}}
+
+    def state(value: float) -> dict:
+        return {"params": {"w": torch.tensor([value])}, "optimizers": [{"w": {"exp_avg": torch.tensor([grad])}}]}
+
+    logged = [{"when": f"train batch {i}", "step": i + 1, "values": {}} for i in range(2)]
+    ours = {"losses": [1.0, 1.0], "logged": logged, "steps": [step(0), step(1)], **state(2.0)}
+    ours["anchors"] = {"train batch 1": state(1.0)}
+    ref = {"losses": [1.0, 1.0], "logged": logged, "steps": [step(0), step(1)], **state(2.0)}
+    ref["after"] = [
+        {"moment": "train batch 1", "steps": [(0, 0)], **state(after_step)},
+        {"moment": "end of training", "steps": [(0, 1)], **state(2.0)},
+    ]
+    return ours, ref
+
+
+def test_an_anchored_reference_compares_the_state_after_every_step_before_the_next_batch():
+    ours, ref = _anchored(0.5, 1.0)
+    rows = compare_runs([ours], [ref], 1e-6)
+    assert [(r.when, r.quantity) for r in rows] == [
+        ("train batch 0", "loss"), ("step 0", "learning rate"), ("step 0", "gradient norm"), ("step 0", "gradients"),
+        ("after step 0", "parameters"), ("after step 0", "optimizer state"),
+        ("train batch 1", "loss"), ("step 1", "learning rate"), ("step 1", "gradient norm"), ("step 1", "gradients"),
+        ("after step 1", "parameters"), ("after step 1", "optimizer state"),
+    ]  # fmt: skip
+    assert all(r.ok for r in rows)
+    ours, ref = _anchored(0.5, 1.5)  # the same gradients, another update: the optimizer step differs
+    rows = compare_runs([ours], [ref], 1e-6)
+    first = next(r for r in rows if not r.ok)
+    assert (first.when, first.quantity) == ("after step 0", "parameters")
+    assert "the optimizer's update differs" in likely_causes(rows, None)[0]
+
+
+def test_the_strategys_state_is_merged_over_its_ranks_and_loaded_into_the_reference_by_name():
+    from lightning_dist.verification.tensors import (
+        full_optimizer_state,
+        full_parameters,
+        load_training_state,
+        merge_anchors,
+    )
+
+    def trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        model(torch.randn(5, 3)).sum().backward()
+        optimizer.step()
+        return model, optimizer
+
+    source, source_opt = trained(0)
+    params, states = full_parameters(source), full_optimizer_state(source, source_opt)
+    halves = [  # two pipeline ranks, each holding one layer's names
+        {"anchors": {"train batch 1": {"params": {k: v for k, v in params.items() if k.startswith(str(i))},
+                                       "optimizers": [{k: v for k, v in states.items() if k.startswith(str(i))}]}}}
+        for i in range(2)
+    ]  # fmt: skip
+    merged = merge_anchors(halves)["train batch 1"]
+    target, target_opt = trained(1)
+    load_training_state(target, [target_opt], merged)
+    assert all(torch.equal(a, b) for a, b in zip(source.parameters(), target.parameters()))
+    for p, q in zip(source.parameters(), target.parameters()):
+        assert torch.equal(source_opt.state[p]["exp_avg_sq"], target_opt.state[q]["exp_avg_sq"])
+        assert float(source_opt.state[p]["step"]) == float(target_opt.state[q]["step"])

@@ -41,6 +41,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--against", default=ONE_PROCESS, help="the reference: one_process (default), ddp, or another"
                    " registered strategy on the same processes")  # fmt: skip
     p.add_argument("--keep-dropout", action="store_true", help="leave dropout on (its draws differ between layouts)")
+    p.add_argument("--no-anchor", dest="anchor", action="store_false", help="let the reference train on its own and"
+                   " compare whole runs (default: each reference step starts from the strategy's state; see"
+                   " docs/verify.md)")  # fmt: skip
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
     p.add_argument("--workdir", help="folder for the runs (default: a temporary one, removed when the check passes)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds each run may take (default 900)")
@@ -70,7 +73,8 @@ def main(argv: list[str]) -> None:
 
     args, fit_args = parser().parse_known_args(argv)
     settings = VerifySettings(args.steps, args.tolerance, args.dtype, args.against, args.keep_dropout, args.workdir,
-                              timeout=args.timeout, reference_cache=args.reference_cache)  # fmt: skip
+                              timeout=args.timeout, reference_cache=args.reference_cache,
+                              anchor=args.anchor)  # fmt: skip
     try:
         # The configuration, built once here: its errors end the check before any run; its module gives the
         # initial weights both runs copy.

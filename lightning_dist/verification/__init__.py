@@ -55,6 +55,7 @@ def verify(
     workdir: str | None = None,
     timeout: float = 900.0,
     reference_cache: str | None = None,
+    anchor: bool = True,
     **trainer_kwargs: Any,
 ) -> VerifyReport:
     """Check that ``model`` trains under ``strategy`` on ``devices`` processes as it does in one process.
@@ -69,7 +70,7 @@ def verify(
         strategy: The strategy to check: a registered name or an instance.
         devices: Processes (devices) per node of the strategy's run.
         steps: Optimizer steps each run trains.
-        tolerance, dtype, against, keep_dropout, seed, workdir, timeout, reference_cache: As in
+        tolerance, dtype, against, keep_dropout, seed, workdir, timeout, reference_cache, anchor: As in
             :class:`~lightning_dist.verification.settings.VerifySettings`.
         **trainer_kwargs: Any other ``Trainer`` arguments of the run (``precision``, ``accelerator``,
             ``accumulate_grad_batches``, ``gradient_clip_val``, ...).
@@ -77,7 +78,9 @@ def verify(
     Returns:
         The :class:`VerifyReport`; ``bool(report)`` is whether everything matched within the tolerance.
     """
-    settings = VerifySettings(steps, tolerance, dtype, against, keep_dropout, workdir, seed, timeout, reference_cache)
+    settings = VerifySettings(
+        steps, tolerance, dtype, against, keep_dropout, workdir, seed, timeout, reference_cache, anchor
+    )
     kwargs = {"strategy": strategy, "devices": devices, **trainer_kwargs}
     try:
         objects = pickle.dumps({"model": model, "datamodule": datamodule, "trainer_kwargs": kwargs})

@@ -11,6 +11,10 @@ difference): per training batch, the loss and every logged value; per optimizer 
 gradient norm and every parameter's gradient; after validation, the logged values; at the end, the parameters, the
 optimizer states and the checkpoint round trip. Copies of one parameter on several ranks of the strategy's run must
 agree with each other too (``replicas``): a gradient that was not reduced shows there.
+
+With an anchored reference (``VerifySettings.anchor``), each of its steps started from the strategy's state, so the
+parameters and optimizer states are compared after every step (what each side's step made of the same state),
+before the next batch's loss, and not again at the end.
 """
 
 from __future__ import annotations
@@ -118,7 +122,13 @@ def compare_tensors(
     return Row(quantity, when, max(diffs.values(), default=0.0), tolerance, worst, "; ".join(notes))
 
 
-def noise_driven(ours: list[dict[str, Any]], ref: list[dict[str, Any]], tolerance: float) -> dict[str, Tensor]:
+def noise_driven(
+    ours: list[dict[str, Any]],
+    ref: list[dict[str, Any]],
+    tolerance: float,
+    keys: list[tuple[int, int]] | None = None,
+    params: dict[str, Tensor] | None = None,
+) -> dict[str, Tensor]:
     """Per parameter, the elements whose final value the runs' rounding decides, so that it cannot be held to
     ``tolerance``. Adam-like optimizers divide each element's gradient by its own running RMS: an element's update is
     about the learning rate whatever its gradient's size, and its error about ``lr × noise / |g|``, where ``noise``
@@ -126,12 +136,16 @@ def noise_driven(ours: list[dict[str, Any]], ref: list[dict[str, Any]], toleranc
     where, at some step, that error could exceed ``tolerance`` × its tensor's scale (``|g| ≤ lr · noise / (tolerance ·
     scale)``), or its gradient is within :data:`NOISE_MARGIN` × noise (an attention key's bias, which softmax cancels:
     rounding on both sides). Those elements are judged through their gradients, which a strategy that computes
-    gradients wrongly fails."""
-    params = ref[0]["params"]
+    gradients wrongly fails. ``keys`` limits the steps looked at (those that led to ``params``, by default the
+    reference's final parameters)."""
+    params = ref[0]["params"] if params is None else params
     floors = _floors(params)
     masks: dict[str, Tensor] = {}
+    wanted = None if keys is None else {tuple(key) for key in keys}
     for step in ref[0]["steps"]:
         key = (step["optimizer"], step["step"])
+        if wanted is not None and key not in wanted:
+            continue
         mine = [next((s["grads"] for s in r["steps"] if (s["optimizer"], s["step"]) == key), {}) for r in ours]
         grads, _ = merge_ranks(mine)
         lr = max(step["lrs"], default=0.0)
@@ -174,13 +188,18 @@ def compare_runs(ours: list[dict[str, Any]], ref: list[dict[str, Any]], toleranc
     logged = {entry["when"]: entry["values"] for entry in ref[0]["logged"]}
     our_logged = {entry["when"]: entry["values"] for entry in ours[0]["logged"]}
     steps = _steps_by_batch(ours[0], ref[0])
-    for when in dict.fromkeys([*logged, *our_logged]):
+    after = {entry["moment"]: entry for entry in ref[0].get("after", [])}
+    for when in dict.fromkeys([*logged, *our_logged, *after]):
+        if when in after:
+            rows += _after_step_rows(when, after[when], ours, ref, tolerance)
         if when.startswith("train batch "):
             index = int(when.rsplit(" ", 1)[1])
             rows.append(Row("loss", when, scalar_difference(_at(our_losses, index), _at(ref_losses, index)), tolerance))
         rows += _logged_rows(when, our_logged.get(when, {}), logged.get(when, {}), tolerance)
         for key in steps.get(when, []):
             rows += _step_rows(key, ours, ref, tolerance)
+    if after:  # anchored: compared after each step above
+        return rows
     params, replica_rows = merge_ranks([r["params"] for r in ours])
     rows += replica_rows
     skip = noise_driven(ours, ref, tolerance)
@@ -189,6 +208,37 @@ def compare_runs(ours: list[dict[str, Any]], ref: list[dict[str, Any]], toleranc
         merged = _merge_optimizer([r["optimizers"][index] for r in ours])
         rows.append(_compare_optimizer(index, merged, theirs, tolerance))
     return rows
+
+
+def _after_step_rows(
+    moment: str, entry: dict[str, Any], ours: list[dict[str, Any]], ref: list[dict[str, Any]], tolerance: float
+) -> list[Row]:
+    """An anchored reference's state at ``moment`` (what its last steps made of the strategy's state before them)
+    against the strategy's own state there: parameters (with their copies on several ranks), optimizer states."""
+    when = "after " + ", ".join(_step_name(tuple(key), ref) for key in entry["steps"][-1:])
+    if moment == "end of training":
+        states = [{"params": r["params"], "optimizers": r["optimizers"]} for r in ours]
+    else:
+        states = [r["anchors"][moment] for r in ours if moment in r.get("anchors", {})]
+    if not states:
+        return [Row("parameters", when, math.inf, tolerance, [], "the strategy's run kept no state here")]
+    params, rows = merge_ranks([state["params"] for state in states])
+    for row in rows:
+        row.when = when
+    skip = noise_driven(ours, ref, tolerance, entry["steps"], entry["params"])
+    rows.append(compare_tensors("parameters", when, params, entry["params"], tolerance, skip))
+    for index, theirs in enumerate(entry["optimizers"]):
+        merged = _merge_optimizer([state["optimizers"][index] for state in states if index < len(state["optimizers"])])
+        row = _compare_optimizer(index, merged, theirs, tolerance)
+        row.when = when if len(entry["optimizers"]) == 1 else f"{when} (optimizer {index})"
+        rows.append(row)
+    return rows
+
+
+def _step_name(key: tuple[int, int], ref: list[dict[str, Any]]) -> str:
+    """``step 2``, or with several optimizers ``optimizer 1 step 2``."""
+    optimizer, step = key
+    return f"optimizer {optimizer} step {step}" if len({s["optimizer"] for s in ref[0]["steps"]}) > 1 else f"step {step}"
 
 
 def _at(values: list[Any], index: int) -> Any:
@@ -220,10 +270,7 @@ def _logged_rows(when: str, ours: dict[str, float], ref: dict[str, float], toler
 def _step_rows(
     key: tuple[int, int], ours: list[dict[str, Any]], ref: list[dict[str, Any]], tolerance: float
 ) -> list[Row]:
-    optimizer, step = key
-    when = (
-        f"optimizer {optimizer} step {step}" if len({s["optimizer"] for s in ref[0]["steps"]}) > 1 else f"step {step}"
-    )
+    when = _step_name(key, ref)
     ref_step = next((s for s in ref[0]["steps"] if (s["optimizer"], s["step"]) == key), None)
     our_steps = [next((s for s in r["steps"] if (s["optimizer"], s["step"]) == key), None) for r in ours]
     if ref_step is None or any(s is None for s in our_steps):

@@ -94,6 +94,7 @@ def run(workdir: Path, role: str) -> None:
         keep_dropout=settings.keep_dropout,
         save_checkpoint=role == "candidate",
         float8=role_args.get("float8"),
+        anchoring=role_args.get("anchoring", ""),
     )
     if shared.get("cli_args") is not None:
         cli = build_from_cli([*shared["cli_args"], f"--seed_everything={settings.seed}"], (settings, role, workdir))

@@ -28,8 +28,15 @@ from lightning_dist.verification.tensors import (
     full_optimizer_state,
     full_parameters,
     load_initial_weights,
+    load_training_state,
+    merge_anchors,
     zero_dropout,
 )
+
+#: ``anchoring`` of the strategy's run: record its parameters and optimizer states at each anchor.
+RECORD = "record"
+#: ``anchoring`` of the reference: keep its own state at each anchor, then continue from the strategy's.
+FOLLOW = "follow"
 
 
 class VerifyRecorder(Callback):
@@ -44,6 +51,10 @@ class VerifyRecorder(Callback):
         save_checkpoint: Save a checkpoint at the end (the candidate's, for the round trip).
         float8: The reference's: the strategy's ``float8`` recipe and skip patterns, applied to the module here the
             way the strategy applies them, so that verify compares the parallelism, not FP8 with the base precision.
+        anchoring: ``"record"`` (the strategy's run) keeps its parameters and optimizer states at each anchor: the
+            first training batch after an optimizer step, and the start of validation. ``"follow"`` (the reference)
+            keeps its own there (what its steps made of the state it was given), then continues from the
+            strategy's, so that each of its steps starts where the strategy's did. ``""``: neither.
     """
 
     def __init__(
@@ -54,6 +65,7 @@ class VerifyRecorder(Callback):
         keep_dropout: bool = False,
         save_checkpoint: bool = False,
         float8: dict[str, Any] | None = None,
+        anchoring: str = "",
     ) -> None:
         self.folder = Path(workdir) / role
         self.initial = Path(workdir) / "initial.pt"
@@ -61,7 +73,11 @@ class VerifyRecorder(Callback):
         self.keep_dropout = keep_dropout
         self.save_checkpoint = save_checkpoint
         self.float8 = float8
+        self.anchoring = anchoring
         self.record: dict[str, Any] = {"logged": [], "losses": [], "steps": [], "dropout_zeroed": [], "calls": []}
+        self.record.update({"anchors": {}, "after": []} if anchoring else {})
+        self._anchors: dict[str, Any] = {}  # the reference's: the strategy's states, by moment
+        self._since_anchor: list[tuple[int, int]] = []  # the optimizer steps taken since the last anchor
         self._optimizer_steps: dict[int, int] = {}
         self._batch_idx = self._batches = 0
         self._tracing = ExitStack()
@@ -85,6 +101,8 @@ class VerifyRecorder(Callback):
         if self.candidate_replicas:
             scale = Fraction(self.candidate_replicas, _replicas(trainer))
             scale_dataloader_hooks(trainer.datamodule if trainer.datamodule is not None else pl_module, scale)
+        if self.anchoring == FOLLOW:
+            self._anchors = merge_anchors(load_records(self.folder.parent / "candidate"))
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -105,6 +123,7 @@ class VerifyRecorder(Callback):
     ) -> None:
         self._batch_idx = self._batches  # counted over epochs: batch_idx starts again at 0 in each
         self._batches += 1
+        self._anchor(trainer, pl_module, f"train batch {self._batch_idx}")
         if self._batch_idx == 0:  # the first step's module calls and their shapes (see causes.reduced_before)
             self.record["calls"] = self._tracing.enter_context(record_calls(pl_module))
 
@@ -125,6 +144,7 @@ class VerifyRecorder(Callback):
     ) -> None:
         index = _optimizer_index(trainer, optimizer)
         step = self._optimizer_steps[index] = self._optimizer_steps.get(index, -1) + 1
+        self._since_anchor.append((index, step))
         self.record["steps"].append(
             {
                 "optimizer": index,
@@ -136,6 +156,11 @@ class VerifyRecorder(Callback):
         )
 
     @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._anchor(trainer, pl_module, f"validation after step {trainer.global_step}")
+
+    @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
             self._log_values(trainer, f"validation after step {trainer.global_step}")
@@ -143,14 +168,40 @@ class VerifyRecorder(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._log_values(trainer, "end of training")
-        self.record["params"] = full_parameters(pl_module)
-        self.record["optimizers"] = [full_optimizer_state(pl_module, opt) for opt in trainer.optimizers]
+        if self.anchoring == FOLLOW:
+            self._anchor(trainer, pl_module, "end of training")
+            # the state its own last steps made: after a validation anchor, the module holds the strategy's
+            last = self.record["after"][-1] if self.record["after"] else None
+            self.record["params"] = last["params"] if last else full_parameters(pl_module)
+            self.record["optimizers"] = last["optimizers"] if last else self._optimizer_states(trainer, pl_module)
+        else:
+            self.record["params"] = full_parameters(pl_module)
+            self.record["optimizers"] = self._optimizer_states(trainer, pl_module)
         if self.save_checkpoint:
             trainer.save_checkpoint(self.folder / "checkpoint")
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"rank{trainer.global_rank}.pt"
         torch.save(self.record, path.with_suffix(".tmp"))
         os.replace(path.with_suffix(".tmp"), path)
+
+    def _anchor(self, trainer: pl.Trainer, pl_module: pl.LightningModule, moment: str) -> None:
+        """At ``moment``, if an optimizer step was taken since the last one: the strategy's run keeps its state;
+        the reference keeps its own, then loads the strategy's (there is none to load at the end of training)."""
+        if not self.anchoring or not self._since_anchor:
+            return
+        state = {"params": full_parameters(pl_module), "optimizers": self._optimizer_states(trainer, pl_module)}
+        if self.anchoring == RECORD:
+            if moment != "end of training":  # the final state is the record's own "params" and "optimizers"
+                self.record["anchors"][moment] = state
+        else:
+            self.record["after"].append({"moment": moment, "steps": list(self._since_anchor), **state})
+            if moment in self._anchors:
+                load_training_state(pl_module, trainer.optimizers, self._anchors[moment])
+        self._since_anchor = []
+
+    @staticmethod
+    def _optimizer_states(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[dict[str, Any]]:
+        return [full_optimizer_state(pl_module, optimizer) for optimizer in trainer.optimizers]
 
     def _log_values(self, trainer: pl.Trainer, when: str) -> None:
         values = {
@@ -159,6 +210,12 @@ class VerifyRecorder(Callback):
             if isinstance(value, Tensor) and value.numel() == 1
         }
         self.record["logged"].append({"when": when, "step": trainer.global_step, "values": values})
+
+
+def load_records(folder: Path) -> list[dict[str, Any]]:
+    """The records of a finished run (``rank<r>.pt`` in ``folder``), in rank order."""
+    paths = sorted(folder.glob("rank*.pt"), key=lambda p: int(p.stem[4:]))
+    return [torch.load(path, map_location="cpu", weights_only=True) for path in paths]
 
 
 def _optimizer_index(trainer: pl.Trainer, optimizer: Optimizer) -> int:

@@ -82,9 +82,9 @@ class VerifyReport:
                 lines.append(f"{row.when:<28} {row.quantity[:34]:<34} {_number(row.difference):>11}  {mark}")
                 if not row.ok and row.detail:
                     lines.append(f"{'':<28}   {row.detail}")
-            parameters = next((r for r in self.rows if r.quantity == "parameters"), None)
+            parameters = next((r for r in reversed(self.rows) if r.quantity == "parameters"), None)
             if parameters is not None and parameters.worst:
-                lines += ["", "parameters that differ most at the end:"]
+                lines += ["", f"parameters that differ most {parameters.when or 'at the end'}:"]
                 lines += [f"  {name:<60} {_number(diff)}" for name, diff in parameters.worst]
         lines += ["", self.summary()]
         lines += [f"likely cause: {cause}" for cause in self.causes]

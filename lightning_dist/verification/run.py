@@ -26,6 +26,7 @@ from torch import nn
 
 from lightning_dist.checkpoint.consolidate import load_full_checkpoint
 from lightning_dist.verification.causes import likely_causes
+from lightning_dist.verification.recorder import FOLLOW, RECORD, load_records
 from lightning_dist.verification.compare import Row, compare_runs, merge_ranks, tensor_difference
 from lightning_dist.verification.report import VerifyReport
 from lightning_dist.verification.settings import ONE_PROCESS, VerifySettings, default_tolerance, reference_strategy
@@ -86,7 +87,16 @@ def run_check(
         module.configure_model()
     torch.save(initial_state(module), workdir / "initial.pt")
     (workdir / "settings.json").write_text(json.dumps({"settings": vars(settings), **shared}))
-    (workdir / "candidate.json").write_text(json.dumps({}))
+    (workdir / "candidate.json").write_text(json.dumps({"anchoring": RECORD} if settings.anchored else {}))
+    if settings.anchored:
+        report.notes.append(
+            "each reference step started from the strategy's parameters and optimizer states of that step (each"
+            " step's computation compared, not the rounding the runs accumulate; --no-anchor compares whole runs)"
+            + ("; the reference cache is not used, since such a reference depends on the strategy's run"
+               if settings.reference_cache else "")  # fmt: skip
+        )
+    elif settings.anchor:
+        report.notes.append(f"each run trained on its own: a reference under {settings.against} cannot be anchored")
     ours = _run(workdir, "candidate", settings.timeout, report)
     if ours is not None:
         meta = ours[0]["meta"]
@@ -112,13 +122,15 @@ def _reference_run(
 ) -> list[dict[str, Any]] | None:
     """The reference's records: launched with the strategy's global batch, or reused from the reference cache."""
     role = {"trainer": reference_strategy(settings.against, *devices), "candidate_replicas": replicas, **extras}
+    if settings.anchored:
+        role["anchoring"] = FOLLOW
     (workdir / "reference.json").write_text(json.dumps(role))
     cached = _cached_reference(settings, key, workdir, role)
     if cached:
         report.notes.append(f"the reference run was reused from {cached}")
-        return _load_ranks(cached)
+        return load_records(cached)
     ref = _run(workdir, "reference", settings.timeout, report)
-    if ref is not None and settings.reference_cache and key:
+    if ref is not None and settings.reference_cache and key and not settings.anchored:
         _keep_reference(workdir / "reference", settings, key, workdir, role)
     return ref
 
@@ -187,7 +199,7 @@ def _run(workdir: Path, role: str, timeout: float, report: VerifyReport) -> list
             process.wait()
             code = None
     report.run_seconds[role] = time.perf_counter() - start
-    ranks = _load_ranks(workdir / role)
+    ranks = load_records(workdir / role)
     if code == 0 and ranks:
         return ranks
     what = "the strategy's run" if role == "candidate" else "the reference run"
@@ -196,11 +208,6 @@ def _run(workdir: Path, role: str, timeout: float, report: VerifyReport) -> list
     else:
         report.failure = f"{what} failed: {last_error(log.read_text(errors='replace'))} (log: {log})"
     return None
-
-
-def _load_ranks(folder: Path) -> list[dict[str, Any]]:
-    paths = sorted(folder.glob("rank*.pt"), key=lambda p: int(p.stem[4:]))
-    return [torch.load(path, map_location="cpu", weights_only=True) for path in paths]
 
 
 def _reference_digest(settings: VerifySettings, key: str, workdir: Path, role: dict[str, Any]) -> str:
@@ -214,7 +221,7 @@ def _reference_digest(settings: VerifySettings, key: str, workdir: Path, role: d
 
 
 def _cached_reference(settings: VerifySettings, key: str, workdir: Path, role: dict[str, Any]) -> Path | None:
-    if not (settings.reference_cache and key):
+    if not (settings.reference_cache and key) or settings.anchored:
         return None
     folder = Path(settings.reference_cache) / _reference_digest(settings, key, workdir, role)
     return folder if any(folder.glob("rank*.pt")) else None

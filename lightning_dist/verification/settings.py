@@ -44,7 +44,14 @@ class VerifySettings:
         seed: The seed of both runs (the configuration's ``seed_everything`` when it gives one).
         timeout: Seconds each run may take before it is stopped and reported as hung.
         reference_cache: A folder where reference runs are kept, and reused by later checks of the same module,
-            data, settings and global batch (checking several strategies then trains the reference once).
+            data, settings and global batch (checking several strategies then trains the reference once). Used
+            only with ``anchor=False``: an anchored reference depends on the strategy's run.
+        anchor: Start each of the reference's optimizer steps (and its validation) from the strategy's parameters
+            and optimizer states at that point, so that each step's computation is compared rather than the
+            rounding two runs accumulate over their steps (in fp32, Adam turns 1e-7 differences into 1e-4 within a
+            few steps). What each step made of the state it was given is compared too: a wrong update still shows.
+            ``False``: the reference trains on its own and the two trajectories are compared. Only a reference on
+            unsharded processes (``one_process``, ``ddp``) can be anchored.
     """
 
     steps: int = 3
@@ -56,6 +63,7 @@ class VerifySettings:
     seed: int = 0
     timeout: float = 900.0
     reference_cache: str | None = None
+    anchor: bool = True
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -64,6 +72,11 @@ class VerifySettings:
             raise ValueError(f"dtype={self.dtype!r}: choose float64 (both sides in 64-true) or leave it unset.")
         if self.tolerance is not None and not self.tolerance > 0:
             raise ValueError(f"tolerance={self.tolerance!r} must be a positive number.")
+
+    @property
+    def anchored(self) -> bool:
+        """Whether the reference's steps start from the strategy's states (see ``anchor``)."""
+        return self.anchor and self.against in (ONE_PROCESS, "ddp")
 
     @property
     def precision_override(self) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
@@ -107,6 +108,41 @@ def load_initial_weights(module: nn.Module, state: dict[str, Tensor]) -> None:
         )
 
 
+def merge_anchors(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The strategy's anchors (see :class:`~lightning_dist.verification.recorder.VerifyRecorder`) from its ranks'
+    records, whole: each name from the first rank that holds it (a pipeline rank holds its stages' names only)."""
+    merged: dict[str, dict[str, Any]] = {}
+    for record in records:
+        for moment, state in record.get("anchors", {}).items():
+            into = merged.setdefault(moment, {"params": {}, "optimizers": [{} for _ in state["optimizers"]]})
+            for name, tensor in state["params"].items():
+                into["params"].setdefault(name, tensor)
+            for mine, theirs in zip(into["optimizers"], state["optimizers"]):
+                for name, values in theirs.items():
+                    mine.setdefault(name, values)
+    return merged
+
+
+def load_training_state(module: nn.Module, optimizers: list[Optimizer], state: dict[str, Any]) -> None:
+    """Copy ``state``'s whole ``params`` and ``optimizers`` states by user name (as :func:`full_parameters` and
+    :func:`full_optimizer_state` give them) into an unsharded ``module`` and its ``optimizers``, in place."""
+    named, params = list(_named_parameters(module)), state["params"]
+    with torch.no_grad():
+        for name, param in named:
+            value = params.get(user_name(name))
+            if value is not None:
+                param.copy_(value)
+        for optimizer, states in zip(optimizers, state["optimizers"]):
+            for name, param in named:
+                own, values = optimizer.state.get(param), states.get(user_name(name))
+                for key, value in (values or {}).items() if own else ():
+                    current = own.get(key)
+                    if isinstance(current, Tensor):
+                        current.copy_(value) if isinstance(value, Tensor) else current.fill_(value)
+                    elif isinstance(current, (int, float)):
+                        own[key] = type(current)(value)
+
+
 def initial_state(module: nn.Module) -> dict[str, Tensor]:
     """The parameters and buffers of an unparallelized ``module``, as CPU copies (for :func:`load_initial_weights`)."""
     return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items() if isinstance(v, Tensor)}
@@ -118,6 +154,8 @@ __all__ = [
     "full_parameters",
     "initial_state",
     "load_initial_weights",
+    "load_training_state",
+    "merge_anchors",
     "user_name",
     "zero_dropout",
 ]

@@ -31,7 +31,7 @@ def test_transformers_experts_are_found_with_their_router():
     ]
 
 
-def test_litgpt_module_list_experts_are_found_and_refused_with_what_was_found():
+def test_litgpt_module_list_experts_are_found_with_their_router():
     from litgpt.config import Config
     from litgpt.model import GPT
 
@@ -43,8 +43,7 @@ def test_litgpt_module_list_experts_are_found_and_refused_with_what_was_found():
     assert [(x.name, x.router, x.num_experts, x.kind) for x in layers] == [
         ("transformer.h.0.mlp.experts", "transformer.h.0.mlp.gate", 4, "module_list")
     ]
-    with pytest.raises(ExpertParallelError, match=r"ModuleList of 4 × LLaMAMLP experts .*LLaMAMoE"):
-        check_expert_parallel(GPT(config), 2)
+    assert [x.name for x in check_expert_parallel(GPT(config), 2)] == ["transformer.h.0.mlp.experts"]
 
 
 def test_a_dense_model_is_refused_saying_what_was_looked_for():
@@ -63,6 +62,7 @@ def test_experts_not_divisible_by_ep_are_refused_with_the_divisors():
 @pytest.fixture(scope="module")
 def core_runs(tmp_path_factory) -> dict[str, Any]:
     scenarios = [*MOE_KINDS, "mixtral_aux_fp64", "mixtral_ep1_replicas_fp64", "mixtral_idle_rank_fp64"]
+    scenarios += LITGPT_KINDS  # last: litgpt's model imports Lightning, which the scenarios before must not need
     return run_scenarios("expert_parallel_core_runs.py", 2, tmp_path_factory.mktemp("ep_core"), scenarios)
 
 
@@ -79,7 +79,24 @@ def test_moe_experts_split_over_two_ranks_match_one_process_in_fp64(core_runs, k
     assert run["loss_diff"] <= FP64_TOL and run["grad_diff"] <= FP64_TOL, run
     assert run["expert_parameters"] == 4
     assert all(shape[0] == 2 for shape in run["local_shapes"].values()), run["local_shapes"]
-    assert not core_runs["lightning_imported"]
+    assert core_runs.get("lightning_imported_by") == LITGPT_KINDS[0], "the library imported Lightning"
+
+
+LITGPT_KINDS = ["litgpt_fp64", "litgpt_shared_fp64", "litgpt_ep1_replicas_fp64"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", LITGPT_KINDS)
+def test_litgpt_module_list_experts_split_over_two_ranks_match_one_process_in_fp64(core_runs, kind):
+    """litgpt's LLaMAMoE keeps its experts in a ModuleList and loops over them in the same forward as its routing:
+    each rank keeps 2 of the 4 experts (``_shared``: beside litgpt's shared expert; ``_ep1_replicas``: all 4, the
+    other rank a replica), the layer's forward is recorded, its expert calls exchanged by all-to-all, and replayed.
+    Loss and every gradient equal one process's."""
+    run = core_runs[kind]
+    assert run["loss_diff"] <= FP64_TOL and run["grad_diff"] <= FP64_TOL, run
+    per_rank = 4 if "ep1" in kind else 2
+    # 2 layers × experts held × the weights and biases of fc_1, fc_2, proj (litgpt's Config has bias=True)
+    assert run["expert_parameters"] == 2 * per_rank * 6, run
 
 
 @pytest.mark.slow
@@ -117,12 +134,16 @@ FP32_TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> dict[str, Any]:
-    return run_scenarios(SCRIPT, 1, tmp_path_factory.mktemp("ep_reference"), ["fp64", "fp32", *TRAINER_MODELS])
+    scenarios = ["fp64", "fp32", "litgpt_fp64", *TRAINER_MODELS]
+    return run_scenarios(SCRIPT, 1, tmp_path_factory.mktemp("ep_reference"), scenarios)
 
 
 @pytest.fixture(scope="module")
 def ep_two_ranks(tmp_path_factory) -> dict[str, Any]:
-    scenarios = ["ep_fp64", "resume_ep_to_fsdp2", "ep_fp32", "bytes_fsdp2", "bytes_ep", "pipeline_fp32"]
+    scenarios = [
+        "ep_fp64", "resume_ep_to_fsdp2", "resume_fsdp2_to_ep", "ep_fp32", "bytes_fsdp2", "bytes_ep", "pipeline_fp32",
+        "ep_litgpt_fp64", "resume_litgpt_ep_to_fsdp2",
+    ]  # fmt: skip
     scenarios += [f"ep_{name}" for name in TRAINER_MODELS]
     return run_scenarios(SCRIPT, 2, tmp_path_factory.mktemp("ep_strategy"), scenarios)
 
@@ -207,10 +228,44 @@ def test_a_checkpoint_saved_under_ep2_resumes_under_plain_fsdp2(ep_two_ranks):
     assert max(abs(a - b) for a, b in zip(uninterrupted[4:], resumed)) <= FP64_TOL, (uninterrupted, resumed)
 
 
+@pytest.mark.slow
+def test_a_plain_fsdp2_checkpoint_resumes_under_ep2(ep_two_ranks):
+    """The other way: plain fsdp2 (expert_parallel_size=1, experts FSDP-sharded) trains 2 steps and checkpoints;
+    ep=2 resumes it (experts re-split over ep from their global shape) and continues to the uninterrupted ep=2 run's
+    losses (which are one process's)."""
+    uninterrupted, run = ep_two_ranks["ep_fp64"]["losses"], ep_two_ranks["resume_fsdp2_to_ep"]
+    assert len(run["first_losses"]) == len(run["losses"]) == 4
+    assert max(abs(a - b) for a, b in zip(uninterrupted, run["first_losses"] + run["losses"])) <= FP64_TOL, run
+
+
+@pytest.mark.slow
+def test_a_consolidated_ep2_checkpoint_loads_into_the_stock_model_with_its_logits(ep_two_ranks):
+    """`lightning-dist consolidate` of the ep=2 run's last checkpoint gives a state dict the stock
+    MixtralForCausalLM loads with strict=True (the experts' 3-D weights whole), whose logits are the run's model's."""
+    export = ep_two_ranks["ep_fp64"]["export"]
+    assert export["tensors"] == len(_mixtral().state_dict()), export
+    assert export["logits_diff"] <= FP64_TOL, export
+
+
+@pytest.mark.slow
+def test_litgpt_moe_under_ep2_trains_like_one_process_and_resumes_under_plain_fsdp2(one_process, ep_two_ranks):
+    """litgpt's LLaMAMoE (a ModuleList of experts) through the Trainer under fsdp2 with expert_parallel_size=2:
+    each rank holds 2 of the 4 experts of each layer, with their global names; losses, gradient norms (clipped:
+    the held experts' norms summed over ep) and final parameters equal one process's, and the step-2 checkpoint
+    (each expert saved by the rank holding it) resumes under plain fsdp2 to the uninterrupted losses."""
+    ref, run = one_process["litgpt_fp64"], ep_two_ranks["ep_litgpt_fp64"]
+    assert len(run["losses"]) == len(ref["losses"]) == 8
+    assert max(abs(a - b) for a, b in zip(ref["losses"], run["losses"])) <= FP64_TOL
+    assert max(abs(a - b) for a, b in zip(ref["grad_norms"], run["grad_norms"])) <= FP64_TOL
+    assert _max_param_diff(ref["params"], run["params"]) <= FP64_TOL and run["copies_gap"] == 0.0
+    resumed = ep_two_ranks["resume_litgpt_ep_to_fsdp2"]["losses"]
+    assert len(resumed) == 4 and max(abs(a - b) for a, b in zip(run["losses"][4:], resumed)) <= FP64_TOL
+
+
 # ------------------------------------------------------------------------------- 4 processes: dp_shard4 × ep2
 @pytest.fixture(scope="module")
 def ep2_of_four(tmp_path_factory) -> dict[str, Any]:
-    scenarios = ["ep2_of_4_unseeded", "ep2_of_4_fp64", "resume_ep2_to_ep4"]
+    scenarios = ["ep2_of_4_unseeded", "ep2_of_4_fp64", "resume_ep2_to_ep4", *HYBRID3D_MESHES]
     return run_scenarios(SCRIPT, 4, tmp_path_factory.mktemp("ep2_of_4"), scenarios)
 
 
@@ -241,3 +296,27 @@ def test_a_checkpoint_saved_under_ep2_resumes_under_ep4(ep2_of_four):
     uninterrupted, resumed = ep2_of_four["ep2_of_4_fp64"]["losses"], ep2_of_four["resume_ep2_to_ep4"]["losses"]
     assert len(resumed) == 4
     assert max(abs(a - b) for a, b in zip(uninterrupted[4:], resumed)) <= FP64_TOL, (uninterrupted, resumed)
+
+
+# hybrid3d with expert_parallel_size=2 (the pp2_dp2_ep2 and tp2_ep2 scenarios): the mesh each one resolves to.
+HYBRID3D_MESHES = {
+    "pp2_dp2_ep2": "pp=2 × dp_shard=2 (ep=2 of dp_shard × cp)",
+    "tp2_ep2": "dp_shard=2 × tp=2 (ep=2 of dp_shard × cp)",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", HYBRID3D_MESHES)
+def test_hybrid3d_with_ep2_trains_mixtral_like_one_process(one_process, ep2_of_four, name):
+    """pp2 × dp2 × ep2: each pipeline stage splits its own MoE layer's experts over its 2 data-parallel ranks.
+    tp2 × ep2: attention tensor-parallel, the experts split over the data-parallel ranks and replicated over tp
+    (gradients averaged over tp, so the copies stay bitwise equal). Losses, gradient norms and final parameters
+    equal one process's (fp64); every rank holds 2 of the 4 experts of its layers."""
+    ref, run = one_process["fp64"], ep2_of_four[name]
+    assert run["mesh"] == HYBRID3D_MESHES[name]
+    assert len(run["losses"]) == len(ref["losses"]) == 8
+    assert max(abs(a - b) for a, b in zip(ref["losses"], run["losses"])) <= FP64_TOL
+    assert max(abs(a - b) for a, b in zip(ref["grad_norms"], run["grad_norms"])) <= FP64_TOL
+    assert _max_param_diff(ref["params"], run["params"]) <= FP64_TOL and run["copies_gap"] == 0.0
+    assert run["expert_local_shapes"] == ["(2, 32, 48)", "(2, 96, 32)"]  # gate_up (E/ep, 2I, H), down (E/ep, H, I)
+    assert any("2 per rank over ep=2" in line for line in run["log"]), run["log"]

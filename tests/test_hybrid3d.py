@@ -23,7 +23,7 @@ from yaml_configs import cli_from_config
 
 from examples.gpt import GPT
 from lightning_dist import Hybrid3DStrategy
-from lightning_dist.parallel.mesh import MeshConfigError
+from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
 from lightning_dist.parallel.tensor_parallel import TensorParallelPlanError
 
 SCRIPT = "hybrid3d_runs.py"
@@ -181,6 +181,23 @@ def test_mesh_auto_takes_the_planners_mesh_once_the_model_is_known():
         _gpt(), 4, 1, seq_len=16, micro_batch=1, global_batch=None, device_memory_gib=80.0, precision="32-true"
     )
     assert strategy.parallel_dims == expected
+
+
+def test_expert_parallel_size_borrows_from_dp_shard_times_cp_in_every_way_of_giving_the_mesh():
+    """hybrid3d carries ep as fsdp2 does (docs/expert_parallel.md): given with sizes, with mesh_shape, as "auto"
+    (all of dp_shard × cp), and kept as given under mesh="auto" (the planner chooses the five axes)."""
+    strategy = _trainer(Hybrid3DStrategy(pipeline_parallel_size=2, expert_parallel_size=2)).strategy
+    assert strategy.parallel_dims == ParallelDims(pp=2, dp_shard=2, ep=2)
+    assert str(strategy.parallel_dims) == "pp=2 × dp_shard=2 (ep=2 of dp_shard × cp)"
+    shaped = Hybrid3DStrategy(mesh_shape=[[2, 2], ["dp", "tp"]], expert_parallel_size="auto")
+    assert _trainer(shaped).strategy.parallel_dims == ParallelDims(dp_shard=2, tp=2, ep=2)
+    cp = Hybrid3DStrategy(context_parallel_size=2, data_parallel_shard_size=2, expert_parallel_size=4)
+    assert _trainer(cp).strategy.parallel_dims.ep == 4  # dp_shard × cp = 4
+    auto = _trainer(Hybrid3DStrategy(mesh="auto", sequence_length=16, expert_parallel_size=2)).strategy
+    auto._recommended = {"dp_shard": 4}  # the planner's choice, as _recommended_sizes keeps it
+    assert auto.parallel_dims == ParallelDims(dp_shard=4, ep=2)
+    with pytest.raises(ValueError, match=r"expert_parallel_size='two' is neither a positive int"):
+        Hybrid3DStrategy(expert_parallel_size="two")
 
 
 @pytest.mark.slow

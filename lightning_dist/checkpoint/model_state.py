@@ -104,11 +104,11 @@ def _merge_stages(local: dict[str, Any], stages: StageLayout) -> dict[str, Any]:
 
 def _merge_into(merged: dict[str, Any], part: dict[str, Any]) -> None:
     """Model states are flat; optimizer states hold ``state`` (by name) and ``param_groups`` (parameter names
-    concatenated group by group)."""
+    concatenated group by group, each once: ranks holding different experts share the dense parameters)."""
     for key, value in part.items():
         if key == "param_groups" and key in merged:
             for group, more in zip(merged[key], value):
-                group["params"] = [*group["params"], *more["params"]]
+                group["params"] = [*group["params"], *(n for n in more["params"] if n not in group["params"])]
         elif isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key].update(value)
         else:

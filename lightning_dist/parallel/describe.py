@@ -35,6 +35,8 @@ def describe(
     """
     stage = " per stage" if per_stage else ""
     lines = [record.experts.describe()] if record.experts is not None else []
+    if record.experts is not None and per_stage:
+        lines[0] += "; per pipeline stage, over its data-parallel ranks (the layers counted are this rank's stage's)"
     if record.checkpointed:
         lines.append(f"activation checkpointing on {record.checkpointed}{stage}")
     if record.compiled:

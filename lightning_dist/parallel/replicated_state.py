@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from lightning_dist.parallel.expert_parallel.module_list import SPLIT_OVER_EP
 from lightning_dist.parallel.grad_clip import sum_partial_gradient
 from lightning_dist.parallel.mesh import DERIVED_GROUPS, MESH_AXES, ParallelMesh
 
@@ -36,9 +37,10 @@ _UNKNOWN = "?"
 
 
 def sharded_axes(tensor: Tensor) -> set[str]:
-    """The world mesh axes ``tensor`` is split over (sharded or partial); empty for a plain tensor."""
+    """The world mesh axes ``tensor`` is split over (sharded or partial); empty for a plain tensor, except the
+    ``ModuleList`` experts a rank keeps under expert parallelism (``ep``: other ranks hold other experts)."""
     if not isinstance(tensor, DTensor):
-        return set()
+        return {_EP} if getattr(tensor, SPLIT_OVER_EP, None) is not None else set()
     names = tensor.device_mesh.mesh_dim_names or ()
     axes: set[str] = set()
     for name, placement in zip(names, tensor.placements):

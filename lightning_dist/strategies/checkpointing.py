@@ -7,7 +7,7 @@ Lightning run). The model and optimizer state functions live in :mod:`lightning_
 
 On a pipeline mesh each rank holds only its stages' parameters (under their original names): a full-state save
 gathers every stage's state onto rank 0, and a strict load checks the checkpoint's keys against the keys of all
-stages together.
+stages together. ``ModuleList`` experts split over ep (litgpt) are handled alike: each rank holds its own experts.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from lightning_dist.checkpoint import model_state as states
 from lightning_dist.checkpoint.layout import PROVENANCE_KEY
 from lightning_dist.checkpoint.safe_load import resolve_weights_only
 from lightning_dist.compat.lightning import StrOrPath
+from lightning_dist.parallel.expert_parallel import holds_some_experts
 from lightning_dist.plugins.checkpoint_io import DistributedCheckpointIO, ParallelCheckpointIO
 from lightning_dist.strategies.data_position import resume_position, training_position
 
@@ -66,10 +67,15 @@ class ShardedCheckpointing:
 
     @property
     def stage_layout(self) -> states.StageLayout | None:
-        """Where the pipeline stages' state lives (``None`` without a pipeline): full-state saves gather from every
-        stage, strict loads check keys over all of them."""
+        """Where the pipeline stages' state lives (``None`` when every rank holds every parameter): full-state saves
+        gather from every stage, strict loads check keys over all of them. ``ModuleList`` experts split over ep
+        (each rank holds its own experts) make every rank a "stage" of its own, over the whole world."""
         dims = self.parallel_dims
-        if dims.pp == 1 or not dist.is_initialized():
+        if not dist.is_initialized():
+            return None
+        if dims.ep > 1 and holds_some_experts(self.model):
+            return states.StageLayout(group=dist.group.WORLD, leader=self.global_rank)
+        if dims.pp == 1:
             return None
         per_stage = dims.world_size // dims.pp
         return states.StageLayout(

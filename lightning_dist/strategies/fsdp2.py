@@ -9,7 +9,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_dist.parallel.expert_parallel import check_expert_parallel
 from lightning_dist.parallel.fsdp import (
     SHARDING_MODES,
     FSDPConfig,
@@ -20,11 +19,12 @@ from lightning_dist.parallel.fsdp import (
 )
 from lightning_dist.parallel.mesh import ParallelDims
 from lightning_dist.parallel.parallelize import ParallelizeConfig, ParallelizeRecord, parallelize
-from lightning_dist.parallel.validation import check_bool, is_positive_int
+from lightning_dist.parallel.validation import check_bool
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
+from lightning_dist.strategies.expert_parallel_option import ExpertParallelOption
 
 
-class FSDP2Strategy(MeshParallelStrategy):
+class FSDP2Strategy(ExpertParallelOption, MeshParallelStrategy):
     """Fully Sharded Data Parallel (FSDP2) for an unchanged LightningModule.
 
     The strategy finds the model's repeated blocks (the same-class children of its ``ModuleList``/``ModuleDict``),
@@ -69,16 +69,11 @@ class FSDP2Strategy(MeshParallelStrategy):
         self.data_parallel_shard_size = data_parallel_shard_size
         self.data_parallel_replicate_size = data_parallel_replicate_size
         self.cpu_offload = check_bool("cpu_offload", cpu_offload)
-        if expert_parallel_size != "auto" and not is_positive_int(expert_parallel_size):
-            raise ValueError(
-                f"expert_parallel_size={expert_parallel_size!r} is neither a positive int (1: off) nor 'auto' (every"
-                " data-parallel shard rank)."
-            )
-        self.expert_parallel_size = expert_parallel_size
+        self.init_expert_parallel(expert_parallel_size)
 
     @override
     def mesh_sizes(self) -> dict[str, MeshSize]:
-        ep = {"ep": self.expert_parallel_size} if self.expert_parallel_size != 1 else {}
+        ep = self.expert_parallel_sizes()
         if self.sharding == "no_shard":
             return {"dp_replicate": "auto", "dp_shard": 1, **ep}
         replicate = self.data_parallel_replicate_size
@@ -112,8 +107,7 @@ class FSDP2Strategy(MeshParallelStrategy):
 
     @override
     def check_model(self, model: Module) -> None:
-        if self.expert_parallel_size != 1:
-            check_expert_parallel(model, self.parallel_dims.ep)
+        self.check_expert_parallel_model(model)
         if not is_fully_sharded(model):
             units = self.shard_units(model)
             shared_submodules(model, [m for _, m in [*units, *self.extra_shard_units(model, units)]])

@@ -24,6 +24,7 @@ from lightning_dist.parallel.validation import check_bool
 from lightning_dist.parallel.zeropp import QuantizedAllGather
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
 from lightning_dist.strategies.context_parallel_steps import ContextParallelSteps
+from lightning_dist.strategies.expert_parallel_option import ExpertParallelOption
 from lightning_dist.strategies.hybrid3d_mesh import (
     planner_sizes,
     refuse_stages_without_tensor_parallel,
@@ -34,7 +35,9 @@ from lightning_dist.strategies.pipeline_step import PipelineSteps
 from lightning_dist.strategies.tensor_parallel_steps import PlanSpec, TensorParallelSteps
 
 
-class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps, MeshParallelStrategy):
+class Hybrid3DStrategy(
+    ContextParallelSteps, TensorParallelSteps, PipelineSteps, ExpertParallelOption, MeshParallelStrategy
+):
     """Pipeline, data (FSDP2/HSDP), context and tensor parallelism in one mesh, for an unchanged LightningModule.
 
     Give the mesh as sizes (one may be ``"auto"``: it takes the processes the others leave; by default
@@ -57,6 +60,9 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
             the other sizes leave (1 when another size is ``"auto"``).
         context_parallel_size: Ranks a sequence is split over (``cp``); FSDP2 shards over ``dp_shard × cp``.
         tensor_parallel_size: Ranks a layer is split over (``tp``).
+        expert_parallel_size: Ranks that split every mixture-of-experts layer's experts (``ep``), borrowed from
+            ``dp_shard × cp`` (it must divide it and the experts; ``"auto"``: all of it), inside each pipeline stage;
+            the experts are replicated over ``tp``. Kept as given under ``mesh="auto"``. See docs/expert_parallel.md.
         mesh_shape: ``[sizes, axis names]`` instead of the size options (names: pp, dp_replicate, dp_shard or dp,
             cp, tp; axes left out have size 1).
         mesh: ``"auto"``: the planner chooses the sizes (needs ``sequence_length``); the choice is logged.
@@ -88,6 +94,7 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         data_parallel_shard_size: MeshSize | None = None,
         context_parallel_size: MeshSize = 1,
         tensor_parallel_size: MeshSize = 1,
+        expert_parallel_size: MeshSize = 1,
         mesh_shape: list[list[int | str]] | None = None,
         mesh: Literal["auto"] | None = None,
         schedule: str = "1f1b",
@@ -110,6 +117,7 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         self.init_pipeline(schedule, n_microbatches, stages_per_rank, split)
         self.init_context_parallel(attention, load_balance, sequence_keys)
         self.init_tensor_parallel(plan, sequence_parallel, loss_parallel)
+        self.init_expert_parallel(expert_parallel_size)
         self._rope_in_parts: str | None = None  # under pp × cp: the rope-table module's name in each stage
         sizes = {
             "pp": pipeline_parallel_size,
@@ -137,9 +145,8 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
     # ------------------------------------------------------------------ mesh
     @override
     def mesh_sizes(self) -> dict[str, MeshSize]:
-        if self.mesh_choice == "auto":
-            return self._recommended_sizes()
-        return dict(self._sizes)
+        sizes = self._recommended_sizes() if self.mesh_choice == "auto" else self._sizes
+        return {**sizes, **self.expert_parallel_sizes()}
 
     @override
     def mesh_is_known(self) -> bool:
@@ -185,6 +192,7 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
     @override
     def check_model(self, model: Module) -> None:
         dims = self.parallel_dims
+        self.check_expert_parallel_model(model, self.sequence_parallel)
         plan = self.tensor_parallel_plan(model) if dims.tp > 1 else None
         if plan is not None:
             if dims.pp > 1:
@@ -218,6 +226,7 @@ class Hybrid3DStrategy(ContextParallelSteps, TensorParallelSteps, PipelineSteps,
         for (part, blocks), stage in zip(stages, self._stage_ids if self.pipelined else [0]):
             plan = self.tensor_parallel_plan(part, needs_head=stage == last) if dims.tp > 1 else None
             config, root = self._parallelize_config(blocks, plan), type(part).__name__
+            config.expert_parallel = self.expert_parallel_on(part)
             record = parallelize(part, self.mesh, config)
             if plan is not None:
                 self.log_tensor_parallel_plan(model, plan, record.tp_changes)

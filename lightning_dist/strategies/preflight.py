@@ -77,9 +77,9 @@ def unknown_options_message(cls: type, unknown: dict[str, Any]) -> str:
     hint = ""
     if "expert_parallel_size" in unknown:
         hint = (
-            " Expert parallelism (expert_parallel_size) is carried by fsdp2 and the expert_parallel strategy name"
-            f" only so far; {cls.__name__} cannot split experts over ranks. Use strategy='expert_parallel', or drop"
-            " expert_parallel_size."
+            " Expert parallelism (expert_parallel_size) is carried by fsdp2 (and the expert_parallel strategy name)"
+            f" and hybrid3d only; {cls.__name__} cannot split experts over ranks. Use strategy='expert_parallel', or"
+            " Hybrid3DStrategy(expert_parallel_size=..., ...) with this strategy's axis, or drop expert_parallel_size."
         )
     return f"{cls.__name__} has no option {', '.join(parts)}. Its options are: {', '.join(options)}.{hint}"
 

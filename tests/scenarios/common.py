@@ -181,6 +181,25 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def all_ranks_state(model: torch.nn.Module) -> tuple[dict[str, list], float]:
+    """Every parameter whole, from whichever ranks hold it (pipeline stages, ModuleList experts split over ep), as
+    lists; and the largest difference between copies of one parameter on different ranks (0.0: they are equal).
+    Collective."""
+    mine = {n: t.tolist() for n, t in full_state(model).items()}
+    if not dist.is_initialized():
+        return mine, 0.0
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, mine)
+    params: dict[str, list] = {}
+    gap = 0.0
+    for state in states:
+        for name, value in state.items():
+            if name in params:
+                gap = max(gap, float((torch.tensor(value) - torch.tensor(params[name])).abs().max()))
+            params[name] = value
+    return params, gap
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, required=True)

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from lightning_dist.parallel.expert_parallel import apply_expert_parallel
+from lightning_dist.parallel.expert_parallel.module_list import SPLIT_OVER_EP
 
 VOCAB, SEQ, BATCH = 64, 16, 4
 
@@ -55,9 +56,27 @@ def tiny_moe(kind: str = "mixtral", num_experts: int = 4, aux: bool = False) -> 
     return getattr(transformers, f"{prefix}ForCausalLM")(config).double()
 
 
+def tiny_litgpt_moe(shared_expert: bool = False) -> torch.nn.Module:
+    """litgpt's ``GPT`` with ``LLaMAMoE`` layers (a ``ModuleList`` of 4 ``LLaMAMLP`` experts, top-2, routed in the
+    same forward as the loop over them), optionally with a shared expert; 2 layers, fp64."""
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    config = Config(
+        block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, n_query_groups=2,
+        mlp_class_name="LLaMAMoE", moe_intermediate_size=24, n_expert=4, n_expert_per_token=2,
+        n_shared_expert=1 if shared_expert else 0,
+    )  # fmt: skip
+    torch.manual_seed(1234)
+    return GPT(config).double()
+
+
 def _loss(model: torch.nn.Module, tokens: torch.Tensor, record: dict | None = None) -> torch.Tensor:
     """Next-token loss in the logits' dtype (transformers' own loss casts them to fp32, hiding fp64 parity), plus
     the router's auxiliary loss when the model returns one."""
+    if not hasattr(model, "config") or not hasattr(model.config, "model_type"):  # litgpt: logits only
+        logits = model(tokens)[:, :-1]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
     out = model(input_ids=tokens)
     logits = out.logits[:, :-1]
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
@@ -90,7 +109,7 @@ def moe_fp64(
     """One forward and backward: the loss (mean over ranks) and every gradient against one process. ``ep`` smaller
     than the world: groups of ``ep`` ranks split the experts, the other ranks hold the same ones (replicas).
     ``idle_rank``: the routers send no token to the last ep rank's experts."""
-    model = tiny_moe(kind, aux=aux)
+    model = tiny_litgpt_moe(kind == "litgpt_shared") if kind.startswith("litgpt") else tiny_moe(kind, aux=aux)
     if idle_rank:
         for layer in model.model.layers:
             layer.mlp.gate.register_forward_hook(_route_to_first_half)
@@ -120,6 +139,9 @@ def moe_fp64(
             grad = param.grad.full_tensor()
             expert_grads += 1
             local_shapes[name] = list(param.to_local().shape)
+        elif hasattr(param, SPLIT_OVER_EP):  # a ModuleList expert this rank holds: already the mean, as above
+            grad = param.grad
+            expert_grads += 1
         else:  # replicated (dense) parameters: averaged over the data-parallel ranks, as DDP or FSDP would
             grad = param.grad.clone()
             dist.all_reduce(grad)
@@ -149,6 +171,9 @@ SCENARIOS = {f"{kind}_fp64": partial(moe_fp64, kind=kind) for kind in ("mixtral"
 SCENARIOS["mixtral_aux_fp64"] = partial(moe_fp64, kind="mixtral", aux=True)
 SCENARIOS["mixtral_ep1_replicas_fp64"] = partial(moe_fp64, kind="mixtral", aux=True, ep=1)
 SCENARIOS["mixtral_idle_rank_fp64"] = partial(moe_fp64, kind="mixtral", idle_rank=True)
+SCENARIOS["litgpt_fp64"] = partial(moe_fp64, kind="litgpt")
+SCENARIOS["litgpt_shared_fp64"] = partial(moe_fp64, kind="litgpt_shared")
+SCENARIOS["litgpt_ep1_replicas_fp64"] = partial(moe_fp64, kind="litgpt", ep=1)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,16 @@ python tests/scenarios/expert_parallel_runs.py --devices 2 --out r.json --workdi
 With 4 processes (dp_shard=4, ep=2: two ep groups whose ranks hold the same experts pairwise):
 ``ep2_of_4_unseeded`` builds the model with a different seed on every rank and reports how far the expert shards of
 ranks holding the same experts are apart after setup and after training; ``ep2_of_4_fp64`` is the seeded run against
-one process, checkpointing at step 2, and ``resume_ep2_to_ep4`` resumes that checkpoint with ep=4.
+one process, checkpointing at step 2, and ``resume_ep2_to_ep4`` resumes that checkpoint with ep=4;
+``pp2_dp2_ep2`` and ``tp2_ep2`` train under hybrid3d with ep=2. The ``litgpt`` scenarios train litgpt's
+``LLaMAMoE`` (``ModuleList`` experts), the ``qwen*`` ones Qwen3-MoE and Qwen2-MoE.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from functools import partial
 from typing import Any
 
@@ -27,9 +31,10 @@ from common import (  # type: ignore[import-not-found]
     GLOBAL_BATCH,
     SEQ_LEN,
     AllStagesRecorder,
+    LogLines,
     OneProcessData,
     StepRecorder,
-    full_state,
+    all_ranks_state,
     mean_over_ranks,
     run_scenario_script,
     trainer_kwargs,
@@ -37,60 +42,13 @@ from common import (  # type: ignore[import-not-found]
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from examples.data import TextDataModule
-from lightning_dist import FSDP2Strategy, PipelineStrategy
+from examples.moe import LitGPTMoE, MoECausalLM
+from lightning_dist import FSDP2Strategy, Hybrid3DStrategy, PipelineStrategy
 from lightning_dist.profiling import CommCounter, attach_phase_hooks
 
 STEPS = 4
 ACCUMULATE = 2
 CLIP = 0.5
-HIDDEN, EXPERTS, TOP_K = 32, 4, 2
-AUX_COEF = 0.5
-_SPARSE = {"moe_intermediate_size": 24, "intermediate_size": 48, "num_experts": EXPERTS, "mlp_only_layers": []}
-MOE_MODELS = {  # transformers class prefix, the MoE part of the config
-    "mixtral": ("Mixtral", {"intermediate_size": 48, "num_local_experts": EXPERTS, "router_jitter_noise": 0.0}),
-    "qwen3_moe": ("Qwen3Moe", _SPARSE),
-    "qwen2_moe": ("Qwen2Moe", {**_SPARSE, "shared_expert_intermediate_size": 40}),
-}
-
-
-class MixtralLM(L.LightningModule):
-    """A stock tiny ``MixtralForCausalLM`` (2 MoE layers of 4 experts, top-2), next-token loss on its logits.
-
-    ``kind`` builds a stock tiny Qwen3-MoE or Qwen2-MoE (with its shared expert) of the same size instead; ``aux``
-    turns on the router's auxiliary loss (``output_router_logits=True``), added with ``router_aux_loss_coef``.
-    """
-
-    def __init__(
-        self, vocab_size: int, experts_implementation: str = "eager", kind: str = "mixtral", aux: bool = False
-    ) -> None:
-        super().__init__()
-        import transformers
-
-        prefix, extra = MOE_MODELS[kind]
-        if aux:
-            extra = {**extra, "output_router_logits": True, "router_aux_loss_coef": AUX_COEF}
-        config = getattr(transformers, f"{prefix}Config")(
-            vocab_size=vocab_size, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, num_experts_per_tok=TOP_K, max_position_embeddings=SEQ_LEN,
-            attn_implementation="eager", experts_implementation=experts_implementation, **extra,
-        )  # fmt: skip
-        self.model = getattr(transformers, f"{prefix}ForCausalLM")(config)
-        self.aux_losses: list[float] = []  # transformers computes it in fp32: the tests compare it apart
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        # The loss from the logits in their own dtype: transformers' loss casts them to fp32, hiding fp64 parity.
-        x = batch["input_ids"]
-        out = self.model(input_ids=x)
-        logits = out.logits[:, :-1]
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
-        if out.aux_loss is not None:
-            self.aux_losses.append(float(out.aux_loss))
-            loss = loss + self.model.config.router_aux_loss_coef * out.aux_loss.to(loss.dtype)
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
 class StepTraffic(Callback):
@@ -161,20 +119,31 @@ def train(
     seed_by_rank: bool = False,
     kind: str = "mixtral",
     aux: bool = False,
+    check_export: bool = False,
+    hybrid3d: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """Train the model of ``kind``; ``hybrid3d``: under ``Hybrid3DStrategy(expert_parallel_size=ep, **hybrid3d)``
+    instead of fsdp2, also reporting its mesh, log lines and expert shards' shapes."""
     L.seed_everything(1234, verbose=False)
-    dp = 1 if pipeline else devices
+    dp = 1 if pipeline else (hybrid3d or {}).get("data_parallel_shard_size", devices)
     data_cls = OneProcessData if dp == 1 else TextDataModule
     data = data_cls(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, train_samples=256, val_samples=32)
     if seed_by_rank:  # no common seed: every rank initializes its own weights
         torch.manual_seed(100 + int(os.environ.get("LOCAL_RANK", "0")))
     # Under the pipeline: transformers' default experts kernel (grouped_mm), whose meta kernel takes bf16 only.
-    model = MixtralLM(data.vocab_size, "grouped_mm" if pipeline else "eager", kind, aux)
+    if kind == "litgpt":
+        model: L.LightningModule = LitGPTMoE(data.vocab_size, seq_len=SEQ_LEN)
+    else:
+        kernel = "grouped_mm" if pipeline else "eager"
+        model = MoECausalLM(data.vocab_size, kind, aux, seq_len=SEQ_LEN, experts_implementation=kernel)
     strategy: Any = "auto" if devices == 1 else FSDP2Strategy(expert_parallel_size=ep or 1)
     if pipeline:
         strategy = PipelineStrategy()
+    if hybrid3d is not None:
+        strategy = Hybrid3DStrategy(expert_parallel_size=ep, **hybrid3d)
+        lines = LogLines("hybrid3d")
     recorder, counter, replicas = (
-        (AllStagesRecorder() if pipeline else StepRecorder()),
+        (AllStagesRecorder() if pipeline or hybrid3d is not None else StepRecorder()),
         StepTraffic(),
         ExpertReplicaGap(),
     )
@@ -203,37 +172,100 @@ def train(
             {str(tuple(p.to_local().shape)) for n, p in model.named_parameters() if "experts" in n}
         )
     elif not pipeline:
-        result["params"] = {n: t.tolist() for n, t in full_state(model).items()}
+        result["params"], result["copies_gap"] = all_ranks_state(model)
+    if check_export:
+        result["export"] = consolidated_logits_diff(model, f"{save_to}/step={steps}.ckpt")
+    if hybrid3d is not None:
+        lines.close()
+        experts = [p for n, p in model.named_parameters() if "experts" in n]
+        result.update(
+            mesh=str(strategy.parallel_dims),
+            log=lines.lines,
+            expert_local_shapes=sorted({str(tuple(p.to_local().shape)) for p in experts}),
+        )
+    return result
+
+
+def consolidated_logits_diff(model: MoECausalLM, checkpoint: str) -> dict[str, Any]:
+    """``lightning-dist consolidate`` of the run's last checkpoint (experts saved split over ep), loaded into a stock
+    ``MixtralForCausalLM`` with ``strict=True``: the largest difference of its logits from the run's model's."""
+    from transformers import MixtralForCausalLM
+
+    tokens = torch.randint(0, model.model.config.vocab_size, (2, SEQ_LEN), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():  # every rank: the ep forward is collective
+        run_logits = model.model(input_ids=tokens).logits
+    result: dict[str, Any] = {}
+    if dist.get_rank() == 0:  # the command as a user runs it: its own process, no process group
+        out = f"{os.path.dirname(checkpoint)}/consolidated.pt"
+        subprocess.run([shutil.which("lightning-dist") or "lightning-dist", "consolidate", checkpoint, out,
+                        "--weights-only"], check=True, timeout=600)  # fmt: skip
+        state = torch.load(out, weights_only=True)["state_dict"]
+        stock = MixtralForCausalLM(model.model.config).to(run_logits.dtype)
+        stock.load_state_dict({k.removeprefix("model."): v for k, v in state.items()}, strict=True)
+        with torch.no_grad():
+            stock_logits = stock(input_ids=tokens).logits
+        result = {"logits_diff": float((stock_logits - run_logits).abs().max()), "tensors": len(state)}
+    dist.barrier()
     return result
 
 
 def resume(devices: int, workdir: str) -> dict[str, Any]:
-    """Plain fsdp2 (experts FSDP-sharded, no ep) resumes from the step-2 checkpoint ``ep_fp64`` saved under ep=2."""
-    return train(devices, "64-true", None, resume_from=f"{workdir}/ep_ckpt/step=2.ckpt")
+    """Plain fsdp2 (``expert_parallel_size=1``: experts FSDP-sharded, no ep) resumes from the step-2 checkpoint
+    ``ep_fp64`` saved under ep=2."""
+    return train(devices, "64-true", 1, resume_from=f"{workdir}/ep_ckpt/step=2.ckpt")
+
+
+def resume_fsdp2_to_ep(devices: int, workdir: str) -> dict[str, Any]:
+    """Plain fsdp2 trains 2 steps and checkpoints; ep=2 resumes that checkpoint for steps 3-4."""
+    first = train(devices, "64-true", 1, steps=2, save_to=f"{workdir}/fsdp2_ckpt")
+    second = train(devices, "64-true", devices, resume_from=f"{workdir}/fsdp2_ckpt/step=2.ckpt")
+    return {"first_losses": first["losses"], "losses": second["losses"]}
 
 
 SCENARIOS = {
     "fp64": lambda devices, workdir: train(devices, "64-true", None),
     "fp32": lambda devices, workdir: train(devices, "32-true", None),
-    "ep_fp64": lambda devices, workdir: train(devices, "64-true", devices, save_to=f"{workdir}/ep_ckpt"),
+    "ep_fp64": lambda devices, workdir: train(
+        devices, "64-true", devices, save_to=f"{workdir}/ep_ckpt", check_export=True
+    ),
     "ep_fp32": lambda devices, workdir: train(devices, "32-true", devices),
     "bytes_fsdp2": lambda devices, workdir: train(devices, "32-true", None, steps=2, traffic=True),
     "bytes_ep": lambda devices, workdir: train(devices, "32-true", devices, steps=2, traffic=True),
     "pipeline_fp32": lambda devices, workdir: train(devices, "32-true", None, pipeline=True),
     "resume_ep_to_fsdp2": resume,
+    "resume_fsdp2_to_ep": resume_fsdp2_to_ep,
     "ep2_of_4_unseeded": lambda devices, workdir: train(devices, "64-true", 2, steps=2, seed_by_rank=True),
     "ep2_of_4_fp64": lambda devices, workdir: train(devices, "64-true", 2, save_to=f"{workdir}/ep2_of_4_ckpt"),
     "resume_ep2_to_ep4": lambda devices, workdir: train(
         devices, "64-true", 4, resume_from=f"{workdir}/ep2_of_4_ckpt/step=2.ckpt"
     ),
 }
-
+# litgpt's LLaMAMoE (ModuleList experts): ep=2 checkpoints at step 2, plain fsdp2 resumes it.
+SCENARIOS["litgpt_fp64"] = lambda devices, workdir: train(devices, "64-true", None, kind="litgpt")
+SCENARIOS["ep_litgpt_fp64"] = lambda devices, workdir: train(
+    devices, "64-true", devices, kind="litgpt", save_to=f"{workdir}/litgpt_ckpt"
+)
+SCENARIOS["resume_litgpt_ep_to_fsdp2"] = lambda devices, workdir: train(
+    devices, "64-true", 1, kind="litgpt", resume_from=f"{workdir}/litgpt_ckpt/step=2.ckpt"
+)
 # Qwen3-MoE and Qwen2-MoE (shared expert), without and with the router's auxiliary loss: 2 steps × 2 micro-batches.
 for _kind in ("qwen3_moe", "qwen2_moe"):
     for _aux in ("", "_aux"):
         _options = {"steps": 2, "kind": _kind, "aux": bool(_aux)}
         SCENARIOS[f"{_kind}{_aux}_fp64"] = partial(lambda d, w, o: train(d, "64-true", None, **o), o=_options)
         SCENARIOS[f"ep_{_kind}{_aux}_fp64"] = partial(lambda d, w, o: train(d, "64-true", d, **o), o=_options)
+# hybrid3d with ep=2 on 4 processes: 2 pipeline stages, each splitting its MoE layer's experts over its 2
+# data-parallel ranks; and attention tensor-parallel over tp=2 with the experts split over the 2 data-parallel ranks
+# and replicated over tp. (The automatic plan would also shard the embedding and head over the vocabulary, which the
+# data's 63 tokens do not divide; it leaves the MoE blocks whole, as this plan does.)
+_ATTENTION_PLAN = {f"model.model.layers.*.self_attn.{p}": "colwise" for p in ("q_proj", "k_proj", "v_proj")}
+_ATTENTION_PLAN["model.model.layers.*.self_attn.o_proj"] = "rowwise"
+SCENARIOS["pp2_dp2_ep2"] = lambda devices, workdir: train(
+    devices, "64-true", 2, hybrid3d={"pipeline_parallel_size": 2, "data_parallel_shard_size": 2}
+)
+SCENARIOS["tp2_ep2"] = lambda devices, workdir: train(
+    devices, "64-true", 2, hybrid3d={"tensor_parallel_size": 2, "data_parallel_shard_size": 2, "plan": _ATTENTION_PLAN}
+)
 
 if __name__ == "__main__":
     run_scenario_script(SCENARIOS)

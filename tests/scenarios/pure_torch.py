@@ -4,7 +4,8 @@ Lightning), so each process starts seconds faster and the result can show that n
 
 ``run_pure_torch_scenarios(SCENARIOS, default_devices)`` parses ``--devices/--out/--scenarios``, spawns the
 processes with a gloo group, runs each named scenario on every rank (``scenario(rank, context)``) and writes rank 0's
-results, each scenario's seconds and ``lightning_imported`` as JSON to ``--out``.
+results, each scenario's seconds, ``lightning_imported`` and ``lightning_imported_by`` (the first scenario after
+which it was; litgpt's model imports it) as JSON to ``--out``.
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ def _worker(
             start = time.perf_counter()
             result[name] = scenarios[name](rank, shared)
             result[f"{name}_seconds"] = round(time.perf_counter() - start, 2)
-        result["lightning_imported"] = any(n.split(".")[0] in ("lightning", "pytorch_lightning") for n in sys.modules)
+            if "lightning_imported_by" not in result and _lightning_imported():
+                result["lightning_imported_by"] = name  # the first scenario after which Lightning was imported
+        result["lightning_imported"] = _lightning_imported()
         if rank == 0:
             Path(f"{out}.tmp").write_text(json.dumps(result))
             os.replace(f"{out}.tmp", out)
@@ -69,6 +72,10 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _lightning_imported() -> bool:
+    return any(n.split(".")[0] in ("lightning", "pytorch_lightning") for n in sys.modules)
 
 
 def run_pure_torch_scenarios(

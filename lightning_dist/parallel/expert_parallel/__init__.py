@@ -7,7 +7,9 @@ and back. Routing stays the model's own code. Which file holds what:
 - :mod:`.dispatch` — token permutation by expert, the uneven differentiable all-to-all, combine.
 - :mod:`.local_experts` — the local experts' computation (per-expert loop; grouped GEMM on CUDA bf16).
 - :mod:`.apply` — :func:`check_expert_parallel` (before launch), :func:`apply_expert_parallel` (shard the experts
-  as DTensors over ep, swap the experts' call), :func:`expert_parameters`.
+  as DTensors over ep, swap the experts' call), :func:`expert_parameters`, :func:`holds_some_experts`.
+- :mod:`.module_list` — ``ModuleList`` experts routed inside their layer's forward (litgpt ``LLaMAMoE``): record,
+  exchange, replay.
 - :mod:`.router_loss` — the router's auxiliary loss from the routing statistics of the whole batch.
 """
 
@@ -16,6 +18,7 @@ from lightning_dist.parallel.expert_parallel.apply import (
     apply_expert_parallel,
     check_expert_parallel,
     expert_parameters,
+    holds_some_experts,
 )
 from lightning_dist.parallel.expert_parallel.dispatch import all_to_all, combine, dispatch
 from lightning_dist.parallel.expert_parallel.structure import ExpertLayer, ExpertParallelError, find_expert_layers
@@ -31,4 +34,5 @@ __all__ = [
     "dispatch",
     "expert_parameters",
     "find_expert_layers",
+    "holds_some_experts",
 ]

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from lightning_dist.compat.hugging_face import apply_experts_gate
 from lightning_dist.parallel.expert_parallel.dispatch import combine, dispatch
 from lightning_dist.parallel.expert_parallel.local_experts import StackedWeights, run_local_experts
+from lightning_dist.parallel.expert_parallel.module_list import ModuleListExperts, apply_module_list
 from lightning_dist.parallel.expert_parallel.router_loss import reduce_router_statistics
 from lightning_dist.parallel.expert_parallel.structure import (
     STACKED_BIASES,
@@ -72,14 +73,6 @@ def check_expert_parallel(model: nn.Module, ep: int) -> list[ExpertLayer]:
     if not layers:
         raise ExpertParallelError(describe_dense(model))
     for layer in layers:
-        if layer.kind == "module_list":
-            owner = type(model.get_submodule(layer.name.rpartition(".")[0])).__name__
-            raise ExpertParallelError(
-                f"{layer.name} is a ModuleList of {layer.num_experts} × {type(layer.experts[0]).__name__} experts"
-                f" (litgpt LLaMAMoE style), routed inside {owner}"
-                ".forward together with the expert loop; expert parallelism supports transformers 5.x experts modules"
-                " (3-D gate_up_proj/down_proj) so far. Use fsdp2 without expert_parallel_size for this model."
-            )
         unsupported = {
             a: getattr(layer.experts, a) for a, v in _SUPPORTED_LAYOUT.items() if getattr(layer.experts, a, v) != v
         }
@@ -120,8 +113,17 @@ def apply_expert_parallel(
     layers = check_expert_parallel(model, ep)
     divide = gradient_divide_factor or ep
     names: list[str] = []
+    replica_group = replicas.get_group() if replicas is not None and replicas.size() > 1 else None
     for layer in layers:
         experts = layer.experts
+        if layer.kind == "module_list":
+            parent, _, attribute = layer.name.rpartition(".")
+            kept = apply_module_list(
+                model.get_submodule(parent), attribute, ep_mesh.get_local_rank(), ep, ep_mesh.get_group(),
+                1.0 / divide, replica_group,
+            )  # fmt: skip
+            names.extend(f"{parent}.{name}" if parent else name for name in kept)
+            continue
         for pname, param in list(experts.named_parameters(recurse=False)):
             if param.shape[0] != layer.num_experts:
                 raise ExpertParallelError(
@@ -131,7 +133,6 @@ def apply_expert_parallel(
             sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
             experts.register_parameter(pname, nn.Parameter(sharded, requires_grad=param.requires_grad))
             names.append(f"{layer.name}.{pname}")
-        replica_group = replicas.get_group() if replicas is not None and replicas.size() > 1 else None
         experts.expert_parallel = ExpertParallelState(
             ep_mesh.get_group(), layer.num_experts, 1.0 / divide, replica_group
         )
@@ -140,12 +141,21 @@ def apply_expert_parallel(
     return ExpertParallelRecord(len(layers), layers[0].num_experts, layers[0].num_experts // ep, ep, names, patched)
 
 
+def holds_some_experts(model: nn.Module) -> bool:
+    """Whether ``model`` has ``ModuleList`` experts split over ep: its ranks then hold different parameters (each
+    its own experts, under their global names), as pipeline stages do, and checkpoints must merge them."""
+    return any(isinstance(getattr(m, "expert_parallel", None), ModuleListExperts) for m in model.modules())
+
+
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters :func:`apply_expert_parallel` sharded over ep (FSDP must leave them alone)."""
     out = []
     for module in model.modules():
-        if isinstance(getattr(module, "expert_parallel", None), ExpertParallelState):
+        state = getattr(module, "expert_parallel", None)
+        if isinstance(state, ExpertParallelState):
             out.extend(module.parameters(recurse=False))
+        elif isinstance(state, ModuleListExperts):
+            out.extend(state.parameters())
     return out
 
 

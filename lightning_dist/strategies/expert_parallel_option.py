@@ -1,0 +1,59 @@
+"""The ``expert_parallel_size`` option, shared by the strategies that carry it (fsdp2 and its ``expert_parallel``
+preset, zeropp, hybrid3d): its check at construction, the ``ep`` entry of the mesh sizes, and the model's checks
+before launch. How the experts are split is :mod:`lightning_dist.parallel.expert_parallel`; see
+docs/expert_parallel.md."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch.nn import Module
+
+from lightning_dist.parallel.expert_parallel import ExpertParallelError, check_expert_parallel, find_expert_layers
+from lightning_dist.parallel.validation import is_positive_int
+
+if TYPE_CHECKING:
+    from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
+
+    _Base = MeshParallelStrategy
+else:
+    _Base = object
+
+
+class ExpertParallelOption(_Base):
+    """``expert_parallel_size``: ep ranks borrowed from ``dp_shard × cp`` that split every MoE layer's experts."""
+
+    def init_expert_parallel(self, size: MeshSize) -> None:
+        """Check and keep the option (a positive int, 1: off, or ``"auto"``: all of dp_shard × cp)."""
+        if size != "auto" and not is_positive_int(size):
+            raise ValueError(
+                f"expert_parallel_size={size!r} is neither a positive int (1: off) nor 'auto' (every data-parallel"
+                " shard rank)."
+            )
+        self.expert_parallel_size = size
+
+    def expert_parallel_sizes(self) -> dict[str, MeshSize]:
+        """The ``ep`` entry of :meth:`mesh_sizes` (none when the option is off)."""
+        return {"ep": self.expert_parallel_size} if self.expert_parallel_size != 1 else {}
+
+    def check_expert_parallel_model(self, model: Module, sequence_parallel: bool = False) -> None:
+        """Before launch: the model's MoE layers can be split over the resolved ep (:func:`check_expert_parallel`),
+        and ``sequence_parallel`` is not combined with tensor parallelism (the MoE block would route a slice of
+        the sequence per tp rank, whose expert and router gradients are not what the replicated-over-tp experts
+        expect)."""
+        if self.expert_parallel_size == 1:
+            return
+        dims = self.parallel_dims
+        check_expert_parallel(model, dims.ep)
+        if sequence_parallel and dims.tp > 1 and dims.ep > 1:
+            raise ExpertParallelError(
+                f"expert_parallel_size={dims.ep} with sequence_parallel=True over tp={dims.tp}: the experts are"
+                " replicated over tp and expect the whole sequence on every tp rank, which sequence parallelism"
+                " splits. Set sequence_parallel=False (the attention stays tensor-parallel), or drop"
+                " expert_parallel_size."
+            )
+
+    def expert_parallel_on(self, part: Module) -> bool:
+        """Whether :func:`~lightning_dist.parallel.parallelize.parallelize` splits ``part``'s experts: ep > 1 and
+        the part (a pipeline stage) holds MoE layers."""
+        return self.parallel_dims.ep > 1 and bool(find_expert_layers(part))

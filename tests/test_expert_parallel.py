@@ -62,11 +62,16 @@ def test_experts_not_divisible_by_ep_are_refused_with_the_divisors():
 @pytest.fixture(scope="module")
 def core_runs(tmp_path_factory) -> dict[str, Any]:
     scenarios = [*MOE_KINDS, "mixtral_aux_fp64", "mixtral_ep1_replicas_fp64", "mixtral_idle_rank_fp64"]
-    scenarios += LITGPT_KINDS  # last: litgpt's model imports Lightning, which the scenarios before must not need
+    # last: litgpt's model (and the shared models module) import Lightning, which the scenarios before must not need
+    scenarios += [*LITGPT_KINDS, "user_fp64"]
     return run_scenarios("expert_parallel_core_runs.py", 2, tmp_path_factory.mktemp("ep_core"), scenarios)
 
 
-MOE_KINDS = {"mixtral_fp64": 4, "qwen3_moe_fp64": 4, "qwen2_moe_fp64": 4, "olmoe_fp64": 4}
+# scenario: expert parameters (3-D weights, and gpt-oss's expert biases) over the 2 layers
+MOE_KINDS = {
+    "mixtral_fp64": 4, "qwen3_moe_fp64": 4, "qwen2_moe_fp64": 4, "olmoe_fp64": 4, "deepseek_v3_fp64": 4,
+    "gpt_oss_fp64": 8,
+}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -74,10 +79,12 @@ MOE_KINDS = {"mixtral_fp64": 4, "qwen3_moe_fp64": 4, "qwen2_moe_fp64": 4, "olmoe
 def test_moe_experts_split_over_two_ranks_match_one_process_in_fp64(core_runs, kind):
     """Each rank keeps 2 of 4 experts per layer; tokens reach them by all-to-all; loss and every gradient (dense
     ones averaged over the ranks, expert ones gathered) equal one process's. Qwen2-MoE's shared expert and
-    OLMoE's / Qwen3-MoE's routing stay the model's own code."""
+    OLMoE's / Qwen3-MoE's routing stay the model's own code, as do DeepSeek-V3's shared experts and grouped routing
+    and gpt-oss's expert biases, transposed weights and interleaved gate/up (its own gate function). (DeepSeek-V3's
+    router computes in fp32 whatever the model's dtype: its gradients differ by up to 6e-11, still within 1e-10.)"""
     run = core_runs[kind]
     assert run["loss_diff"] <= FP64_TOL and run["grad_diff"] <= FP64_TOL, run
-    assert run["expert_parameters"] == 4
+    assert run["expert_parameters"] == MOE_KINDS[kind]
     assert all(shape[0] == 2 for shape in run["local_shapes"].values()), run["local_shapes"]
     assert core_runs.get("lightning_imported_by") == LITGPT_KINDS[0], "the library imported Lightning"
 
@@ -125,6 +132,34 @@ def test_a_rank_whose_experts_get_no_token_still_joins_the_backward_all_to_all(c
     for the idle experts) equal one process's."""
     run = core_runs["mixtral_idle_rank_fp64"]
     assert run["loss_diff"] <= FP64_TOL and run["grad_diff"] <= FP64_TOL, run
+
+
+def test_experts_under_names_no_library_uses_are_refused_pointing_to_expert_modules():
+    """A user's MoE (experts in a ModuleList called expert_list, routed by scorer) is not found from its structure:
+    the message says what was looked for and names the option; a pattern that matches nothing says what it
+    matched and lists the model's ModuleLists; the right pattern finds both layers."""
+    from tests.scenarios.models import UserMoE
+
+    model = UserMoE()
+    with pytest.raises(ExpertParallelError, match=r"UserMoE has no mixture-of-experts layer.*name them with expert_modules"):
+        check_expert_parallel(model, 2)
+    with pytest.raises(ExpertParallelError, match=r"expert_modules='layers\.\*\.experts' names no experts module: it"
+                       r" matches no module name\. The model's ModuleLists of more than one module: layers, "
+                       r"layers\.0\.expert_list"):  # fmt: skip
+        check_expert_parallel(model, 2, "layers.*.experts")
+    layers = check_expert_parallel(model, 2, "layers.*.expert_list")
+    assert [(x.name, x.num_experts, x.kind) for x in layers] == [
+        (f"layers.{i}.expert_list", 4, "module_list") for i in range(2)
+    ]
+
+
+@pytest.mark.slow
+def test_experts_named_by_expert_modules_split_over_two_ranks_match_one_process(core_runs):
+    """The same user model with expert_modules='layers.*.expert_list': its own forward routes, the experts are split
+    over 2 ranks; loss and every gradient equal one process's (fp64)."""
+    run = core_runs["user_fp64"]
+    assert run["loss_diff"] <= FP64_TOL and run["grad_diff"] <= FP64_TOL, run
+    assert run["expert_parameters"] == 2 * 2 * 4, run  # 2 layers × 2 experts held × 2 Linear (weight, bias)
 
 
 # ---------------------------------------------------------------------------------------------------- the strategy

@@ -70,6 +70,7 @@ class ParallelizeConfig:
         all_gather: A custom FSDP2 all-gather for every unit (ZeRO++ qwZ).
         reduce_scatter: A custom FSDP2 reduce-scatter for every unit (ZeRO++ qgZ).
         expert_parallel: Split the mixture-of-experts layers' experts over ``mesh["ep"]`` (``dims.ep`` > 1).
+        expert_modules: A pattern naming the experts modules, when they are not found from their structure.
     """
 
     units: list[Unit] = field(default_factory=list)
@@ -82,6 +83,7 @@ class ParallelizeConfig:
     all_gather: Any = None
     reduce_scatter: Any = None
     expert_parallel: bool = False
+    expert_modules: str | None = None
 
 
 @dataclass
@@ -121,7 +123,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelizeConfig)
         dims = mesh.dims
         replicas = mesh["ep_replicas"] if dims.dp_replicate * dims.fsdp > dims.ep else None
         record.experts = apply_expert_parallel(
-            model, mesh["ep"], dims.dp_replicate * dims.fsdp, replicas, batch=mesh["loss"]
+            model, mesh["ep"], dims.dp_replicate * dims.fsdp, replicas, mesh["loss"], config.expert_modules
         )
     if config.activation_checkpointing:
         apply_activation_checkpointing(m for _, m in config.units)

@@ -23,14 +23,21 @@ else:
 class ExpertParallelOption(_Base):
     """``expert_parallel_size``: ep ranks borrowed from ``dp_shard × cp`` that split every MoE layer's experts."""
 
-    def init_expert_parallel(self, size: MeshSize) -> None:
-        """Check and keep the option (a positive int, 1: off, or ``"auto"``: all of dp_shard × cp)."""
+    def init_expert_parallel(self, size: MeshSize, expert_modules: str | None = None) -> None:
+        """Check and keep the options: ``size`` (a positive int, 1: off, or ``"auto"``: all of dp_shard × cp) and
+        ``expert_modules`` (a pattern naming the experts modules, or ``None``: found from their structure)."""
         if size != "auto" and not is_positive_int(size):
             raise ValueError(
                 f"expert_parallel_size={size!r} is neither a positive int (1: off) nor 'auto' (every data-parallel"
                 " shard rank)."
             )
+        if expert_modules is not None and not (isinstance(expert_modules, str) and expert_modules):
+            raise ValueError(
+                f"expert_modules={expert_modules!r} is not a pattern of module names (e.g."
+                " 'model.layers.*.mlp.experts'); leave it None to find the experts from their structure."
+            )
         self.expert_parallel_size = size
+        self.expert_modules = expert_modules
 
     def expert_parallel_sizes(self) -> dict[str, MeshSize]:
         """The ``ep`` entry of :meth:`mesh_sizes` (none when the option is off)."""
@@ -44,7 +51,7 @@ class ExpertParallelOption(_Base):
         if self.expert_parallel_size == 1:
             return
         dims = self.parallel_dims
-        check_expert_parallel(model, dims.ep)
+        check_expert_parallel(model, dims.ep, self.expert_modules)
         if sequence_parallel and dims.tp > 1 and dims.ep > 1:
             raise ExpertParallelError(
                 f"expert_parallel_size={dims.ep} with sequence_parallel=True over tp={dims.tp}: the experts are"
@@ -56,4 +63,9 @@ class ExpertParallelOption(_Base):
     def expert_parallel_on(self, part: Module) -> bool:
         """Whether :func:`~lightning_dist.parallel.parallelize.parallelize` splits ``part``'s experts: ep > 1 and
         the part (a pipeline stage) holds MoE layers."""
-        return self.parallel_dims.ep > 1 and bool(find_expert_layers(part))
+        if self.parallel_dims.ep == 1:
+            return False
+        try:
+            return bool(find_expert_layers(part, self.expert_modules))
+        except ExpertParallelError:  # the pattern names no module of this stage: the model's were checked before
+            return False

@@ -44,6 +44,9 @@ class FSDP2Strategy(ExpertParallelOption, MeshParallelStrategy):
             expert. It must divide the experts and ``data_parallel_shard_size``; ``"auto"``: all of
             ``data_parallel_shard_size`` (the ``expert_parallel`` strategy name); 1 (default): off. See
             docs/expert_parallel.md.
+        expert_modules: For a model whose experts are not found from their structure: a pattern of the experts
+            modules' qualified names (``*`` for any part: ``"model.layers.*.moe.expert_list"``), each a
+            ``ModuleList`` of same-class experts or a module with 3-D ``gate_up_proj``/``down_proj`` parameters.
         **kwargs: The options every strategy takes (``reshard_after_forward``, which overrides what ``sharding``
             implies, ``wrap_modules``, ``wrap_regex``, ``activation_checkpointing``, ``accumulation_sync``,
             ``compile``...): see :class:`~lightning_dist.strategies.base.MeshParallelStrategy`.
@@ -58,6 +61,7 @@ class FSDP2Strategy(ExpertParallelOption, MeshParallelStrategy):
         data_parallel_replicate_size: MeshSize = "auto",
         cpu_offload: bool = False,
         expert_parallel_size: MeshSize = 1,
+        expert_modules: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -69,7 +73,7 @@ class FSDP2Strategy(ExpertParallelOption, MeshParallelStrategy):
         self.data_parallel_shard_size = data_parallel_shard_size
         self.data_parallel_replicate_size = data_parallel_replicate_size
         self.cpu_offload = check_bool("cpu_offload", cpu_offload)
-        self.init_expert_parallel(expert_parallel_size)
+        self.init_expert_parallel(expert_parallel_size, expert_modules)
 
     @override
     def mesh_sizes(self) -> dict[str, MeshSize]:
@@ -152,6 +156,7 @@ class FSDP2Strategy(ExpertParallelOption, MeshParallelStrategy):
             root_mp_policy=self.precision_plugin.root_mp_policy,
             extra_units=self.extra_shard_units(model, units),
             expert_parallel=self.parallel_dims.ep > 1,
+            expert_modules=self.expert_modules,
         )
 
     def comms_log(self, record: ParallelizeRecord) -> list[str]:

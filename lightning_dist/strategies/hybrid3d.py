@@ -63,6 +63,8 @@ class Hybrid3DStrategy(
         expert_parallel_size: Ranks that split every mixture-of-experts layer's experts (``ep``), borrowed from
             ``dp_shard × cp`` (it must divide it and the experts; ``"auto"``: all of it), inside each pipeline stage;
             the experts are replicated over ``tp``. Kept as given under ``mesh="auto"``. See docs/expert_parallel.md.
+        expert_modules: A pattern naming the experts modules, for experts not found from their structure (as in
+            :class:`~lightning_dist.FSDP2Strategy`).
         mesh_shape: ``[sizes, axis names]`` instead of the size options (names: pp, dp_replicate, dp_shard or dp,
             cp, tp; axes left out have size 1).
         mesh: ``"auto"``: the planner chooses the sizes (needs ``sequence_length``); the choice is logged.
@@ -95,6 +97,7 @@ class Hybrid3DStrategy(
         context_parallel_size: MeshSize = 1,
         tensor_parallel_size: MeshSize = 1,
         expert_parallel_size: MeshSize = 1,
+        expert_modules: str | None = None,
         mesh_shape: list[list[int | str]] | None = None,
         mesh: Literal["auto"] | None = None,
         schedule: str = "1f1b",
@@ -117,7 +120,7 @@ class Hybrid3DStrategy(
         self.init_pipeline(schedule, n_microbatches, stages_per_rank, split)
         self.init_context_parallel(attention, load_balance, sequence_keys)
         self.init_tensor_parallel(plan, sequence_parallel, loss_parallel)
-        self.init_expert_parallel(expert_parallel_size)
+        self.init_expert_parallel(expert_parallel_size, expert_modules)
         self._rope_in_parts: str | None = None  # under pp × cp: the rope-table module's name in each stage
         sizes = {
             "pp": pipeline_parallel_size,
@@ -226,7 +229,7 @@ class Hybrid3DStrategy(
         for (part, blocks), stage in zip(stages, self._stage_ids if self.pipelined else [0]):
             plan = self.tensor_parallel_plan(part, needs_head=stage == last) if dims.tp > 1 else None
             config, root = self._parallelize_config(blocks, plan), type(part).__name__
-            config.expert_parallel = self.expert_parallel_on(part)
+            config.expert_parallel, config.expert_modules = self.expert_parallel_on(part), self.expert_modules
             record = parallelize(part, self.mesh, config)
             if plan is not None:
                 self.log_tensor_parallel_plan(model, plan, record.tp_changes)

@@ -47,11 +47,23 @@ def tiny_moe(kind: str = "mixtral", num_experts: int = 4, aux: bool = False) -> 
         "qwen3_moe": ("Qwen3Moe", {**sparse, "mlp_only_layers": []}),
         "qwen2_moe": ("Qwen2Moe", {**sparse, "mlp_only_layers": [], "shared_expert_intermediate_size": 40}),
         "olmoe": ("Olmoe", {"intermediate_size": 24, "num_experts": num_experts}),
-    }
+        # shared experts and grouped routing (2 groups, the top group chosen first); MLA attention
+        "deepseek_v3": ("DeepseekV3", {
+            "intermediate_size": 48, "moe_intermediate_size": 24, "n_routed_experts": num_experts,
+            "n_shared_experts": 1, "num_key_value_heads": 4, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 0, "q_lora_rank": None,
+            "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        }),
+        # expert biases, transposed weights with gate and up interleaved (its own gate), a router named "router"
+        "gpt_oss": ("GptOss", {
+            "intermediate_size": 24, "num_local_experts": num_experts, "head_dim": 8, "sliding_window": 8,
+            "layer_types": ["full_attention", "sliding_attention"],
+        }),
+    }  # fmt: skip
     prefix, extra = configs[kind]
     if aux:  # the router's load-balancing loss, weighted 1 so that it shows in the loss
         extra = {**extra, "output_router_logits": True, "router_aux_loss_coef": 1.0}
-    config = getattr(transformers, f"{prefix}Config")(**common, **extra)
+    config = getattr(transformers, f"{prefix}Config")(**{**common, **extra})
     torch.manual_seed(1234)
     return getattr(transformers, f"{prefix}ForCausalLM")(config).double()
 
@@ -109,7 +121,15 @@ def moe_fp64(
     """One forward and backward: the loss (mean over ranks) and every gradient against one process. ``ep`` smaller
     than the world: groups of ``ep`` ranks split the experts, the other ranks hold the same ones (replicas).
     ``idle_rank``: the routers send no token to the last ep rank's experts."""
-    model = tiny_litgpt_moe(kind == "litgpt_shared") if kind.startswith("litgpt") else tiny_moe(kind, aux=aux)
+    if kind == "user":
+        from models import UserMoE  # type: ignore[import-not-found]  (imports Lightning: run after the others)
+
+        torch.manual_seed(1234)
+        model: torch.nn.Module = UserMoE().double()
+    elif kind.startswith("litgpt"):
+        model = tiny_litgpt_moe(kind == "litgpt_shared")
+    else:
+        model = tiny_moe(kind, aux=aux)
     if idle_rank:
         for layer in model.model.layers:
             layer.mlp.gate.register_forward_hook(_route_to_first_half)
@@ -123,7 +143,8 @@ def moe_fp64(
     ep = ep or world
     mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("ep_replicas", "ep"))
     batch = init_device_mesh("cpu", (world,), mesh_dim_names=("batch",))
-    record = apply_expert_parallel(model, mesh["ep"], world, mesh["ep_replicas"], batch=batch)
+    pattern = "layers.*.expert_list" if kind == "user" else None  # names no library uses: given by the user
+    record = apply_expert_parallel(model, mesh["ep"], world, mesh["ep_replicas"], batch, pattern)
     mine = tokens.chunk(world)[rank]
     aux_values: dict[str, float] = {}
     loss = _loss(model, mine, aux_values)
@@ -167,10 +188,14 @@ def moe_fp64(
     }
 
 
-SCENARIOS = {f"{kind}_fp64": partial(moe_fp64, kind=kind) for kind in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")}
+SCENARIOS = {
+    f"{kind}_fp64": partial(moe_fp64, kind=kind)
+    for kind in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss")
+}
 SCENARIOS["mixtral_aux_fp64"] = partial(moe_fp64, kind="mixtral", aux=True)
 SCENARIOS["mixtral_ep1_replicas_fp64"] = partial(moe_fp64, kind="mixtral", aux=True, ep=1)
 SCENARIOS["mixtral_idle_rank_fp64"] = partial(moe_fp64, kind="mixtral", idle_rank=True)
+SCENARIOS["user_fp64"] = partial(moe_fp64, kind="user")
 SCENARIOS["litgpt_fp64"] = partial(moe_fp64, kind="litgpt")
 SCENARIOS["litgpt_shared_fp64"] = partial(moe_fp64, kind="litgpt_shared")
 SCENARIOS["litgpt_ep1_replicas_fp64"] = partial(moe_fp64, kind="litgpt", ep=1)

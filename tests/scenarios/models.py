@@ -17,6 +17,8 @@
   precision.
 - :class:`HFLlama`: a stock ``LlamaForCausalLM`` whose loss is computed inside the model (context parallelism's
   label shift), or from its logits.
+- :class:`UserMoE`: a mixture-of-experts model as a user writes it, with names no library uses: each layer's
+  experts in a ``ModuleList`` called ``expert_list``, routed by ``scorer`` in the same ``forward`` as the loop.
 
 Only torch, Lightning, torchmetrics and (imported where used) transformers and litgpt: the module imports nothing
 from the scenario scripts, so both the scripts (``from models import ...``) and the tests
@@ -399,3 +401,40 @@ class HFLlama(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class UserMoELayer(nn.Module):
+    """Top-2 routing by ``scorer`` over ``expert_list`` (GELU MLPs), weights softmaxed over the chosen two."""
+
+    def __init__(self, hidden: int, experts: int) -> None:
+        super().__init__()
+        self.scorer = nn.Linear(hidden, experts, bias=False)
+        self.expert_list = nn.ModuleList(
+            nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden)) for _ in range(experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.scorer(flat).topk(2, dim=-1)
+        weights = weights.softmax(dim=-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.expert_list):
+            tokens, slot = torch.where(chosen == e)
+            out[tokens] += weights[tokens, slot, None] * expert(flat[tokens])
+        return out.view_as(x)
+
+
+class UserMoE(nn.Module):
+    """An embedding, 2 residual MoE layers (:class:`UserMoELayer`, 4 experts) and a head."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 32, experts: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(UserMoELayer(hidden, experts) for _ in range(2))
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = x + layer(torch.nn.functional.layer_norm(x, x.shape[-1:]))
+        return self.head(x)

@@ -66,16 +66,19 @@ class ExpertParallelRecord:
         )
 
 
-def check_expert_parallel(model: nn.Module, ep: int) -> list[ExpertLayer]:
-    """The model's expert layers, or :class:`ExpertParallelError` saying why ``ep`` cannot split them. No
+def check_expert_parallel(model: nn.Module, ep: int, expert_modules: str | None = None) -> list[ExpertLayer]:
+    """The model's expert layers (found from structure, or named by the ``expert_modules`` pattern, see
+    :func:`find_expert_layers`), or :class:`ExpertParallelError` saying why ``ep`` cannot split them. No
     communication: run it before processes start."""
-    layers = find_expert_layers(model)
+    layers = find_expert_layers(model, expert_modules)
     if not layers:
         raise ExpertParallelError(describe_dense(model))
     for layer in layers:
         unsupported = {
             a: getattr(layer.experts, a) for a, v in _SUPPORTED_LAYOUT.items() if getattr(layer.experts, a, v) != v
         }
+        if unsupported.keys() == {"is_concatenated"} and _own_gate(layer.experts):
+            unsupported = {}  # gate and up interleaved, split by the class's own _apply_gate (gpt-oss): computed
         if unsupported:
             raise ExpertParallelError(
                 f"{layer.name} ({type(layer.experts).__name__}) has an experts layout expert parallelism does not"
@@ -96,6 +99,7 @@ def apply_expert_parallel(
     gradient_divide_factor: int | None = None,
     replicas: DeviceMesh | None = None,
     batch: DeviceMesh | None = None,
+    expert_modules: str | None = None,
 ) -> ExpertParallelRecord:
     """Shard the experts of every MoE layer of ``model`` over the 1-D ``ep_mesh`` (in place; collective).
 
@@ -108,9 +112,11 @@ def apply_expert_parallel(
             gradients are summed; ``None`` or one rank: none.
         batch: The data-parallel ranks whose tokens make up the batch: the router's auxiliary loss
             (``output_router_logits=True``) is computed from their summed routing statistics (default: ``ep_mesh``).
+        expert_modules: A pattern of the experts modules' qualified names, for experts not found from their
+            structure (see :func:`find_expert_layers`).
     """
     ep = ep_mesh.size()
-    layers = check_expert_parallel(model, ep)
+    layers = check_expert_parallel(model, ep, expert_modules)
     divide = gradient_divide_factor or ep
     names: list[str] = []
     replica_group = replicas.get_group() if replicas is not None and replicas.size() > 1 else None
@@ -196,8 +202,20 @@ def _local(module: nn.Module, name: str, state: ExpertParallelState, dtype: torc
 
 
 def _expert_parallel_forward(
-    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor | None = None,
+    top_k_weights: torch.Tensor | None = None,
+    **named: torch.Tensor,
 ) -> torch.Tensor:
+    # gpt-oss passes them by keyword, under its own names
+    top_k_index = named.pop("router_indices", top_k_index)
+    top_k_weights = named.pop("routing_weights", top_k_weights)
+    if named or top_k_index is None or top_k_weights is None:
+        raise ExpertParallelError(
+            f"{type(self).__name__} was called with arguments expert parallelism does not know: {sorted(named)}"
+            " (expected hidden states, the top-k expert indices and their weights)."
+        )
     state: ExpertParallelState = self.expert_parallel
     rows, moved = dispatch(hidden_states, top_k_index, state.num_experts, state.group)
     dtype = hidden_states.dtype
@@ -213,6 +231,13 @@ def _expert_parallel_forward(
 
 
 _CLASSES: dict[type, type] = {}
+
+
+def _own_gate(experts: nn.Module) -> bool:
+    """Whether the experts class splits its gate/up projection itself (``_apply_gate`` of its own, as gpt-oss's
+    interleaved layout needs), rather than transformers' default chunking."""
+    gate = getattr(type(experts), "_apply_gate", None)
+    return gate is not None and gate.__name__ != "_default_apply_gate"
 
 
 def _expert_parallel_class(cls: type) -> type:

@@ -8,11 +8,14 @@ Two shapes are recognized:
   after the parent's router (``gate``) chose the experts. Expert parallelism replaces only that call.
 - **module list** (litgpt ``LLaMAMoE`` and user code in that shape): a module with an ``experts`` ``ModuleList`` of
   same-class experts beside a router ``gate``.
+
+Experts under other names are named by a pattern (the strategies' ``expert_modules`` option).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fnmatch import fnmatch
 
 from torch import nn
 
@@ -48,21 +51,52 @@ class ExpertLayer:
         return [f"{self.name}.{n}" for n, _ in self.experts.named_parameters()]
 
 
-def find_expert_layers(model: nn.Module) -> list[ExpertLayer]:
-    """Every mixture-of-experts layer of ``model``, in module order (empty for a dense model)."""
+def find_expert_layers(model: nn.Module, expert_modules: str | None = None) -> list[ExpertLayer]:
+    """Every mixture-of-experts layer of ``model``, in module order (empty for a dense model).
+
+    Args:
+        model: The model.
+        expert_modules: A pattern (``fnmatch``, ``*`` for any part of a name) of the qualified names of the experts
+            modules, for a model whose experts are not found from their structure: each match must be a module with
+            3-D ``gate_up_proj``/``down_proj`` parameters or a ``ModuleList`` of same-class experts, whatever its
+            name and router. ``None``: found from their structure.
+    """
     modules = dict(model.named_modules())
     layers = []
     for name, module in modules.items():
+        if expert_modules is not None and not (name and fnmatch(name, expert_modules)):
+            continue
         parent_name = name.rpartition(".")[0]
         parent = modules.get(parent_name) if name else None
         router = _router_name(parent, parent_name)
         if _is_stacked(module):
             layers.append(ExpertLayer(name, module, router, module.down_proj.shape[0], "stacked"))
-        elif isinstance(module, nn.ModuleList) and name.rpartition(".")[2] == "experts" and router is not None:
-            classes = {type(m) for m in module}
-            if len(module) > 1 and len(classes) == 1:
+        elif isinstance(module, nn.ModuleList) and (expert_modules is not None or _named_experts(name, router)):
+            if len(module) > 1 and len({type(m) for m in module}) == 1:
                 layers.append(ExpertLayer(name, module, router, len(module), "module_list"))
+    if expert_modules is not None and not layers:
+        raise ExpertParallelError(_no_match(model, expert_modules))
     return layers
+
+
+def _named_experts(name: str, router: str | None) -> bool:
+    return name.rpartition(".")[2] == "experts" and router is not None
+
+
+def _no_match(model: nn.Module, experts: str) -> str:
+    matched = [n for n, _ in model.named_modules() if n and fnmatch(n, experts)]
+    lists = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 1][:6]
+    what = (
+        f"it matches {', '.join(matched[:4])}, none of them a ModuleList of same-class experts or a module with 3-D"
+        " gate_up_proj/down_proj parameters"
+        if matched
+        else "it matches no module name"
+    )
+    return (
+        f"expert_modules={experts!r} names no experts module: {what}. The model's ModuleLists of more than one"
+        f" module: {', '.join(lists) or 'none'}. Give a pattern of the experts modules' qualified names (* for any"
+        " part), e.g. 'model.layers.*.mlp.experts'."
+    )
 
 
 def describe_dense(model: nn.Module) -> str:
@@ -81,7 +115,9 @@ def describe_dense(model: nn.Module) -> str:
         " parameters gate_up_proj (E, 2I, H) and down_proj (E, H, I) (transformers 5.x MoE models), and for an"
         " 'experts' ModuleList beside a router 'gate' (litgpt LLaMAMoE); found "
         + ("; ".join(found) if found else "neither (a dense model)")
-        + ". Expert parallelism needs a mixture-of-experts model: use plain fsdp2 for a dense one."
+        + ". Expert parallelism needs a mixture-of-experts model: use plain fsdp2 for a dense one. If the model"
+        " keeps its experts another way, name them with expert_modules (a pattern of their qualified names, e.g."
+        " 'model.layers.*.moe.expert_list')."
     )
 
 

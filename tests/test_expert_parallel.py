@@ -107,6 +107,16 @@ def test_litgpt_module_list_experts_split_over_two_ranks_match_one_process_in_fp
 
 
 @pytest.mark.slow
+def test_expert_load_is_counted_over_the_whole_batch(core_runs):
+    """The load each ep rank counts in its forward, summed over the ranks, is what one process's routers chose on
+    the whole batch: max / mean tokens per expert per layer, exactly."""
+    run = core_runs["mixtral_fp64"]
+    assert set(run["load"]) == {f"model.layers.{i}.mlp.experts" for i in range(2)}
+    assert run["load"] == run["load_reference"], run
+    assert all(1.0 <= value <= 4 / 2 for value in run["load"].values())  # balanced … all on top_k of E experts
+
+
+@pytest.mark.slow
 def test_the_router_auxiliary_loss_is_the_one_process_value_over_the_whole_batch(core_runs):
     """output_router_logits=True, weight 1: the load-balancing loss comes from the routing statistics summed over
     the ranks, so it is one process's value (per-rank values averaged would be 1e-3 off), and so are the loss and
@@ -331,6 +341,16 @@ def test_a_checkpoint_saved_under_ep2_resumes_under_ep4(ep2_of_four):
     uninterrupted, resumed = ep2_of_four["ep2_of_4_fp64"]["losses"], ep2_of_four["resume_ep2_to_ep4"]["losses"]
     assert len(resumed) == 4
     assert max(abs(a - b) for a, b in zip(uninterrupted[4:], resumed)) <= FP64_TOL, (uninterrupted, resumed)
+
+
+@pytest.mark.slow
+def test_log_expert_load_logs_each_layers_max_over_mean_tokens_per_expert(ep_two_ranks, ep2_of_four):
+    """log_expert_load=True: every training step logs expert_load/<experts module> for each MoE layer, a value
+    between 1 (balanced) and E / top_k = 2 (collapsed); under pp2 × dp2 × ep2 every rank logs both stages' layers."""
+    names = {f"expert_load/model.model.layers.{i}.mlp.experts" for i in range(2)}
+    for load in (ep_two_ranks["ep_fp32"]["expert_load"], ep2_of_four["pp2_dp2_ep2"]["expert_load"]):
+        assert set(load) == names, load
+        assert all(1.0 <= value <= 2.0 for value in load.values()), load
 
 
 # hybrid3d with expert_parallel_size=2 (the pp2_dp2_ep2 and tp2_ep2 scenarios): the mesh each one resolves to.

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from torch.nn import Module
 
 from lightning_dist.parallel.expert_parallel import ExpertParallelError, check_expert_parallel, find_expert_layers
-from lightning_dist.parallel.validation import is_positive_int
+from lightning_dist.parallel.validation import check_bool, is_positive_int
 
 if TYPE_CHECKING:
     from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
@@ -23,9 +23,12 @@ else:
 class ExpertParallelOption(_Base):
     """``expert_parallel_size``: ep ranks borrowed from ``dp_shard × cp`` that split every MoE layer's experts."""
 
-    def init_expert_parallel(self, size: MeshSize, expert_modules: str | None = None) -> None:
-        """Check and keep the options: ``size`` (a positive int, 1: off, or ``"auto"``: all of dp_shard × cp) and
-        ``expert_modules`` (a pattern naming the experts modules, or ``None``: found from their structure)."""
+    def init_expert_parallel(
+        self, size: MeshSize, expert_modules: str | None = None, log_expert_load: bool = False
+    ) -> None:
+        """Check and keep the options: ``size`` (a positive int, 1: off, or ``"auto"``: all of dp_shard × cp),
+        ``expert_modules`` (a pattern naming the experts modules, or ``None``: found from their structure) and
+        ``log_expert_load`` (log each MoE layer's max / mean tokens per expert every training step)."""
         if size != "auto" and not is_positive_int(size):
             raise ValueError(
                 f"expert_parallel_size={size!r} is neither a positive int (1: off) nor 'auto' (every data-parallel"
@@ -38,6 +41,7 @@ class ExpertParallelOption(_Base):
             )
         self.expert_parallel_size = size
         self.expert_modules = expert_modules
+        self.log_expert_load = check_bool("log_expert_load", log_expert_load)
 
     def expert_parallel_sizes(self) -> dict[str, MeshSize]:
         """The ``ep`` entry of :meth:`mesh_sizes` (none when the option is off)."""

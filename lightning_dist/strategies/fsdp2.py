@@ -47,6 +47,9 @@ class FSDP2Strategy(ExpertParallelOption, MeshParallelStrategy):
         expert_modules: For a model whose experts are not found from their structure: a pattern of the experts
             modules' qualified names (``*`` for any part: ``"model.layers.*.moe.expert_list"``), each a
             ``ModuleList`` of same-class experts or a module with 3-D ``gate_up_proj``/``down_proj`` parameters.
+        log_expert_load: With expert parallelism, log every MoE layer's load each training step as
+            ``expert_load/<experts module>``: max / mean tokens per expert over the whole batch (1.0: balanced;
+            ``E / top_k``: routing collapsed onto the same experts).
         **kwargs: The options every strategy takes (``reshard_after_forward``, which overrides what ``sharding``
             implies, ``wrap_modules``, ``wrap_regex``, ``activation_checkpointing``, ``accumulation_sync``,
             ``compile``...): see :class:`~lightning_dist.strategies.base.MeshParallelStrategy`.
@@ -62,6 +65,7 @@ class FSDP2Strategy(ExpertParallelOption, MeshParallelStrategy):
         cpu_offload: bool = False,
         expert_parallel_size: MeshSize = 1,
         expert_modules: str | None = None,
+        log_expert_load: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -73,7 +77,7 @@ class FSDP2Strategy(ExpertParallelOption, MeshParallelStrategy):
         self.data_parallel_shard_size = data_parallel_shard_size
         self.data_parallel_replicate_size = data_parallel_replicate_size
         self.cpu_offload = check_bool("cpu_offload", cpu_offload)
-        self.init_expert_parallel(expert_parallel_size, expert_modules)
+        self.init_expert_parallel(expert_parallel_size, expert_modules, log_expert_load)
 
     @override
     def mesh_sizes(self) -> dict[str, MeshSize]:

@@ -63,8 +63,8 @@ class Hybrid3DStrategy(
         expert_parallel_size: Ranks that split every mixture-of-experts layer's experts (``ep``), borrowed from
             ``dp_shard × cp`` (it must divide it and the experts; ``"auto"``: all of it), inside each pipeline stage;
             the experts are replicated over ``tp``. Kept as given under ``mesh="auto"``. See docs/expert_parallel.md.
-        expert_modules: A pattern naming the experts modules, for experts not found from their structure (as in
-            :class:`~lightning_dist.FSDP2Strategy`).
+        expert_modules, log_expert_load: As in :class:`~lightning_dist.FSDP2Strategy`: a pattern naming the
+            experts modules the structure does not show; log each MoE layer's max / mean tokens per expert.
         mesh_shape: ``[sizes, axis names]`` instead of the size options (names: pp, dp_replicate, dp_shard or dp,
             cp, tp; axes left out have size 1).
         mesh: ``"auto"``: the planner chooses the sizes (needs ``sequence_length``); the choice is logged.
@@ -98,6 +98,7 @@ class Hybrid3DStrategy(
         tensor_parallel_size: MeshSize = 1,
         expert_parallel_size: MeshSize = 1,
         expert_modules: str | None = None,
+        log_expert_load: bool = False,
         mesh_shape: list[list[int | str]] | None = None,
         mesh: Literal["auto"] | None = None,
         schedule: str = "1f1b",
@@ -120,7 +121,7 @@ class Hybrid3DStrategy(
         self.init_pipeline(schedule, n_microbatches, stages_per_rank, split)
         self.init_context_parallel(attention, load_balance, sequence_keys)
         self.init_tensor_parallel(plan, sequence_parallel, loss_parallel)
-        self.init_expert_parallel(expert_parallel_size, expert_modules)
+        self.init_expert_parallel(expert_parallel_size, expert_modules, log_expert_load)
         self._rope_in_parts: str | None = None  # under pp × cp: the rope-table module's name in each stage
         sizes = {
             "pp": pipeline_parallel_size,

@@ -51,6 +51,7 @@ from lightning_dist.parallel.replicated_state import average_gradients
 from lightning_dist.parallel.runtime.nonfinite import NonFiniteError, gather_non_finite, gradients_are_finite
 from lightning_dist.parallel.tensor_parallel import shard_gradients_like_parameters
 from lightning_dist.strategies.steps.context_parallel import ContextParallelPart
+from lightning_dist.strategies.steps.expert_parallel import ExpertParallelPart
 from lightning_dist.strategies.steps.part import StepPart
 from lightning_dist.strategies.steps.pipeline import PipelinePart
 from lightning_dist.strategies.steps.tensor_parallel import TensorParallelPart
@@ -58,7 +59,7 @@ from lightning_dist.strategies.steps.tensor_parallel import TensorParallelPart
 NonFiniteMode = Literal["ignore", "skip", "stop"]
 
 #: The parts of a step, outermost first (see the module docstring for what each does where).
-STEP_PARTS: tuple[type[StepPart], ...] = (ContextParallelPart, TensorParallelPart, PipelinePart)
+STEP_PARTS: tuple[type[StepPart], ...] = (ExpertParallelPart, ContextParallelPart, TensorParallelPart, PipelinePart)
 
 
 class StepProtocol:

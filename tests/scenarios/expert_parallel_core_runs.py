@@ -19,7 +19,7 @@ from pure_torch import run_pure_torch_scenarios  # type: ignore[import-not-found
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from lightning_dist.parallel.expert_parallel import apply_expert_parallel
+from lightning_dist.parallel.expert_parallel import apply_expert_parallel, take_expert_load
 from lightning_dist.parallel.expert_parallel.module_list import SPLIT_OVER_EP
 
 VOCAB, SEQ, BATCH = 64, 16, 4
@@ -137,6 +137,7 @@ def moe_fp64(
     torch.manual_seed(7)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
     ref_aux: dict[str, float] = {}
+    routed = _record_routing(reference) if kind == "mixtral" else {}
     ref_loss = _loss(reference, tokens, ref_aux)
     ref_loss.backward()
 
@@ -147,8 +148,10 @@ def moe_fp64(
     record = apply_expert_parallel(model, mesh["ep"], world, mesh["ep_replicas"], batch, pattern)
     mine = tokens.chunk(world)[rank]
     aux_values: dict[str, float] = {}
+    take_expert_load(model)  # counts start here
     loss = _loss(model, mine, aux_values)
     loss.backward()
+    load = take_expert_load(model, batch.get_group())
     mean_loss = loss.detach().clone()
     dist.all_reduce(mean_loss)
     mean_loss /= world
@@ -185,7 +188,24 @@ def moe_fp64(
         "expert_parameters": expert_grads,
         "local_shapes": local_shapes,
         "record": record.describe(),
+        "load": load,
+        "load_reference": {name: _max_over_mean(ids, model.config) for name, ids in routed.items()},
     }
+
+
+def _record_routing(model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
+    """The expert indices each Mixtral router returns, by its layer's experts module name (forward hooks)."""
+    routed: dict[str, list[torch.Tensor]] = {}
+    for i, layer in enumerate(model.model.layers):
+        name = f"model.layers.{i}.mlp.experts"
+        routed[name] = []
+        layer.mlp.gate.register_forward_hook(lambda m, a, out, keep=routed[name]: keep.append(out[2].detach()))
+    return routed
+
+
+def _max_over_mean(indices: list[torch.Tensor], config: Any) -> float:
+    counts = torch.bincount(torch.cat(indices).reshape(-1), minlength=config.num_local_experts)
+    return float(counts.max() * counts.numel() / counts.sum())
 
 
 SCENARIOS = {

@@ -121,6 +121,7 @@ def train(
     aux: bool = False,
     check_export: bool = False,
     hybrid3d: dict[str, Any] | None = None,
+    log_load: bool = False,
 ) -> dict[str, Any]:
     """Train the model of ``kind``; ``hybrid3d``: under ``Hybrid3DStrategy(expert_parallel_size=ep, **hybrid3d)``
     instead of fsdp2, also reporting its mesh, log lines and expert shards' shapes."""
@@ -136,11 +137,11 @@ def train(
     else:
         kernel = "grouped_mm" if pipeline else "eager"
         model = MoECausalLM(data.vocab_size, kind, aux, seq_len=SEQ_LEN, experts_implementation=kernel)
-    strategy: Any = "auto" if devices == 1 else FSDP2Strategy(expert_parallel_size=ep or 1)
+    strategy: Any = "auto" if devices == 1 else FSDP2Strategy(expert_parallel_size=ep or 1, log_expert_load=log_load)
     if pipeline:
         strategy = PipelineStrategy()
     if hybrid3d is not None:
-        strategy = Hybrid3DStrategy(expert_parallel_size=ep, **hybrid3d)
+        strategy = Hybrid3DStrategy(expert_parallel_size=ep, log_expert_load=log_load, **hybrid3d)
         lines = LogLines("hybrid3d")
     recorder, counter, replicas = (
         (AllStagesRecorder() if pipeline or hybrid3d is not None else StepRecorder()),
@@ -163,6 +164,9 @@ def train(
     )
     trainer.fit(model, data, ckpt_path=resume_from)
     result: dict[str, Any] = {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "aux": model.aux_losses}
+    if log_load:  # the last step's logged expert load
+        load = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("expert_load/")}
+        result["expert_load"] = load
     if seed_by_rank:
         return {**result, "replica_gap": replicas.gaps}
     if traffic:
@@ -228,7 +232,7 @@ SCENARIOS = {
     "ep_fp64": lambda devices, workdir: train(
         devices, "64-true", devices, save_to=f"{workdir}/ep_ckpt", check_export=True
     ),
-    "ep_fp32": lambda devices, workdir: train(devices, "32-true", devices),
+    "ep_fp32": lambda devices, workdir: train(devices, "32-true", devices, log_load=True),
     "bytes_fsdp2": lambda devices, workdir: train(devices, "32-true", None, steps=2, traffic=True),
     "bytes_ep": lambda devices, workdir: train(devices, "32-true", devices, steps=2, traffic=True),
     "pipeline_fp32": lambda devices, workdir: train(devices, "32-true", None, pipeline=True),
@@ -261,7 +265,7 @@ for _kind in ("qwen3_moe", "qwen2_moe"):
 _ATTENTION_PLAN = {f"model.model.layers.*.self_attn.{p}": "colwise" for p in ("q_proj", "k_proj", "v_proj")}
 _ATTENTION_PLAN["model.model.layers.*.self_attn.o_proj"] = "rowwise"
 SCENARIOS["pp2_dp2_ep2"] = lambda devices, workdir: train(
-    devices, "64-true", 2, hybrid3d={"pipeline_parallel_size": 2, "data_parallel_shard_size": 2}
+    devices, "64-true", 2, hybrid3d={"pipeline_parallel_size": 2, "data_parallel_shard_size": 2}, log_load=True
 )
 SCENARIOS["tp2_ep2"] = lambda devices, workdir: train(
     devices, "64-true", 2, hybrid3d={"tensor_parallel_size": 2, "data_parallel_shard_size": 2, "plan": _ATTENTION_PLAN}

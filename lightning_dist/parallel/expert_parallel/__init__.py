@@ -10,6 +10,7 @@ and back. Routing stays the model's own code. Which file holds what:
   as DTensors over ep, swap the experts' call), :func:`expert_parameters`, :func:`holds_some_experts`.
 - :mod:`.module_list` — ``ModuleList`` experts routed inside their layer's forward (litgpt ``LLaMAMoE``): record,
   exchange, replay.
+- :mod:`.load` — per-layer expert load (max / mean tokens per expert), counted in the forward.
 - :mod:`.router_loss` — the router's auxiliary loss from the routing statistics of the whole batch.
 """
 
@@ -21,6 +22,7 @@ from lightning_dist.parallel.expert_parallel.apply import (
     holds_some_experts,
 )
 from lightning_dist.parallel.expert_parallel.dispatch import all_to_all, combine, dispatch
+from lightning_dist.parallel.expert_parallel.load import take_expert_load
 from lightning_dist.parallel.expert_parallel.structure import ExpertLayer, ExpertParallelError, find_expert_layers
 
 __all__ = [
@@ -35,4 +37,5 @@ __all__ = [
     "expert_parameters",
     "find_expert_layers",
     "holds_some_experts",
+    "take_expert_load",
 ]

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_dist.compat.hugging_face import apply_experts_gate
 from lightning_dist.parallel.expert_parallel.dispatch import combine, dispatch
+from lightning_dist.parallel.expert_parallel.load import count_tokens
 from lightning_dist.parallel.expert_parallel.local_experts import StackedWeights, run_local_experts
 from lightning_dist.parallel.expert_parallel.module_list import ModuleListExperts, apply_module_list
 from lightning_dist.parallel.expert_parallel.router_loss import reduce_router_statistics
@@ -147,6 +148,13 @@ def apply_expert_parallel(
     return ExpertParallelRecord(len(layers), layers[0].num_experts, layers[0].num_experts // ep, ep, names, patched)
 
 
+def expert_parallel_state(module: nn.Module) -> ExpertParallelState | ModuleListExperts | None:
+    """The expert-parallel state :func:`apply_expert_parallel` left on ``module`` (an experts module, or the parent
+    of a ``ModuleList`` of experts), or ``None``."""
+    state = getattr(module, "expert_parallel", None)
+    return state if isinstance(state, (ExpertParallelState, ModuleListExperts)) else None
+
+
 def holds_some_experts(model: nn.Module) -> bool:
     """Whether ``model`` has ``ModuleList`` experts split over ep: its ranks then hold different parameters (each
     its own experts, under their global names), as pipeline stages do, and checkpoints must merge them."""
@@ -173,6 +181,7 @@ class ExpertParallelState:
     num_experts: int
     grad_scale: float
     replica_group: Any = None
+    load: torch.Tensor | None = None  # tokens this rank routed to each expert since the last look (see .load)
 
 
 class _ExpertGradient(torch.autograd.Function):
@@ -217,6 +226,7 @@ def _expert_parallel_forward(
             " (expected hidden states, the top-k expert indices and their weights)."
         )
     state: ExpertParallelState = self.expert_parallel
+    count_tokens(state, torch.bincount(top_k_index.reshape(-1), minlength=state.num_experts))
     rows, moved = dispatch(hidden_states, top_k_index, state.num_experts, state.group)
     dtype = hidden_states.dtype
     weights = StackedWeights(

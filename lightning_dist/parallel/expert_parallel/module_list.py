@@ -27,6 +27,7 @@ from torch import nn
 from torch.func import functional_call
 
 from lightning_dist.parallel.expert_parallel.dispatch import combine, dispatch
+from lightning_dist.parallel.expert_parallel.load import count_tokens
 from lightning_dist.parallel.expert_parallel.structure import ExpertParallelError
 from lightning_dist.parallel.grad_clip import count_in_norm_split_over
 
@@ -73,6 +74,7 @@ class ModuleListExperts:
     calls: list[list[torch.Tensor]] = field(default_factory=list)
     results: list[list[torch.Tensor]] = field(default_factory=list)
     slots: nn.ModuleList | None = None
+    load: torch.Tensor | None = None  # tokens this rank routed to each expert since the last look (see .load)
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for module in self.local.values() for p in module.parameters()]
@@ -156,6 +158,7 @@ def _exchange(state: ModuleListExperts) -> list[list[torch.Tensor]]:
     sizes = [[rows.shape[:-1].numel() for rows in calls] for calls in state.calls]
     rows = torch.cat([r.reshape(-1, r.shape[-1]) for calls in state.calls for r in calls])
     counts = torch.tensor([sum(s) for s in sizes], device=rows.device)
+    count_tokens(state, counts)
     ids = torch.repeat_interleave(torch.arange(state.num_experts, device=rows.device), counts)
     arrived, moved = dispatch(rows, ids.unsqueeze(1), state.num_experts, state.group)
     outputs, start = [], 0

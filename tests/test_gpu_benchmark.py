@@ -146,3 +146,33 @@ def test_every_setup_trains_on_the_cpu_before_it_costs_gpu_time():
         assert row["tokens_per_s"] > 0 and row["device"] == "cpu" and row["mfu"] is None, row
         assert row["flops_per_token"] > 0 and row["logged_tokens_per_s"] > 0 and row["logged_mfu"] is None, row
     assert "| tiny | fsdp2 |" in gpu.to_markdown(rows)
+
+
+# ------------------------------------------------------------------ benchmarks/gpu_moe.py (several GPUs, MoE)
+def test_the_moe_benchmark_needs_two_gpus_and_says_so():
+    from benchmarks import gpu_moe
+
+    args = gpu_moe.parse_args([])
+    assert args.sizes == "small" and args.setups.split(",") == ["fsdp2", "expert_parallel"]
+    with pytest.raises(SystemExit):
+        gpu_moe.parse_args(["--sizes", "huge"])
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < 2:
+        with pytest.raises(SystemExit, match=rf"needs at least 2 CUDA GPUs \(2 asked for\), and {gpus} are visible"):
+            gpu_moe.resolve_devices(args)
+    with pytest.raises(SystemExit, match=r"--devices 1: expert parallelism needs at least 2 processes"):
+        gpu_moe.resolve_devices(gpu_moe.parse_args(["--accelerator", "cpu", "--devices", "1"]))
+
+
+@pytest.mark.slow
+def test_the_moe_benchmark_runs_both_setups_on_two_cpu_processes(tmp_path):
+    """The GPU script end to end on the CPU (gloo), toy size: both setups train, and the all-gather of
+    expert_parallel is a fraction of fsdp2's (the experts are not gathered) while all-to-all carries the tokens."""
+    cmd = [sys.executable, "-m", "benchmarks.gpu_moe", "--accelerator", "cpu", "--devices", "2", "--sizes", "toy",
+           "--warmup", "1", "--steps", "1", "--precision", "32-true", "--seq-len", "32", "--out", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    rows = {r["setup"]: r for r in json.loads((tmp_path / "gpu_moe_results.json").read_text())}
+    assert rows["expert_parallel"]["all_gather_bytes"] < 0.5 * rows["fsdp2"]["all_gather_bytes"], rows
+    assert rows["expert_parallel"]["all_to_all_bytes"] > 0 == rows["fsdp2"]["all_to_all_bytes"], rows
+    assert "tokens/s vs fsdp2" in (tmp_path / "gpu_moe_report.md").read_text()

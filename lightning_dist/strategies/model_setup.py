@@ -25,6 +25,7 @@ from lightning_dist.compat.lightning import (
 from lightning_dist.parallel.compile import keep_user_compilation, unwrap_user_compiled
 from lightning_dist.parallel.fsdp import is_fully_sharded
 from lightning_dist.parallel.placement import place_model
+from lightning_dist.parallel.expert_parallel import mark_held_experts
 from lightning_dist.parallel.replicated_state import broadcast_replicated_state, tp_replicated_parameters
 from lightning_dist.parallel.tensor_parallel import tp_sharded_parameters
 from lightning_dist.strategies.data_position import LIGHTNING_NOT_RESUMABLE_WARNING, skip_trained_batches
@@ -66,6 +67,7 @@ class ModelSetup(_Base):
             materialize_distributed_module(
                 self.model, torch.device("cpu") if self.offloads_parameters else self.root_device
             )
+            mark_held_experts(self.model)  # materializing made new parameter objects, without their marks
             self.model_to_device()
             self._make_replicas_equal()
         if not is_fully_sharded(self.model):  # no FSDP2 policy to cast parameters: mixed precision is autocast

@@ -43,7 +43,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from examples.data import TextDataModule
 from examples.moe import LitGPTMoE, MoECausalLM
-from lightning_dist import FSDP2Strategy, Hybrid3DStrategy, PipelineStrategy
+from lightning_dist import FSDP2Strategy, Hybrid3DStrategy, PipelineStrategy, ZeroPPStrategy
 from lightning_dist.profiling import CommCounter, attach_phase_hooks
 
 STEPS = 4
@@ -122,6 +122,7 @@ def train(
     check_export: bool = False,
     hybrid3d: dict[str, Any] | None = None,
     log_load: bool = False,
+    zeropp: bool = False,
 ) -> dict[str, Any]:
     """Train the model of ``kind``; ``hybrid3d``: under ``Hybrid3DStrategy(expert_parallel_size=ep, **hybrid3d)``
     instead of fsdp2, also reporting its mesh, log lines and expert shards' shapes."""
@@ -140,6 +141,8 @@ def train(
     strategy: Any = "auto" if devices == 1 else FSDP2Strategy(expert_parallel_size=ep or 1, log_expert_load=log_load)
     if pipeline:
         strategy = PipelineStrategy()
+    if zeropp:  # ZeRO++'s int8 weight all-gather and int4 gradient reduce-scatter on the dense parts
+        strategy = ZeroPPStrategy(expert_parallel_size=ep or 1)
     if hybrid3d is not None:
         strategy = Hybrid3DStrategy(expert_parallel_size=ep, log_expert_load=log_load, **hybrid3d)
         lines = LogLines("hybrid3d")
@@ -233,6 +236,7 @@ SCENARIOS = {
         devices, "64-true", devices, save_to=f"{workdir}/ep_ckpt", check_export=True
     ),
     "ep_fp32": lambda devices, workdir: train(devices, "32-true", devices, log_load=True),
+    "zeropp_ep_fp32": lambda devices, workdir: train(devices, "32-true", devices, zeropp=True),
     "bytes_fsdp2": lambda devices, workdir: train(devices, "32-true", None, steps=2, traffic=True),
     "bytes_ep": lambda devices, workdir: train(devices, "32-true", devices, steps=2, traffic=True),
     "pipeline_fp32": lambda devices, workdir: train(devices, "32-true", None, pipeline=True),
@@ -244,7 +248,38 @@ SCENARIOS = {
         devices, "64-true", 4, resume_from=f"{workdir}/ep2_of_4_ckpt/step=2.ckpt"
     ),
 }
+def litgpt_empty_init(devices: int, workdir: str) -> dict[str, Any]:
+    """litgpt's MoE built under ``trainer.init_module(empty_init=True)`` (meta device, materialized after the
+    experts are split by ``reset_parameters``), one step under ep: each rank must keep its own experts (materializing
+    makes new parameter objects; replicated-state broadcasting must still leave the held experts alone)."""
+    L.seed_everything(1234, verbose=False)
+    data = TextDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // devices, train_samples=64, val_samples=8)
+    strategy = FSDP2Strategy(expert_parallel_size=devices)
+    at_start = _StateAtTrainStart()
+    trainer = L.Trainer(**trainer_kwargs(devices, strategy=strategy, precision="32-true", limit_val_batches=0),
+                        max_steps=1, gradient_clip_val=CLIP, callbacks=[at_start])  # fmt: skip
+    with trainer.init_module(empty_init=True):
+        model = LitGPTMoE(data.vocab_size, seq_len=SEQ_LEN)
+    trainer.fit(model, data)
+    params, _ = all_ranks_state(model)
+    weight = "model.transformer.h.0.mlp.experts.{}.fc_1.weight"
+    first, third = (torch.tensor(at_start.params[weight.format(e)]) for e in (0, 2))  # held by ranks 0 and 1
+    return {"expert_0_vs_2": float((first - third).abs().max()), "finite": all(map(_finite, params.values()))}
+
+
+class _StateAtTrainStart(Callback):
+    """Every parameter whole, from the ranks holding it, once the model is set up (before any step)."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.params, _ = all_ranks_state(pl_module)
+
+
+def _finite(value: Any) -> bool:
+    return bool(torch.isfinite(torch.tensor(value)).all())
+
+
 # litgpt's LLaMAMoE (ModuleList experts): ep=2 checkpoints at step 2, plain fsdp2 resumes it.
+SCENARIOS["litgpt_empty_init"] = litgpt_empty_init
 SCENARIOS["litgpt_fp64"] = lambda devices, workdir: train(devices, "64-true", None, kind="litgpt")
 SCENARIOS["ep_litgpt_fp64"] = lambda devices, workdir: train(
     devices, "64-true", devices, kind="litgpt", save_to=f"{workdir}/litgpt_ckpt"

@@ -23,6 +23,7 @@ from lightning_dist.parallel.expert_parallel.apply import (
 )
 from lightning_dist.parallel.expert_parallel.dispatch import all_to_all, combine, dispatch
 from lightning_dist.parallel.expert_parallel.load import take_expert_load
+from lightning_dist.parallel.expert_parallel.module_list import mark_held_experts
 from lightning_dist.parallel.expert_parallel.structure import ExpertLayer, ExpertParallelError, find_expert_layers
 
 __all__ = [
@@ -37,5 +38,6 @@ __all__ = [
     "expert_parameters",
     "find_expert_layers",
     "holds_some_experts",
+    "mark_held_experts",
     "take_expert_load",
 ]

@@ -79,6 +79,22 @@ class ModuleListExperts:
     def parameters(self) -> list[nn.Parameter]:
         return [p for module in self.local.values() for p in module.parameters()]
 
+    def mark_parameters(self) -> None:
+        """Mark the held experts' parameters as split over ep (see :data:`SPLIT_OVER_EP`; gradient clipping sums
+        their norms over the ep ranks). Again after anything that replaces the parameter objects: materializing a
+        meta-device model (``to_empty``) makes new ones, without the marks."""
+        for param in self.parameters():
+            setattr(param, SPLIT_OVER_EP, self.group)
+            count_in_norm_split_over(param, self.group)
+
+
+def mark_held_experts(model: nn.Module) -> None:
+    """:meth:`ModuleListExperts.mark_parameters` for every ``ModuleList`` MoE layer of ``model``."""
+    for module in model.modules():
+        state = getattr(module, "expert_parallel", None)
+        if isinstance(state, ModuleListExperts):
+            state.mark_parameters()
+
 
 class _Slot(nn.Module):
     """What the parent's forward calls as ``experts[e]`` while expert parallelism runs it."""
@@ -124,9 +140,7 @@ def apply_module_list(
         if e not in local:
             experts[e] = ExpertElsewhere(e, e // per_rank)
     state = ModuleListExperts(attribute, local, group, num_experts, grad_scale, replica_group)
-    for param in state.parameters():
-        setattr(param, SPLIT_OVER_EP, group)
-        count_in_norm_split_over(param, group)  # gradient clipping sums their norms over the ep ranks
+    state.mark_parameters()
     state.slots = nn.ModuleList(_Slot(e, state) for e in range(num_experts))
     parent.expert_parallel = state
     parent.__class__ = _record_and_replay_class(type(parent))

@@ -3,6 +3,7 @@ the likely causes, the settings, and the work folder it may write."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -240,3 +241,41 @@ def test_the_strategys_state_is_merged_over_its_ranks_and_loaded_into_the_refere
     for p, q in zip(source.parameters(), target.parameters()):
         assert torch.equal(source_opt.state[p]["exp_avg_sq"], target_opt.state[q]["exp_avg_sq"])
         assert float(source_opt.state[p]["step"]) == float(target_opt.state[q]["step"])
+
+
+UNPICKLE_SCRIPT = """
+import json, pickle, sys
+import torch
+from lightning_dist.compat.hugging_face import restore_output_capture
+model = pickle.load(open(sys.argv[1], "rb"))
+tokens = torch.arange(12).reshape(2, 6) % 64
+before = model(input_ids=tokens).aux_loss
+restored = restore_output_capture(model)
+after = model(input_ids=tokens).aux_loss
+print(json.dumps({"before": float(before) if torch.is_tensor(before) else repr(before),
+                  "after": float(after) if torch.is_tensor(after) else repr(after), "restored": restored}))
+"""
+
+
+def test_a_transformers_model_unpickled_in_a_new_process_computes_its_router_loss_again(tmp_path):
+    """verify's Python API pickles the model to its runs. transformers registers a model class's recordable
+    outputs (router logits) when a model is constructed, so an unpickled Mixtral's forward skipped them: aux_loss
+    was the int 0 in every run (a crash, or an auxiliary loss silently gone). restore_output_capture registers them
+    again: the loss is the constructing process's."""
+    import pickle
+
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           output_router_logits=True)  # fmt: skip
+    model = MixtralForCausalLM(config)
+    (tmp_path / "model.pkl").write_bytes(pickle.dumps(model))
+    expected = float(model(input_ids=torch.arange(12).reshape(2, 6) % 64).aux_loss)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", UNPICKLE_SCRIPT, str(tmp_path / "model.pkl")], capture_output=True,
+                          text=True, env=env, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "MixtralModel" in result["restored"] and result["after"] == expected, (result, expected)

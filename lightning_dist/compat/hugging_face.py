@@ -9,7 +9,39 @@ PRIVATE_HUGGING_FACE_NAMES: dict[str, tuple[str, str]] = {
     "_attn_implementation": ("transformers 5.24", "context parallel: refuse attention that does not call SDPA"),
     "_experts_implementation": ("transformers 5.24", "expert parallel / pipeline: which experts kernel runs"),
     "_apply_gate": ("transformers 5.24", "expert parallel: an experts module's own act(gate) * up"),
+    "_CAN_RECORD_REGISTRY": ("transformers 5.24", "verify: output capture of a model unpickled in a new process"),
+    "_can_record_outputs": ("transformers 5.24", "verify: output capture of a model unpickled in a new process"),
 }
+
+
+def has_own_experts_gate(experts: Any) -> bool:
+    """Whether an experts class splits its gate/up projection itself (an ``_apply_gate`` of its own, as gpt-oss's
+    interleaved layout needs), rather than with transformers' default chunking into halves."""
+    gate = getattr(type(experts), "_apply_gate", None)
+    return gate is not None and gate.__name__ != "_default_apply_gate"
+
+
+def restore_output_capture(module: Any) -> list[str]:
+    """Register again the recordable outputs (router logits, hidden states, attentions) of ``module``'s transformers
+    models; returns their class names.
+
+    transformers records them in a process-wide registry when a model is constructed. A model unpickled in a new
+    process was never constructed there: its forward then skips output capture without a word (``router_logits``
+    is ``None`` and the router's auxiliary loss the int 0).
+    """
+    import sys
+
+    if "transformers" not in sys.modules:  # a model of transformers would have imported it while unpickling
+        return []
+    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+
+    restored = []
+    for submodule in module.modules():
+        outputs = getattr(submodule, "_can_record_outputs", None)
+        if outputs is not None and not _CAN_RECORD_REGISTRY.get(submodule):
+            _CAN_RECORD_REGISTRY[submodule] = outputs
+            restored.append(type(submodule).__name__)
+    return restored
 
 
 def attention_implementation(config: Any, default: str = "sdpa") -> str:

@@ -23,6 +23,7 @@ from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
 from lightning_dist.cli import CLI_CLASSES, DistCLI, import_from_cwd
+from lightning_dist.compat.hugging_face import restore_output_capture
 from lightning_dist.verification.recorder import VerifyRecorder
 from lightning_dist.verification.settings import VerifySettings, is_removed_callback, trainer_overrides
 
@@ -79,7 +80,9 @@ def load_objects(workdir: Path, main_path: str | None) -> dict[str, Any]:
         multiprocessing.spawn.import_main_path(main_path)  # the script runs as __mp_main__, not as __main__
         sys.modules["__main__"] = original
     with open(workdir / "objects.pkl", "rb") as file:
-        return _MainAliasUnpickler(file).load()
+        objects = _MainAliasUnpickler(file).load()
+    restore_output_capture(objects["model"])  # transformers forgets it for a model it did not construct here
+    return objects
 
 
 def run(workdir: Path, role: str) -> None:

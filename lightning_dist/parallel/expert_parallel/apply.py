@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from lightning_dist.compat.hugging_face import apply_experts_gate
+from lightning_dist.compat.hugging_face import apply_experts_gate, has_own_experts_gate
 from lightning_dist.parallel.expert_parallel.dispatch import combine, dispatch
 from lightning_dist.parallel.expert_parallel.load import count_tokens
 from lightning_dist.parallel.expert_parallel.local_experts import StackedWeights, run_local_experts
@@ -78,7 +78,7 @@ def check_expert_parallel(model: nn.Module, ep: int, expert_modules: str | None 
         unsupported = {
             a: getattr(layer.experts, a) for a, v in _SUPPORTED_LAYOUT.items() if getattr(layer.experts, a, v) != v
         }
-        if unsupported.keys() == {"is_concatenated"} and _own_gate(layer.experts):
+        if unsupported.keys() == {"is_concatenated"} and has_own_experts_gate(layer.experts):
             unsupported = {}  # gate and up interleaved, split by the class's own _apply_gate (gpt-oss): computed
         if unsupported:
             raise ExpertParallelError(
@@ -241,13 +241,6 @@ def _expert_parallel_forward(
 
 
 _CLASSES: dict[type, type] = {}
-
-
-def _own_gate(experts: nn.Module) -> bool:
-    """Whether the experts class splits its gate/up projection itself (``_apply_gate`` of its own, as gpt-oss's
-    interleaved layout needs), rather than transformers' default chunking."""
-    gate = getattr(type(experts), "_apply_gate", None)
-    return gate is not None and gate.__name__ != "_default_apply_gate"
 
 
 def _expert_parallel_class(cls: type) -> type:

@@ -149,8 +149,8 @@ def apply_module_list(
 
 def _run(self: nn.Module, original: Any, args: tuple, kwargs: dict) -> Any:
     state: ModuleListExperts = self.expert_parallel
-    experts = self._modules[state.attribute]
-    self._modules[state.attribute] = state.slots  # type: ignore[attr-defined]
+    experts = getattr(self, state.attribute)
+    setattr(self, state.attribute, state.slots)  # what the forward calls as experts[e] while it runs
     try:
         state.calls = [[] for _ in range(state.num_experts)]
         state.mode = "record"
@@ -161,7 +161,7 @@ def _run(self: nn.Module, original: Any, args: tuple, kwargs: dict) -> Any:
         state.mode = "replay"
         return original(self, *args, **kwargs)
     finally:
-        self._modules[state.attribute] = experts
+        setattr(self, state.attribute, experts)
         state.mode, state.calls, state.results = None, [], []
 
 

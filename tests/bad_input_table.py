@@ -113,12 +113,13 @@ def _llama(kv_heads: int) -> _HFCausalLM:
     return _HFCausalLM(LlamaForCausalLM(config))
 
 
-def _mixtral(num_experts: int = 4) -> _HFCausalLM:
+def _mixtral(num_experts: int = 4, **config_kwargs: Any) -> _HFCausalLM:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     config = MixtralConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=num_experts, num_experts_per_tok=2, max_position_embeddings=32,
+        **config_kwargs,
     )  # fmt: skip
     return _HFCausalLM(MixtralForCausalLM(config))
 
@@ -323,6 +324,9 @@ ROWS: list[BadInput] = [
              lambda t: _fit(Hybrid3DStrategy(expert_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True),
                             _mixtral(), devices=4),
              ValueError, r"expert_parallel_size=2 with sequence_parallel=True over tp=2: the experts are replicated over tp"),
+    BadInput("The router's auxiliary loss under pipeline stages",
+             lambda t: _fit("pipeline", _mixtral(output_router_logits=True)),
+             ValueError, r"computes the router's auxiliary loss \(output_router_logits=True\) from the routing of every MoE layer together.*Set output_router_logits=False"),
     BadInput("expert_parallel_size under a strategy that cannot carry it",
              lambda t: TensorParallelStrategy(expert_parallel_size=2),
              TypeError, r"TensorParallelStrategy has no option 'expert_parallel_size'.*carried by fsdp2 \(and the expert_parallel strategy name\) and hybrid3d only", CONSTRUCTION),

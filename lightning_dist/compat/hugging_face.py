@@ -21,6 +21,15 @@ def has_own_experts_gate(experts: Any) -> bool:
     return gate is not None and gate.__name__ != "_default_apply_gate"
 
 
+def router_loss_requested(module: Any) -> str | None:
+    """The name of the first submodule of ``module`` whose transformers config asks for the router's auxiliary loss
+    (``output_router_logits=True``), or ``None``."""
+    for name, submodule in module.named_modules():
+        if getattr(getattr(submodule, "config", None), "output_router_logits", False) is True:
+            return name or type(submodule).__name__
+    return None
+
+
 def restore_output_capture(module: Any) -> list[str]:
     """Register again the recordable outputs (router logits, hidden states, attentions) of ``module``'s transformers
     models; returns their class names.

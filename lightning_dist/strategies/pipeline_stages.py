@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_dist.compat.hugging_face import router_loss_requested
 from lightning_dist.compat.lightning import skip_lightning_backward
 from lightning_dist.parallel import pipeline as pp
 from lightning_dist.strategies.first_batch import _rng_kept, first_batch
@@ -73,6 +74,14 @@ class PipelineStages(_Base):
         :func:`~lightning_dist.parallel.pipeline.rehearse_stages`; ``inputs``: the pipelined call's arguments on the
         first batch, default example token ids), refusing what the cut cannot run."""
         module = model.get_submodule(pp.find_pipelined_module(model))
+        if (owner := router_loss_requested(module)) is not None:
+            raise ValueError(
+                f"{owner} computes the router's auxiliary loss (output_router_logits=True) from the routing of every"
+                " MoE layer together, and a pipeline stage sees only its own layers: each stage would add a"
+                " different, wrong loss. Set output_router_logits=False in the model's config to train it with"
+                f" pipeline_parallel_size={self.parallel_dims.pp}, or keep the auxiliary loss without pipeline"
+                " stages (fsdp2 with expert_parallel_size, or hybrid3d without pp)."
+            )
         plan = pp.plan_stages(module, self.parallel_dims.pp * self.stages_per_rank, self.split)
         pp.rehearse_stages(module, plan, inputs)
         self.chosen_stage_units(module)

@@ -188,7 +188,7 @@ def train(
         result.update(
             mesh=str(strategy.parallel_dims),
             log=lines.lines,
-            expert_local_shapes=sorted({str(tuple(p.to_local().shape)) for p in experts}),
+            expert_local_shapes=sorted({str(tuple(getattr(p, "to_local", lambda p=p: p)().shape)) for p in experts}),
         )
     return result
 
@@ -301,6 +301,9 @@ _ATTENTION_PLAN = {f"model.model.layers.*.self_attn.{p}": "colwise" for p in ("q
 _ATTENTION_PLAN["model.model.layers.*.self_attn.o_proj"] = "rowwise"
 SCENARIOS["pp2_dp2_ep2"] = lambda devices, workdir: train(
     devices, "64-true", 2, hybrid3d={"pipeline_parallel_size": 2, "data_parallel_shard_size": 2}, log_load=True
+)
+SCENARIOS["litgpt_pp2_dp2_ep2"] = lambda devices, workdir: train(
+    devices, "64-true", 2, kind="litgpt", hybrid3d={"pipeline_parallel_size": 2, "data_parallel_shard_size": 2}
 )
 SCENARIOS["tp2_ep2"] = lambda devices, workdir: train(
     devices, "64-true", 2, hybrid3d={"tensor_parallel_size": 2, "data_parallel_shard_size": 2, "plan": _ATTENTION_PLAN}

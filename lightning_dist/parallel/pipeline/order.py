@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_dist.parallel.expert_parallel.apply import expert_parallel_state
 from lightning_dist.parallel.expert_parallel.structure import find_expert_layers
 
 # Sequence lengths tried for the example token ids: short (cheap, and below any model's maximum), then one token.
@@ -28,9 +29,9 @@ _EXAMPLE_LENGTHS = (8, 1)
 def meta_twin(module: nn.Module) -> nn.Module:
     """A deep copy of ``module`` whose parameters and buffers are on the meta device (no storage is copied).
 
-    Mixture-of-experts layers' experts modules compute shapes only in the copy (their output is shaped like their
-    input): their kernels cannot run on meta (transformers' grouped-mm meta kernel takes bf16 only, its eager loop
-    calls ``nonzero``), which made an fp32 Mixtral crash under the pipeline.
+    Mixture-of-experts layers compute shapes only in the copy (their output is shaped like their input): their
+    kernels cannot run on meta (transformers' grouped-mm meta kernel takes bf16 only, its eager loop and litgpt's
+    ``LLaMAMoE`` call ``nonzero``), which made an fp32 Mixtral and litgpt's MoE crash under the pipeline.
     """
     memo: dict[int, Any] = {}
     for tensor in itertools.chain(module.parameters(), module.buffers()):
@@ -41,12 +42,18 @@ def meta_twin(module: nn.Module) -> nn.Module:
     twin = copy.deepcopy(module, memo)
     for layer in find_expert_layers(twin):
         if layer.kind == "stacked":
-            layer.experts.forward = _experts_shape
+            layer.experts.forward = _shaped_like_input
+        else:  # routing and the expert loop in one forward (litgpt's LLaMAMoE): the whole layer is data-dependent
+            twin.get_submodule(layer.name.rpartition(".")[0]).forward = _shaped_like_input
+    for layer in twin.modules():
+        if expert_parallel_state(layer) is not None and not hasattr(layer, "gate_up_proj"):
+            layer.forward = _shaped_like_input  # a ModuleList MoE layer expert parallelism already split
     return twin
 
 
-def _experts_shape(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """A stacked experts module's output on meta: ``(tokens, hidden)``, like its input."""
+def _shaped_like_input(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """A mixture-of-experts computation's output on meta: shaped like its input (a stacked experts module's
+    ``(tokens, hidden)``, a ``ModuleList`` MoE layer's ``(batch, sequence, hidden)``)."""
     return torch.empty_like(hidden_states)
 
 

@@ -310,7 +310,7 @@ def test_litgpt_moe_under_ep2_trains_like_one_process_and_resumes_under_plain_fs
 # ------------------------------------------------------------------------------- 4 processes: dp_shard4 × ep2
 @pytest.fixture(scope="module")
 def ep2_of_four(tmp_path_factory) -> dict[str, Any]:
-    scenarios = ["ep2_of_4_unseeded", "ep2_of_4_fp64", "resume_ep2_to_ep4", *HYBRID3D_MESHES, "litgpt_pp2_dp2_ep2"]
+    scenarios = ["ep2_of_4_unseeded", "ep2_of_4_fp64", "resume_ep2_to_ep4", *HYBRID3D_MESHES, *LITGPT_MESHES]
     return run_scenarios(SCRIPT, 4, tmp_path_factory.mktemp("ep2_of_4"), scenarios)
 
 
@@ -399,14 +399,22 @@ def test_hybrid3d_with_ep2_trains_mixtral_like_one_process(one_process, ep2_of_f
     assert any("2 per rank over ep=2" in line for line in run["log"]), run["log"]
 
 
+LITGPT_MESHES = {
+    "litgpt_pp2_dp2_ep2": "pp=2 × dp_shard=2 (ep=2 of dp_shard × cp)",
+    "litgpt_tp2_ep2": "dp_shard=2 × tp=2 (ep=2 of dp_shard × cp)",
+}
+
+
 @pytest.mark.slow
-def test_litgpt_moe_under_pp2_dp2_ep2_trains_like_one_process(one_process, ep2_of_four):
-    """litgpt's LLaMAMoE through hybrid3d pp2 × dp2 × ep2: each stage splits its layer's ModuleList experts over its
-    2 data-parallel ranks (the stage's shapes inferred on meta with the MoE layer shaped like its input: its own
-    forward calls nonzero, which meta tensors cannot run). Losses, clipped gradient norms (summed over the stages
-    and over ep) and final parameters equal one process's (fp64)."""
-    ref, run = one_process["litgpt_fp64"], ep2_of_four["litgpt_pp2_dp2_ep2"]
-    assert run["mesh"] == "pp=2 × dp_shard=2 (ep=2 of dp_shard × cp)"
+@pytest.mark.parametrize("name", LITGPT_MESHES)
+def test_litgpt_moe_under_hybrid3d_with_ep2_trains_like_one_process(one_process, ep2_of_four, name):
+    """litgpt's LLaMAMoE through hybrid3d. pp2 × dp2 × ep2: each stage splits its layer's ModuleList experts over
+    its 2 data-parallel ranks (the stage's shapes inferred on meta with the MoE layer shaped like its input: its own
+    forward calls nonzero). tp2 × ep2 with the automatic plan: attention tensor-parallel, the MoE layers left whole
+    (the plan would have sharded the expert MLPs like any MLP: 6e-4 off on the first loss). Losses, clipped gradient
+    norms and final parameters equal one process's (fp64)."""
+    ref, run = one_process["litgpt_fp64"], ep2_of_four[name]
+    assert run["mesh"] == LITGPT_MESHES[name]
     assert max(abs(a - b) for a, b in zip(ref["losses"], run["losses"])) <= FP64_TOL
     assert max(abs(a - b) for a, b in zip(ref["grad_norms"], run["grad_norms"])) <= FP64_TOL
     assert _max_param_diff(ref["params"], run["params"]) <= FP64_TOL and run["copies_gap"] == 0.0

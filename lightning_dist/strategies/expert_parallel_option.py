@@ -13,6 +13,7 @@ from lightning_dist.parallel.expert_parallel import ExpertParallelError, check_e
 from lightning_dist.parallel.validation import check_bool, is_positive_int
 
 if TYPE_CHECKING:
+    from lightning_dist.parallel.tensor_parallel import TensorParallelPlan
     from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
 
     _Base = MeshParallelStrategy
@@ -63,6 +64,36 @@ class ExpertParallelOption(_Base):
                 " splits. Set sequence_parallel=False (the attention stays tensor-parallel), or drop"
                 " expert_parallel_size."
             )
+
+    def keep_experts_whole(self, plan: TensorParallelPlan, model: Module) -> TensorParallelPlan:
+        """``plan`` without the modules of ``model``'s MoE layers under ep (in place): the experts and their router
+        are replicated over tp, and every tp rank routes the same tokens. An automatic plan would shard a
+        ``ModuleList``'s expert MLPs (litgpt) like any MLP; an explicit plan that names them is refused."""
+        if self.parallel_dims.ep == 1:
+            return plan
+        try:
+            layers = find_expert_layers(model, self.expert_modules)
+        except ExpertParallelError:  # the pattern names no module of this part (a pipeline stage)
+            return plan
+        whole = {layer.name.rpartition(".")[0] if layer.kind == "module_list" else layer.name for layer in layers}
+        whole |= {layer.router for layer in layers if layer.router}
+
+        def inside(name: str) -> bool:
+            return any(name == w or name.startswith(f"{w}.") for w in whole)
+
+        sharded = [name for name in plan.styles if inside(name)]
+        if sharded and plan.explicit:
+            raise ExpertParallelError(
+                f"plan= shards {', '.join(sharded[:4])} inside mixture-of-experts layers, which expert parallelism"
+                " keeps whole on every tp rank (the experts are split over ep and replicated over tp). Leave the MoE"
+                " layers out of the plan."
+            )
+        for name in sharded:
+            del plan.styles[name]
+        plan.checks = [check for check in plan.checks if not inside(check.module)]
+        plan.head_attributes = {k: v for k, v in plan.head_attributes.items() if not inside(k)}
+        plan.unreduced = {k: v for k, v in plan.unreduced.items() if not inside(k.rpartition(".")[0])}
+        return plan
 
     def expert_parallel_on(self, part: Module) -> bool:
         """Whether :func:`~lightning_dist.parallel.parallelize.parallelize` splits ``part``'s experts: ep > 1 and

@@ -197,7 +197,7 @@ class Hybrid3DStrategy(
     def check_model(self, model: Module) -> None:
         dims = self.parallel_dims
         self.check_expert_parallel_model(model, self.sequence_parallel)
-        plan = self.tensor_parallel_plan(model) if dims.tp > 1 else None
+        plan = self.keep_experts_whole(self.tensor_parallel_plan(model), model) if dims.tp > 1 else None
         if plan is not None:
             if dims.pp > 1:
                 plan.tied.clear()  # each stage holds its own copy of a tied weight, summed in a common layout
@@ -229,6 +229,7 @@ class Hybrid3DStrategy(
         last = self._plan.num_stages - 1 if self.pipelined else 0
         for (part, blocks), stage in zip(stages, self._stage_ids if self.pipelined else [0]):
             plan = self.tensor_parallel_plan(part, needs_head=stage == last) if dims.tp > 1 else None
+            plan = plan and self.keep_experts_whole(plan, part)
             config, root = self._parallelize_config(blocks, plan), type(part).__name__
             config.expert_parallel, config.expert_modules = self.expert_parallel_on(part), self.expert_modules
             record = parallelize(part, self.mesh, config)

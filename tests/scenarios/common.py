@@ -182,10 +182,10 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def all_ranks_state(model: torch.nn.Module) -> tuple[dict[str, list], float]:
-    """Every parameter whole, from whichever ranks hold it (pipeline stages, ModuleList experts split over ep), as
-    lists; and the largest difference between copies of one parameter on different ranks (0.0: they are equal).
+    """Every parameter whole (in checkpoint row order), from whichever ranks hold it (pipeline stages, ModuleList
+    experts split over ep), as lists; and the largest difference between copies of one parameter on different ranks (0.0: they are equal).
     Collective."""
-    mine = {n: t.tolist() for n, t in full_state(model).items()}
+    mine = {n: in_checkpoint_order(model, n, p).tolist() for n, p in model.named_parameters()}  # collective
     if not dist.is_initialized():
         return mine, 0.0
     states: list[Any] = [None] * dist.get_world_size()

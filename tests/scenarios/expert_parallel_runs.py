@@ -134,7 +134,7 @@ def train(
         torch.manual_seed(100 + int(os.environ.get("LOCAL_RANK", "0")))
     # Under the pipeline: transformers' default experts kernel (grouped_mm), whose meta kernel takes bf16 only.
     if kind == "litgpt":
-        model: L.LightningModule = LitGPTMoE(data.vocab_size, seq_len=SEQ_LEN)
+        model: L.LightningModule = LitGPTMoE(64, seq_len=SEQ_LEN)  # the data's 63 tokens, a vocabulary tp divides
     else:
         kernel = "grouped_mm" if pipeline else "eager"
         model = MoECausalLM(data.vocab_size, kind, aux, seq_len=SEQ_LEN, experts_implementation=kernel)
@@ -304,6 +304,9 @@ SCENARIOS["pp2_dp2_ep2"] = lambda devices, workdir: train(
 )
 SCENARIOS["litgpt_pp2_dp2_ep2"] = lambda devices, workdir: train(
     devices, "64-true", 2, kind="litgpt", hybrid3d={"pipeline_parallel_size": 2, "data_parallel_shard_size": 2}
+)
+SCENARIOS["litgpt_tp2_ep2"] = lambda devices, workdir: train(  # the automatic plan, the MoE layers left whole
+    devices, "64-true", 2, kind="litgpt", hybrid3d={"tensor_parallel_size": 2, "data_parallel_shard_size": 2}
 )
 SCENARIOS["tp2_ep2"] = lambda devices, workdir: train(
     devices, "64-true", 2, hybrid3d={"tensor_parallel_size": 2, "data_parallel_shard_size": 2, "plan": _ATTENTION_PLAN}

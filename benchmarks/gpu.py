@@ -60,8 +60,18 @@ TARGETS: list[tuple[str, str, float]] = [
 ]
 
 
+class ConfigShape:
+    """A model config's shape (the dataclass's fields) plus its ``name`` and ``batch_size``."""
+
+    def config_kwargs(self) -> dict[str, Any]:
+        """The fields a transformers config takes: all but ``name`` and ``batch_size``."""
+        out = asdict(self)  # type: ignore[call-overload]
+        del out["name"], out["batch_size"]
+        return out
+
+
 @dataclass(frozen=True)
-class LlamaSize:
+class LlamaSize(ConfigShape):
     """A ``transformers.LlamaConfig`` shape and the batch it is run with."""
 
     name: str
@@ -72,11 +82,6 @@ class LlamaSize:
     intermediate_size: int
     vocab_size: int = 32000
     batch_size: int = 8
-
-    def config_kwargs(self) -> dict[str, Any]:
-        out = asdict(self)
-        del out["name"], out["batch_size"]
-        return out
 
     @property
     def num_parameters(self) -> int:
@@ -281,7 +286,7 @@ def run_one(setup: str, size: LlamaSize, args: argparse.Namespace, device: str =
     )
     flops_per_token = token_flops(model).per_token(args.seq_len)
     cuda = device == "cuda"
-    timer = _StepTimer(cuda)
+    timer = StepTimer(cuda)
     monitor = MeshThroughputMonitor()  # the callback users log with, checked against the timer
     trainer = L.Trainer(
         accelerator=device,
@@ -350,7 +355,7 @@ def _lightning_module(size: LlamaSize, user_compile: bool, hand: bool) -> L.Ligh
     return LlamaLM()
 
 
-class _StepTimer(Callback):
+class StepTimer(Callback):
     """Wall time of each training step, synchronized with the GPU at both ends (when ``cuda``)."""
 
     def __init__(self, cuda: bool) -> None:

@@ -22,14 +22,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
+
+from benchmarks.gpu import ConfigShape, StepTimer
 
 SETUPS: dict[str, str] = {
     "fsdp2": "lightning_dist fsdp2 (experts FSDP-sharded, all-gathered each step)",
@@ -39,7 +39,7 @@ REFERENCE = "fsdp2"
 
 
 @dataclass(frozen=True)
-class MixtralSize:
+class MixtralSize(ConfigShape):
     """A ``transformers.MixtralConfig`` shape and the batch per rank it is run with."""
 
     name: str
@@ -52,11 +52,6 @@ class MixtralSize:
     num_experts_per_tok: int = 2
     vocab_size: int = 32000
     batch_size: int = 4
-
-    def config_kwargs(self) -> dict[str, Any]:
-        out = asdict(self)
-        del out["name"], out["batch_size"]
-        return out
 
 
 SIZES: dict[str, MixtralSize] = {
@@ -189,7 +184,7 @@ def run_one(setup: str, size: MixtralSize, args: argparse.Namespace, devices: in
             return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=cuda)
 
     strategy = FSDP2Strategy(expert_parallel_size=devices if setup == "expert_parallel" else 1)
-    timer = _StepTimer(cuda, traffic_step=args.warmup)
+    timer = TrafficStepTimer(cuda, traffic_step=args.warmup)
     trainer = L.Trainer(
         accelerator=args.accelerator, devices=devices, strategy=strategy, precision=args.precision,
         max_steps=total, callbacks=[timer], logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -220,29 +215,24 @@ def run_one(setup: str, size: MixtralSize, args: argparse.Namespace, devices: in
     Path(result_file).write_text(json.dumps(row))
 
 
-class _StepTimer(Callback):
-    """Wall time of each training step (synchronized with the GPU at both ends), and the bytes rank 0 sends in step
-    ``traffic_step`` by collective."""
+class TrafficStepTimer(StepTimer):
+    """:class:`benchmarks.gpu.StepTimer`, plus the bytes this rank sends in step ``traffic_step`` by collective."""
 
     def __init__(self, cuda: bool, traffic_step: int) -> None:
         from lightning_dist.profiling import CommCounter
 
-        self.cuda, self.traffic_step = cuda, traffic_step
-        self.seconds: list[float] = []
+        super().__init__(cuda)
+        self.traffic_step = traffic_step
         self.counter = CommCounter()
         self.traffic: dict[str, int] = {}
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
         if idx == self.traffic_step:
             self.counter.__enter__()
-        if self.cuda:
-            torch.cuda.synchronize()
-        self._start = time.perf_counter()
+        super().on_train_batch_start(trainer, pl_module, batch, idx)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.seconds.append(time.perf_counter() - self._start)
+        super().on_train_batch_end(trainer, pl_module, *args)
         if self.counter.active:
             self.counter.__exit__(None, None, None)
             c = self.counter

@@ -199,6 +199,14 @@ TRAINER_MODELS = [f"{kind}{aux}_fp64" for kind in ("qwen3_moe", "qwen2_moe") for
 AUX_WEIGHT = 0.5 / 2
 
 
+def _assert_trains_like(ref: dict[str, Any], run: dict[str, Any]) -> None:
+    """Losses, gradient norms and final parameters within fp64's tolerance of one process's, and the copies of
+    every parameter on different ranks equal."""
+    assert max(abs(a - b) for a, b in zip(ref["losses"], run["losses"])) <= FP64_TOL
+    assert max(abs(a - b) for a, b in zip(ref["grad_norms"], run["grad_norms"])) <= FP64_TOL
+    assert _max_param_diff(ref["params"], run["params"]) <= FP64_TOL and run["copies_gap"] == 0.0
+
+
 def _max_param_diff(a: dict[str, list], b: dict[str, list]) -> float:
     assert a.keys() == b.keys()
     return max(float((torch.tensor(a[k]) - torch.tensor(b[k])).abs().max()) for k in a)
@@ -300,9 +308,7 @@ def test_litgpt_moe_under_ep2_trains_like_one_process_and_resumes_under_plain_fs
     (each expert saved by the rank holding it) resumes under plain fsdp2 to the uninterrupted losses."""
     ref, run = one_process["litgpt_fp64"], ep_two_ranks["ep_litgpt_fp64"]
     assert len(run["losses"]) == len(ref["losses"]) == 8
-    assert max(abs(a - b) for a, b in zip(ref["losses"], run["losses"])) <= FP64_TOL
-    assert max(abs(a - b) for a, b in zip(ref["grad_norms"], run["grad_norms"])) <= FP64_TOL
-    assert _max_param_diff(ref["params"], run["params"]) <= FP64_TOL and run["copies_gap"] == 0.0
+    _assert_trains_like(ref, run)
     resumed = ep_two_ranks["resume_litgpt_ep_to_fsdp2"]["losses"]
     assert len(resumed) == 4 and max(abs(a - b) for a, b in zip(run["losses"][4:], resumed)) <= FP64_TOL
 
@@ -392,9 +398,7 @@ def test_hybrid3d_with_ep2_trains_mixtral_like_one_process(one_process, ep2_of_f
     ref, run = one_process["fp64"], ep2_of_four[name]
     assert run["mesh"] == HYBRID3D_MESHES[name]
     assert len(run["losses"]) == len(ref["losses"]) == 8
-    assert max(abs(a - b) for a, b in zip(ref["losses"], run["losses"])) <= FP64_TOL
-    assert max(abs(a - b) for a, b in zip(ref["grad_norms"], run["grad_norms"])) <= FP64_TOL
-    assert _max_param_diff(ref["params"], run["params"]) <= FP64_TOL and run["copies_gap"] == 0.0
+    _assert_trains_like(ref, run)
     assert run["expert_local_shapes"] == ["(2, 32, 48)", "(2, 96, 32)"]  # gate_up (E/ep, 2I, H), down (E/ep, H, I)
     assert any("2 per rank over ep=2" in line for line in run["log"]), run["log"]
 
@@ -415,6 +419,4 @@ def test_litgpt_moe_under_hybrid3d_with_ep2_trains_like_one_process(one_process,
     norms and final parameters equal one process's (fp64)."""
     ref, run = one_process["litgpt_fp64"], ep2_of_four[name]
     assert run["mesh"] == LITGPT_MESHES[name]
-    assert max(abs(a - b) for a, b in zip(ref["losses"], run["losses"])) <= FP64_TOL
-    assert max(abs(a - b) for a, b in zip(ref["grad_norms"], run["grad_norms"])) <= FP64_TOL
-    assert _max_param_diff(ref["params"], run["params"]) <= FP64_TOL and run["copies_gap"] == 0.0
+    _assert_trains_like(ref, run)

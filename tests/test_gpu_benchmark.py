@@ -176,3 +176,23 @@ def test_the_moe_benchmark_runs_both_setups_on_two_cpu_processes(tmp_path):
     assert rows["expert_parallel"]["all_gather_bytes"] < 0.5 * rows["fsdp2"]["all_gather_bytes"], rows
     assert rows["expert_parallel"]["all_to_all_bytes"] > 0 == rows["fsdp2"]["all_to_all_bytes"], rows
     assert "tokens/s vs fsdp2" in (tmp_path / "gpu_moe_report.md").read_text()
+
+
+def test_the_local_experts_benchmark_times_both_ways_and_they_agree_on_the_cpu(tmp_path):
+    """``benchmarks.gpu_local_experts`` on the CPU, toy shape: both methods timed, the table written, and the
+    grouped GEMM's results equal to the loop's (CPU grouped_mm)."""
+    from benchmarks import gpu_local_experts
+
+    assert (
+        gpu_local_experts.main(
+            ["--device", "cpu", "--shapes", "toy", "--warmup", "0", "--iters", "1", "--out", str(tmp_path)]
+        )
+        == 0
+    )
+    result = json.loads((tmp_path / "gpu_local_experts.json").read_text())
+    (row,) = result["rows"]
+    assert row["loop_ms"] > 0 and row["grouped_ms"] > 0 and row["max_relative_difference"] < 1e-2
+    assert "| toy | 4 | 64 | 96 | 256 |" in (tmp_path / "gpu_local_experts.md").read_text()
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            gpu_local_experts.main(["--out", str(tmp_path)])

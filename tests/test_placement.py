@@ -31,3 +31,14 @@ def test_without_offload_everything_moves():
     assert set(planned_devices(model, ACCELERATOR, offload_parameters=False).values()) == {ACCELERATOR}
     place_model(model, ACCELERATOR, offload_parameters=False)
     assert all(t.device == ACCELERATOR for t in [*model.parameters(), *model.buffers()])
+
+
+def test_offload_moves_a_torchmetrics_metric_whose_states_are_plain_attributes():
+    """A LightningModule's metric has no parameters; its states move only through its own ``to()`` (the CUDA
+    offload test's validation step failed with 'cuda:0 and cpu' before)."""
+    from torchmetrics.classification import MulticlassAccuracy
+
+    model = nn.ModuleDict({"body": _model(), "accuracy": MulticlassAccuracy(num_classes=4)})
+    place_model(model, ACCELERATOR, offload_parameters=True)
+    assert all(p.device == CPU for p in model.parameters())
+    assert model["accuracy"].tp.device == ACCELERATOR and model["accuracy"].device == ACCELERATOR

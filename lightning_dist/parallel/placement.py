@@ -3,7 +3,9 @@
 Without offload everything goes to the training device. With FSDP2 CPU offload (``CPUOffloadPolicy``) the sharded
 parameters, their gradients and the optimizer state stay in (pinned) CPU memory and the optimizer step runs on the
 CPU; FSDP2 copies a unit's parameters to the device only for its forward and backward, and refuses to start if a
-sharded parameter is anywhere but the CPU. Buffers are not sharded or offloaded: they go to the device.
+sharded parameter is anywhere but the CPU. Buffers are not sharded or offloaded: they go to the device, and so does
+every submodule without parameters (a torchmetrics ``Metric`` keeps its states as plain attributes that only its own
+``to()`` moves).
 """
 
 from __future__ import annotations
@@ -33,7 +35,20 @@ def place_model(model: nn.Module, device: torch.device, offload_parameters: bool
     if not offload_parameters:
         model.to(device)
         return
+    for module in _parameter_free_subtrees(model):
+        module.to(device)
     for module in model.modules():
         for name, buffer in module.named_buffers(recurse=False):
             if buffer is not None and buffer.device != device:
                 buffer_registry(module)[name] = buffer.to(device)
+
+
+def _parameter_free_subtrees(model: nn.Module) -> list[nn.Module]:
+    """The largest submodules of ``model`` that hold no parameter (``model`` itself excluded)."""
+    found: list[nn.Module] = []
+    for child in model.children():
+        if next(child.parameters(), None) is None:
+            found.append(child)
+        else:
+            found.extend(_parameter_free_subtrees(child))
+    return found

@@ -23,9 +23,9 @@ from lightning_dist.compat.lightning import (
     reset_optimizers_and_schedulers,
 )
 from lightning_dist.parallel.compile import keep_user_compilation, unwrap_user_compiled
+from lightning_dist.parallel.expert_parallel import mark_held_experts
 from lightning_dist.parallel.fsdp import is_fully_sharded
 from lightning_dist.parallel.placement import place_model
-from lightning_dist.parallel.expert_parallel import mark_held_experts
 from lightning_dist.parallel.replicated_state import broadcast_replicated_state, tp_replicated_parameters
 from lightning_dist.parallel.tensor_parallel import tp_sharded_parameters
 from lightning_dist.strategies.data_position import LIGHTNING_NOT_RESUMABLE_WARNING, skip_trained_batches

@@ -26,8 +26,8 @@ from torch import nn
 
 from lightning_dist.checkpoint.consolidate import load_full_checkpoint
 from lightning_dist.verification.causes import likely_causes
-from lightning_dist.verification.recorder import FOLLOW, RECORD, load_records
 from lightning_dist.verification.compare import Row, compare_runs, merge_ranks, tensor_difference
+from lightning_dist.verification.recorder import FOLLOW, RECORD, load_records
 from lightning_dist.verification.report import VerifyReport
 from lightning_dist.verification.settings import ONE_PROCESS, VerifySettings, default_tolerance, reference_strategy
 from lightning_dist.verification.tensors import initial_state

@@ -26,7 +26,6 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from common import (  # type: ignore[import-not-found]
     GLOBAL_BATCH,
     SEQ_LEN,

@@ -1,6 +1,7 @@
 """Structures and idioms the strategies refused or crashed on now train exactly like one process (fp64, 2 ranks):
-Lightning's ``gradient_clip_algorithm="value"``, ``fc1``/``fc2`` beside a norm or ``nn.MultiheadAttention`` in a block, frozen q/k norms over head_dim, and one
-``nn.Linear`` shared by two blocks (tensor_parallel and fsdp2). What would really diverge is still refused."""
+Lightning's ``gradient_clip_algorithm="value"``, ``fc1``/``fc2`` beside a norm or ``nn.MultiheadAttention`` in a
+block, trainable q/k norms over head_dim (summed over tp), and one ``nn.Linear`` shared by two blocks
+(tensor_parallel and fsdp2). What would really diverge is still refused."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ CASES = [
     "gpt_clip_by_value_fsdp2",
     "norm_mlp_tp",
     "mha_tp",
-    "frozen_qk_norm_tp",
+    "qk_norm_tp",
     "shared_linear_tp",
     "shared_linear_fsdp2",
 ]

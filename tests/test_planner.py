@@ -220,3 +220,72 @@ def test_the_docs_hugging_face_plan_example_says_how_to_install_transformers():
     readme = (root / "docs" / "choosing_a_mesh.md").read_text()
     example = readme.index("lightning-dist plan --model transformers.")
     assert 'pip install -e ".[hf]"' in readme[example - 400 : example]
+
+
+def _mixtral(experts: int = 8, layers: int = 8, hidden: int = 1024, inner: int = 2816) -> torch.nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=32000, hidden_size=hidden, intermediate_size=inner, num_hidden_layers=layers,
+        num_attention_heads=16, num_key_value_heads=8, num_local_experts=experts, num_experts_per_tok=2,
+    )  # fmt: skip
+    with torch.device("meta"):
+        return MixtralForCausalLM(config)
+
+
+def test_moe_facts_count_the_experts_and_the_active_parameters():
+    model = _mixtral()
+    facts = model_facts(model)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    assert (facts.num_experts, facts.top_k) == (8, 2) and facts.blocks * facts.block_expert_params == experts
+    assert facts.active_params == facts.total_params - experts * 6 / 8
+    dense = model_facts(_gpt("meta"))
+    assert dense.num_experts == 0 and dense.active_params == dense.total_params
+
+
+def test_expert_parallel_holds_one_ep_th_of_the_experts_gathers_none_and_sends_tokens_by_all_to_all():
+    """ep=2 of dp_shard=2: each rank holds half the experts whole, FSDP gathers only the dense parameters, and each
+    MoE block's all-to-all sends tokens · top_k · hidden · bytes · (ep−1)/ep, dispatch and combine, fwd and bwd."""
+    facts, hw = model_facts(_mixtral()), Hardware(8)
+    work = Workload(seq_len=1024, micro_batch=4, global_batch=8, precision="bf16-mixed")
+    fsdp, ep = (estimate(facts, None, ParallelDims(dp_shard=2, ep=e), work, hw) for e in (1, 2))
+    experts = facts.blocks * facts.block_expert_params
+    dense = facts.total_params - experts
+    assert fsdp.params == pytest.approx(facts.total_params / 2 * 4)  # fp32 parameters, halved by FSDP
+    assert ep.params == pytest.approx((dense / 2 + experts / 2) * 4)
+    gathered = {m: e.comm["dp_shard"][0] for m, e in (("fsdp", fsdp), ("ep", ep))}
+    assert gathered["ep"] / gathered["fsdp"] == pytest.approx(dense / facts.total_params)  # 0.16: experts 84%
+    assert ep.comm["ep"][0] == pytest.approx(facts.blocks * 4 * (4 * 1024) * 2 * 1024 * 2 * (2 - 1) / 2)
+    assert "ep_replicas" not in ep.comm  # ep = dp_shard: no rank holds another's experts
+    four = estimate(facts, None, ParallelDims(dp_shard=4, ep=2), work, hw)
+    assert four.comm["ep_replicas"][0] == pytest.approx(2 * (2 - 1) / 2 * experts / 2 * 4)  # all-reduce of 2 copies
+
+
+def test_the_planner_searches_ep_for_a_moe_model_and_keeps_a_given_one():
+    assert {m.ep for m in meshes(8)} == {1}  # a dense model
+    assert {m.ep for m in meshes(8, num_experts=8) if m.dp_shard * m.cp == 8} == {1, 2, 4, 8}
+    assert {m.ep for m in meshes(8, num_experts=6) if m.dp_shard == 8} == {1, 2}
+    assert all(m.ep == m.dp_shard * m.cp for m in meshes(8, 8, ep="auto"))
+    assert {m.ep for m in meshes(8, 8, ep=4)} == {4}
+    model = _mixtral()
+    kwargs = {"seq_len": 1024, "micro_batch": 4, "global_batch": 64, "device_memory_gib": 80, "precision": "bf16-mixed"}
+    dims, why = recommend_mesh(model, 16, 2, **kwargs)  # two nodes: all-to-all inside a node beats gathering experts
+    assert dims.ep > 1 and f"ep={dims.ep}" in why
+    assert recommend_mesh(model, 16, 2, expert_parallel_size=1, **kwargs)[0].ep == 1
+    assert recommend_mesh(_gpt("meta"), 8, seq_len=32, micro_batch=1, global_batch=8, device_memory_gib=None,
+                          precision="32-true")[0].ep == 1  # fmt: skip
+
+
+def test_plan_tool_shows_the_experts_and_takes_an_expert_parallel_size(capsys):
+    args = ["--model", "transformers.MixtralForCausalLM", "--config-class", "transformers.MixtralConfig",
+            "--init-args", '{"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,'
+            ' "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4}',
+            "--devices", "4", "--seq-len", "64", "--global-batch", "8", "--expert-parallel-size", "2"]  # fmt: skip
+    run_tool("plan", args)
+    out = capsys.readouterr().out
+    assert "(4 experts per MoE layer, top-2:" in out and "(ep=2 of dp_shard × cp)" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "mesh" not in line and "---" not in line]
+    assert rows and all("ep=2" in row for row in rows)
+    with pytest.raises(SystemExit):
+        run_tool("plan", [*args[:-1], "0"])
+    assert "neither a positive int nor 'auto'" in capsys.readouterr().err

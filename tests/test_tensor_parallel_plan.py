@@ -340,12 +340,22 @@ class QKNormAttention(nn.Module):  # Qwen3 style: RMSNorm over head_dim on the (
         self.q_norm, self.k_norm = nn.RMSNorm(d // heads), nn.RMSNorm(d // heads)
 
 
-def test_attention_parameters_outside_the_sharded_linears_are_refused():
+def test_per_head_norms_are_summed_over_tp_and_other_attention_parameters_are_refused():
+    """Qwen3's q_norm/k_norm (shape head_dim) act alike on every head: each rank's gradient is its heads' part, so
+    the plan marks them to be summed over tp. A parameter over the projection width is still refused."""
     model = nn.ModuleDict({"attn": QKNormAttention()})
     plan = infer_plan(model)
-    assert set(plan.unreduced) == {"attn.q_norm.weight", "attn.k_norm.weight"}
-    with pytest.raises(TensorParallelPlanError, match=r"attn.q_norm.weight: a parameter of QKNormAttention 'attn'"):
-        plan.validate(2)
+    assert not plan.unreduced and set(plan.partial_over_tp) == {"attn.q_norm.weight", "attn.k_norm.weight"}
+    plan.validate(2)
+    model["attn"].register_parameter("gain", nn.Parameter(torch.ones(16)))  # over the projection width: ambiguous
+    with pytest.raises(TensorParallelPlanError, match=r"attn.gain: a parameter of QKNormAttention 'attn'"):
+        infer_plan(model).validate(2)
+    gqa = nn.ModuleDict({"attn": QKNormAttention()})
+    gqa["attn"].num_key_value_heads = 2
+    gqa["attn"].k_proj, gqa["attn"].v_proj = nn.Linear(16, 8), nn.Linear(16, 8)
+    infer_plan(gqa).validate(2)
+    with pytest.raises(TensorParallelPlanError, match=r"attn.k_norm.weight: a per-head norm .* 2 key/value heads"):
+        infer_plan(gqa).validate(4)
     mlp = nn.ModuleDict({"up": nn.Linear(8, 16), "down": nn.Linear(16, 8)})
     mlp.register_parameter("scale", nn.Parameter(torch.ones(16)))
     with pytest.raises(

@@ -43,8 +43,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="bf16-mixed", choices=sorted(COMPUTE_BYTES))
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument(
+        "--expert-parallel-size",
+        type=_ep_size,
+        default=None,
+        help="mixture of experts: keep this ep (an int, or 'auto' for all of dp_shard × cp); default: the planner"
+        " chooses it",
+    )
     p.add_argument("--top", type=int, default=12, help="meshes to list")
     return p
+
+
+def _ep_size(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a positive int nor 'auto'")
+    return int(text)
 
 
 def _build(args: argparse.Namespace) -> torch.nn.Module:
@@ -74,10 +89,16 @@ def main(argv: list[str]) -> None:
         precision=args.precision,
         optimizer=args.optimizer,
         activation_checkpointing=args.activation_checkpointing,
+        expert_parallel_size=args.expert_parallel_size,
     )
     facts, ranked = planned.facts, planned.candidates
+    experts = (
+        f" ({facts.num_experts} experts per MoE layer, top-{facts.top_k}: {facts.active_params / 1e6:.1f} M active)"
+        if facts.num_experts
+        else ""
+    )
     print(
-        f"# {args.model}: {facts.total_params / 1e6:.1f} M parameters, {facts.blocks} blocks; {world} devices"
+        f"# {args.model}: {facts.total_params / 1e6:.1f} M parameters{experts}, {facts.blocks} blocks; {world} devices"
         f" ({args.nodes} node(s) × {args.devices}), {args.memory_gib:g} GiB each; seq {args.seq_len},"
         f" micro-batch {args.micro_batch}, global batch {args.global_batch}, {args.precision}, {args.optimizer}"
         f"{', activation checkpointing' if args.activation_checkpointing else ''}"

@@ -105,6 +105,16 @@ def average_gradients(parameters: Iterable[nn.Parameter], group: dist.ProcessGro
     Call after the last backward of a step, before clipping and the optimizer step. Every rank receives the same
     reduced values (and divides them identically), so copies that were equal stay bitwise equal.
     """
+    return _all_reduce_gradients(parameters, group, average=True)
+
+
+def sum_gradients(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup) -> int:
+    """Sum the gradients of ``parameters`` over ``group`` (each rank holds its part of the whole gradient: a
+    per-head norm under tensor parallelism); otherwise as :func:`average_gradients`."""
+    return _all_reduce_gradients(parameters, group, average=False)
+
+
+def _all_reduce_gradients(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup, average: bool) -> int:
     # A partial gradient (sequence-parallel norms) is summed instead: that makes it whole and equal on every rank
     # already, while averaging its addends would divide it.
     grads = [_local(p.grad) for p in parameters if p.grad is not None and not sum_partial_gradient(p)]
@@ -114,7 +124,8 @@ def average_gradients(parameters: Iterable[nn.Parameter], group: dist.ProcessGro
         for flat, members in _flat_by_dtype(grads):
             flat = _on_collective_device(flat, group)
             dist.all_reduce(flat, group=group)
-            flat.div_(size)
+            if average:
+                flat.div_(size)
             _scatter_back(flat, members)
             reduced += flat.nbytes
     return reduced

@@ -2,7 +2,9 @@
 
 Placement follows the strategies: pipeline stages split the blocks evenly (embeddings on the first stage, final norm
 and head on the last; the worse stage is reported), tensor parallelism shards what its automatic plan shards, and
-FSDP2 shards every parameter of a stage over ``dp_shard × cp``. Activations are the meta-forward counts scaled to
+FSDP2 shards every parameter of a stage over ``dp_shard × cp``. Under expert parallelism (``ep``) each rank holds
+``1/ep`` of every MoE layer's experts, whole (replicated over tp and over the other ``dp_replicate × dp_shard × cp / ep`` data-parallel ranks),
+never all-gathered; tokens travel to them by all-to-all. Activations are the meta-forward counts scaled to
 the local micro-batch and sequence (``seq / cp``), the inner part divided by ``tp``; a pipeline stage keeps the
 activations of the micro-batches in flight (1F1B: ``pp``, GPipe: all of them).
 """
@@ -101,15 +103,25 @@ class Estimate:
 
 
 def stage_params(facts: ModelFacts, mesh: ParallelDims) -> tuple[float, float]:
-    """Parameters (elements) on one rank of the fuller pipeline stage before FSDP sharding, and those of one block."""
+    """Parameters (elements) on one rank of the fuller pipeline stage that FSDP shards, and those of one block
+    (what one FSDP unit gathers); under ep the experts are not among them (:func:`stage_expert_params`)."""
     blocks = math.ceil(facts.blocks / mesh.pp)
-    block = facts.block_tp_params / mesh.tp + (facts.block_params - facts.block_tp_params)
+    experts = facts.block_expert_params if mesh.ep > 1 else 0
+    block = facts.block_tp_params / mesh.tp + (facts.block_params - facts.block_tp_params - experts)
     outer_tp_share = facts.outer_tp_params / max(1, facts.first_stage_params + facts.last_stage_params)
     outer = facts.first_stage_params + facts.last_stage_params
     if mesh.pp > 1:
         outer = max(facts.first_stage_params, facts.last_stage_params)
     outer *= (1 - outer_tp_share) + outer_tp_share / mesh.tp
     return blocks * block + outer, block
+
+
+def stage_expert_params(facts: ModelFacts, mesh: ParallelDims) -> float:
+    """Expert parameters (elements) one rank of the fuller stage holds under ep (``1/ep`` of its blocks'); 0
+    without ep (FSDP shards the experts with the rest of the block)."""
+    if mesh.ep == 1:
+        return 0.0
+    return math.ceil(facts.blocks / mesh.pp) * facts.block_expert_params / mesh.ep
 
 
 def estimate(
@@ -122,7 +134,8 @@ def estimate(
     fsdp = mesh.dp_shard * mesh.cp
     param_bytes = PARAM_BYTES[workload.precision]
     compute_bytes = COMPUTE_BYTES[workload.precision]
-    est.params = per_rank / fsdp * param_bytes
+    experts = stage_expert_params(facts, mesh)
+    est.params = (per_rank / fsdp + experts) * param_bytes
     est.grads = est.params
     est.optimizer = est.params * OPTIMIZER_STATES[workload.optimizer]
     if fsdp > 1:  # one unit gathered, the next prefetched, and the gradient unit being reduced
@@ -130,7 +143,7 @@ def estimate(
     microbatches = max(1, workload.global_batch // (mesh.batch * workload.micro_batch))
     if activations is not None:
         est.activations = _activation_bytes(facts, activations, mesh, workload, microbatches)
-    est.comm = _communication(facts, mesh, workload, hardware, per_rank, microbatches)
+    est.comm = _communication(facts, mesh, workload, hardware, per_rank, experts, microbatches)
     est.messages = _messages(facts, mesh, hardware, microbatches)
     return est
 
@@ -159,9 +172,16 @@ def _activation_bytes(
 
 
 def _communication(
-    facts: ModelFacts, mesh: ParallelDims, workload: Workload, hardware: Hardware, per_rank: float, microbatches: int
+    facts: ModelFacts,
+    mesh: ParallelDims,
+    workload: Workload,
+    hardware: Hardware,
+    per_rank: float,
+    experts: float,
+    microbatches: int,
 ) -> dict[str, tuple[float, float]]:
-    """Bytes one rank sends per optimizer step, by axis: ring collectives send ``(n − 1)/n`` of the buffer."""
+    """Bytes one rank sends per optimizer step, by axis: ring collectives send ``(n − 1)/n`` of the buffer; an
+    all-to-all sends ``(n − 1)/n`` of its rows (the rest stay on the rank)."""
     compute = COMPUTE_BYTES[workload.precision]
     reduce = 8 if workload.precision == "64-true" else 4
     tokens = workload.micro_batch * workload.seq_len // mesh.cp
@@ -181,6 +201,11 @@ def _communication(
     if mesh.cp > 1 and facts.kv_heads and facts.heads:  # ring: K/V around the ring forward, K/V + dK/dV backward
         kv = activation * facts.kv_heads / facts.heads * 2
         sent["cp"] = microbatches * blocks * (mesh.cp - 1) * kv * (2 + reduce / compute)
+    if mesh.ep > 1:  # per MoE block: dispatch and combine forward, their gradients backward, top_k rows per token
+        sent["ep"] = microbatches * blocks * 4 * facts.top_k * activation * (mesh.ep - 1) / mesh.ep
+        replicas = mesh.dp_replicate * mesh.dp_shard * mesh.cp // mesh.ep
+        if replicas > 1:  # the experts' gradients all-reduced over the ranks holding the same experts, once per step
+            sent["ep_replicas"] = 2 * (replicas - 1) / replicas * experts * reduce
     if mesh.pp > 1:  # activations forward, their gradients backward, at one stage boundary
         sent["pp"] = microbatches * 2 * activation
     return {axis: _split_by_node(axis, mesh, hardware, b) for axis, b in sent.items()}
@@ -207,6 +232,12 @@ def _messages(
     if mesh.cp > 1 and facts.kv_heads and facts.heads:  # one send per ring step, forward and backward, per block
         ops = 2 * blocks * microbatches * (mesh.cp - 1)
         found["cp"] = (ops, ops)
+    if mesh.ep > 1:  # per MoE block and micro-batch: dispatch and combine, forward and backward, each with the
+        ops = 4 * blocks * microbatches  # row counts exchanged first (a second, tiny all-to-all)
+        found["ep"] = (2 * ops, 2 * ops * (mesh.ep - 1))
+        replicas = mesh.dp_replicate * mesh.dp_shard * mesh.cp // mesh.ep
+        if replicas > 1:
+            found["ep_replicas"] = (1, 2 * (replicas - 1))
     if mesh.pp > 1:
         ops = 2 * (microbatches + mesh.pp - 1)
         found["pp"] = (ops, ops)
@@ -217,9 +248,12 @@ def _split_by_node(axis: str, mesh: ParallelDims, hardware: Hardware, sent: floa
     """Inside/across nodes. Ranks are numbered with tp innermost, so the members of an axis's groups are ``stride``
     apart (the product of the axes inside it); ``k`` members share a node, and a ring crosses nodes at 1 hop in k.
     The FSDP group (``dp_shard``) is ``dp_shard × cp``."""
-    size = mesh.dp_shard * mesh.cp if axis == "dp_shard" else getattr(mesh, axis)
+    sizes = {"dp_shard": mesh.dp_shard * mesh.cp, "ep_replicas": mesh.dp_replicate * mesh.dp_shard * mesh.cp // mesh.ep}
+    size = sizes.get(axis) or getattr(mesh, axis)
     inside_axes = {"pp": ("dp_replicate", "dp_shard", "cp", "tp"), "dp_replicate": ("dp_shard", "cp", "tp")}
     inside_axes.update({"dp_shard": ("tp",), "cp": ("tp",), "tp": ()})
+    # ep takes consecutive ranks of the dp_shard × cp group; the replicas of one expert are ep of them apart
+    inside_axes.update({"ep": ("tp",), "ep_replicas": ("tp", "ep")})
     stride = math.prod(getattr(mesh, a) for a in inside_axes[axis])
     k = min(size, max(1, hardware.devices_per_node // stride))
     if k >= size:

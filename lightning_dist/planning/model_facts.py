@@ -52,10 +52,21 @@ class ModelFacts:
     heads: int | None
     kv_heads: int | None
     vocab: int | None
+    block_expert_params: int = 0  # of the largest block's parameters, its routed experts' (all of them)
+    num_experts: int = 0  # routed experts per MoE layer (0: a dense model)
+    top_k: int = 0  # experts each token is routed to
 
     @property
     def total_params(self) -> int:
         return self.blocks * self.block_params + self.first_stage_params + self.last_stage_params
+
+    @property
+    def active_params(self) -> float:
+        """The parameters one token's matmuls use: routed experts count ``top_k / num_experts`` of theirs."""
+        if not self.num_experts:
+            return float(self.total_params)
+        unused = self.blocks * self.block_expert_params * (1 - self.top_k / self.num_experts)
+        return self.total_params - unused
 
 
 def model_facts(model: nn.Module) -> ModelFacts:
@@ -95,6 +106,7 @@ def model_facts(model: nn.Module) -> ModelFacts:
     embedding = modules.get(structure.token_embedding or "")
     vocab = getattr(embedding, "num_embeddings", None)
     hidden = getattr(embedding, "embedding_dim", None) or _hidden_of(modules[structure.blocks[0]])
+    experts = _experts_by_block(model, structure.blocks)
     return ModelFacts(
         blocks=len(structure.blocks),
         block_params=max(block_sizes),
@@ -106,7 +118,23 @@ def model_facts(model: nn.Module) -> ModelFacts:
         heads=attention.num_heads if attention else None,
         kv_heads=(attention.num_kv_heads or attention.num_heads) if attention else None,
         vocab=vocab,
+        block_expert_params=max((params for params, _, _ in experts.values()), default=0),
+        num_experts=max((e for _, e, _ in experts.values()), default=0),
+        top_k=max((k for _, _, k in experts.values()), default=0),
     )
+
+
+def _experts_by_block(model: nn.Module, blocks: list[str]) -> dict[str, tuple[int, int, int]]:
+    """Block name → (its routed experts' parameters, experts per layer, top-k), for the blocks holding any."""
+    from lightning_dist.profiling.flops import find_experts  # it reads model_facts itself
+
+    found: dict[str, tuple[int, int, int]] = {}
+    for layer in find_experts(model):
+        block = next((b for b in blocks if layer.name.startswith(f"{b}.")), None)
+        if block is not None:
+            params, experts, top_k = found.get(block, (0, 0, 0))
+            found[block] = (params + layer.params, max(experts, layer.experts), max(top_k, layer.top_k or 0))
+    return found
 
 
 def activation_facts(model: nn.Module, micro_batch: int, seq_len: int) -> ActivationFacts:

@@ -90,6 +90,7 @@ def plan_meshes(
     precision: str,
     optimizer: str = "adamw",
     activation_checkpointing: bool = False,
+    expert_parallel_size: int | str | None = None,
 ) -> MeshPlan:
     """Rank every mesh of ``world_size`` ranks (``num_nodes`` nodes of ``world_size / num_nodes``) for ``model``.
 
@@ -124,7 +125,8 @@ def plan_meshes(
     def activations_at(cp: int) -> ActivationFacts:
         return activation_facts(forward, micro_batch, seq_len // cp)
 
-    return MeshPlan(facts, workload, hardware, world_size, plan(facts, activations_at, workload, hardware, world_size))
+    candidates = plan(facts, activations_at, workload, hardware, world_size, ep=expert_parallel_size)
+    return MeshPlan(facts, workload, hardware, world_size, candidates)
 
 
 def recommend_mesh(
@@ -139,6 +141,7 @@ def recommend_mesh(
     precision: str,
     optimizer: str = "adamw",
     activation_checkpointing: bool = False,
+    expert_parallel_size: int | str | None = None,
 ) -> tuple[ParallelDims, str]:
     """The planner's best feasible mesh for ``model`` on ``world_size`` ranks, and a one-line reason.
 
@@ -155,9 +158,11 @@ def recommend_mesh(
         precision: A Trainer precision flag (``"bf16-mixed"``, ``"32-true"``, ...).
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd_momentum"`` or ``"sgd"`` (states per parameter).
         activation_checkpointing: Whether each block's activations are recomputed in backward.
+        expert_parallel_size: For a mixture-of-experts model: ``None`` lets the planner choose ``ep`` too (1 for a
+            dense model), an int keeps that ``ep``, ``"auto"`` takes all of dp_shard × cp.
 
     Returns:
-        The mesh (``ParallelDims``) and one line on why it was chosen.
+        The mesh (``ParallelDims``, ``ep`` included) and one line on why it was chosen.
 
     Raises:
         NoMeshFits: a ``ValueError`` listing every mesh and what rules it out, when none is feasible.
@@ -174,6 +179,7 @@ def recommend_mesh(
         precision=precision,
         optimizer=optimizer,
         activation_checkpointing=activation_checkpointing,
+        expert_parallel_size=expert_parallel_size,
     ).best()
 
 

@@ -3,9 +3,10 @@
 A mesh is ruled out when a size does not divide what it splits (heads and KV heads by tp, the vocabulary by tp, the
 sequence by 2·cp, the blocks by pp, the global batch by the data-parallel ranks times the micro-batch), when tp
 would span nodes, or when its estimated memory does not fit the device. The rest are ranked by an estimated step
-time: compute (6 · parameters · tokens, 8 with activation checkpointing, at 40% of a 989 TFLOP/s peak; a pipeline at
-the pace of its heaviest stage) stretched by the pipeline bubble, FSDP/HSDP traffic hidden behind compute up to its
-length, and tensor-, context- and pipeline-parallel traffic exposed. Traffic costs its bytes over the link's bandwidth
+time: compute (6 · parameters · tokens, 8 with activation checkpointing, at 40% of a 989 TFLOP/s peak, a mixture of
+experts counting the experts its tokens use; a pipeline at the pace of its heaviest stage) stretched by the pipeline
+bubble, FSDP/HSDP traffic hidden behind compute up to its length, and tensor-, context-, expert- (all-to-all) and
+pipeline-parallel traffic exposed. Traffic costs its bytes over the link's bandwidth
 plus a latency per collective, send and ring step (:class:`.estimate.Hardware`): a small model's many small messages
 are what its step waits on.
 """
@@ -36,14 +37,27 @@ class Candidate:
         return not self.problems
 
 
-def meshes(world: int) -> list[ParallelDims]:
-    """Every assignment of ``world`` ranks to the five axes (sizes multiplying to ``world``)."""
+def meshes(world: int, num_experts: int = 0, ep: int | str | None = None) -> list[ParallelDims]:
+    """Every assignment of ``world`` ranks to the five axes (sizes multiplying to ``world``), and for a model of
+    ``num_experts`` routed experts per layer every expert-parallel size that divides both them and dp_shard × cp.
+
+    ``ep``: ``None`` lets the planner choose, an int keeps that size (meshes it cannot divide are left out), ``"auto"``
+    takes all of dp_shard × cp.
+    """
     divisors = [d for d in range(1, world + 1) if world % d == 0]
     found = []
     for pp, rep, shard, cp in itertools.product(divisors, repeat=4):
         rest = pp * rep * shard * cp
-        if world % rest == 0:
-            found.append(ParallelDims(pp, rep, shard, cp, world // rest))
+        if world % rest:
+            continue
+        fsdp = shard * cp
+        if ep == "auto":
+            sizes = [fsdp]
+        elif isinstance(ep, int):
+            sizes = [ep] if fsdp % ep == 0 else []
+        else:
+            sizes = [e for e in range(1, fsdp + 1) if fsdp % e == 0 and (e == 1 or num_experts and num_experts % e == 0)]
+        found += [ParallelDims(pp, rep, shard, cp, world // rest, ep=e) for e in sizes]
     return found
 
 
@@ -60,6 +74,8 @@ def problems_of(facts: ModelFacts, mesh: ParallelDims, workload: Workload, hardw
             found.append(f"tp={mesh.tp} does not divide the vocabulary of {facts.vocab}")
         if mesh.tp > hardware.devices_per_node:
             found.append(f"tp={mesh.tp} would span nodes of {hardware.devices_per_node} devices")
+    if mesh.ep > 1 and facts.num_experts % mesh.ep:
+        found.append(f"ep={mesh.ep} does not divide the {facts.num_experts} experts")
     if mesh.cp > 1 and workload.seq_len % (2 * mesh.cp):
         found.append(f"2·cp={2 * mesh.cp} does not divide the sequence of {workload.seq_len}")
     if mesh.pp > facts.blocks:
@@ -76,15 +92,16 @@ def step_seconds(facts: ModelFacts, est: Estimate, workload: Workload, hardware:
     mesh = est.mesh
     tokens = workload.global_batch * workload.seq_len
     flops_per_token = 8 if workload.activation_checkpointing else 6  # checkpointing runs every forward twice
-    compute = flops_per_token * facts.total_params * tokens / mesh.world_size / flops
+    compute = flops_per_token * facts.active_params * tokens / mesh.world_size / flops
     if mesh.pp > 1:  # the schedule runs at the pace of the heaviest stage, not of the average one
-        heaviest = math.ceil(facts.blocks / mesh.pp) * facts.block_params
+        active_block = facts.block_params - (facts.total_params - facts.active_params) / facts.blocks
+        heaviest = math.ceil(facts.blocks / mesh.pp) * active_block
         heaviest += max(facts.first_stage_params, facts.last_stage_params)
-        compute *= mesh.pp * heaviest / facts.total_params
+        compute *= mesh.pp * heaviest / facts.active_params
     microbatches = max(1, workload.global_batch // (mesh.batch * workload.micro_batch))
     bubble = (mesh.pp - 1) / (microbatches + mesh.pp - 1)
     seconds = est.axis_seconds(hardware)
-    hidden = seconds.pop("dp_shard", 0.0) + seconds.pop("dp_replicate", 0.0)
+    hidden = sum(seconds.pop(axis, 0.0) for axis in ("dp_shard", "dp_replicate", "ep_replicas"))
     busy = compute / (1 - bubble) if bubble < 1 else float("inf")
     if mesh.pp > 1:  # the schedule's forward and backward actions of every micro-batch, on the busiest rank
         busy += 2 * microbatches * hardware.pipeline_action_s
@@ -98,14 +115,16 @@ def plan(
     hardware: Hardware,
     world: int,
     flops: float = 989e12 * 0.4,
+    ep: int | str | None = None,
 ) -> list[Candidate]:
     """Every mesh, best first: feasible ones by estimated step time, then the others by memory.
 
-    ``activations_at(cp)`` returns the activation counts at the local sequence ``seq_len / cp`` (or ``None``).
+    ``activations_at(cp)`` returns the activation counts at the local sequence ``seq_len / cp`` (or ``None``);
+    ``ep`` as in :func:`meshes`.
     """
     cache: dict[int, ActivationFacts | None] = {}
     candidates = []
-    for mesh in meshes(world):
+    for mesh in meshes(world, facts.num_experts, ep):
         found = problems_of(facts, mesh, workload, hardware)
         if mesh.cp not in cache and not any("cp" in p for p in found):
             cache[mesh.cp] = activations_at(mesh.cp)
@@ -129,7 +148,7 @@ def reason(best: Candidate, hardware: Hardware) -> str:
     """One line on why ``best`` was chosen."""
     est = best.estimate
     across = sum(a for _, a in est.comm.values())
-    exposed = [axis for axis in ("tp", "cp", "pp") if axis in est.comm]
+    exposed = [axis for axis in ("tp", "cp", "ep", "pp") if axis in est.comm]
     if math.isinf(hardware.memory_bytes):
         fits = f"needs {est.memory / GIB:.1f} GiB per device (memory not checked)"
     else:

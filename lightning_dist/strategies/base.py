@@ -189,6 +189,7 @@ class MeshParallelStrategy(
         #: that restores after setup (``restore_checkpoint_after_setup``), as every one of ours does.
         self._requested_weights_only: bool | None = None
         self._tp_replicated: list[torch.nn.Parameter] = []
+        self._tp_partial: list[torch.nn.Parameter] = []
         self._tp_sharded: list[torch.nn.Parameter] = []
         self._watchdog: FailureWatchdog | None = None
         self.num_nodes = 1

@@ -53,9 +53,9 @@ class ExpertParallelOption(_Base):
         and ``sequence_parallel`` is not combined with tensor parallelism (the MoE block would route a slice of
         the sequence per tp rank, whose expert and router gradients are not what the replicated-over-tp experts
         expect)."""
-        if self.expert_parallel_size == 1:
-            return
         dims = self.parallel_dims
+        if dims.ep == 1:
+            return
         check_expert_parallel(model, dims.ep, self.expert_modules)
         if sequence_parallel and dims.tp > 1 and dims.ep > 1:
             raise ExpertParallelError(

@@ -62,7 +62,8 @@ class Hybrid3DStrategy(
         tensor_parallel_size: Ranks a layer is split over (``tp``).
         expert_parallel_size: Ranks that split every mixture-of-experts layer's experts (``ep``), borrowed from
             ``dp_shard × cp`` (it must divide it and the experts; ``"auto"``: all of it), inside each pipeline stage;
-            the experts are replicated over ``tp``. Kept as given under ``mesh="auto"``. See docs/expert_parallel.md.
+            the experts are replicated over ``tp``. Under ``mesh="auto"`` the planner chooses it for a
+            mixture-of-experts model when left at 1, and keeps it when given. See docs/expert_parallel.md.
         expert_modules, log_expert_load: As in :class:`~lightning_dist.FSDP2Strategy`: a pattern naming the
             experts modules the structure does not show; log each MoE layer's max / mean tokens per expert.
         mesh_shape: ``[sizes, axis names]`` instead of the size options (names: pp, dp_replicate, dp_shard or dp,

@@ -57,7 +57,8 @@ def sizes_from_options(
 
 
 def planner_sizes(strategy: Hybrid3DStrategy) -> dict[str, MeshSize]:
-    """``mesh="auto"``: the planner's mesh for the strategy's model and processes (logged)."""
+    """``mesh="auto"``: the planner's mesh for the strategy's model and processes (logged). For a mixture-of-experts
+    model it chooses ``ep`` too, unless ``expert_parallel_size`` was given (then it plans with that)."""
     from lightning_dist.planning.recommend import recommend_mesh
 
     if strategy.lightning_module is None:
@@ -75,9 +76,10 @@ def planner_sizes(strategy: Hybrid3DStrategy) -> dict[str, MeshSize]:
         device_memory_gib=memory,
         precision=str(strategy.precision_plugin.precision),
         activation_checkpointing=strategy.activation_checkpointing,
+        expert_parallel_size=None if strategy.expert_parallel_size == 1 else strategy.expert_parallel_size,
     )
     strategy.log_decision(f"mesh='auto': the planner chose {dims} ({reason})")
-    return dict(dims.as_dict())
+    return {**dims.as_dict(), **({"ep": dims.ep} if dims.ep > 1 else {})}
 
 
 def refuse_stages_without_tensor_parallel(model: Module, plan: TensorParallelPlan, stages: pp.StagePlan) -> None:

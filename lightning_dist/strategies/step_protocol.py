@@ -47,7 +47,7 @@ from typing_extensions import override
 from lightning_dist.compat.lightning import forward_redirection
 from lightning_dist.parallel.fsdp import reshard_all
 from lightning_dist.parallel.gradient_sync import AccumulationSync, deferred_gradient_sync
-from lightning_dist.parallel.replicated_state import average_gradients
+from lightning_dist.parallel.replicated_state import average_gradients, sum_gradients
 from lightning_dist.parallel.runtime.nonfinite import NonFiniteError, gather_non_finite, gradients_are_finite
 from lightning_dist.parallel.tensor_parallel import shard_gradients_like_parameters
 from lightning_dist.strategies.steps.context_parallel import ContextParallelPart
@@ -196,6 +196,8 @@ class StepProtocol:
             reshard_all(self.model)
             if self._tp_sharded:  # before clipping and the update (see shard_gradients_like_parameters)
                 shard_gradients_like_parameters(self._tp_sharded)
+            if self._tp_partial:  # per-head norms: each tp rank holds its heads' part of the gradient
+                sum_gradients(self._tp_partial, self.process_group("tp"))
             if self._tp_replicated:  # before clipping and the update: the copies must see identical gradients
                 average_gradients(self._tp_replicated, self.process_group("tp"))
             if self.on_nonfinite != "ignore":

@@ -238,7 +238,9 @@ def _after_step_rows(
 def _step_name(key: tuple[int, int], ref: list[dict[str, Any]]) -> str:
     """``step 2``, or with several optimizers ``optimizer 1 step 2``."""
     optimizer, step = key
-    return f"optimizer {optimizer} step {step}" if len({s["optimizer"] for s in ref[0]["steps"]}) > 1 else f"step {step}"
+    return (
+        f"optimizer {optimizer} step {step}" if len({s["optimizer"] for s in ref[0]["steps"]}) > 1 else f"step {step}"
+    )
 
 
 def _at(values: list[Any], index: int) -> Any:

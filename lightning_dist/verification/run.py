@@ -92,8 +92,11 @@ def run_check(
         report.notes.append(
             "each reference step started from the strategy's parameters and optimizer states of that step (each"
             " step's computation compared, not the rounding the runs accumulate; --no-anchor compares whole runs)"
-            + ("; the reference cache is not used, since such a reference depends on the strategy's run"
-               if settings.reference_cache else "")  # fmt: skip
+            + (
+                "; the reference cache is not used, since such a reference depends on the strategy's run"
+                if settings.reference_cache
+                else ""
+            )
         )
     elif settings.anchor:
         report.notes.append(f"each run trained on its own: a reference under {settings.against} cannot be anchored")

@@ -1,6 +1,6 @@
 """Model structures and idioms the strategies used to refuse or crash on, trained under tensor_parallel (and fsdp2
 where sharding is concerned): gradient clipping by value, ``fc1``/``fc2`` beside a norm or an
-``nn.MultiheadAttention`` in one block, frozen Qwen3-style q/k norms, and one ``nn.Linear`` shared by two blocks.
+``nn.MultiheadAttention`` in one block, Qwen3-style q/k norms over head_dim, and one ``nn.Linear`` shared by two blocks.
 
 python tests/scenarios/structure_runs.py --devices 2 --out r.json --workdir DIR --scenarios norm_mlp_tp,...
 python tests/scenarios/structure_runs.py --devices 1 --out ref.json --workdir DIR   # the one-process references
@@ -62,16 +62,15 @@ class MultiheadAttentionBlock(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
-class FrozenQKNormAttention(nn.Module):
-    """Qwen3-style RMSNorm over head_dim on queries and keys, frozen (so its gradient cannot differ per rank)."""
+class QKNormAttention(nn.Module):
+    """Qwen3-style RMSNorm over head_dim on queries and keys: each tp rank sees its heads only, and the norms'
+    gradients are summed over tp."""
 
     def __init__(self) -> None:
         super().__init__()
         self.num_heads, self.head_dim = HEADS, D_MODEL // HEADS
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(D_MODEL, D_MODEL) for _ in range(4))
         self.q_norm, self.k_norm = nn.RMSNorm(self.head_dim), nn.RMSNorm(self.head_dim)
-        self.q_norm.requires_grad_(False)
-        self.k_norm.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -85,13 +84,13 @@ class FrozenQKNormAttention(nn.Module):
 class QKNormBlock(NormMLPBlock):
     def __init__(self) -> None:
         super().__init__()
-        self.attn = FrozenQKNormAttention()
+        self.attn = QKNormAttention()
 
 
 BLOCKS: dict[str, Callable[[], nn.Module]] = {
     "norm_mlp": NormMLPBlock,
     "mha": MultiheadAttentionBlock,
-    "frozen_qk_norm": QKNormBlock,
+    "qk_norm": QKNormBlock,
 }
 
 
@@ -137,7 +136,7 @@ CASES = [
     ("gpt_clip_by_value", "fsdp2"),
     ("norm_mlp", "tp"),
     ("mha", "tp"),
-    ("frozen_qk_norm", "tp"),
+    ("qk_norm", "tp"),
     ("shared_linear", "tp"),
     ("shared_linear", "fsdp2"),
 ]

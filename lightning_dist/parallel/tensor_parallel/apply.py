@@ -34,6 +34,7 @@ from lightning_dist.parallel.tensor_parallel.fused import (
 from lightning_dist.parallel.tensor_parallel.inference import infer_plan, resolve_explicit_plan
 from lightning_dist.parallel.tensor_parallel.kv_heads import ReplicatedKVHeadParallel
 from lightning_dist.parallel.tensor_parallel.multihead import MultiheadAttentionParallel
+from lightning_dist.parallel.tensor_parallel.partial_gradients import mark_partial_over_tp
 from lightning_dist.parallel.tensor_parallel.plan import (
     TensorParallelPlan,
     TensorParallelPlanError,
@@ -189,6 +190,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
             # Falcon adds the attention output to the MLP's in place; a local output is a view DTensor made
             modules[name].register_forward_hook(_owned_output)
     _retie(model, tied)
+    mark_partial_over_tp(model, plan.partial_over_tp)
     changed: dict[str, str] = {}
     for name, attrs in plan.head_attributes.items():
         for attr, value in attrs.items():

@@ -86,6 +86,7 @@ def infer_plan(model: nn.Module, sequence_parallel: bool = False, loss_parallel:
             "attention heads",
             _attention_sizes(modules, attention),
             width=projection_features(modules[join(name, projections[0])])[0],
+            head_dim=attention.head_dim,
         )
         if attention.fused_layout is not None:
             plan.styles[join(name, attention.fused)] = fused_spec(attention.fused_layout)
@@ -348,6 +349,7 @@ def _check_extra_parameters(
     what: str,
     sharded_sizes: set[int],
     width: int,
+    head_dim: int | None = None,
 ) -> None:
     """Refuse trainable parameters of an attention/MLP module, outside its sharded projections, that act on the
     sharded activations (a Qwen3-style q_norm/k_norm over head_dim, a scale over the MLP hidden units): each rank
@@ -357,10 +359,20 @@ def _check_extra_parameters(
     (hidden units, projection widths, head_dim, head counts) and not to the model width. Parameters over the model
     width (a norm or an ``nn.MultiheadAttention`` beside ``fc1``/``fc2`` in a block) see the whole, replicated
     activations on every rank; frozen parameters get no gradient. Both are fine.
+
+    A parameter of shape ``(head_dim,)`` in a child module of an attention module (Qwen3's, OLMo 2's, Gemma 3's
+    ``q_norm``/``k_norm``) is applied alike to every head: each rank's gradient is its heads' part of the whole, so
+    it is recorded in ``plan.partial_over_tp`` (summed over tp) instead of refused.
     """
     ambiguous = sharded_sizes - {width}
     for pname, param in module.named_parameters():
         if pname.split(".")[0] in sharded or not param.requires_grad:
+            continue
+        if head_dim not in (None, width) and tuple(param.shape) == (head_dim,) and "." in pname:
+            plan.partial_over_tp[join(name, pname)] = (
+                f"applied to each of this rank's heads (shape {tuple(param.shape)}, head_dim): its gradient is summed"
+                " over tp"
+            )
             continue
         # a scalar may scale the sharded activations as well as the whole ones: refused as ambiguous
         if param.numel() == 1 or width in sharded_sizes and width in param.shape or ambiguous.intersection(param.shape):

@@ -131,6 +131,9 @@ class TensorParallelPlan:
             projection (no ``projections``) splits each key/value head's rows over the ranks sharing it instead.
         unreduced: Parameter name → why the automatic plan cannot keep it correct (it would get a different gradient
             on each tp rank, which nothing reduces); any entry makes :meth:`validate` refuse the plan.
+        partial_over_tp: Parameter name → why each tp rank computes only its part of the gradient (a per-head
+            norm, such as Qwen3's ``q_norm``/``k_norm``, applied to this rank's heads): it stays replicated and its
+            gradient is summed over tp (:mod:`lightning_dist.parallel.tensor_parallel.partial_gradients`).
         tied: Parameter name → why its tied copies would get different layouts (one module planned, the other
             not); any entry makes :meth:`validate` refuse an automatic plan.
     """
@@ -145,12 +148,22 @@ class TensorParallelPlan:
     explicit: bool = False
     unreduced: dict[str, str] = field(default_factory=dict)
     tied: dict[str, str] = field(default_factory=dict)
+    partial_over_tp: dict[str, str] = field(default_factory=dict)
     grouped_query: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def validate(self, tp: int) -> None:
         """Raise :class:`TensorParallelPlanError` listing every size tp does not divide (and, for sequence
         parallel, modules that would see a slice of the sequence, or a missing token embedding/output head)."""
         problems = [c.describe(tp) for c in self.checks if c.fails(tp)]
+        problems += [
+            f"{name}: a per-head norm parameter of an attention module with {info['kv_heads']} key/value heads; with"
+            f" tp={tp} > {info['kv_heads']} ranks would share a key/value head and its gradient could not be summed"
+            f" over tp (use tensor_parallel_size ≤ {info['kv_heads']})"
+            for attention, info in self.grouped_query.items()
+            if info["kv_heads"] < tp
+            for name in self.partial_over_tp
+            if name.startswith(f"{attention}.")
+        ]
         if not self.styles:
             raise TensorParallelPlanError(
                 "The tensor-parallel plan is empty: no module of the model was recognised as shardable"

@@ -360,7 +360,7 @@ def _check_extra_parameters(
     width (a norm or an ``nn.MultiheadAttention`` beside ``fc1``/``fc2`` in a block) see the whole, replicated
     activations on every rank; frozen parameters get no gradient. Both are fine.
 
-    A parameter of shape ``(head_dim,)`` in a child module of an attention module (Qwen3's, OLMo 2's, Gemma 3's
+    A parameter of shape ``(head_dim,)`` in a child module of an attention module (Qwen3's, Gemma 3's
     ``q_norm``/``k_norm``) is applied alike to every head: each rank's gradient is its heads' part of the whole, so
     it is recorded in ``plan.partial_over_tp`` (summed over tp) instead of refused.
     """

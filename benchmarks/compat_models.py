@@ -70,6 +70,18 @@ def _qwen2() -> torch.nn.Module:
     )  # fmt: skip
 
 
+def _qwen3() -> torch.nn.Module:  # per-head q_norm/k_norm over head_dim
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=SEQ_LEN, attention_dropout=0.0,
+            tie_word_embeddings=False,
+        )
+    )  # fmt: skip
+
+
 def _mistral() -> torch.nn.Module:
     from transformers import MistralConfig, MistralForCausalLM
 
@@ -185,6 +197,7 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("llama", _llama, "causal"),
         ModelSpec("gpt2", _gpt2, "causal"),
         ModelSpec("qwen2", _qwen2, "causal"),
+        ModelSpec("qwen3", _qwen3, "causal"),
         ModelSpec("mistral", _mistral, "causal"),
         ModelSpec(
             "gemma",
@@ -204,7 +217,7 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 TITLES = {  # the table's column titles in docs/compatibility.md
-    "llama": "Llama", "gpt2": "GPT-2", "qwen2": "Qwen2", "mistral": "Mistral", "gemma": "Gemma",
+    "llama": "Llama", "gpt2": "GPT-2", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gemma": "Gemma",
     "gpt_neox": "GPT-NeoX", "phi3": "Phi-3", "bert": "BERT", "t5": "T5", "vit": "ViT", "litgpt": "litgpt",
     "lightning_demo": "Lightning demo",
 }  # fmt: skip
@@ -212,6 +225,7 @@ DESCRIPTIONS = {  # what docs/compatibility.md says of each model
     "llama": "transformers `LlamaForCausalLM` (GQA 4/2, untied head)",
     "gpt2": "transformers `GPT2LMHeadModel` (tied head, learned positions)",
     "qwen2": "transformers `Qwen2ForCausalLM` (GQA 4/2, q/k/v bias)",
+    "qwen3": "transformers `Qwen3ForCausalLM` (GQA 4/2, per-head q/k RMSNorm)",
     "mistral": "transformers `MistralForCausalLM` (GQA 4/2)",
     "gemma": "transformers `GemmaForCausalLM` (tied head, GQA 4/2)",
     "gpt_neox": "transformers `GPTNeoXForCausalLM` (fused qkv, parallel residual)",

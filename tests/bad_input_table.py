@@ -113,6 +113,16 @@ def _llama(kv_heads: int) -> _HFCausalLM:
     return _HFCausalLM(LlamaForCausalLM(config))
 
 
+def _qwen3(kv_heads: int) -> _HFCausalLM:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=kv_heads, head_dim=8, max_position_embeddings=32,
+    )  # fmt: skip
+    return _HFCausalLM(Qwen3ForCausalLM(config))
+
+
 def _mixtral(num_experts: int = 4, **config_kwargs: Any) -> _HFCausalLM:
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -271,6 +281,8 @@ ROWS: list[BadInput] = [
              ValueError, r"(?s)Cannot shard the model over tensor_parallel_size=2.*= 3 is"),
     BadInput("KV heads that neither divide nor are divided by tp", lambda t: _fit(TensorParallelStrategy(tensor_parallel_size=2), _llama(3)),
              ValueError, r"(?s)tensor_parallel_size=2.*key/value heads"),
+    BadInput("Per-head q/k norms (Qwen3) with tp above the KV heads", lambda t: _fit(TensorParallelStrategy(tensor_parallel_size=2), _qwen3(1)),
+             ValueError, r"(?s)q_norm.weight: a per-head norm in an attention module with 1 key/value heads; with tp=2, 2 ranks hold each"),
     BadInput("A vocabulary not divisible by tp", lambda t: _fit(TensorParallelStrategy(tensor_parallel_size=2), _gpt(vocab_size=63)),
              ValueError, r"(?s)tok_emb: vocabulary.* = 63 is not divisible.*pad the"),
     BadInput("Heads not divisible by cp under Ulysses", lambda t: _fit(ContextParallelStrategy(attention="ulysses"), _gpt(d_model=24, n_head=3)),

@@ -354,7 +354,10 @@ def test_per_head_norms_are_summed_over_tp_and_other_attention_parameters_are_re
     gqa["attn"].num_key_value_heads = 2
     gqa["attn"].k_proj, gqa["attn"].v_proj = nn.Linear(16, 8), nn.Linear(16, 8)
     infer_plan(gqa).validate(2)
-    with pytest.raises(TensorParallelPlanError, match=r"attn.k_norm.weight: a per-head norm .* 2 key/value heads"):
+    with pytest.raises(
+        TensorParallelPlanError,
+        match=r"attn.k_norm.weight: a per-head norm in an attention module with 2 key/value heads; with tp=4",
+    ):
         infer_plan(gqa).validate(4)
     mlp = nn.ModuleDict({"up": nn.Linear(8, 16), "down": nn.Linear(16, 8)})
     mlp.register_parameter("scale", nn.Parameter(torch.ones(16)))

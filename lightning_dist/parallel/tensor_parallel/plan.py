@@ -156,9 +156,10 @@ class TensorParallelPlan:
         parallel, modules that would see a slice of the sequence, or a missing token embedding/output head)."""
         problems = [c.describe(tp) for c in self.checks if c.fails(tp)]
         problems += [
-            f"{name}: a per-head norm parameter of an attention module with {info['kv_heads']} key/value heads; with"
-            f" tp={tp} > {info['kv_heads']} ranks would share a key/value head and its gradient could not be summed"
-            f" over tp (use tensor_parallel_size ≤ {info['kv_heads']})"
+            f"{name}: a per-head norm in an attention module with {info['kv_heads']} key/value heads; with"
+            f" tp={tp}, {tp // info['kv_heads']} ranks hold each key/value head, so a norm on the keys would count"
+            " their gradient that many times when it is summed over tp (use a tensor_parallel_size that divides"
+            f" {info['kv_heads']}, or an explicit `plan=`)"
             for attention, info in self.grouped_query.items()
             if info["kv_heads"] < tp
             for name in self.partial_over_tp

@@ -65,13 +65,16 @@ MODELS: dict[str, tuple[str, Callable[[], L.LightningModule]]] = {
 }
 
 
-def _strategy(name: str) -> Any:
+def _strategy(name: str, aux: bool = False) -> Any:
     from lightning_dist import FSDP2Strategy, Hybrid3DStrategy
 
     if name == "ep2" or name == "dp4_ep2":
         return FSDP2Strategy(expert_parallel_size=2)
     if name == "pp2_dp2_ep2":
-        return Hybrid3DStrategy(pipeline_parallel_size=2, data_parallel_shard_size=2, expert_parallel_size=2)
+        # The auxiliary loss is computed per forward, so per micro-batch under a pipeline: one micro-batch per step
+        # gives one process's (with more, one process accumulating as many smaller batches)
+        single = {"schedule": "gpipe", "n_microbatches": 1} if aux else {}
+        return Hybrid3DStrategy(pipeline_parallel_size=2, data_parallel_shard_size=2, expert_parallel_size=2, **single)
     return Hybrid3DStrategy(tensor_parallel_size=2, data_parallel_shard_size=2, expert_parallel_size=2)
 
 
@@ -89,7 +92,7 @@ def run_cell(model: str, mesh: str, dtype: str, workdir: Path) -> dict[str, Any]
     # over the ranks, it differs by fp32 rounding (2.5e-8 of the loss measured), which a fp64 run cannot hold to 1e-10
     tolerance = AUX_FP64_TOLERANCE if dtype == "float64" and model.endswith("_aux") else None
     report = lightning_dist.verify(
-        MODELS[model][1](), data, strategy=_strategy(mesh), devices=devices, steps=3, tolerance=tolerance,
+        MODELS[model][1](), data, strategy=_strategy(mesh, model.endswith("_aux")), devices=devices, steps=3, tolerance=tolerance,
         dtype=dtype, workdir=str(workdir), timeout=600.0, accelerator="cpu",
     )  # fmt: skip
     record = classify(report, workdir)

@@ -33,7 +33,9 @@ class MoECausalLM(L.LightningModule):
         experts: Experts per MoE layer.
         seq_len: The longest sequence (``max_position_embeddings``).
         experts_implementation: transformers' experts kernel (``eager``: a loop; ``grouped_mm``: its default).
+        aux_weight: ``router_aux_loss_coef``.
         lr: AdamW's learning rate.
+        attn_implementation: transformers' attention (``sdpa`` for context parallelism).
     """
 
     def __init__(
@@ -47,6 +49,7 @@ class MoECausalLM(L.LightningModule):
         experts_implementation: str = "eager",
         aux_weight: float = 0.5,
         lr: float = 1e-2,
+        attn_implementation: str = "eager",
     ) -> None:
         super().__init__()
         import transformers
@@ -58,7 +61,7 @@ class MoECausalLM(L.LightningModule):
         config = getattr(transformers, f"{prefix}Config")(
             vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=seq_len,
-            attn_implementation="eager", experts_implementation=experts_implementation, **extra,
+            attn_implementation=attn_implementation, experts_implementation=experts_implementation, **extra,
         )  # fmt: skip
         self.model = getattr(transformers, f"{prefix}ForCausalLM")(config)
         self.lr = lr

@@ -179,7 +179,7 @@ FP32_TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> dict[str, Any]:
-    scenarios = ["fp64", "fp32", "litgpt_fp64", *TRAINER_MODELS]
+    scenarios = ["fp64", "fp32", "litgpt_fp64", *TRAINER_MODELS, "half_batches_qwen3_moe_aux_fp64"]
     return run_scenarios(SCRIPT, 1, tmp_path_factory.mktemp("ep_reference"), scenarios)
 
 
@@ -188,6 +188,7 @@ def ep_two_ranks(tmp_path_factory) -> dict[str, Any]:
     scenarios = [
         "ep_fp64", "resume_ep_to_fsdp2", "resume_fsdp2_to_ep", "ep_fp32", "bytes_fsdp2", "bytes_ep", "pipeline_fp32",
         "ep_litgpt_fp64", "resume_litgpt_ep_to_fsdp2", "zeropp_ep_fp32", "litgpt_empty_init",
+        "pp2_microbatches2_qwen3_moe_aux_fp64",
     ]  # fmt: skip
     scenarios += [f"ep_{name}" for name in TRAINER_MODELS]
     return run_scenarios(SCRIPT, 2, tmp_path_factory.mktemp("ep_strategy"), scenarios)
@@ -317,6 +318,7 @@ def test_litgpt_moe_under_ep2_trains_like_one_process_and_resumes_under_plain_fs
 @pytest.fixture(scope="module")
 def ep2_of_four(tmp_path_factory) -> dict[str, Any]:
     scenarios = ["ep2_of_4_unseeded", "ep2_of_4_fp64", "resume_ep2_to_ep4", *HYBRID3D_MESHES, *LITGPT_MESHES]
+    scenarios.append("pp2_dp2_ep2_qwen3_moe_aux_fp64")
     return run_scenarios(SCRIPT, 4, tmp_path_factory.mktemp("ep2_of_4"), scenarios)
 
 
@@ -420,3 +422,23 @@ def test_litgpt_moe_under_hybrid3d_with_ep2_trains_like_one_process(one_process,
     ref, run = one_process["litgpt_fp64"], ep2_of_four[name]
     assert run["mesh"] == LITGPT_MESHES[name]
     _assert_trains_like(ref, run)
+
+
+@pytest.mark.slow
+def test_the_router_auxiliary_loss_crosses_pipeline_stages(one_process, ep_two_ranks, ep2_of_four):
+    """Qwen3-MoE with output_router_logits=True under pipeline stages: each stage sends its routing statistics on
+    with the activation and the last stage's loss sums every stage's (each stage alone was 2e-3 off). With one
+    micro-batch per step, pp2 × dp2 × ep2 equals one process (the loss to fp32's rounding of the auxiliary loss,
+    gradient norms and parameters to fp64's); with two, the loss is each micro-batch's, exactly as one process
+    computes it accumulating batches half as large, and not the whole batch's."""
+    ref, run = one_process["qwen3_moe_aux_fp64"], ep2_of_four["pp2_dp2_ep2_qwen3_moe_aux_fp64"]
+    assert run["mesh"] == "pp=2 × dp_shard=2 (ep=2 of dp_shard × cp)"
+    assert len(run["losses"]) == len(ref["losses"]) == 4
+    assert max(abs(a - b) for a, b in zip(ref["losses"], run["losses"])) <= 1e-6
+    assert max(abs(a - b) for a, b in zip(ref["grad_norms"], run["grad_norms"])) <= FP64_TOL
+    assert _max_param_diff(ref["params"], run["params"]) <= FP64_TOL
+    assert any("router auxiliary loss: each stage sends its routing statistics" in line for line in run["log"])
+    half, two = one_process["half_batches_qwen3_moe_aux_fp64"], ep_two_ranks["pp2_microbatches2_qwen3_moe_aux_fp64"]
+    assert max(abs(a - b) for a, b in zip(half["grad_norms"], two["grad_norms"])) <= FP64_TOL
+    assert _max_param_diff(half["params"], two["params"]) <= FP64_TOL
+    assert max(abs(a - b) for a, b in zip(ref["grad_norms"], two["grad_norms"])) > 1e-4  # not the whole batch's

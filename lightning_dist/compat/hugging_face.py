@@ -30,6 +30,32 @@ def router_loss_requested(module: Any) -> str | None:
     return None
 
 
+def router_logit_recorders(module: Any) -> list[tuple[type, int]]:
+    """``(router class, index of the logits in its output)`` for every transformers model in ``module``: what its
+    output capture records as ``router_logits`` (``_can_record_outputs``, transformers 5.x)."""
+    found: list[tuple[type, int]] = []
+    for submodule in module.modules():
+        spec = (getattr(submodule, "_can_record_outputs", None) or {}).get("router_logits")
+        if spec is None:
+            continue
+        target = spec if isinstance(spec, type) else getattr(spec, "target_class", None)
+        index = 0 if isinstance(spec, type) else getattr(spec, "index", 0)
+        if isinstance(target, type) and (target, index) not in found:
+            found.append((target, index))
+    return found
+
+
+def router_top_k(module: Any) -> int | None:
+    """Experts per token of the first transformers MoE config in ``module`` (``num_experts_per_tok``...)."""
+    for submodule in module.modules():
+        config = getattr(submodule, "config", None)
+        for name in ("num_experts_per_tok", "top_k", "experts_per_token", "moe_top_k"):
+            value = getattr(config, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
 def restore_output_capture(module: Any) -> list[str]:
     """Register again the recordable outputs (router logits, hidden states, attentions) of ``module``'s transformers
     models; returns their class names.

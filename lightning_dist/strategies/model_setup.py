@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -24,6 +25,7 @@ from lightning_dist.compat.lightning import (
 )
 from lightning_dist.parallel.compile import keep_user_compilation, unwrap_user_compiled
 from lightning_dist.parallel.expert_parallel import mark_held_experts
+from lightning_dist.parallel.expert_parallel.router_loss import reduce_router_statistics
 from lightning_dist.parallel.fsdp import is_fully_sharded
 from lightning_dist.parallel.placement import place_model
 from lightning_dist.parallel.replicated_state import broadcast_replicated_state, tp_replicated_parameters
@@ -73,6 +75,7 @@ class ModelSetup(_Base):
             self._make_replicas_equal()
         if not is_fully_sharded(self.model):  # no FSDP2 policy to cast parameters: mixed precision is autocast
             self.precision_plugin.use_autocast(self.root_device.type)
+        self._reduce_router_statistics()
         # A per-head norm's tp copies each hold part of its gradient (summed over tp); other copies average.
         self._tp_partial = partial_over_tp_parameters(self.model) if self.parallel_dims.tp > 1 else []
         partial = {id(p) for p in self._tp_partial}
@@ -94,6 +97,20 @@ class ModelSetup(_Base):
             optimizers_to_device(self.optimizers, self.root_device)  # offloaded optimizer state stays on the CPU
         for part in parts:  # tensor parallel: an earlier Trainer's plan; pipeline: Lightning's backward skipped
             part.after_setup(trainer)
+
+    def _reduce_router_statistics(self) -> None:
+        """A transformers MoE model's auxiliary load-balancing loss from the routing of the whole batch, as one
+        process computes it: each data-parallel (and context-parallel) rank routes part of the tokens, and the loss
+        is a product of means, so per-rank losses averaged are not the batch's (6e-5 off on a tiny Mixtral)."""
+        if not dist.is_initialized() or self.mesh["loss"].size() == 1:
+            return
+        patched = reduce_router_statistics(self.model, self.process_group("loss"))
+        if patched and not getattr(self, "_router_statistics_logged", False):
+            self._router_statistics_logged = True
+            self.log_decision(
+                f"router auxiliary loss ({', '.join(patched)}): from the routing statistics of all"
+                f" {self.mesh['loss'].size()} ranks that share the batch"
+            )
 
     # ------------------------------------------------------------------ checks before launch
     def preflight(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:

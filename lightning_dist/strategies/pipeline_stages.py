@@ -13,9 +13,10 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_dist.compat.hugging_face import router_loss_requested
 from lightning_dist.compat.lightning import skip_lightning_backward
 from lightning_dist.parallel import pipeline as pp
+from lightning_dist.parallel.expert_parallel.router_loss import reduce_router_statistics
+from lightning_dist.parallel.pipeline.router_statistics import carry_router_statistics, plan_router_statistics
 from lightning_dist.strategies.first_batch import _rng_kept, first_batch
 from lightning_dist.strategies.pipeline_logs import captured_log
 from lightning_dist.strategies.preflight import PARALLELIZED
@@ -74,14 +75,6 @@ class PipelineStages(_Base):
         :func:`~lightning_dist.parallel.pipeline.rehearse_stages`; ``inputs``: the pipelined call's arguments on the
         first batch, default example token ids), refusing what the cut cannot run."""
         module = model.get_submodule(pp.find_pipelined_module(model))
-        if (owner := router_loss_requested(module)) is not None:
-            raise ValueError(
-                f"{owner} computes the router's auxiliary loss (output_router_logits=True) from the routing of every"
-                " MoE layer together, and a pipeline stage sees only its own layers: each stage would add a"
-                " different, wrong loss. Set output_router_logits=False in the model's config to train it with"
-                f" pipeline_parallel_size={self.parallel_dims.pp}, or keep the auxiliary loss without pipeline"
-                " stages (fsdp2 with expert_parallel_size, or hybrid3d without pp)."
-            )
         plan = pp.plan_stages(module, self.parallel_dims.pp * self.stages_per_rank, self.split)
         pp.rehearse_stages(module, plan, inputs)
         self.chosen_stage_units(module)
@@ -126,7 +119,16 @@ class PipelineStages(_Base):
         ranks = self.mesh.world.mesh.movedim(0, -1).reshape(-1, dims.pp).tolist()  # every pipeline group
         self._tie_groups = pp.new_tie_groups(self._ties, ranks, v, self.info.placement)
         self._stage_ids = pp.stage_ids_for_rank(self.mesh["pp"].get_local_rank(), dims.pp, v, self.info.placement)
+        statistics = plan_router_statistics(self._module)  # before the cut: every MoE layer is still there
         parts = pp.cut_pipeline_stages(self._module, plan, self._stage_ids, self.root_device)
+        if statistics is not None:
+            carry_router_statistics(parts, statistics)
+            reduce_router_statistics(self._module, self.process_group("loss"))
+            self.log_decision(
+                "router auxiliary loss: each stage sends its routing statistics (counts, probability sums and rows"
+                f" of {statistics.num_experts} experts) on with the activation; the last stage's loss sums every"
+                " stage's, per micro-batch"
+            )
         stages = []
         for part, stage in zip(parts, self._stage_ids):
             local = set(plan.stages[stage]) & set(plan.blocks)  # not the stand-ins of other stages' blocks

@@ -122,13 +122,15 @@ def train(
     hybrid3d: dict[str, Any] | None = None,
     log_load: bool = False,
     zeropp: bool = False,
+    batch_divisor: int = 1,
 ) -> dict[str, Any]:
     """Train the model of ``kind``; ``hybrid3d``: under ``Hybrid3DStrategy(expert_parallel_size=ep, **hybrid3d)``
-    instead of fsdp2, also reporting its mesh, log lines and expert shards' shapes."""
+    instead of fsdp2, also reporting its mesh, log lines and expert shards' shapes; ``batch_divisor``: batches that
+    many times smaller, that many times more of them accumulated per step."""
     L.seed_everything(1234, verbose=False)
     dp = 1 if pipeline else (hybrid3d or {}).get("data_parallel_shard_size", devices)
     data_cls = OneProcessData if dp == 1 else TextDataModule
-    data = data_cls(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, train_samples=256, val_samples=32)
+    data = data_cls(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp // batch_divisor, train_samples=256, val_samples=32)
     if seed_by_rank:  # no common seed: every rank initializes its own weights
         torch.manual_seed(100 + int(os.environ.get("LOCAL_RANK", "0")))
     # Under the pipeline: transformers' default experts kernel (grouped_mm), whose meta kernel takes bf16 only.
@@ -143,7 +145,7 @@ def train(
     if zeropp:  # ZeRO++'s int8 weight all-gather and int4 gradient reduce-scatter on the dense parts
         strategy = ZeroPPStrategy(expert_parallel_size=ep or 1)
     if hybrid3d is not None:
-        strategy = Hybrid3DStrategy(expert_parallel_size=ep, log_expert_load=log_load, **hybrid3d)
+        strategy = Hybrid3DStrategy(expert_parallel_size=ep or 1, log_expert_load=log_load, **hybrid3d)
         lines = LogLines("hybrid3d")
     recorder, counter, replicas = (
         (AllStagesRecorder() if pipeline or hybrid3d is not None else StepRecorder()),
@@ -160,7 +162,7 @@ def train(
             devices, strategy=strategy, precision=precision, limit_val_batches=0, enable_checkpointing=bool(save_to)
         ),
         max_steps=steps,
-        accumulate_grad_batches=1 if traffic else ACCUMULATE,
+        accumulate_grad_batches=1 if traffic else ACCUMULATE * batch_divisor,
         gradient_clip_val=None if traffic else CLIP,
         callbacks=callbacks,
     )
@@ -306,6 +308,21 @@ SCENARIOS["litgpt_pp2_dp2_ep2"] = lambda devices, workdir: train(
 )
 SCENARIOS["litgpt_tp2_ep2"] = lambda devices, workdir: train(  # the automatic plan, the MoE layers left whole
     devices, "64-true", 2, kind="litgpt", hybrid3d={"tensor_parallel_size": 2, "data_parallel_shard_size": 2}
+)
+# The router's auxiliary loss across pipeline stages (each stage's routing statistics sent on with the activation).
+# One micro-batch per step: one process's loss exactly. Two: the loss of each micro-batch, as one process computes it
+# accumulating batches half as large.
+_QWEN3_AUX = {"steps": 2, "kind": "qwen3_moe", "aux": True}
+SCENARIOS["pp2_dp2_ep2_qwen3_moe_aux_fp64"] = lambda devices, workdir: train(
+    devices, "64-true", 2, **_QWEN3_AUX,
+    hybrid3d={"pipeline_parallel_size": 2, "data_parallel_shard_size": 2, "schedule": "gpipe", "n_microbatches": 1},
+)  # fmt: skip
+SCENARIOS["pp2_microbatches2_qwen3_moe_aux_fp64"] = lambda devices, workdir: train(
+    devices, "64-true", None, **_QWEN3_AUX,
+    hybrid3d={"pipeline_parallel_size": 2, "data_parallel_shard_size": 1, "schedule": "gpipe", "n_microbatches": 2},
+)  # fmt: skip
+SCENARIOS["half_batches_qwen3_moe_aux_fp64"] = lambda devices, workdir: train(
+    devices, "64-true", None, **_QWEN3_AUX, batch_divisor=2
 )
 SCENARIOS["tp2_ep2"] = lambda devices, workdir: train(
     devices, "64-true", 2, hybrid3d={"tensor_parallel_size": 2, "data_parallel_shard_size": 2, "plan": _ATTENTION_PLAN}

@@ -14,7 +14,9 @@ divides back.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -22,6 +24,34 @@ import torch.distributed as dist
 from torch import nn
 
 FUNCTION = "load_balancing_loss_func"
+
+#: Routing statistics of layers this process did not run (earlier pipeline stages): ``[counts | probs | rows]``.
+_CARRIED: ContextVar[torch.Tensor | None] = ContextVar("lightning_dist_carried_router_statistics", default=None)
+
+
+@contextmanager
+def carried_statistics(statistics: torch.Tensor | None) -> Iterator[None]:
+    """Inside the block, the patched auxiliary loss adds ``statistics`` (``[counts (E) | probability sums (E) |
+    rows (1)]``, see :func:`local_statistics`) to those of the layers it is given."""
+    token = _CARRIED.set(statistics)
+    try:
+        yield
+    finally:
+        _CARRIED.reset(token)
+
+
+def local_statistics(
+    gate_logits: tuple[torch.Tensor, ...],
+    num_experts: int,
+    top_k: int,
+    attention_mask: torch.Tensor | None,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """``[counts (E) | probability sums (E) | rows (1)]`` of the given router logits (zeros for none), fp32."""
+    if not gate_logits:
+        return torch.zeros(2 * num_experts + 1, dtype=torch.float32, device=device)
+    counts, probs, rows = _local_sums(gate_logits, num_experts, top_k, attention_mask)
+    return torch.cat([counts, probs, rows.reshape(1)])
 
 
 def reduce_router_statistics(model: nn.Module, group: Any) -> list[str]:
@@ -43,9 +73,15 @@ def _over_group(original: Callable[..., Any], group: Any) -> Callable[..., Any]:
     def load_balancing_loss_func(
         gate_logits: Any, num_experts: int | None = None, top_k: int = 2, attention_mask: torch.Tensor | None = None
     ) -> Any:
-        if gate_logits is None or not isinstance(gate_logits, tuple) or not dist.is_initialized():
+        carried = _CARRIED.get()
+        if carried is None and (gate_logits is None or not isinstance(gate_logits, tuple)) or not dist.is_initialized():
             return original(gate_logits, num_experts, top_k, attention_mask)
-        counts, probs, rows = _local_sums(gate_logits, num_experts, top_k, attention_mask)
+        if carried is None:
+            counts, probs, rows = _local_sums(gate_logits, num_experts, top_k, attention_mask)
+        else:  # a pipeline's last stage: the earlier stages' statistics added to its own layers'
+            mine = local_statistics(tuple(gate_logits or ()), num_experts, top_k, attention_mask, carried.device)
+            both = carried + mine
+            counts, probs, rows = both[:num_experts].detach(), both[num_experts:-1], both[-1].detach()
         totals = torch.cat([counts, probs.detach(), rows.reshape(1)])
         dist.all_reduce(totals, group=group)
         counts_all, probs_all, rows_all = totals[:num_experts], totals[num_experts:-1], totals[-1]

@@ -4,8 +4,9 @@ torch 2.13's ``schedule.eval()`` runs the training schedule without backward; on
 it still performs backward bookkeeping and fails ("can't steal_bwd_input"). This pass needs no torch stage objects:
 each rank runs its stages in increasing stage order, every micro-batch in turn (fill-drain, as GPipe), receiving
 the activation of the previous stage from its owner and sending its own with a non-blocking send. A rank only ever
-waits for a lower stage, so no cycle of waits can form. Each activation is preceded by a small header (dtype and
-shape), so batches of any shape need no set-up.
+waits for a lower stage, so no cycle of waits can form. Each boundary tensor (the activation, and the router's
+statistics where a stage sends them too) is preceded by a small header (how many tensors, dtype and shape), so
+batches of any shape need no set-up.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def forward_only(
         device: Where received activations are placed.
     """
     me = dist.get_rank(group) if group is not None else dist.get_rank()
-    local: dict[tuple[int, int], torch.Tensor] = {}
+    local: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
     pending: list[tuple[Any, list[torch.Tensor]]] = []
     for stage, part in sorted(zip(stage_ids, parts), key=lambda item: item[0]):
         for index, inputs in enumerate(microbatches):
@@ -52,12 +53,12 @@ def forward_only(
                 output = part(**inputs)
             else:
                 previous = owner(stage - 1)
-                value = local.pop((stage - 1, index)) if previous == me else _recv(previous, group, device)
-                output = part(value, **inputs)
+                values = local.pop((stage - 1, index)) if previous == me else _recv(previous, group, device)
+                output = part(*values, **inputs)
             if stage == num_stages - 1:
                 on_output(output, index)
             elif owner(stage + 1) == me:
-                local[(stage, index)] = output
+                local[(stage, index)] = output if isinstance(output, tuple) else (output,)
             else:
                 pending.append(_isend(output, owner(stage + 1), group))
     for works, _keep_alive in pending:
@@ -65,24 +66,32 @@ def forward_only(
             work.wait()
 
 
-def _isend(tensor: torch.Tensor, peer: int, group: Any) -> tuple[list[Any], list[torch.Tensor]]:
-    tensor = tensor.detach().contiguous()
-    header = torch.full((_MAX_DIMS + 2,), -1, dtype=torch.int64)
-    header[0] = _DTYPES.index(tensor.dtype)
-    header[1] = tensor.dim()
-    header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-    works = [_send(header, peer, group), _send(tensor, peer, group)]
-    return works, [header, tensor]
+def _isend(output: torch.Tensor | tuple[torch.Tensor, ...], peer: int, group: Any) -> tuple[list[Any], list[Any]]:
+    tensors = [t.detach().contiguous() for t in (output if isinstance(output, tuple) else (output,))]
+    works, keep = [], []
+    for tensor in tensors:
+        header = torch.full((_MAX_DIMS + 3,), -1, dtype=torch.int64)
+        header[0] = len(tensors)
+        header[1] = _DTYPES.index(tensor.dtype)
+        header[2] = tensor.dim()
+        header[3 : 3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        works += [_send(header, peer, group), _send(tensor, peer, group)]
+        keep += [header, tensor]
+    return works, keep
 
 
-def _recv(peer: int, group: Any, device: torch.device | str) -> torch.Tensor:
-    header = torch.empty(_MAX_DIMS + 2, dtype=torch.int64)
-    _receive(header, peer, group)
-    dims = int(header[1])
-    shape = [int(d) for d in header[2 : 2 + dims]]
-    tensor = torch.empty(shape, dtype=_DTYPES[int(header[0])], device=device)
-    _receive(tensor, peer, group)
-    return tensor
+def _recv(peer: int, group: Any, device: torch.device | str) -> tuple[torch.Tensor, ...]:
+    received: list[torch.Tensor] = []
+    count = 1
+    while len(received) < count:
+        header = torch.empty(_MAX_DIMS + 3, dtype=torch.int64)
+        _receive(header, peer, group)
+        count, dims = int(header[0]), int(header[2])
+        shape = [int(d) for d in header[3 : 3 + dims]]
+        tensor = torch.empty(shape, dtype=_DTYPES[int(header[1])], device=device)
+        _receive(tensor, peer, group)
+        received.append(tensor)
+    return tuple(received)
 
 
 def _send(tensor: torch.Tensor, peer: int, group: Any) -> Any:

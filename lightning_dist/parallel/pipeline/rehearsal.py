@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lightning_dist.parallel.pipeline.order import _to_meta, _token_examples, meta_twin
+from lightning_dist.parallel.pipeline.router_statistics import carry_router_statistics, plan_router_statistics
 from lightning_dist.parallel.pipeline.split import StagePlan
 from lightning_dist.parallel.pipeline.stage import StageCutError, cut_pipeline_stages
 
@@ -46,14 +47,19 @@ def rehearse_stages(model: nn.Module, plan: StagePlan, inputs: dict[str, Any] | 
         if not _runs_whole(model, kwargs):
             continue
         twin = meta_twin(model)
+        statistics = plan_router_statistics(twin)
         parts = cut_pipeline_stages(twin, plan, list(range(plan.num_stages)), "meta")
+        if statistics is not None:
+            carry_router_statistics(parts, statistics)
         received: tuple[torch.Tensor, ...] = ()
         for stage, part in enumerate(parts):
             try:
                 output = part(*received, **kwargs)
             except Exception as err:  # whatever the cut makes fail (the whole forward ran) is refused
                 raise _refusal(plan, stage, err) from err
-            received = (output.detach().requires_grad_(output.is_floating_point()),) if stage < len(parts) - 1 else ()
+            outputs = output if isinstance(output, tuple) else (output,)
+            received = tuple(o.detach().requires_grad_(o.is_floating_point()) for o in outputs)
+            received = received if stage < len(parts) - 1 else ()
         return True
     return False
 

@@ -40,6 +40,7 @@ Limits (checked where possible, with an error naming the fix):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 from collections.abc import Callable, Sequence
@@ -89,6 +90,8 @@ class StageRuntime:
         self.run: _Run | None = None
         self.verified = False
         self.output_recipe: OutputRecipe | None = None
+        # A second boundary tensor beside the activation (the router's statistics, :mod:`.router_statistics`)
+        self.carry: Any = None
 
     @property
     def is_last(self) -> bool:
@@ -298,16 +301,19 @@ def _make_entry_hook(runtime: StageRuntime) -> Callable:
 
 def _make_stage_forward(shell: nn.Module, forward_fn: Callable, runtime: StageRuntime) -> Callable:
     def forward(*received: torch.Tensor, **model_inputs: Any) -> Any:
-        if len(received) > 1:
+        carry = runtime.carry
+        if len(received) > 1 + (carry is not None):
             raise _cut_error(runtime, f"expected one activation from the previous stage, got {len(received)}.")
+        side = received[1] if carry is not None and len(received) > 1 else None
         run = _Run(received[0] if received else None)
         runtime.run = run
         try:
-            try:
-                output = forward_fn(shell, **model_inputs)
-                exited = None
-            except _StageExit as exit_:
-                exited = exit_.value
+            with carry.running(side, runtime.is_last) if carry is not None else contextlib.nullcontext():
+                try:
+                    output = forward_fn(shell, **model_inputs)
+                    exited = None
+                except _StageExit as exit_:
+                    exited = exit_.value
         finally:
             runtime.run = None
         if run.received is not None and not run.substituted:
@@ -316,13 +322,13 @@ def _make_stage_forward(shell: nn.Module, forward_fn: Callable, runtime: StageRu
             if exited is not None:
                 raise _cut_error(runtime, "the last stage reached a module of a later stage.")
             flat, runtime.output_recipe = flatten_output(output)
-            result: Any = flat
+            result: Any = _joined(flat, side)
         else:
             if exited is None:
                 raise _cut_error(
                     runtime, f"the forward returned without reaching stage {runtime.stage_index + 1}'s first module."
                 )
-            result = exited
+            result = exited if carry is None else (exited, carry.sums(side, model_inputs, runtime.device))
         if not runtime.verified and run.placeholders and torch.is_grad_enabled():
             outputs = list(result) if isinstance(result, tuple) else [result]
             if _depends_on(outputs, run.placeholders):
@@ -335,6 +341,19 @@ def _make_stage_forward(shell: nn.Module, forward_fn: Callable, runtime: StageRu
         return result
 
     return forward
+
+
+def _joined(flat: Any, side: torch.Tensor | None) -> Any:
+    """The last stage's output tensors, the first floating one plus ``0 · side``: the received side tensor then
+    always gets a gradient (zero where the loss does not use it), which the schedule sends back."""
+    if side is None or not side.requires_grad:
+        return flat
+    out = list(flat)
+    for i, tensor in enumerate(out):
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+            out[i] = tensor + 0 * side.sum().to(tensor.dtype)
+            return type(flat)(out) if isinstance(flat, tuple) else out
+    return flat
 
 
 def _shell(root: nn.Module, roles: dict[str, nn.Module]) -> nn.Module:

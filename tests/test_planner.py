@@ -278,8 +278,8 @@ def test_the_planner_searches_ep_for_a_moe_model_and_keeps_a_given_one():
 
 def test_plan_tool_shows_the_experts_and_takes_an_expert_parallel_size(capsys):
     args = ["--model", "transformers.MixtralForCausalLM", "--config-class", "transformers.MixtralConfig",
-            "--init-args", '{"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,'
-            ' "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4}',
+            "--init-args", ('{"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,'
+                            ' "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4}'),
             "--devices", "4", "--seq-len", "64", "--global-batch", "8", "--expert-parallel-size", "2"]  # fmt: skip
     run_tool("plan", args)
     out = capsys.readouterr().out

@@ -123,6 +123,13 @@ def _qwen3(kv_heads: int) -> _HFCausalLM:
     return _HFCausalLM(Qwen3ForCausalLM(config))
 
 
+def _router_loss_without_experts() -> _HFCausalLM:
+    """A Llama whose config asks for the router's auxiliary loss (a flag copied from a MoE config): no experts."""
+    model = _llama(2)
+    model.model.config.output_router_logits = True
+    return model
+
+
 def _mixtral(num_experts: int = 4, **config_kwargs: Any) -> _HFCausalLM:
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -336,6 +343,9 @@ ROWS: list[BadInput] = [
              lambda t: _fit(Hybrid3DStrategy(expert_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True),
                             _mixtral(), devices=4),
              ValueError, r"expert_parallel_size=2 with sequence_parallel=True over tp=2: the experts are replicated over tp"),
+    BadInput("The router's auxiliary loss under pipeline stages, experts not found",
+             lambda t: _fit("pipeline", _router_loss_without_experts()),
+             ValueError, r"computes the router's auxiliary loss \(output_router_logits=True\).*found them incomplete here.*Set output_router_logits=False"),
     BadInput("expert_parallel_size under a strategy that cannot carry it",
              lambda t: TensorParallelStrategy(expert_parallel_size=2),
              TypeError, r"TensorParallelStrategy has no option 'expert_parallel_size'.*carried by fsdp2 \(and the expert_parallel strategy name\) and hybrid3d only", CONSTRUCTION),

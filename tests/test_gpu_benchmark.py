@@ -165,17 +165,19 @@ def test_the_moe_benchmark_needs_two_gpus_and_says_so():
 
 
 @pytest.mark.slow
-def test_the_moe_benchmark_runs_both_setups_on_two_cpu_processes(tmp_path):
-    """The GPU script end to end on the CPU (gloo), toy size: both setups train, and the all-gather of
-    expert_parallel is a fraction of fsdp2's (the experts are not gathered) while all-to-all carries the tokens."""
+def test_the_moe_benchmark_runs_on_two_cpu_processes(tmp_path):
+    """The GPU script end to end on the CPU (gloo), toy size, its expert_parallel setup (fsdp2's is the same code
+    with expert_parallel_size=1; the all-gather ratio of the two is asserted in tests/test_expert_parallel.py): it
+    trains, counts its all-gather and all-to-all bytes, and writes the table."""
     cmd = [sys.executable, "-m", "benchmarks.gpu_moe", "--accelerator", "cpu", "--devices", "2", "--sizes", "toy",
-           "--warmup", "1", "--steps", "1", "--precision", "32-true", "--seq-len", "32", "--out", str(tmp_path)]  # fmt: skip
+           "--setups", "expert_parallel", "--warmup", "1", "--steps", "1", "--precision", "32-true", "--seq-len", "32",
+           "--out", str(tmp_path)]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    rows = {r["setup"]: r for r in json.loads((tmp_path / "gpu_moe_results.json").read_text())}
-    assert rows["expert_parallel"]["all_gather_bytes"] < 0.5 * rows["fsdp2"]["all_gather_bytes"], rows
-    assert rows["expert_parallel"]["all_to_all_bytes"] > 0 == rows["fsdp2"]["all_to_all_bytes"], rows
-    assert "tokens/s vs fsdp2" in (tmp_path / "gpu_moe_report.md").read_text()
+    (row,) = json.loads((tmp_path / "gpu_moe_results.json").read_text())
+    assert row["setup"] == "expert_parallel" and row["all_to_all_bytes"] > 0 and row["all_gather_bytes"] > 0, row
+    assert row["tokens_per_s"] > 0 and row["expert_bytes"] > 0, row
+    assert "| toy |" in (tmp_path / "gpu_moe_report.md").read_text()
 
 
 def test_the_local_experts_benchmark_times_both_ways_and_they_agree_on_the_cpu(tmp_path):

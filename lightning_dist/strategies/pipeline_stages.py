@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_dist.compat.hugging_face import router_loss_requested
 from lightning_dist.compat.lightning import skip_lightning_backward
 from lightning_dist.parallel import pipeline as pp
 from lightning_dist.parallel.expert_parallel.router_loss import reduce_router_statistics
@@ -75,6 +76,15 @@ class PipelineStages(_Base):
         :func:`~lightning_dist.parallel.pipeline.rehearse_stages`; ``inputs``: the pipelined call's arguments on the
         first batch, default example token ids), refusing what the cut cannot run."""
         module = model.get_submodule(pp.find_pipelined_module(model))
+        if (owner := router_loss_requested(module)) is not None and plan_router_statistics(module) is None:
+            raise ValueError(
+                f"{owner} computes the router's auxiliary loss (output_router_logits=True) from the routing of every"
+                " MoE layer together, and a pipeline stage sees only its own layers. lightning_dist sends each"
+                " stage's routing statistics on to the last stage for transformers MoE models whose router logits,"
+                " experts and top-k it can find, and found them incomplete here. Set output_router_logits=False to"
+                f" train it with pipeline_parallel_size={self.parallel_dims.pp}, or keep the auxiliary loss without"
+                " pipeline stages (fsdp2, or hybrid3d without pp)."
+            )
         plan = pp.plan_stages(module, self.parallel_dims.pp * self.stages_per_rank, self.split)
         pp.rehearse_stages(module, plan, inputs)
         self.chosen_stage_units(module)

@@ -45,17 +45,6 @@ def router_logit_recorders(module: Any) -> list[tuple[type, int]]:
     return found
 
 
-def router_top_k(module: Any) -> int | None:
-    """Experts per token of the first transformers MoE config in ``module`` (``num_experts_per_tok``...)."""
-    for submodule in module.modules():
-        config = getattr(submodule, "config", None)
-        for name in ("num_experts_per_tok", "top_k", "experts_per_token", "moe_top_k"):
-            value = getattr(config, name, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None
-
-
 def restore_output_capture(module: Any) -> list[str]:
     """Register again the recordable outputs (router logits, hidden states, attentions) of ``module``'s transformers
     models; returns their class names.

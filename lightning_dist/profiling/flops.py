@@ -26,11 +26,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from lightning_dist.parallel.expert_parallel import find_expert_layers
+from lightning_dist.parallel.expert_parallel.structure import TOP_K_ATTRIBUTES, experts_per_token
 from lightning_dist.parallel.model_structure import ModelStructure, recognize
 from lightning_dist.planning.model_facts import model_facts
-
-#: Attributes that hold how many experts a token is routed to (on the MoE block, its router, or a config).
-TOP_K_ATTRIBUTES = ("top_k", "num_experts_per_tok", "experts_per_token", "moe_top_k", "router_topk")
 
 
 def flops_per_token(params: float, layers: int, attention_width: int, seq_len: int) -> float:
@@ -134,24 +132,12 @@ def find_experts(model: nn.Module) -> list[RoutedExperts]:
     ``experts`` ModuleList beside a router). ``k`` is read from :data:`TOP_K_ATTRIBUTES` on the experts module, its
     parent (the MoE block) and the parent's other children (the router), or a ``config`` attribute of any of them or
     of ``model``."""
-    modules = dict(model.named_modules())
     return [
         RoutedExperts(
             layer.name,
             sum(p.numel() for p in layer.experts.parameters()),
             layer.num_experts,
-            _top_k(layer.experts, modules.get(layer.name.rpartition(".")[0]), model),
+            experts_per_token(model, layer),
         )
         for layer in find_expert_layers(model)
     ]
-
-
-def _top_k(experts: nn.Module, parent: nn.Module | None, model: nn.Module) -> int | None:
-    owners = [experts] + ([parent, *parent.children()] if parent is not None else [])
-    owners += [getattr(m, "config", None) for m in (*owners, model)]
-    for owner in owners:
-        for attribute in TOP_K_ATTRIBUTES:
-            value = getattr(owner, attribute, None) if owner is not None else None
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None

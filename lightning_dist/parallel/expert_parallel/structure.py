@@ -22,6 +22,8 @@ from torch import nn
 STACKED_PARAMETERS = ("gate_up_proj", "down_proj")
 STACKED_BIASES = ("gate_up_proj_bias", "down_proj_bias")
 ROUTER_NAMES = ("gate", "router")
+#: Attributes that hold how many experts a token is routed to (on the MoE block, its router, or a config).
+TOP_K_ATTRIBUTES = ("top_k", "num_experts_per_tok", "experts_per_token", "moe_top_k", "router_topk")
 
 
 class ExpertParallelError(ValueError):
@@ -135,4 +137,19 @@ def _router_name(parent: nn.Module | None, parent_name: str) -> str | None:
     for attr in ROUTER_NAMES:
         if isinstance(getattr(parent, attr, None), nn.Module):
             return f"{parent_name}.{attr}" if parent_name else attr
+    return None
+
+
+def experts_per_token(model: nn.Module, layer: ExpertLayer) -> int | None:
+    """``k`` of ``layer``'s top-k routing, read from :data:`TOP_K_ATTRIBUTES` on its experts module, its parent (the
+    MoE block) and the parent's other children (the router), or a ``config`` attribute of any of them or of
+    ``model``; ``None`` when none says it."""
+    parent = dict(model.named_modules()).get(layer.name.rpartition(".")[0])
+    owners = [layer.experts] + ([parent, *parent.children()] if parent is not None else [])
+    owners += [getattr(m, "config", None) for m in (*owners, model)]
+    for owner in owners:
+        for attribute in TOP_K_ATTRIBUTES:
+            value = getattr(owner, attribute, None) if owner is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
     return None

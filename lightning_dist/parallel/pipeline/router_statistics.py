@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_dist.compat.hugging_face import router_logit_recorders, router_loss_requested, router_top_k
+from lightning_dist.compat.hugging_face import router_logit_recorders, router_loss_requested
 from lightning_dist.parallel.expert_parallel.router_loss import carried_statistics, local_statistics
-from lightning_dist.parallel.expert_parallel.structure import find_expert_layers
+from lightning_dist.parallel.expert_parallel.structure import experts_per_token, find_expert_layers
 
 
 class RouterStatisticsCarry:
@@ -39,7 +39,8 @@ class RouterStatisticsCarry:
     def __init__(self, part: nn.Module, num_experts: int, top_k: int, recorders: list[tuple[type, int]]) -> None:
         self.num_experts = num_experts
         self.top_k = top_k
-        self._logits: list[torch.Tensor] | None = None
+        self._logits: list[torch.Tensor] | None = None  # while a stage forward runs
+        self._recorded: list[torch.Tensor] = []  # the last forward's
         for module in part.modules():
             for cls, index in recorders:
                 if isinstance(module, cls):
@@ -91,8 +92,8 @@ def plan_router_statistics(model: nn.Module) -> RouterStatisticsPlan | None:
         return None
     layers = find_expert_layers(model)
     recorders = router_logit_recorders(model)
-    top_k = router_top_k(model)
-    if not layers or not recorders or top_k is None:
+    top_k = experts_per_token(model, layers[0]) if layers else None
+    if not recorders or top_k is None:
         return None
     return RouterStatisticsPlan(layers[0].num_experts, top_k, recorders)
 

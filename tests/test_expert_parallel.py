@@ -151,7 +151,9 @@ def test_experts_under_names_no_library_uses_are_refused_pointing_to_expert_modu
     from tests.scenarios.models import UserMoE
 
     model = UserMoE()
-    with pytest.raises(ExpertParallelError, match=r"UserMoE has no mixture-of-experts layer.*name them with expert_modules"):
+    with pytest.raises(
+        ExpertParallelError, match=r"UserMoE has no mixture-of-experts layer.*name them with expert_modules"
+    ):
         check_expert_parallel(model, 2)
     with pytest.raises(ExpertParallelError, match=r"expert_modules='layers\.\*\.experts' names no experts module: it"
                        r" matches no module name\. The model's ModuleLists of more than one module: layers, "
@@ -317,38 +319,44 @@ def test_litgpt_moe_under_ep2_trains_like_one_process_and_resumes_under_plain_fs
 # ------------------------------------------------------------------------------- 4 processes: dp_shard4 × ep2
 @pytest.fixture(scope="module")
 def ep2_of_four(tmp_path_factory) -> dict[str, Any]:
-    scenarios = ["ep2_of_4_unseeded", "ep2_of_4_fp64", "resume_ep2_to_ep4", *HYBRID3D_MESHES, *LITGPT_MESHES]
+    scenarios = ["ep2_of_4_unseeded", "ep2_of_4_fp64", "resume_ep2_to_ep4", "resume_ep2_of_4_to_fsdp2"]
+    scenarios += [*HYBRID3D_MESHES, *LITGPT_MESHES]
     scenarios.append("pp2_dp2_ep2_qwen3_moe_aux_fp64")
     return run_scenarios(SCRIPT, 4, tmp_path_factory.mktemp("ep2_of_4"), scenarios)
 
 
 @pytest.mark.slow
-def test_ranks_holding_the_same_experts_start_and_stay_bitwise_equal_without_a_seed(ep2_of_four):
-    """dp_shard=4, ep=2: ranks 0 and 2 (1 and 3) hold the same experts. Every rank initialized its own weights (no
-    common seed); distribute_tensor only makes the experts equal within an ep group, so setup broadcasts them over
-    the replicas too, and the replicas' summed gradients keep them equal through training."""
+def test_every_rank_sees_the_same_experts_without_a_seed(ep2_of_four):
+    """dp_shard=4, ep=2, every rank initialized its own weights (no common seed): FSDP2 shards each expert weight
+    over the 2 ranks ep leaves (ep_fsdp), so whole, as every rank gathers it, each expert weight is the same on all
+    4 ranks after setup and stays so through training."""
     gaps = ep2_of_four["ep2_of_4_unseeded"]["replica_gap"]
     assert gaps == {"after_setup": 0.0, "after_training": 0.0}, gaps
 
 
 @pytest.mark.slow
 def test_fsdp2_with_dp_shard4_and_ep2_trains_mixtral_like_one_process(one_process, ep2_of_four):
-    """Two ep groups of 2 ranks, each rank 2 of 4 experts: losses, gradient norms and final parameters equal one
-    process's (fp64)."""
+    """Two ep groups of 2 ranks, each rank 2 of 4 experts, FSDP2-sharded again over the 2 ranks ep leaves
+    (ep_fsdp): rank 0 holds a quarter of the expert weights, not a half. Losses, gradient norms and final
+    parameters equal one process's (fp64)."""
     ref, run = one_process["fp64"], ep2_of_four["ep2_of_4_fp64"]
     assert len(run["losses"]) == len(ref["losses"]) == 8
     assert max(abs(a - b) for a, b in zip(ref["losses"], run["losses"])) <= FP64_TOL
     assert max(abs(a - b) for a, b in zip(ref["grad_norms"], run["grad_norms"])) <= FP64_TOL
     assert _max_param_diff(ref["params"], run["params"]) <= FP64_TOL
+    assert run["expert_fraction"] == 0.25  # 1 / (ep × ep_fsdp)
 
 
 @pytest.mark.slow
-def test_a_checkpoint_saved_under_ep2_resumes_under_ep4(ep2_of_four):
-    """The step-2 checkpoint of the dp_shard4 × ep2 run (2 experts per rank, replicated twice) resumes with ep=4
-    (1 expert per rank, no replicas) and continues to the uninterrupted run's losses."""
-    uninterrupted, resumed = ep2_of_four["ep2_of_4_fp64"]["losses"], ep2_of_four["resume_ep2_to_ep4"]["losses"]
-    assert len(resumed) == 4
-    assert max(abs(a - b) for a, b in zip(uninterrupted[4:], resumed)) <= FP64_TOL, (uninterrupted, resumed)
+def test_a_checkpoint_saved_under_ep2_of_dp4_resumes_under_ep4_and_plain_fsdp2(ep2_of_four):
+    """The step-2 checkpoint of the dp_shard4 × ep2 run (2 experts per rank, FSDP2-sharded over ep_fsdp=2) resumes
+    with ep=4 (1 expert per rank, whole) and under plain fsdp2, and both continue to the uninterrupted run's
+    losses."""
+    uninterrupted = ep2_of_four["ep2_of_4_fp64"]["losses"]
+    for name in ("resume_ep2_to_ep4", "resume_ep2_of_4_to_fsdp2"):
+        resumed = ep2_of_four[name]["losses"]
+        assert len(resumed) == 4
+        assert max(abs(a - b) for a, b in zip(uninterrupted[4:], resumed)) <= FP64_TOL, (name, uninterrupted, resumed)
 
 
 @pytest.mark.slow
@@ -369,7 +377,10 @@ def test_zeropp_carries_expert_parallelism_within_its_stated_tolerance(one_proce
     process's; the copies of the replicated parameters stay equal."""
     ref, run = one_process["fp32"], ep_two_ranks["zeropp_ep_fp32"]
     assert len(run["losses"]) == len(ref["losses"]) == 8
-    assert max(abs(a - b) / abs(b) for a, b in zip(run["losses"], ref["losses"])) <= 5e-2, (run["losses"], ref["losses"])
+    assert max(abs(a - b) / abs(b) for a, b in zip(run["losses"], ref["losses"])) <= 5e-2, (
+        run["losses"],
+        ref["losses"],
+    )
     assert run["copies_gap"] == 0.0
 
 

@@ -257,8 +257,13 @@ def test_expert_parallel_holds_one_ep_th_of_the_experts_gathers_none_and_sends_t
     assert gathered["ep"] / gathered["fsdp"] == pytest.approx(dense / facts.total_params)  # 0.16: experts 84%
     assert ep.comm["ep"][0] == pytest.approx(facts.blocks * 4 * (4 * 1024) * 2 * 1024 * 2 * (2 - 1) / 2)
     assert "ep_replicas" not in ep.comm  # ep = dp_shard: no rank holds another's experts
+    # dp_shard=4, ep=2: FSDP2 shards each ep rank's half of the experts over the 2 ranks ep leaves (ep_fsdp)
     four = estimate(facts, None, ParallelDims(dp_shard=4, ep=2), work, hw)
-    assert four.comm["ep_replicas"][0] == pytest.approx(2 * (2 - 1) / 2 * experts / 2 * 4)  # all-reduce of 2 copies
+    assert four.params == pytest.approx((dense / 4 + experts / 4) * 4)
+    assert four.comm["ep_fsdp"][0] == pytest.approx(experts / 2 * (2 - 1) / 2 * (2 * 2 + 4))  # 2 gathers, 1 reduce
+    assert "ep_replicas" not in four.comm  # no rank holds a copy of another's shard
+    hsdp = estimate(facts, None, ParallelDims(dp_replicate=2, dp_shard=2, ep=2), work, hw)
+    assert hsdp.comm["ep_replicas"][0] == pytest.approx(2 * (2 - 1) / 2 * experts / 2 * 4)  # all-reduce of 2 copies
 
 
 def test_the_planner_searches_ep_for_a_moe_model_and_keeps_a_given_one():

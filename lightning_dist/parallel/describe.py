@@ -47,7 +47,10 @@ def describe(
         where = f"dp_shard={dims.dp_shard}" + (f" × cp={dims.cp}" if dims.cp > 1 else "")
         where += f" × dp_replicate={dims.dp_replicate}" if dims.dp_replicate > 1 else ""
         where += " (gradients averaged over cp)" if dims.cp > 1 else ""
-        where += " (experts left out: split over ep)" if record.experts is not None else ""
+        if record.experts is not None and record.experts.sharded_over > 1:
+            where += f" (experts: split over ep, units of their own over ep_fsdp={record.experts.sharded_over})"
+        elif record.experts is not None:
+            where += " (experts left out: split over ep)"
         lines.append(
             f"{label} sharded {record.units}"
             + (f" + {', '.join(name for name, _ in config.extra_units)}" if config.extra_units else "")

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from lightning_dist.compat import replaced_post_forward_mesh_info
 from lightning_dist.parallel.validation import is_int
@@ -33,6 +34,16 @@ class FSDPConfig:
         return CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
 
 
+@dataclass
+class MeshUnit:
+    """A module sharded as a unit of its own over a mesh other than the model's (expert weights over ep_fsdp), with
+    FSDP2's ``shard_placement_fn`` for its parameters (``None``: dim 0)."""
+
+    module: nn.Module
+    mesh: DeviceMesh
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None
+
+
 def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
     """All modules of ``model`` (itself included) that ``fully_shard`` was applied to."""
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -49,10 +60,12 @@ def apply_fsdp(
     config: FSDPConfig,
     root_mp_policy: MixedPrecisionPolicy | None = None,
     ignored_params: set[nn.Parameter] | None = None,
+    mesh_units: Iterable[MeshUnit] = (),
 ) -> list[nn.Module]:
     """Shard every block as its own communication group, then everything outside the blocks (embeddings, final norm,
     head) as one group kept gathered from forward to the end of backward, then the root. Returns that group.
-    ``ignored_params`` stay as they are in every unit (expert-parallel experts, sharded over ep already).
+    ``ignored_params`` stay as they are in every unit (``ModuleList`` experts split over ep); ``mesh_units`` are
+    sharded first, each over its own mesh (stacked experts over ep_fsdp), so the blocks around them leave them be.
 
     ``mesh`` is 1-D (fully sharded) or 2-D ``(replicate, shard)`` (HSDP). The modules outside the blocks run first
     and last in forward, so backward needs them again at once. They are not left to the root: the root's "forward"
@@ -64,6 +77,15 @@ def apply_fsdp(
     # another unit, a regex matching both, or a shared module, is sharded first) so the enclosing units skip it.
     blocks = sorted([*shared_submodules(model, blocks), *blocks], key=_height)
     with _one_post_forward_mesh_per_size():
+        for unit in mesh_units:
+            fully_shard(
+                unit.module,
+                mesh=unit.mesh,
+                reshard_after_forward=_reshard_within(config.reshard_after_forward, unit.mesh),
+                shard_placement_fn=unit.shard_placement_fn,
+                mp_policy=config.mp_policy,
+                offload_policy=config.offload_policy,
+            )
         for block in blocks:
             fully_shard(
                 block,
@@ -93,6 +115,14 @@ def apply_fsdp(
         ignored_params=ignored_params,
     )
     return outside
+
+
+def _reshard_within(reshard_after_forward: bool | int, mesh: DeviceMesh) -> bool | int:
+    """An int ``reshard_after_forward`` (a smaller world to keep the parameters on) for a unit over another mesh:
+    kept if it divides that mesh's shard dim, else full resharding (``True``)."""
+    if is_int(reshard_after_forward) and mesh.size(mesh.ndim - 1) % reshard_after_forward:
+        return True
+    return reshard_after_forward
 
 
 @contextmanager

@@ -10,7 +10,9 @@ size 1. Three derived groups are named once here and used everywhere:
 Expert parallelism (``ep``) is not a sixth axis: as in torchtitan it borrows ranks from ``fsdp`` (ep divides
 dp_shard × cp). ``mesh["ep"]`` is the inner ``ep`` ranks of each fsdp group (they exchange tokens and each holds
 ``E/ep`` experts); ``mesh["ep_replicas"]`` is the rest of the loss group (dp_replicate × dp_shard·cp/ep), the ranks
-that hold the same experts.
+that hold the same experts. Of those, ``mesh["ep_fsdp"]`` (dp_shard·cp/ep) shard the experts' weights between them
+as FSDP shards the dense ones, and ``mesh.experts_data_parallel`` is the experts' FSDP mesh (2-D with dp_replicate
+for HSDP), cut from the same split of the loss group as ``mesh["ep"]`` so FSDP2 can join the two.
 """
 
 from __future__ import annotations
@@ -165,12 +167,16 @@ class ParallelDims:
         else:
             sizes, names = (self.dp_replicate, self.fsdp), ("dp_replicate", "fsdp")
             data_parallel = unflatten_mesh(derived["loss"], 0, sizes, names)
+        experts_data_parallel = None
         if self.ep > 1:
-            # loss = dp_replicate × dp_shard × cp, row-major: its inner ep ranks are ep's, the rest hold the same experts
-            sizes = (self.dp_replicate * self.fsdp // self.ep, self.ep)
-            split = unflatten_mesh(derived["loss"], 0, sizes, ("ep_replicas", "ep"))
-            derived["ep"], derived["ep_replicas"] = split["ep"], split["ep_replicas"]
-        return ParallelMesh(self, world, derived, data_parallel)
+            # loss = dp_replicate × dp_shard × cp, row-major: its inner ep ranks are ep's, the rest hold the same
+            # experts (dp_replicate × ep_fsdp), of which ep_fsdp shard them
+            sizes = (self.dp_replicate, self.fsdp // self.ep, self.ep)
+            split = unflatten_mesh(derived["loss"], 0, sizes, ("dp_replicate", "ep_fsdp", "ep"))
+            derived["ep"], derived["ep_fsdp"] = split["ep"], split["ep_fsdp"]
+            derived["ep_replicas"] = flatten_mesh(split["dp_replicate", "ep_fsdp"], "ep_replicas")
+            experts_data_parallel = split["ep_fsdp"] if self.dp_replicate == 1 else split["dp_replicate", "ep_fsdp"]
+        return ParallelMesh(self, world, derived, data_parallel, experts_data_parallel)
 
 
 @dataclass(frozen=True)
@@ -181,6 +187,8 @@ class ParallelMesh:
     world: DeviceMesh
     derived: dict[str, DeviceMesh]
     data_parallel: DeviceMesh
+    #: The mesh FSDP shards expert weights over (``ep_fsdp``, or ``(dp_replicate, ep_fsdp)``), when ``ep > 1``.
+    experts_data_parallel: DeviceMesh | None = None
 
     def __getitem__(self, name: str) -> DeviceMesh:
         if name in self.derived:

@@ -2,8 +2,8 @@
 
 The order is torchtitan's, and each step runs only where its option or mesh axis is on:
 
-1. tensor parallelism (a resolved plan over the ``tp`` axis), then expert parallelism (experts split over ``ep``,
-   left out of FSDP2);
+1. tensor parallelism (a resolved plan over the ``tp`` axis), then expert parallelism (experts split over ``ep``;
+   FSDP2 shards stacked experts over the ranks ep leaves, ``ep_fsdp``, as units of their own);
 2. activation checkpointing of the units;
 3. ``torch.compile`` of each unit, in place (:meth:`torch.nn.Module.compile`: no ``_orig_mod.`` in any name, so
    checkpoints are interchangeable between compiled and uncompiled runs);
@@ -45,7 +45,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from lightning_dist.parallel.activation_checkpointing import apply_activation_checkpointing, turn_off_generation_cache
 from lightning_dist.parallel.compile import compile_modules, describe_compile_options
 from lightning_dist.parallel.expert_parallel import ExpertParallelRecord, apply_expert_parallel, expert_parameters
-from lightning_dist.parallel.fsdp import FSDPConfig, apply_fsdp, fsdp_modules, shared_submodules
+from lightning_dist.parallel.expert_parallel.sharding import expert_shard_placement, stacked_experts_modules
+from lightning_dist.parallel.fsdp import FSDPConfig, MeshUnit, apply_fsdp, fsdp_modules, shared_submodules
 from lightning_dist.parallel.mesh import ParallelMesh
 from lightning_dist.parallel.module_selection import summarize
 from lightning_dist.parallel.tensor_parallel.apply import apply_tensor_parallel
@@ -119,12 +120,14 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelizeConfig)
     names = {id(m): n for n, m in model.named_modules()}  # before fully_shard renames the classes
     if config.tp_plan is not None:
         record.tp_changes = apply_tensor_parallel(model, mesh["tp"], config.tp_plan)
+    shard_experts = config.expert_parallel and config.fsdp is not None and mesh.dims.fsdp > mesh.dims.ep
     if config.expert_parallel:
         dims = mesh.dims
         replicas = mesh["ep_replicas"] if dims.dp_replicate * dims.fsdp > dims.ep else None
         record.experts = apply_expert_parallel(
-            model, mesh["ep"], dims.dp_replicate * dims.fsdp, replicas, mesh["loss"], config.expert_modules
-        )
+            model, mesh["ep"], dims.dp_replicate * dims.fsdp, replicas, mesh["loss"], config.expert_modules,
+            fsdp_shards_stacked=shard_experts,
+        )  # fmt: skip
     if config.activation_checkpointing:
         apply_activation_checkpointing(m for _, m in config.units)
         record.checkpointed = summarize(config.units)
@@ -137,15 +140,30 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelizeConfig)
     record.units = summarize(config.units)
     shard = [m for _, m in [*config.units, *config.extra_units]]
     record.shared = [names[id(m)] for m in shared_submodules(model, shard)]
-    ignored = set(expert_parameters(model)) if record.experts is not None else None
+    experts: list[MeshUnit] = []
+    if shard_experts:
+        assert mesh.experts_data_parallel is not None and record.experts is not None
+        placement = expert_shard_placement(mesh["ep_fsdp"].size())
+        experts = [MeshUnit(m, mesh.experts_data_parallel, placement) for m in stacked_experts_modules(model)]
+        record.experts.sharded_over = mesh["ep_fsdp"].size() if experts else 1
+    held = {p for unit in experts for p in unit.module.parameters()}
+    ignored = {p for p in expert_parameters(model) if p not in held} if record.experts is not None else None
     outside = apply_fsdp(
-        model, mesh.data_parallel, shard, config.fsdp, root_mp_policy=config.root_mp_policy, ignored_params=ignored
+        model,
+        mesh.data_parallel,
+        shard,
+        config.fsdp,
+        root_mp_policy=config.root_mp_policy,
+        ignored_params=ignored or None,
+        mesh_units=experts,
     )
     record.outside = [names[id(m)] for m in outside]
     sharded = fsdp_modules(model)
     record.fsdp_modules = len(sharded)
     if config.all_gather is not None or config.reduce_scatter is not None:
-        record.comms_units = install_comms(sharded, config.all_gather, config.reduce_scatter)
+        # the dense units' collectives (ZeRO++'s quantized ones are sized for the data-parallel mesh, not ep_fsdp)
+        dense = [m for m in sharded if all(m is not unit.module for unit in experts)]
+        record.comms_units = install_comms(dense, config.all_gather, config.reduce_scatter)
     return record
 
 

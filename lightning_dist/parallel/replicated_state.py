@@ -9,7 +9,8 @@ differ, so the copies drift apart step by step.
 :func:`broadcast_replicated_state` copies every parameter and buffer from the first rank of each mesh axis it is
 replicated over, once, after the model is parallelized. Expert weights split over ``ep`` (which borrows ranks from
 dp_shard × cp) are replicated over the rest of the loss group, ``ep_replicas``: ``distribute_tensor`` makes them
-equal within each ep group only, so they are broadcast over ``ep_replicas`` too. :func:`average_replicated_gradients` averages the
+equal within each ep group only, so they are broadcast over ``ep_replicas`` too (over dp_replicate only, where FSDP2
+shards them over the rest, ``ep_fsdp``). :func:`average_replicated_gradients` averages the
 gradients of parameters replicated over ``tp`` before each optimizer step, so the copies stay identical. (Gradients
 over the data-parallel axes are reduced by FSDP2 itself; pipeline stages hold different parameters.)
 """
@@ -31,7 +32,7 @@ from lightning_dist.parallel.mesh import DERIVED_GROUPS, MESH_AXES, ParallelMesh
 # Axes a copy can be replicated over. Not pp: every stage holds different parameters.
 _REPLICA_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 # What a tensor split over ep is replicated over instead of dp_replicate/dp_shard/cp (the loss group less ep).
-_EP, _EP_REPLICAS = "ep", "ep_replicas"
+_EP, _EP_REPLICAS, _EP_FSDP = "ep", "ep_replicas", "ep_fsdp"
 _BROADCAST_ORDER = (*_REPLICA_AXES, _EP_REPLICAS)
 _UNKNOWN = "?"
 
@@ -48,7 +49,7 @@ def sharded_axes(tensor: Tensor) -> set[str]:
             continue
         if name in DERIVED_GROUPS:
             axes.update(DERIVED_GROUPS[name])
-        elif name in MESH_AXES or name == _EP:
+        elif name in MESH_AXES or name in (_EP, _EP_FSDP):
             axes.add(name)
         else:
             axes.add(_UNKNOWN)
@@ -65,6 +66,8 @@ def replica_axes(tensor: Tensor, mesh: ParallelMesh) -> list[str]:
     if _UNKNOWN in split:
         return []
     sizes = mesh.dims.as_dict()
+    if _EP in split and _EP_FSDP in split:  # stacked experts sharded by FSDP2: whole again over HSDP's replicas
+        return [axis for axis in ("dp_replicate", "tp") if sizes[axis] > 1]
     if _EP in split:  # expert weights: the same experts on every rank of ep_replicas (and of tp)
         replicas = [_EP_REPLICAS] if mesh[_EP_REPLICAS].size() > 1 else []
         return replicas + [axis for axis in ("tp",) if sizes[axis] > 1 and axis not in split]

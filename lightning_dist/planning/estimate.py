@@ -2,9 +2,10 @@
 
 Placement follows the strategies: pipeline stages split the blocks evenly (embeddings on the first stage, final norm
 and head on the last; the worse stage is reported), tensor parallelism shards what its automatic plan shards, and
-FSDP2 shards every parameter of a stage over ``dp_shard × cp``. Under expert parallelism (``ep``) each rank holds
-``1/ep`` of every MoE layer's experts, whole (replicated over tp and over the other ``dp_replicate × dp_shard × cp / ep`` data-parallel ranks),
-never all-gathered; tokens travel to them by all-to-all. Activations are the meta-forward counts scaled to
+FSDP2 shards every parameter of a stage over ``dp_shard × cp``. Under expert parallelism (``ep``) each ep rank holds
+``1/ep`` of every MoE layer's experts, which FSDP2 shards again over the ``dp_shard × cp / ep`` ranks ep leaves
+(``ep_fsdp``: gathered and reduced there only) and replicates over tp and dp_replicate; tokens travel to them by
+all-to-all. (litgpt's ``ModuleList`` experts stay whole over ep_fsdp: for them the estimate is low.) Activations are the meta-forward counts scaled to
 the local micro-batch and sequence (``seq / cp``), the inner part divided by ``tp``; a pipeline stage keeps the
 activations of the micro-batches in flight (1F1B: ``pp``, GPipe: all of them).
 """
@@ -117,11 +118,16 @@ def stage_params(facts: ModelFacts, mesh: ParallelDims) -> tuple[float, float]:
 
 
 def stage_expert_params(facts: ModelFacts, mesh: ParallelDims) -> float:
-    """Expert parameters (elements) one rank of the fuller stage holds under ep (``1/ep`` of its blocks'); 0
-    without ep (FSDP shards the experts with the rest of the block)."""
+    """Expert parameters (elements) one ep rank of the fuller stage has under ep (``1/ep`` of its blocks'), before
+    FSDP2 shards them over ep_fsdp; 0 without ep (FSDP shards the experts with the rest of the block)."""
     if mesh.ep == 1:
         return 0.0
     return math.ceil(facts.blocks / mesh.pp) * facts.block_expert_params / mesh.ep
+
+
+def _ep_fsdp(mesh: ParallelDims) -> int:
+    """The ranks FSDP2 shards each ep rank's experts over (``dp_shard × cp / ep``; 1 without ep)."""
+    return mesh.dp_shard * mesh.cp // mesh.ep
 
 
 def estimate(
@@ -135,11 +141,13 @@ def estimate(
     param_bytes = PARAM_BYTES[workload.precision]
     compute_bytes = COMPUTE_BYTES[workload.precision]
     experts = stage_expert_params(facts, mesh)
-    est.params = (per_rank / fsdp + experts) * param_bytes
+    est.params = (per_rank / fsdp + experts / _ep_fsdp(mesh)) * param_bytes
     est.grads = est.params
     est.optimizer = est.params * OPTIMIZER_STATES[workload.optimizer]
     if fsdp > 1:  # one unit gathered, the next prefetched, and the gradient unit being reduced
         est.buffers = block * (2 * compute_bytes + 4)
+    if _ep_fsdp(mesh) > 1:  # and one block's experts, gathered over ep_fsdp
+        est.buffers += facts.block_expert_params / mesh.ep * (2 * compute_bytes + 4)
     microbatches = max(1, workload.global_batch // (mesh.batch * workload.micro_batch))
     if activations is not None:
         est.activations = _activation_bytes(facts, activations, mesh, workload, microbatches)
@@ -203,9 +211,14 @@ def _communication(
         sent["cp"] = microbatches * blocks * (mesh.cp - 1) * kv * (2 + reduce / compute)
     if mesh.ep > 1:  # per MoE block: dispatch and combine forward, their gradients backward, top_k rows per token
         sent["ep"] = microbatches * blocks * 4 * facts.top_k * activation * (mesh.ep - 1) / mesh.ep
-        replicas = mesh.dp_replicate * mesh.dp_shard * mesh.cp // mesh.ep
-        if replicas > 1:  # the experts' gradients all-reduced over the ranks holding the same experts, once per step
-            sent["ep_replicas"] = 2 * (replicas - 1) / replicas * experts * reduce
+        if (shards := _ep_fsdp(mesh)) > 1:  # FSDP2 over ep_fsdp: the experts gathered twice and reduced
+            sent["ep_fsdp"] = microbatches * experts * (shards - 1) / shards * (2 * compute + reduce)
+            if mesh.dp_replicate > 1:  # HSDP: their shards' gradients all-reduced over dp_replicate once per step
+                ring = (mesh.dp_replicate - 1) / mesh.dp_replicate
+                sent["ep_replicas"] = 2 * ring * experts / shards * reduce
+        elif mesh.dp_replicate > 1:  # the experts' gradients all-reduced over the ranks holding the same experts
+            ring = (mesh.dp_replicate - 1) / mesh.dp_replicate
+            sent["ep_replicas"] = 2 * ring * experts * reduce
     if mesh.pp > 1:  # activations forward, their gradients backward, at one stage boundary
         sent["pp"] = microbatches * 2 * activation
     return {axis: _split_by_node(axis, mesh, hardware, b) for axis, b in sent.items()}
@@ -235,9 +248,10 @@ def _messages(
     if mesh.ep > 1:  # per MoE block and micro-batch: dispatch and combine, forward and backward, each with the
         ops = 4 * blocks * microbatches  # row counts exchanged first (a second, tiny all-to-all)
         found["ep"] = (2 * ops, 2 * ops * (mesh.ep - 1))
-        replicas = mesh.dp_replicate * mesh.dp_shard * mesh.cp // mesh.ep
-        if replicas > 1:
-            found["ep_replicas"] = (1, 2 * (replicas - 1))
+        if (shards := _ep_fsdp(mesh)) > 1:  # all-gather forward and backward, reduce-scatter, per MoE block
+            found["ep_fsdp"] = (3 * blocks * microbatches, 3 * blocks * microbatches * (shards - 1))
+        if mesh.dp_replicate > 1:
+            found["ep_replicas"] = (1, 2 * (mesh.dp_replicate - 1))
     if mesh.pp > 1:
         ops = 2 * (microbatches + mesh.pp - 1)
         found["pp"] = (ops, ops)
@@ -248,12 +262,13 @@ def _split_by_node(axis: str, mesh: ParallelDims, hardware: Hardware, sent: floa
     """Inside/across nodes. Ranks are numbered with tp innermost, so the members of an axis's groups are ``stride``
     apart (the product of the axes inside it); ``k`` members share a node, and a ring crosses nodes at 1 hop in k.
     The FSDP group (``dp_shard``) is ``dp_shard × cp``."""
-    sizes = {"dp_shard": mesh.dp_shard * mesh.cp, "ep_replicas": mesh.dp_replicate * mesh.dp_shard * mesh.cp // mesh.ep}
+    sizes = {"dp_shard": mesh.dp_shard * mesh.cp, "ep_fsdp": _ep_fsdp(mesh), "ep_replicas": mesh.dp_replicate}
     size = sizes.get(axis) or getattr(mesh, axis)
     inside_axes = {"pp": ("dp_replicate", "dp_shard", "cp", "tp"), "dp_replicate": ("dp_shard", "cp", "tp")}
     inside_axes.update({"dp_shard": ("tp",), "cp": ("tp",), "tp": ()})
-    # ep takes consecutive ranks of the dp_shard × cp group; the replicas of one expert are ep of them apart
-    inside_axes.update({"ep": ("tp",), "ep_replicas": ("tp", "ep")})
+    # ep takes consecutive ranks of the dp_shard × cp group; ep_fsdp's are ep of them apart; the experts' HSDP
+    # replicas are dp_replicate's
+    inside_axes.update({"ep": ("tp",), "ep_fsdp": ("tp", "ep"), "ep_replicas": ("dp_shard", "cp", "tp")})
     stride = math.prod(getattr(mesh, a) for a in inside_axes[axis])
     k = min(size, max(1, hardware.devices_per_node // stride))
     if k >= size:

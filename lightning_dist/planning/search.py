@@ -56,7 +56,9 @@ def meshes(world: int, num_experts: int = 0, ep: int | str | None = None) -> lis
         elif isinstance(ep, int):
             sizes = [ep] if fsdp % ep == 0 else []
         else:
-            sizes = [e for e in range(1, fsdp + 1) if fsdp % e == 0 and (e == 1 or num_experts and num_experts % e == 0)]
+            sizes = [
+                e for e in range(1, fsdp + 1) if fsdp % e == 0 and (e == 1 or num_experts and num_experts % e == 0)
+            ]
         found += [ParallelDims(pp, rep, shard, cp, world // rest, ep=e) for e in sizes]
     return found
 
@@ -101,7 +103,7 @@ def step_seconds(facts: ModelFacts, est: Estimate, workload: Workload, hardware:
     microbatches = max(1, workload.global_batch // (mesh.batch * workload.micro_batch))
     bubble = (mesh.pp - 1) / (microbatches + mesh.pp - 1)
     seconds = est.axis_seconds(hardware)
-    hidden = sum(seconds.pop(axis, 0.0) for axis in ("dp_shard", "dp_replicate", "ep_replicas"))
+    hidden = sum(seconds.pop(axis, 0.0) for axis in ("dp_shard", "dp_replicate", "ep_fsdp", "ep_replicas"))
     busy = compute / (1 - bubble) if bubble < 1 else float("inf")
     if mesh.pp > 1:  # the schedule's forward and backward actions of every micro-batch, on the busiest rank
         busy += 2 * microbatches * hardware.pipeline_action_s

@@ -10,7 +10,8 @@ python tests/scenarios/expert_parallel_runs.py --devices 2 --out r.json --workdi
 With 4 processes (dp_shard=4, ep=2: two ep groups whose ranks hold the same experts pairwise):
 ``ep2_of_4_unseeded`` builds the model with a different seed on every rank and reports how far the expert shards of
 ranks holding the same experts are apart after setup and after training; ``ep2_of_4_fp64`` is the seeded run against
-one process, checkpointing at step 2, and ``resume_ep2_to_ep4`` resumes that checkpoint with ep=4;
+one process, checkpointing at step 2 (experts split over ep and FSDP-sharded over the other 2 ranks), and
+``resume_ep2_to_ep4`` / ``resume_ep2_of_4_to_fsdp2`` resume that checkpoint with ep=4 / plain fsdp2;
 ``pp2_dp2_ep2`` and ``tp2_ep2`` train under hybrid3d with ep=2. The ``litgpt`` scenarios train litgpt's
 ``LLaMAMoE`` (``ModuleList`` experts), the ``qwen*`` ones Qwen3-MoE and Qwen2-MoE.
 """
@@ -83,27 +84,28 @@ class StepTraffic(Callback):
 
 
 class ExpertReplicaGap(Callback):
-    """The largest difference between the expert shards of ranks that hold the same experts (``ep_replicas``),
-    after setup and after training: 0.0 when the copies are bitwise equal."""
+    """The largest difference between the expert weights as ranks see them whole (each rank's view of every expert
+    weight, gathered from the ranks it is split over), after setup and after training: 0.0 when all ranks agree,
+    as the copies held by ranks with the same experts (``ep_replicas``; dp_replicate only, once FSDP2 shards the
+    experts over ``ep_fsdp``) must be bitwise equal for that."""
 
     def __init__(self) -> None:
         self.gaps: dict[str, float] = {}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.gaps["after_setup"] = self._gap(trainer, pl_module)
+        self.gaps["after_setup"] = self._gap(pl_module)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.gaps["after_training"] = self._gap(trainer, pl_module)
+        self.gaps["after_training"] = self._gap(pl_module)
 
     @staticmethod
-    def _gap(trainer: L.Trainer, pl_module: L.LightningModule) -> float:
-        mine = torch.cat([p.to_local().detach().reshape(-1) for n, p in pl_module.named_parameters() if "experts" in n])
-        group = trainer.strategy.mesh["ep_replicas"].get_group()
-        copies = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(copies, mine, group=group)
-        gap = torch.stack([(c - mine).abs().max() for c in copies]).max().reshape(1)
-        dist.all_reduce(gap, op=dist.ReduceOp.MAX)
-        return float(gap)
+    def _gap(pl_module: L.LightningModule) -> float:
+        whole = torch.cat(
+            [p.full_tensor().detach().reshape(-1) for n, p in pl_module.named_parameters() if "experts" in n]
+        )
+        copies = [torch.empty_like(whole) for _ in range(dist.get_world_size())]
+        dist.all_gather(copies, whole)
+        return float(torch.stack([(c - whole).abs().max() for c in copies]).max())
 
 
 def train(
@@ -181,6 +183,7 @@ def train(
         )
     elif not pipeline:
         result["params"], result["copies_gap"] = all_ranks_state(model)
+        result["expert_fraction"] = _held_fraction(model)
     if check_export:
         result["export"] = consolidated_logits_diff(model, f"{save_to}/step={steps}.ckpt")
     if hybrid3d is not None:
@@ -192,6 +195,12 @@ def train(
             expert_local_shapes=sorted({str(tuple(getattr(p, "to_local", lambda p=p: p)().shape)) for p in experts}),
         )
     return result
+
+
+def _held_fraction(model: L.LightningModule) -> float:
+    """The share of the stacked expert weights' elements this rank holds (rank 0's; 1.0: all of them)."""
+    experts = [p for n, p in model.named_parameters() if "experts" in n and hasattr(p, "to_local")]
+    return sum(p.to_local().numel() for p in experts) / max(1, sum(p.numel() for p in experts))
 
 
 def consolidated_logits_diff(model: MoECausalLM, checkpoint: str) -> dict[str, Any]:
@@ -248,7 +257,12 @@ SCENARIOS = {
     "resume_ep2_to_ep4": lambda devices, workdir: train(
         devices, "64-true", 4, resume_from=f"{workdir}/ep2_of_4_ckpt/step=2.ckpt"
     ),
+    "resume_ep2_of_4_to_fsdp2": lambda devices, workdir: train(
+        devices, "64-true", 1, resume_from=f"{workdir}/ep2_of_4_ckpt/step=2.ckpt"
+    ),
 }
+
+
 def litgpt_empty_init(devices: int, workdir: str) -> dict[str, Any]:
     """litgpt's MoE built under ``trainer.init_module(empty_init=True)`` (meta device, materialized after the
     experts are split by ``reset_parameters``), one step under ep: each rank must keep its own experts (materializing

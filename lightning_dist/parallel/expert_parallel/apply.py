@@ -8,7 +8,9 @@ are scaled by ``1 / gradient_divide_factor`` on the way (the data-parallel size)
 data-parallel ranks, as FSDP makes the other gradients. Ranks outside the ep group that hold the same experts
 (``replicas``: dp_replicate × dp_shard·cp/ep) sum their gradients in the same backward, each micro-batch's as it is
 computed, so accumulation needs nothing more. FSDP leaves these parameters alone (:func:`expert_parameters` are its
-``ignored_params``).
+``ignored_params``), except where :mod:`.sharding` hands stacked experts to FSDP2 over those replicas instead
+(``fsdp_shards_stacked``): then FSDP2 shards them and averages their gradients there, and only the ``1/ep`` is
+applied here.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class ExpertParallelRecord:
         ep: The ep group's size.
         parameters: Qualified names of the expert parameters sharded over ep.
         router_loss_modules: Modules whose auxiliary-loss function now reduces its statistics over the batch.
+        sharded_over: The ranks FSDP2 shards the stacked expert weights over (``ep_fsdp``; 1: whole on each rank).
     """
 
     layers: int
@@ -58,11 +61,13 @@ class ExpertParallelRecord:
     ep: int
     parameters: list[str]
     router_loss_modules: list[str] = field(default_factory=list)
+    sharded_over: int = 1
 
     def describe(self) -> str:
         return (
             f"expert parallel: {self.layers} MoE layers, {self.num_experts} experts each, {self.local_experts} per"
             f" rank over ep={self.ep} (tokens sent to their experts by all-to-all)"
+            + (f", their weights FSDP-sharded over ep_fsdp={self.sharded_over}" if self.sharded_over > 1 else "")
             + ("; the router's auxiliary loss from the whole batch's routing" if self.router_loss_modules else "")
         )
 
@@ -101,6 +106,7 @@ def apply_expert_parallel(
     replicas: DeviceMesh | None = None,
     batch: DeviceMesh | None = None,
     expert_modules: str | None = None,
+    fsdp_shards_stacked: bool = False,
 ) -> ExpertParallelRecord:
     """Shard the experts of every MoE layer of ``model`` over the 1-D ``ep_mesh`` (in place; collective).
 
@@ -115,6 +121,9 @@ def apply_expert_parallel(
             (``output_router_logits=True``) is computed from their summed routing statistics (default: ``ep_mesh``).
         expert_modules: A pattern of the experts modules' qualified names, for experts not found from their
             structure (see :func:`find_expert_layers`).
+        fsdp_shards_stacked: FSDP2 will shard the stacked (transformers) expert weights over ``replicas`` and average
+            their gradients there (:mod:`.sharding`): their gradients are only scaled by ``1/ep`` here.
+            ``ModuleList`` experts keep the scale and the replicas' sum above.
     """
     ep = ep_mesh.size()
     layers = check_expert_parallel(model, ep, expert_modules)
@@ -140,8 +149,10 @@ def apply_expert_parallel(
             sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
             experts.register_parameter(pname, nn.Parameter(sharded, requires_grad=param.requires_grad))
             names.append(f"{layer.name}.{pname}")
-        experts.expert_parallel = ExpertParallelState(
-            ep_mesh.get_group(), layer.num_experts, 1.0 / divide, replica_group
+        experts.expert_parallel = (
+            ExpertParallelState(ep_mesh.get_group(), layer.num_experts, 1.0 / ep)
+            if fsdp_shards_stacked
+            else ExpertParallelState(ep_mesh.get_group(), layer.num_experts, 1.0 / divide, replica_group)
         )
         experts.__class__ = _expert_parallel_class(type(experts))
     patched = reduce_router_statistics(model, (batch or ep_mesh).get_group())

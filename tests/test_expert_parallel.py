@@ -320,6 +320,7 @@ def test_litgpt_moe_under_ep2_trains_like_one_process_and_resumes_under_plain_fs
 @pytest.fixture(scope="module")
 def ep2_of_four(tmp_path_factory) -> dict[str, Any]:
     scenarios = ["ep2_of_4_unseeded", "ep2_of_4_fp64", "resume_ep2_to_ep4", "resume_ep2_of_4_to_fsdp2"]
+    scenarios += ["litgpt_ep2_of_4_fp64", "resume_litgpt_ep2_of_4_to_ep4", "resume_litgpt_ep2_of_4_to_fsdp2"]
     scenarios += [*HYBRID3D_MESHES, *LITGPT_MESHES]
     scenarios.append("pp2_dp2_ep2_qwen3_moe_aux_fp64")
     return run_scenarios(SCRIPT, 4, tmp_path_factory.mktemp("ep2_of_4"), scenarios)
@@ -357,6 +358,20 @@ def test_a_checkpoint_saved_under_ep2_of_dp4_resumes_under_ep4_and_plain_fsdp2(e
         resumed = ep2_of_four[name]["losses"]
         assert len(resumed) == 4
         assert max(abs(a - b) for a, b in zip(uninterrupted[4:], resumed)) <= FP64_TOL, (name, uninterrupted, resumed)
+
+
+@pytest.mark.slow
+def test_litgpt_moe_under_dp_shard4_and_ep2_shards_its_experts_and_resumes_across_ep_sizes(one_process, ep2_of_four):
+    """litgpt's ModuleList experts at dp_shard=4 × ep=2: each rank's 2 experts are FSDP2 units over the 2 ranks ep
+    leaves, so a rank holds a quarter of the expert weights. Losses, clipped gradient norms and final parameters
+    equal one process's (fp64); the step-2 checkpoint resumes under ep=4 and plain fsdp2 to the same losses."""
+    ref, run = one_process["litgpt_fp64"], ep2_of_four["litgpt_ep2_of_4_fp64"]
+    _assert_trains_like(ref, run)
+    experts = sum(torch.tensor(v).numel() for k, v in ref["params"].items() if "experts" in k)
+    assert run["expert_local_numel"] / experts == 0.25
+    for name in ("resume_litgpt_ep2_of_4_to_ep4", "resume_litgpt_ep2_of_4_to_fsdp2"):
+        resumed = ep2_of_four[name]["losses"]
+        assert len(resumed) == 4 and max(abs(a - b) for a, b in zip(run["losses"][4:], resumed)) <= FP64_TOL, name
 
 
 @pytest.mark.slow

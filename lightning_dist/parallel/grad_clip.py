@@ -16,9 +16,9 @@ from torch.distributed.tensor import DTensor, Replicate
 _COUNTED_ELSEWHERE = "_lightning_dist_norm_counted_elsewhere"
 
 
-# Set on a plain parameter that only some ranks hold, to the process group over whose ranks the parameters of its
-# kind are split (the experts a rank keeps of a ModuleList, under expert parallelism): those gradients' norm is
-# summed over that group instead of being taken as replicated.
+# Set on a parameter that only some ranks hold, to the process group over whose ranks the parameters of its kind are
+# split (the experts a rank keeps of a ModuleList, under expert parallelism): those gradients' norm (over their own
+# mesh first, for a DTensor) is summed over that group instead of being taken as replicated.
 _SPLIT_OVER = "_lightning_dist_norm_split_over"
 
 
@@ -28,8 +28,8 @@ def count_in_norm_elsewhere(param: Tensor) -> None:
 
 
 def count_in_norm_split_over(param: Tensor, group: dist.ProcessGroup) -> None:
-    """Count ``param`` (a plain tensor) in :func:`total_grad_norm` as one piece of a set of parameters split over
-    the ranks of ``group``: each rank holds different ones, so their norms are summed over the group."""
+    """Count ``param`` in :func:`total_grad_norm` as one piece of a set of parameters split over the ranks of
+    ``group``: each rank holds different ones, so their norms are summed over the group."""
     setattr(param, _SPLIT_OVER, group)
 
 
@@ -65,18 +65,18 @@ def _local_total_norm(parameters: Iterable[Tensor], norm_type: float) -> Tensor:
     groups: dict[object, list[Tensor]] = defaultdict(list)
     for p in parameters:
         if p.grad is not None and not getattr(p, _COUNTED_ELSEWHERE, False):
-            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else getattr(p, _SPLIT_OVER, None)
-            groups[key].append(p.grad)
+            mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            groups[(mesh, getattr(p, _SPLIT_OVER, None))].append(p.grad)
     if not groups:
         return torch.tensor(0.0)
     group_norms = []
-    for key, grads in groups.items():
+    for (_, split_over), grads in groups.items():
         norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads])
         group_norm = torch.linalg.vector_norm(norms, norm_type)
         if isinstance(group_norm, DTensor):
             group_norm = group_norm.full_tensor()
-        elif isinstance(key, dist.ProcessGroup):
-            group_norm = _combine_over(group_norm, norm_type, key)
+        if split_over is not None:
+            group_norm = _combine_over(group_norm, norm_type, split_over)
         # Accumulate in at least fp32, and in fp64 when the gradients are fp64.
         group_norms.append(group_norm if group_norm.dtype == torch.float64 else group_norm.float())
     device = group_norms[0].device

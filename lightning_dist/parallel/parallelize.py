@@ -44,8 +44,17 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_dist.parallel.activation_checkpointing import apply_activation_checkpointing, turn_off_generation_cache
 from lightning_dist.parallel.compile import compile_modules, describe_compile_options
-from lightning_dist.parallel.expert_parallel import ExpertParallelRecord, apply_expert_parallel, expert_parameters
-from lightning_dist.parallel.expert_parallel.sharding import expert_shard_placement, stacked_experts_modules
+from lightning_dist.parallel.expert_parallel import (
+    ExpertParallelRecord,
+    apply_expert_parallel,
+    expert_parameters,
+    mark_held_experts,
+)
+from lightning_dist.parallel.expert_parallel.sharding import (
+    expert_shard_placement,
+    held_expert_modules,
+    stacked_experts_modules,
+)
 from lightning_dist.parallel.fsdp import FSDPConfig, MeshUnit, apply_fsdp, fsdp_modules, shared_submodules
 from lightning_dist.parallel.mesh import ParallelMesh
 from lightning_dist.parallel.module_selection import summarize
@@ -126,7 +135,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelizeConfig)
         replicas = mesh["ep_replicas"] if dims.dp_replicate * dims.fsdp > dims.ep else None
         record.experts = apply_expert_parallel(
             model, mesh["ep"], dims.dp_replicate * dims.fsdp, replicas, mesh["loss"], config.expert_modules,
-            fsdp_shards_stacked=shard_experts,
+            fsdp_shards_experts=shard_experts,
         )  # fmt: skip
     if config.activation_checkpointing:
         apply_activation_checkpointing(m for _, m in config.units)
@@ -145,6 +154,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelizeConfig)
         assert mesh.experts_data_parallel is not None and record.experts is not None
         placement = expert_shard_placement(mesh["ep_fsdp"].size())
         experts = [MeshUnit(m, mesh.experts_data_parallel, placement) for m in stacked_experts_modules(model)]
+        experts += [MeshUnit(m, mesh.experts_data_parallel) for m in held_expert_modules(model)]
         record.experts.sharded_over = mesh["ep_fsdp"].size() if experts else 1
     held = {p for unit in experts for p in unit.module.parameters()}
     ignored = {p for p in expert_parameters(model) if p not in held} if record.experts is not None else None
@@ -158,6 +168,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelizeConfig)
         mesh_units=experts,
     )
     record.outside = [names[id(m)] for m in outside]
+    mark_held_experts(model)  # FSDP2 made new parameter objects for the held ModuleList experts, without marks
     sharded = fsdp_modules(model)
     record.fsdp_modules = len(sharded)
     if config.all_gather is not None or config.reduce_scatter is not None:

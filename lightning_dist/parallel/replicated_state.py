@@ -38,12 +38,13 @@ _UNKNOWN = "?"
 
 
 def sharded_axes(tensor: Tensor) -> set[str]:
-    """The world mesh axes ``tensor`` is split over (sharded or partial); empty for a plain tensor, except the
-    ``ModuleList`` experts a rank keeps under expert parallelism (``ep``: other ranks hold other experts)."""
+    """The world mesh axes ``tensor`` is split over (sharded or partial; empty for a plain tensor), and ``ep`` for the
+    ``ModuleList`` experts a rank keeps under expert parallelism (other ranks hold other experts)."""
+    held = {_EP} if getattr(tensor, SPLIT_OVER_EP, None) is not None else set()
     if not isinstance(tensor, DTensor):
-        return {_EP} if getattr(tensor, SPLIT_OVER_EP, None) is not None else set()
+        return held
     names = tensor.device_mesh.mesh_dim_names or ()
-    axes: set[str] = set()
+    axes: set[str] = held
     for name, placement in zip(names, tensor.placements):
         if isinstance(placement, Replicate):  # anything else splits (Shard, FSDP's _StridedShard, Partial)
             continue
@@ -66,7 +67,7 @@ def replica_axes(tensor: Tensor, mesh: ParallelMesh) -> list[str]:
     if _UNKNOWN in split:
         return []
     sizes = mesh.dims.as_dict()
-    if _EP in split and _EP_FSDP in split:  # stacked experts sharded by FSDP2: whole again over HSDP's replicas
+    if _EP in split and _EP_FSDP in split:  # experts FSDP2 shards over ep_fsdp: whole again over HSDP's replicas
         return [axis for axis in ("dp_replicate", "tp") if sizes[axis] > 1]
     if _EP in split:  # expert weights: the same experts on every rank of ep_replicas (and of tp)
         replicas = [_EP_REPLICAS] if mesh[_EP_REPLICAS].size() > 1 else []

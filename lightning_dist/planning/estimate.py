@@ -5,7 +5,7 @@ and head on the last; the worse stage is reported), tensor parallelism shards wh
 FSDP2 shards every parameter of a stage over ``dp_shard × cp``. Under expert parallelism (``ep``) each ep rank holds
 ``1/ep`` of every MoE layer's experts, which FSDP2 shards again over the ``dp_shard × cp / ep`` ranks ep leaves
 (``ep_fsdp``: gathered and reduced there only) and replicates over tp and dp_replicate; tokens travel to them by
-all-to-all. (litgpt's ``ModuleList`` experts stay whole over ep_fsdp: for them the estimate is low.) Activations are the meta-forward counts scaled to
+all-to-all. Activations are the meta-forward counts scaled to
 the local micro-batch and sequence (``seq / cp``), the inner part divided by ``tp``; a pipeline stage keeps the
 activations of the micro-batches in flight (1F1B: ``pp``, GPipe: all of them).
 """

@@ -70,8 +70,8 @@ class ModelSetup(_Base):
             materialize_distributed_module(
                 self.model, torch.device("cpu") if self.offloads_parameters else self.root_device
             )
-            mark_held_experts(self.model)  # materializing made new parameter objects, without their marks
             self.model_to_device()
+            mark_held_experts(self.model)  # materializing and moving made new parameter objects, without marks
             self._make_replicas_equal()
         if not is_fully_sharded(self.model):  # no FSDP2 policy to cast parameters: mixed precision is autocast
             self.precision_plugin.use_autocast(self.root_device.type)

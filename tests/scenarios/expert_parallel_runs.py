@@ -184,6 +184,9 @@ def train(
     elif not pipeline:
         result["params"], result["copies_gap"] = all_ranks_state(model)
         result["expert_fraction"] = _held_fraction(model)
+        result["expert_local_numel"] = sum(
+            getattr(p, "to_local", lambda p=p: p)().numel() for n, p in model.named_parameters() if "experts" in n
+        )
     if check_export:
         result["export"] = consolidated_logits_diff(model, f"{save_to}/step={steps}.ckpt")
     if hybrid3d is not None:
@@ -302,6 +305,15 @@ SCENARIOS["ep_litgpt_fp64"] = lambda devices, workdir: train(
 SCENARIOS["resume_litgpt_ep_to_fsdp2"] = lambda devices, workdir: train(
     devices, "64-true", 1, kind="litgpt", resume_from=f"{workdir}/litgpt_ckpt/step=2.ckpt"
 )
+# 4 processes, ep=2: each rank's 2 experts FSDP-sharded over the 2 ranks ep leaves; resumed under ep=4 and fsdp2
+SCENARIOS["litgpt_ep2_of_4_fp64"] = lambda devices, workdir: train(
+    devices, "64-true", 2, kind="litgpt", save_to=f"{workdir}/litgpt_ep2_of_4_ckpt"
+)
+for _name, _ep in (("ep4", 4), ("fsdp2", 1)):
+    SCENARIOS[f"resume_litgpt_ep2_of_4_to_{_name}"] = partial(
+        lambda d, w, ep: train(d, "64-true", ep, kind="litgpt", resume_from=f"{w}/litgpt_ep2_of_4_ckpt/step=2.ckpt"),
+        ep=_ep,
+    )
 # Qwen3-MoE and Qwen2-MoE (shared expert), without and with the router's auxiliary loss: 2 steps × 2 micro-batches.
 for _kind in ("qwen3_moe", "qwen2_moe"):
     for _aux in ("", "_aux"):

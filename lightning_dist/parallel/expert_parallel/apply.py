@@ -8,8 +8,8 @@ are scaled by ``1 / gradient_divide_factor`` on the way (the data-parallel size)
 data-parallel ranks, as FSDP makes the other gradients. Ranks outside the ep group that hold the same experts
 (``replicas``: dp_replicate × dp_shard·cp/ep) sum their gradients in the same backward, each micro-batch's as it is
 computed, so accumulation needs nothing more. FSDP leaves these parameters alone (:func:`expert_parameters` are its
-``ignored_params``), except where :mod:`.sharding` hands stacked experts to FSDP2 over those replicas instead
-(``fsdp_shards_stacked``): then FSDP2 shards them and averages their gradients there, and only the ``1/ep`` is
+``ignored_params``), except where :mod:`.sharding` hands the experts to FSDP2 over those replicas instead
+(``fsdp_shards_experts``): then FSDP2 shards them and averages their gradients there, and only the ``1/ep`` is
 applied here.
 """
 
@@ -52,7 +52,7 @@ class ExpertParallelRecord:
         ep: The ep group's size.
         parameters: Qualified names of the expert parameters sharded over ep.
         router_loss_modules: Modules whose auxiliary-loss function now reduces its statistics over the batch.
-        sharded_over: The ranks FSDP2 shards the stacked expert weights over (``ep_fsdp``; 1: whole on each rank).
+        sharded_over: The ranks FSDP2 shards the expert weights over (``ep_fsdp``; 1: whole on each rank).
     """
 
     layers: int
@@ -106,7 +106,7 @@ def apply_expert_parallel(
     replicas: DeviceMesh | None = None,
     batch: DeviceMesh | None = None,
     expert_modules: str | None = None,
-    fsdp_shards_stacked: bool = False,
+    fsdp_shards_experts: bool = False,
 ) -> ExpertParallelRecord:
     """Shard the experts of every MoE layer of ``model`` over the 1-D ``ep_mesh`` (in place; collective).
 
@@ -121,9 +121,8 @@ def apply_expert_parallel(
             (``output_router_logits=True``) is computed from their summed routing statistics (default: ``ep_mesh``).
         expert_modules: A pattern of the experts modules' qualified names, for experts not found from their
             structure (see :func:`find_expert_layers`).
-        fsdp_shards_stacked: FSDP2 will shard the stacked (transformers) expert weights over ``replicas`` and average
-            their gradients there (:mod:`.sharding`): their gradients are only scaled by ``1/ep`` here.
-            ``ModuleList`` experts keep the scale and the replicas' sum above.
+        fsdp_shards_experts: FSDP2 will shard the expert weights over ``replicas`` and average their gradients there
+            (:mod:`.sharding`): their gradients are only scaled by ``1/ep`` here.
     """
     ep = ep_mesh.size()
     layers = check_expert_parallel(model, ep, expert_modules)
@@ -134,9 +133,10 @@ def apply_expert_parallel(
         experts = layer.experts
         if layer.kind == "module_list":
             parent, _, attribute = layer.name.rpartition(".")
+            scale, copies = (1.0 / ep, None) if fsdp_shards_experts else (1.0 / divide, replica_group)
             kept = apply_module_list(
-                model.get_submodule(parent), attribute, ep_mesh.get_local_rank(), ep, ep_mesh.get_group(),
-                1.0 / divide, replica_group,
+                model.get_submodule(parent), attribute, ep_mesh.get_local_rank(), ep, ep_mesh.get_group(), scale,
+                copies,
             )  # fmt: skip
             names.extend(f"{parent}.{name}" if parent else name for name in kept)
             continue
@@ -151,7 +151,7 @@ def apply_expert_parallel(
             names.append(f"{layer.name}.{pname}")
         experts.expert_parallel = (
             ExpertParallelState(ep_mesh.get_group(), layer.num_experts, 1.0 / ep)
-            if fsdp_shards_stacked
+            if fsdp_shards_experts
             else ExpertParallelState(ep_mesh.get_group(), layer.num_experts, 1.0 / divide, replica_group)
         )
         experts.__class__ = _expert_parallel_class(type(experts))

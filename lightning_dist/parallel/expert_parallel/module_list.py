@@ -14,7 +14,8 @@ That is 3 all-to-alls per MoE layer forward and 2 backward, as for transformers'
 computing the router and the loop's indexing twice. A rank keeps only its experts: ``experts[e]`` of another rank is
 a parameterless :class:`ExpertElsewhere`, so each parameter keeps its global name and shape
 (``...experts.5.fc_1.weight``) on the one rank (and its replicas) that holds it, and a checkpoint has the keys and
-shapes of plain fsdp2's.
+shapes of plain fsdp2's. Where ep leaves data-parallel ranks (``ep_fsdp``), each held expert is an FSDP2 unit over
+them (:mod:`.sharding`), called as a module in step 2.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.func import functional_call
 
 from lightning_dist.parallel.expert_parallel.dispatch import combine, dispatch
@@ -192,9 +194,14 @@ def _exchange(state: ModuleListExperts) -> list[list[torch.Tensor]]:
 
 def _call_expert(module: nn.Module, rows: torch.Tensor, state: ModuleListExperts) -> torch.Tensor:
     """``module(rows)`` with its parameters' gradients scaled to the data-parallel mean and summed over the replicas
-    (called even on no rows, so every rank's backward joins the same collectives)."""
+    (called even on no rows, so every rank's backward joins the same collectives). An expert FSDP2 shards over
+    ep_fsdp is called as a module (its hooks gather its weights and reduce their gradients, averaged over ep_fsdp):
+    only the ``1/ep`` is applied here, to the gradient of its output and undone on its input's."""
     from lightning_dist.parallel.expert_parallel.apply import _ExpertGradient
 
+    if isinstance(module, FSDPModule):
+        scaled = _ExpertGradient.apply(rows, 1.0 / state.grad_scale, None)
+        return _ExpertGradient.apply(module(scaled), state.grad_scale, None)
     params = {
         name: _ExpertGradient.apply(p, state.grad_scale, state.replica_group).to(
             rows.dtype if p.is_floating_point() else p.dtype

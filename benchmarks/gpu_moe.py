@@ -34,6 +34,7 @@ from benchmarks.gpu import ConfigShape, StepTimer
 SETUPS: dict[str, str] = {
     "fsdp2": "lightning_dist fsdp2 (experts FSDP-sharded, all-gathered each step)",
     "expert_parallel": "lightning_dist expert_parallel (ep = all ranks, tokens by all-to-all)",
+    "expert_parallel_overlap": "the same, tokens in 2 chunks whose all-to-alls overlap the experts (expert_dispatch_chunks=2)",
 }
 REFERENCE = "fsdp2"
 
@@ -143,7 +144,9 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
             continue
         base = ref.get(r["size"])
         speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}×" if base else "-"
-        gathered = f"{r['all_gather_bytes'] / base['all_gather_bytes']:.2f}×" if base and base["all_gather_bytes"] else "-"
+        gathered = (
+            f"{r['all_gather_bytes'] / base['all_gather_bytes']:.2f}×" if base and base["all_gather_bytes"] else "-"
+        )
         memory = f"{r['peak_memory_gib']:.1f}" if r.get("peak_memory_gib") is not None else "-"
         lines.append(
             f"| {r['size']} | {r['setup']} | {r['devices']} | {r['tokens_per_s'] / 1e3:.1f}k | {1e3 * r['step_s']:.0f}"
@@ -183,7 +186,8 @@ def run_one(setup: str, size: MixtralSize, args: argparse.Namespace, devices: in
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=cuda)
 
-    strategy = FSDP2Strategy(expert_parallel_size=devices if setup == "expert_parallel" else 1)
+    ep, chunks = (devices, 2 if setup.endswith("_overlap") else 1) if setup.startswith("expert_parallel") else (1, 1)
+    strategy = FSDP2Strategy(expert_parallel_size=ep, expert_dispatch_chunks=chunks)
     timer = TrafficStepTimer(cuda, traffic_step=args.warmup)
     trainer = L.Trainer(
         accelerator=args.accelerator, devices=devices, strategy=strategy, precision=args.precision,

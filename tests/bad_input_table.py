@@ -324,6 +324,8 @@ ROWS: list[BadInput] = [
              lambda t: _fit_leaving_nothing(t, ContextParallelStrategy(), _gpt(), _tokens(length=6)),
              ValueError, r"(?s)'input_ids' \(sequence length 6\).*divisible by 2·cp = 4"),
     # --- expert parallelism
+    BadInput("expert_dispatch_chunks that is not a positive int", lambda t: FSDP2Strategy(expert_dispatch_chunks=0),
+             ValueError, r"expert_dispatch_chunks=0 is not a positive int: the number of chunks", CONSTRUCTION),
     BadInput("expert_parallel_size that does not divide the experts",
              lambda t: _fit(FSDP2Strategy(expert_parallel_size=4), _mixtral(num_experts=6), devices=4),
              ValueError, r"expert_parallel_size=4 does not divide the 6 experts of model\.model\.layers\.0\.mlp\.experts.*\(1, 2, 3, 6\)"),

@@ -61,7 +61,7 @@ def test_experts_not_divisible_by_ep_are_refused_with_the_divisors():
 
 @pytest.fixture(scope="module")
 def core_runs(tmp_path_factory) -> dict[str, Any]:
-    scenarios = [*MOE_KINDS, "mixtral_aux_fp64", "mixtral_ep1_replicas_fp64", "mixtral_idle_rank_fp64"]
+    scenarios = [*MOE_KINDS, "mixtral_aux_fp64", "mixtral_ep1_replicas_fp64", "mixtral_idle_rank_fp64", *CHUNKED]
     # last: litgpt's model (and the shared models module) import Lightning, which the scenarios before must not need
     scenarios += [*LITGPT_KINDS, "user_fp64"]
     return run_scenarios("expert_parallel_core_runs.py", 2, tmp_path_factory.mktemp("ep_core"), scenarios)
@@ -87,6 +87,28 @@ def test_moe_experts_split_over_two_ranks_match_one_process_in_fp64(core_runs, k
     assert run["expert_parameters"] == MOE_KINDS[kind]
     assert all(shape[0] == 2 for shape in run["local_shapes"].values()), run["local_shapes"]
     assert core_runs.get("lightning_imported_by") == LITGPT_KINDS[0], "the library imported Lightning"
+
+
+# dispatch_chunks > 1: Mixtral in 3 chunks, and in 2 with the auxiliary loss; Qwen2-MoE (shared expert) in 2; 2 chunks
+# with the last rank's experts getting no token
+CHUNKED = [
+    "mixtral_chunks3_fp64",
+    "mixtral_aux_chunks2_fp64",
+    "qwen2_moe_chunks2_fp64",
+    "mixtral_idle_rank_chunks2_fp64",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", CHUNKED)
+def test_tokens_sent_in_chunks_overlapping_the_experts_match_one_process_in_fp64(core_runs, kind):
+    """With dispatch_chunks, every chunk's rows are sent at once (functional all-to-alls left in flight) and the
+    experts compute each chunk as it arrives while the next travel, in forward and backward: loss and every
+    gradient equal one process's."""
+    run = core_runs[kind]
+    assert run["loss_diff"] <= FP64_TOL and run["grad_diff"] <= FP64_TOL, run
+    if "aux" in run:
+        assert run["aux_diff"] <= FP64_TOL, run
 
 
 LITGPT_KINDS = ["litgpt_fp64", "litgpt_shared_fp64", "litgpt_ep1_replicas_fp64"]

@@ -153,7 +153,7 @@ def test_the_moe_benchmark_needs_two_gpus_and_says_so():
     from benchmarks import gpu_moe
 
     args = gpu_moe.parse_args([])
-    assert args.sizes == "small" and args.setups.split(",") == ["fsdp2", "expert_parallel"]
+    assert args.sizes == "small" and args.setups.split(",") == ["fsdp2", "expert_parallel", "expert_parallel_overlap"]
     with pytest.raises(SystemExit):
         gpu_moe.parse_args(["--sizes", "huge"])
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

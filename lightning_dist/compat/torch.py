@@ -45,7 +45,10 @@ PRIVATE_TORCH_NAMES: dict[str, tuple[str, str]] = {
     "_resolve_process_group": ("torch 2.13", "profiling: the group a functional collective names"),
     "_get_default_store": ("torch 2.13", "strategies/failure_handling.py: the rendezvous store"),
     "_abort_process_group": ("torch 2.13", "strategies/failure_handling.py: unblock collectives on a failure"),
-    "_functional_collectives": ("torch 2.13", "profiling: registers torch.ops._c10d_functional"),
+    "_functional_collectives": (
+        "torch 2.13",
+        "profiling: registers torch.ops._c10d_functional; expert_parallel: the all-to-all left in flight",
+    ),
     "_c10d_functional": ("torch 2.13", "profiling: DTensor's functional collective ops, counted by CommCounter"),
     "_c10d_functional_autograd": ("torch 2.13", "profiling: the autograd variants of the functional collectives"),
     "_current_graph_task_id": ("torch 2.13", "profiling: whether the autograd engine runs a backward pass"),
@@ -284,6 +287,15 @@ def current_dispatch_mode() -> Any:
 def load_functional_collectives() -> None:
     """Import the module that registers ``torch.ops._c10d_functional`` (DTensor's collectives)."""
     import torch.distributed._functional_collectives  # noqa: F401
+
+
+def all_to_all_in_flight(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+    """``all_to_all_single`` that returns at once (a functional collective's ``AsyncCollectiveTensor``): the first
+    use of the result waits for it, so the caller computes while the rows travel. Differentiable; its backward is
+    the reverse all-to-all, issued the same way."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.all_to_all_single_autograd(x.contiguous(), recv, send, group)
 
 
 def collective_op_namespaces() -> dict[str, list[Any]]:

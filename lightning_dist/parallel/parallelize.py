@@ -81,6 +81,7 @@ class ParallelizeConfig:
         reduce_scatter: A custom FSDP2 reduce-scatter for every unit (ZeRO++ qgZ).
         expert_parallel: Split the mixture-of-experts layers' experts over ``mesh["ep"]`` (``dims.ep`` > 1).
         expert_modules: A pattern naming the experts modules, when they are not found from their structure.
+        expert_dispatch_chunks: Token chunks per MoE layer whose all-to-alls overlap the experts' work (1: none).
     """
 
     units: list[Unit] = field(default_factory=list)
@@ -94,6 +95,7 @@ class ParallelizeConfig:
     reduce_scatter: Any = None
     expert_parallel: bool = False
     expert_modules: str | None = None
+    expert_dispatch_chunks: int = 1
 
 
 @dataclass
@@ -135,7 +137,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelizeConfig)
         replicas = mesh["ep_replicas"] if dims.dp_replicate * dims.fsdp > dims.ep else None
         record.experts = apply_expert_parallel(
             model, mesh["ep"], dims.dp_replicate * dims.fsdp, replicas, mesh["loss"], config.expert_modules,
-            fsdp_shards_experts=shard_experts,
+            fsdp_shards_experts=shard_experts, dispatch_chunks=config.expert_dispatch_chunks,
         )  # fmt: skip
     if config.activation_checkpointing:
         apply_activation_checkpointing(m for _, m in config.units)

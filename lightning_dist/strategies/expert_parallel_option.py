@@ -25,11 +25,16 @@ class ExpertParallelOption(_Base):
     """``expert_parallel_size``: ep ranks borrowed from ``dp_shard × cp`` that split every MoE layer's experts."""
 
     def init_expert_parallel(
-        self, size: MeshSize, expert_modules: str | None = None, log_expert_load: bool = False
+        self,
+        size: MeshSize,
+        expert_modules: str | None = None,
+        log_expert_load: bool = False,
+        dispatch_chunks: int = 1,
     ) -> None:
         """Check and keep the options: ``size`` (a positive int, 1: off, or ``"auto"``: all of dp_shard × cp),
-        ``expert_modules`` (a pattern naming the experts modules, or ``None``: found from their structure) and
-        ``log_expert_load`` (log each MoE layer's max / mean tokens per expert every training step)."""
+        ``expert_modules`` (a pattern naming the experts modules, or ``None``: found from their structure),
+        ``log_expert_load`` (log each MoE layer's max / mean tokens per expert every training step) and
+        ``dispatch_chunks`` (token chunks whose all-to-alls overlap the experts' work; 1: none)."""
         if size != "auto" and not is_positive_int(size):
             raise ValueError(
                 f"expert_parallel_size={size!r} is neither a positive int (1: off) nor 'auto' (every data-parallel"
@@ -43,6 +48,13 @@ class ExpertParallelOption(_Base):
         self.expert_parallel_size = size
         self.expert_modules = expert_modules
         self.log_expert_load = check_bool("log_expert_load", log_expert_load)
+        if not is_positive_int(dispatch_chunks):
+            raise ValueError(
+                f"expert_dispatch_chunks={dispatch_chunks!r} is not a positive int: the number of chunks each MoE"
+                " layer's tokens are sent in (1: one all-to-all each way; 2 or more: each chunk's all-to-all"
+                " overlaps the experts' work on another)."
+            )
+        self.expert_dispatch_chunks = dispatch_chunks
 
     def expert_parallel_sizes(self) -> dict[str, MeshSize]:
         """The ``ep`` entry of :meth:`mesh_sizes` (none when the option is off)."""

@@ -66,6 +66,8 @@ class Hybrid3DStrategy(
             mixture-of-experts model when left at 1, and keeps it when given. See docs/expert_parallel.md.
         expert_modules, log_expert_load: As in :class:`~lightning_dist.FSDP2Strategy`: a pattern naming the
             experts modules the structure does not show; log each MoE layer's max / mean tokens per expert.
+        expert_dispatch_chunks: As in :class:`~lightning_dist.FSDP2Strategy`: each MoE layer's tokens sent in that
+            many chunks, each chunk's all-to-all overlapping the experts' work on another (1: none).
         mesh_shape: ``[sizes, axis names]`` instead of the size options (names: pp, dp_replicate, dp_shard or dp,
             cp, tp; axes left out have size 1).
         mesh: ``"auto"``: the planner chooses the sizes (needs ``sequence_length``); the choice is logged.
@@ -100,6 +102,7 @@ class Hybrid3DStrategy(
         expert_parallel_size: MeshSize = 1,
         expert_modules: str | None = None,
         log_expert_load: bool = False,
+        expert_dispatch_chunks: int = 1,
         mesh_shape: list[list[int | str]] | None = None,
         mesh: Literal["auto"] | None = None,
         schedule: str = "1f1b",
@@ -122,7 +125,7 @@ class Hybrid3DStrategy(
         self.init_pipeline(schedule, n_microbatches, stages_per_rank, split)
         self.init_context_parallel(attention, load_balance, sequence_keys)
         self.init_tensor_parallel(plan, sequence_parallel, loss_parallel)
-        self.init_expert_parallel(expert_parallel_size, expert_modules, log_expert_load)
+        self.init_expert_parallel(expert_parallel_size, expert_modules, log_expert_load, expert_dispatch_chunks)
         self._rope_in_parts: str | None = None  # under pp × cp: the rope-table module's name in each stage
         sizes = {
             "pp": pipeline_parallel_size,
@@ -233,6 +236,7 @@ class Hybrid3DStrategy(
             plan = plan and self.keep_experts_whole(plan, part)
             config, root = self._parallelize_config(blocks, plan), type(part).__name__
             config.expert_parallel, config.expert_modules = self.expert_parallel_on(part), self.expert_modules
+            config.expert_dispatch_chunks = self.expert_dispatch_chunks
             record = parallelize(part, self.mesh, config)
             if plan is not None:
                 self.log_tensor_parallel_plan(model, plan, record.tp_changes)

@@ -116,11 +116,18 @@ def _route_to_first_half(router: torch.nn.Module, args: Any, out: tuple) -> tupl
 
 
 def moe_fp64(
-    rank: int, world: int, kind: str, aux: bool = False, ep: int | None = None, idle_rank: bool = False
+    rank: int,
+    world: int,
+    kind: str,
+    aux: bool = False,
+    ep: int | None = None,
+    idle_rank: bool = False,
+    chunks: int = 1,
 ) -> dict[str, Any]:
     """One forward and backward: the loss (mean over ranks) and every gradient against one process. ``ep`` smaller
     than the world: groups of ``ep`` ranks split the experts, the other ranks hold the same ones (replicas).
-    ``idle_rank``: the routers send no token to the last ep rank's experts."""
+    ``idle_rank``: the routers send no token to the last ep rank's experts. ``chunks``: tokens dispatched in that
+    many chunks, each chunk's all-to-all in flight while the experts compute another."""
     if kind == "user":
         from models import UserMoE  # type: ignore[import-not-found]  (imports Lightning: run after the others)
 
@@ -145,7 +152,9 @@ def moe_fp64(
     mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("ep_replicas", "ep"))
     batch = init_device_mesh("cpu", (world,), mesh_dim_names=("batch",))
     pattern = "layers.*.expert_list" if kind == "user" else None  # names no library uses: given by the user
-    record = apply_expert_parallel(model, mesh["ep"], world, mesh["ep_replicas"], batch, pattern)
+    record = apply_expert_parallel(
+        model, mesh["ep"], world, mesh["ep_replicas"], batch, pattern, dispatch_chunks=chunks
+    )
     mine = tokens.chunk(world)[rank]
     aux_values: dict[str, float] = {}
     take_expert_load(model)  # counts start here
@@ -216,6 +225,10 @@ SCENARIOS["mixtral_aux_fp64"] = partial(moe_fp64, kind="mixtral", aux=True)
 SCENARIOS["mixtral_ep1_replicas_fp64"] = partial(moe_fp64, kind="mixtral", aux=True, ep=1)
 SCENARIOS["mixtral_idle_rank_fp64"] = partial(moe_fp64, kind="mixtral", idle_rank=True)
 SCENARIOS["user_fp64"] = partial(moe_fp64, kind="user")
+SCENARIOS["mixtral_chunks3_fp64"] = partial(moe_fp64, kind="mixtral", chunks=3)
+SCENARIOS["qwen2_moe_chunks2_fp64"] = partial(moe_fp64, kind="qwen2_moe", chunks=2)
+SCENARIOS["mixtral_aux_chunks2_fp64"] = partial(moe_fp64, kind="mixtral", aux=True, chunks=2)
+SCENARIOS["mixtral_idle_rank_chunks2_fp64"] = partial(moe_fp64, kind="mixtral", idle_rank=True, chunks=2)
 SCENARIOS["litgpt_fp64"] = partial(moe_fp64, kind="litgpt")
 SCENARIOS["litgpt_shared_fp64"] = partial(moe_fp64, kind="litgpt_shared")
 SCENARIOS["litgpt_ep1_replicas_fp64"] = partial(moe_fp64, kind="litgpt", ep=1)

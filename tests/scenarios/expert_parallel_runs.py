@@ -125,6 +125,7 @@ def train(
     log_load: bool = False,
     zeropp: bool = False,
     batch_divisor: int = 1,
+    dispatch_chunks: int = 1,
 ) -> dict[str, Any]:
     """Train the model of ``kind``; ``hybrid3d``: under ``Hybrid3DStrategy(expert_parallel_size=ep, **hybrid3d)``
     instead of fsdp2, also reporting its mesh, log lines and expert shards' shapes; ``batch_divisor``: batches that
@@ -141,7 +142,11 @@ def train(
     else:
         kernel = "grouped_mm" if pipeline else "eager"
         model = MoECausalLM(data.vocab_size, kind, aux, seq_len=SEQ_LEN, experts_implementation=kernel)
-    strategy: Any = "auto" if devices == 1 else FSDP2Strategy(expert_parallel_size=ep or 1, log_expert_load=log_load)
+    strategy: Any = "auto"
+    if devices > 1:
+        strategy = FSDP2Strategy(
+            expert_parallel_size=ep or 1, log_expert_load=log_load, expert_dispatch_chunks=dispatch_chunks
+        )
     if pipeline:
         strategy = PipelineStrategy()
     if zeropp:  # ZeRO++'s int8 weight all-gather and int4 gradient reduce-scatter on the dense parts
@@ -319,7 +324,9 @@ for _kind in ("qwen3_moe", "qwen2_moe"):
     for _aux in ("", "_aux"):
         _options = {"steps": 2, "kind": _kind, "aux": bool(_aux)}
         SCENARIOS[f"{_kind}{_aux}_fp64"] = partial(lambda d, w, o: train(d, "64-true", None, **o), o=_options)
-        SCENARIOS[f"ep_{_kind}{_aux}_fp64"] = partial(lambda d, w, o: train(d, "64-true", d, **o), o=_options)
+        # the runs with the auxiliary loss send each layer's tokens in 2 overlapping chunks (expert_dispatch_chunks)
+        _ep_options = {**_options, "dispatch_chunks": 2 if _aux else 1}
+        SCENARIOS[f"ep_{_kind}{_aux}_fp64"] = partial(lambda d, w, o: train(d, "64-true", d, **o), o=_ep_options)
 # hybrid3d with ep=2 on 4 processes: 2 pipeline stages, each splitting its MoE layer's experts over its 2
 # data-parallel ranks; and attention tensor-parallel over tp=2 with the experts split over the 2 data-parallel ranks
 # and replicated over tp. (The automatic plan would also shard the embedding and head over the vocabulary, which the

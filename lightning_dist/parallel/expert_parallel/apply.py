@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_dist.compat.hugging_face import apply_experts_gate, has_own_experts_gate
-from lightning_dist.parallel.expert_parallel.dispatch import combine, dispatch
+from lightning_dist.parallel.expert_parallel.dispatch import dispatch_compute_combine
 from lightning_dist.parallel.expert_parallel.load import count_tokens
 from lightning_dist.parallel.expert_parallel.local_experts import StackedWeights, run_local_experts
 from lightning_dist.parallel.expert_parallel.module_list import ModuleListExperts, apply_module_list
@@ -53,6 +53,7 @@ class ExpertParallelRecord:
         parameters: Qualified names of the expert parameters sharded over ep.
         router_loss_modules: Modules whose auxiliary-loss function now reduces its statistics over the batch.
         sharded_over: The ranks FSDP2 shards the expert weights over (``ep_fsdp``; 1: whole on each rank).
+        chunks: Token chunks per stacked-experts layer whose all-to-alls overlap the experts' work (1: none).
     """
 
     layers: int
@@ -62,12 +63,14 @@ class ExpertParallelRecord:
     parameters: list[str]
     router_loss_modules: list[str] = field(default_factory=list)
     sharded_over: int = 1
+    chunks: int = 1
 
     def describe(self) -> str:
         return (
             f"expert parallel: {self.layers} MoE layers, {self.num_experts} experts each, {self.local_experts} per"
             f" rank over ep={self.ep} (tokens sent to their experts by all-to-all)"
             + (f", their weights FSDP-sharded over ep_fsdp={self.sharded_over}" if self.sharded_over > 1 else "")
+            + (f", tokens sent in {self.chunks} chunks overlapping the experts' work" if self.chunks > 1 else "")
             + ("; the router's auxiliary loss from the whole batch's routing" if self.router_loss_modules else "")
         )
 
@@ -107,6 +110,7 @@ def apply_expert_parallel(
     batch: DeviceMesh | None = None,
     expert_modules: str | None = None,
     fsdp_shards_experts: bool = False,
+    dispatch_chunks: int = 1,
 ) -> ExpertParallelRecord:
     """Shard the experts of every MoE layer of ``model`` over the 1-D ``ep_mesh`` (in place; collective).
 
@@ -123,17 +127,20 @@ def apply_expert_parallel(
             structure (see :func:`find_expert_layers`).
         fsdp_shards_experts: FSDP2 will shard the expert weights over ``replicas`` and average their gradients there
             (:mod:`.sharding`): their gradients are only scaled by ``1/ep`` here.
+        dispatch_chunks: Send each stacked-experts layer's tokens in that many chunks, so that each chunk's
+            all-to-all overlaps the experts' work on another (1: one all-to-all each way, no overlap).
     """
     ep = ep_mesh.size()
     layers = check_expert_parallel(model, ep, expert_modules)
     divide = gradient_divide_factor or ep
     names: list[str] = []
     replica_group = replicas.get_group() if replicas is not None and replicas.size() > 1 else None
+    # FSDP2 averages over the replicas itself when it shards the experts there: only the 1/ep is left here
+    scale, copies = (1.0 / ep, None) if fsdp_shards_experts else (1.0 / divide, replica_group)
     for layer in layers:
         experts = layer.experts
         if layer.kind == "module_list":
             parent, _, attribute = layer.name.rpartition(".")
-            scale, copies = (1.0 / ep, None) if fsdp_shards_experts else (1.0 / divide, replica_group)
             kept = apply_module_list(
                 model.get_submodule(parent), attribute, ep_mesh.get_local_rank(), ep, ep_mesh.get_group(), scale,
                 copies,
@@ -149,14 +156,14 @@ def apply_expert_parallel(
             sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
             experts.register_parameter(pname, nn.Parameter(sharded, requires_grad=param.requires_grad))
             names.append(f"{layer.name}.{pname}")
-        experts.expert_parallel = (
-            ExpertParallelState(ep_mesh.get_group(), layer.num_experts, 1.0 / ep)
-            if fsdp_shards_experts
-            else ExpertParallelState(ep_mesh.get_group(), layer.num_experts, 1.0 / divide, replica_group)
+        experts.expert_parallel = ExpertParallelState(
+            ep_mesh.get_group(), layer.num_experts, scale, copies, chunks=dispatch_chunks
         )
         experts.__class__ = _expert_parallel_class(type(experts))
     patched = reduce_router_statistics(model, (batch or ep_mesh).get_group())
-    return ExpertParallelRecord(len(layers), layers[0].num_experts, layers[0].num_experts // ep, ep, names, patched)
+    record = ExpertParallelRecord(len(layers), layers[0].num_experts, layers[0].num_experts // ep, ep, names, patched)
+    record.chunks = dispatch_chunks if any(layer.kind == "stacked" for layer in layers) else 1
+    return record
 
 
 def expert_parallel_state(module: nn.Module) -> ExpertParallelState | ModuleListExperts | None:
@@ -193,6 +200,7 @@ class ExpertParallelState:
     grad_scale: float
     replica_group: Any = None
     load: torch.Tensor | None = None  # tokens this rank routed to each expert since the last look (see .load)
+    chunks: int = 1  # token chunks whose all-to-alls overlap the experts' work (see dispatch_compute_combine)
 
 
 class _ExpertGradient(torch.autograd.Function):
@@ -238,7 +246,6 @@ def _expert_parallel_forward(
         )
     state: ExpertParallelState = self.expert_parallel
     count_tokens(state, torch.bincount(top_k_index.reshape(-1), minlength=state.num_experts))
-    rows, moved = dispatch(hidden_states, top_k_index, state.num_experts, state.group)
     dtype = hidden_states.dtype
     weights = StackedWeights(
         gate_up=_local(self, "gate_up_proj", state, dtype),
@@ -247,8 +254,11 @@ def _expert_parallel_forward(
         down_bias=_local(self, STACKED_BIASES[1], state, dtype),
         transposed=bool(getattr(self, "is_transposed", False)),
     )
-    out = run_local_experts(rows, moved.tokens_per_expert, weights, lambda h: apply_experts_gate(self, h))
-    return combine(out, moved, top_k_weights, hidden_states.dtype, state.group)
+    return dispatch_compute_combine(
+        hidden_states, top_k_index, top_k_weights, state.num_experts, state.group,
+        lambda rows, counts: run_local_experts(rows, counts, weights, lambda h: apply_experts_gate(self, h)),
+        state.chunks,
+    )  # fmt: skip
 
 
 _CLASSES: dict[type, type] = {}

@@ -9,11 +9,14 @@ equal to one process's in fp64.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lightning_dist.compat import all_to_all_in_flight
 
 
 class _AllToAll(torch.autograd.Function):
@@ -59,6 +62,26 @@ class Dispatch:
     tokens_per_expert: list[int]
 
 
+def plan_dispatch(top_k_index: torch.Tensor, num_experts: int, group: Any) -> Dispatch:
+    """Where each (token, k) row goes: every rank learns how many rows each of its local experts receives from each
+    source rank (one small all-to-all of counts), and the orders that group them."""
+    ep = dist.get_world_size(group)
+    local = num_experts // ep
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    send = counts.view(ep, local).sum(1).tolist()
+    per_source = received.view(ep, local)
+    recv = per_source.sum(1).tolist()
+    expert_of_row = torch.repeat_interleave(
+        torch.arange(local, device=counts.device).repeat(ep), per_source.reshape(-1)
+    )
+    local_order = torch.argsort(expert_of_row, stable=True)
+    return Dispatch(order, send, recv, local_order, per_source.sum(0).tolist())
+
+
 def dispatch(
     hidden: torch.Tensor, top_k_index: torch.Tensor, num_experts: int, group: Any
 ) -> tuple[torch.Tensor, Dispatch]:
@@ -71,25 +94,10 @@ def dispatch(
         num_experts: Experts of the layer over all ranks (``E``).
         group: The ep process group.
     """
-    ep = dist.get_world_size(group)
-    local = num_experts // ep
-    flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    rows = hidden[order // top_k_index.shape[-1]]  # each (token, k) pair's token, in expert order
-    counts = torch.bincount(flat, minlength=num_experts)
-    # Every rank learns how many rows each of its local experts receives from each source rank.
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)
-    send = counts.view(ep, local).sum(1).tolist()
-    per_source = received.view(ep, local)
-    recv = per_source.sum(1).tolist()
-    arrived = all_to_all(rows, send, recv, group)
-    expert_of_row = torch.repeat_interleave(
-        torch.arange(local, device=counts.device).repeat(ep), per_source.reshape(-1)
-    )
-    local_order = torch.argsort(expert_of_row, stable=True)
-    state = Dispatch(order, send, recv, local_order, per_source.sum(0).tolist())
-    return arrived[local_order], state
+    state = plan_dispatch(top_k_index, num_experts, group)
+    rows = hidden[state.order // top_k_index.shape[-1]]  # each (token, k) pair's token, in expert order
+    arrived = all_to_all(rows, state.send, state.recv, group)
+    return arrived[state.local_order], state
 
 
 def combine(
@@ -97,12 +105,54 @@ def combine(
 ) -> torch.Tensor:
     """Send the experts' rows back to their tokens' ranks, weight them by the router's weights and sum the top-k
     contributions of each token. Returns ``(tokens, hidden)`` in ``out_dtype``."""
-    back = torch.empty_like(state.local_order)
-    back[state.local_order] = torch.arange(len(state.local_order), device=back.device)
-    returned = all_to_all(expert_out[back], state.recv, state.send, group)
-    unsort = torch.empty_like(state.order)
-    unsort[state.order] = torch.arange(len(state.order), device=unsort.device)
+    returned = all_to_all(expert_out[_undo(state.local_order)], state.recv, state.send, group)
+    return _weighted_sum(returned, state, top_k_weights, out_dtype)
+
+
+def dispatch_compute_combine(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    num_experts: int,
+    group: Any,
+    compute: Callable[[torch.Tensor, list[int]], torch.Tensor],
+    chunks: int = 1,
+) -> torch.Tensor:
+    """:func:`dispatch`, ``compute(rows, tokens_per_expert)`` (the local experts), :func:`combine`; with ``chunks``
+    > 1 the tokens go in that many chunks whose all-to-alls overlap the experts' work on the chunk before: every
+    chunk's rows are sent at once, the experts compute a chunk as soon as it has arrived (the next ones still
+    travelling), and each chunk's results start back while the experts compute the next. Each token's result is
+    computed as without chunks (the experts' weight gradients sum the chunks' rows in another order)."""
+    if chunks == 1:
+        rows, state = dispatch(hidden, top_k_index, num_experts, group)
+        return combine(compute(rows, state.tokens_per_expert), state, top_k_weights, hidden.dtype, group)
+    k = top_k_index.shape[-1]
+    pieces = torch.arange(hidden.shape[0], device=hidden.device).tensor_split(chunks)
+    plans = [plan_dispatch(top_k_index[p], num_experts, group) for p in pieces]  # every count exchange first
+    travelling = [
+        all_to_all_in_flight(hidden[p][plan.order // k], plan.send, plan.recv, group) for p, plan in zip(pieces, plans)
+    ]
+    returning = []
+    for arrived, plan in zip(travelling, plans):
+        out = compute(arrived[plan.local_order], plan.tokens_per_expert)  # waits for this chunk only
+        returning.append(all_to_all_in_flight(out[_undo(plan.local_order)], plan.recv, plan.send, group))
+    parts = [
+        _weighted_sum(back, plan, top_k_weights[p], hidden.dtype) for back, plan, p in zip(returning, plans, pieces)
+    ]
+    return torch.cat(parts)
+
+
+def _undo(order: torch.Tensor) -> torch.Tensor:
+    """The permutation that puts ``x[order]`` back in ``x``'s order."""
+    back = torch.empty_like(order)
+    back[order] = torch.arange(len(order), device=order.device)
+    return back
+
+
+def _weighted_sum(
+    returned: torch.Tensor, state: Dispatch, top_k_weights: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
     tokens, k = top_k_weights.shape
     # The model's own order of operations: each expert's output times its weight, cast, then summed over k.
-    weighted = (returned[unsort] * top_k_weights.reshape(-1, 1)).to(out_dtype)
+    weighted = (returned[_undo(state.order)] * top_k_weights.reshape(-1, 1)).to(out_dtype)
     return weighted.view(tokens, k, -1).sum(1)

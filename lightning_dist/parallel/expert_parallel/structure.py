@@ -73,9 +73,13 @@ def find_expert_layers(model: nn.Module, expert_modules: str | None = None) -> l
         router = _router_name(parent, parent_name)
         if _is_stacked(module):
             layers.append(ExpertLayer(name, module, router, module.down_proj.shape[0], "stacked"))
-        elif isinstance(module, nn.ModuleList) and (expert_modules is not None or _named_experts(name, router)):
-            if len(module) > 1 and len({type(m) for m in module}) == 1:
-                layers.append(ExpertLayer(name, module, router, len(module), "module_list"))
+        elif (
+            isinstance(module, nn.ModuleList)
+            and (expert_modules is not None or _named_experts(name, router))
+            and len(module) > 1
+            and len({type(m) for m in module}) == 1
+        ):
+            layers.append(ExpertLayer(name, module, router, len(module), "module_list"))
     if expert_modules is not None and not layers:
         raise ExpertParallelError(_no_match(model, expert_modules))
     return layers

@@ -69,9 +69,8 @@ class MoECausalLM(L.LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         # The loss from the logits in their own dtype (transformers' own loss casts them to fp32).
-        x = batch["input_ids"]
-        out = self.model(input_ids=x)
-        loss = _next_token_loss(out.logits, x)
+        out = self.model(input_ids=batch["input_ids"])
+        loss = _next_token_loss(out.logits, batch["labels"])
         if out.aux_loss is not None:
             self.aux_losses.append(float(out.aux_loss))
             loss = loss + self.model.config.router_aux_loss_coef * out.aux_loss.to(loss.dtype)
@@ -111,8 +110,7 @@ class LitGPTMoE(L.LightningModule):
         self.aux_losses: list[float] = []
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x = batch["input_ids"]
-        loss = _next_token_loss(self.model(x), x)
+        loss = _next_token_loss(self.model(batch["input_ids"]), batch["labels"])
         self.log("train_loss", loss, sync_dist=True)  # the mean over data-parallel ranks: the whole batch's
         return loss
 
@@ -120,6 +118,7 @@ class LitGPTMoE(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
-def _next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    logits = logits[:, :-1]
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+def _next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross entropy against the data's labels, the next tokens already aligned per position: nothing is shifted
+    here, so a strategy that splits the sequence (context parallelism) splits the labels with it."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))

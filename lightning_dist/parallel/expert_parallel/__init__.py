@@ -4,10 +4,12 @@ Each rank of the ep mesh keeps ``E/ep`` experts of every MoE layer; tokens trave
 and back. Routing stays the model's own code. Which file holds what:
 
 - :mod:`.structure` — recognizing MoE layers from structure (:func:`find_expert_layers`), the dense-model message.
-- :mod:`.dispatch` — token permutation by expert, the uneven differentiable all-to-all, combine.
+- :mod:`.dispatch` — token permutation by expert, the uneven differentiable all-to-all, combine; token chunks whose
+  all-to-alls overlap the experts' work.
 - :mod:`.local_experts` — the local experts' computation (per-expert loop; grouped GEMM on CUDA bf16).
 - :mod:`.apply` — :func:`check_expert_parallel` (before launch), :func:`apply_expert_parallel` (shard the experts
   as DTensors over ep, swap the experts' call), :func:`expert_parameters`, :func:`holds_some_experts`.
+- :mod:`.sharding` — the experts as FSDP2 units over the ranks ep leaves (``ep_fsdp``), where there are any.
 - :mod:`.module_list` — ``ModuleList`` experts routed inside their layer's forward (litgpt ``LLaMAMoE``): record,
   exchange, replay.
 - :mod:`.load` — per-layer expert load (max / mean tokens per expert), counted in the forward.

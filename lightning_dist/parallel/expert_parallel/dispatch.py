@@ -95,9 +95,7 @@ def dispatch(
         group: The ep process group.
     """
     state = plan_dispatch(top_k_index, num_experts, group)
-    rows = hidden[state.order // top_k_index.shape[-1]]  # each (token, k) pair's token, in expert order
-    arrived = all_to_all(rows, state.send, state.recv, group)
-    return arrived[state.local_order], state
+    return _send(hidden, state, top_k_index.shape[-1], group, all_to_all)[state.local_order], state
 
 
 def combine(
@@ -105,8 +103,7 @@ def combine(
 ) -> torch.Tensor:
     """Send the experts' rows back to their tokens' ranks, weight them by the router's weights and sum the top-k
     contributions of each token. Returns ``(tokens, hidden)`` in ``out_dtype``."""
-    returned = all_to_all(expert_out[_undo(state.local_order)], state.recv, state.send, group)
-    return _weighted_sum(returned, state, top_k_weights, out_dtype)
+    return _weighted_sum(_send_back(expert_out, state, group, all_to_all), state, top_k_weights, out_dtype)
 
 
 def dispatch_compute_combine(
@@ -127,19 +124,30 @@ def dispatch_compute_combine(
         rows, state = dispatch(hidden, top_k_index, num_experts, group)
         return combine(compute(rows, state.tokens_per_expert), state, top_k_weights, hidden.dtype, group)
     k = top_k_index.shape[-1]
-    pieces = torch.arange(hidden.shape[0], device=hidden.device).tensor_split(chunks)
-    plans = [plan_dispatch(top_k_index[p], num_experts, group) for p in pieces]  # every count exchange first
-    travelling = [
-        all_to_all_in_flight(hidden[p][plan.order // k], plan.send, plan.recv, group) for p, plan in zip(pieces, plans)
-    ]
+    pieces = list(
+        zip(hidden.tensor_split(chunks), top_k_index.tensor_split(chunks), top_k_weights.tensor_split(chunks))
+    )
+    plans = [plan_dispatch(index, num_experts, group) for _, index, _ in pieces]  # every count exchange first
+    travelling = [_send(rows, plan, k, group, all_to_all_in_flight) for (rows, _, _), plan in zip(pieces, plans)]
     returning = []
     for arrived, plan in zip(travelling, plans):
         out = compute(arrived[plan.local_order], plan.tokens_per_expert)  # waits for this chunk only
-        returning.append(all_to_all_in_flight(out[_undo(plan.local_order)], plan.recv, plan.send, group))
-    parts = [
-        _weighted_sum(back, plan, top_k_weights[p], hidden.dtype) for back, plan, p in zip(returning, plans, pieces)
-    ]
+        returning.append(_send_back(out, plan, group, all_to_all_in_flight))
+    parts = [_weighted_sum(back, plan, w, hidden.dtype) for back, plan, (_, _, w) in zip(returning, plans, pieces)]
     return torch.cat(parts)
+
+
+_Move = Callable[[torch.Tensor, list[int], list[int], Any], torch.Tensor]
+
+
+def _send(hidden: torch.Tensor, state: Dispatch, k: int, group: Any, move: _Move) -> torch.Tensor:
+    """Each (token, k) pair's token, in expert order, to the rank of its expert (by ``move``, an all-to-all)."""
+    return move(hidden[state.order // k], state.send, state.recv, group)
+
+
+def _send_back(expert_out: torch.Tensor, state: Dispatch, group: Any, move: _Move) -> torch.Tensor:
+    """The experts' rows, out of local-expert order, back to the ranks their tokens came from."""
+    return move(expert_out[_undo(state.local_order)], state.recv, state.send, group)
 
 
 def _undo(order: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
@@ -40,7 +40,7 @@ class DistCLI(LightningCLI):
         config = self.config.get(self.subcommand) if self.subcommand else self.config
         trainer = (config or {}).get("trainer") or {}
         precision, strategy = trainer.get("precision"), trainer.get("strategy")
-        if isinstance(strategy, str) and strategy not in StrategyRegistry:
+        if isinstance(strategy, str) and strategy != "auto" and strategy not in StrategyRegistry:
             raise SystemExit(f"trainer.strategy: {unknown_strategy_message(strategy)}")
         if str(precision).startswith("transformer-engine") and _is_ours(strategy):
             raise SystemExit(f"trainer.precision: {unsupported_precision_message(precision)}")
@@ -54,13 +54,10 @@ def _is_ours(strategy: object) -> bool:
     return str(class_path).startswith("lightning_dist") or isinstance(strategy, MeshParallelStrategy)
 
 
-#: The LightningCLI arguments of ``lightning-dist fit`` (and of verify's runs): any module and datamodule by class path.
-CLI_CLASSES = {
-    "model_class": LightningModule,
-    "datamodule_class": LightningDataModule,
-    "subclass_mode_model": True,
-    "subclass_mode_data": True,
-}
+#: The LightningCLI arguments of ``lightning-dist fit`` (and of verify's runs): any module by class path, and any
+#: datamodule, optional as in a plain LightningCLI: no ``datamodule_class``, which would make ``data:`` required, so a
+#: YAML with only ``model:`` and ``trainer:`` trains from the module's own ``*_dataloader`` hooks.
+CLI_CLASSES = {"model_class": LightningModule, "subclass_mode_model": True}
 
 
 def import_from_cwd() -> None:

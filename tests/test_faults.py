@@ -13,6 +13,8 @@ import psutil
 import pytest
 from launch import run_failing_scenario
 
+from lightning_dist.parallel.runtime.watchdog import FailureWatchdog
+
 CASES = {
     "raise_in_step": "rank 1: RuntimeError: boom in training_step on rank 1",
     "raise_in_backward": "rank 1: RuntimeError: boom in backward on rank 1",
@@ -20,6 +22,8 @@ CASES = {
     "sigkill": "rank 1: its process killed by SIGKILL",
     # rank 1 raises, then its process lingers: only the watchdog ends rank 0 (gloo would wait for the timeout)
     "stuck_after_raise": "[rank 0] lightning_dist: rank 1: RuntimeError: boom in training_step on rank 1. Ending rank 0",
+    # rank 1 stops answering (sleeps in training_step): rank 0's collective times out, and rank 1 is the one named
+    "hang": "[rank 1] lightning_dist: rank 1: stopped answering: it was in training_step (fault_runs.py:",
 }
 
 
@@ -33,13 +37,12 @@ def test_every_rank_ends_soon_after_one_fails_naming_it(tmp_path, scenario):
     seconds = ended - float((tmp_path / "fault_time").read_text())
     assert seconds < 60, f"the job ended {seconds:.1f} s after the failure"
     assert CASES[scenario] in output, output[-5000:]
+    assert "lightning_dist: rank 0: RuntimeError" not in output or scenario == "rank0_raises", output[-5000:]
     leftovers = [p.pid for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
     assert leftovers == [], f"processes left running: {leftovers}"
 
 
 def _watchdogs(store, failures, **kwargs):
-    from lightning_dist.parallel.runtime.watchdog import FailureWatchdog
-
     return [
         FailureWatchdog(store, "t", rank, 2, on_failure=lambda m, r=rank: failures.append((r, m)), **kwargs).start()
         for rank in range(2)
@@ -112,6 +115,44 @@ def test_rank_zero_finishes_only_after_every_live_rank_stopped_watching():
     start = time.monotonic()
     zero.finish(patience=5.0)
     assert time.monotonic() - start < 1.0
+
+
+def test_a_timeout_names_the_rank_that_was_in_no_collective_and_that_rank_ends_itself():
+    """Rank 0 waited in a collective until the timeout while rank 1 ran its own code: rank 1 is the one named (with
+    where it was), and rank 1's watchdog, seeing a failure about itself published by rank 0, ends it."""
+    import torch.distributed as dist
+
+    from lightning_dist.parallel.runtime.activity import IN_COLLECTIVE
+
+    store, failures = dist.HashStore(), []
+    where = {0: IN_COLLECTIVE, 1: "training_step (model.py:42)"}
+    zero, one = (
+        FailureWatchdog(store, "t", r, 2, on_failure=lambda m, r=r: failures.append((r, m)), interval=0.02,
+                        activity=lambda r=r: where[r]).start()
+        for r in range(2)
+    )  # fmt: skip
+    time.sleep(0.2)  # both have published where they are
+    message = zero.report_timeout()
+    assert message == (
+        "rank 1: stopped answering: it was in training_step (model.py:42) while rank 0 waited for it in a collective"
+        " until the timeout"
+    )
+    deadline = time.monotonic() + 5
+    while not failures and time.monotonic() < deadline:
+        time.sleep(0.02)
+    zero.stop(), one.stop()
+    assert failures == [(1, message)]  # rank 0 published it: its own main thread handles it
+
+    both_waiting = {0: IN_COLLECTIVE, 1: IN_COLLECTIVE}  # different collectives on each rank: nobody to name
+    store = dist.HashStore()
+    watchdogs = [
+        FailureWatchdog(store, "t", r, 2, on_failure=print, interval=0.02, activity=lambda r=r: both_waiting[r]).start()
+        for r in range(2)
+    ]
+    time.sleep(0.2)
+    assert watchdogs[0].report_timeout() is None
+    for watchdog in watchdogs:
+        watchdog.stop()
 
 
 def test_watchdogs_still_running_at_exit_are_stopped():

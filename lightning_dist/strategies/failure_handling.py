@@ -27,6 +27,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from lightning_dist.compat import abort_process_groups, default_store
+from lightning_dist.parallel.runtime.activity import is_timeout
 from lightning_dist.parallel.runtime.watchdog import FailureWatchdog
 
 if TYPE_CHECKING:
@@ -108,11 +109,16 @@ def explain_exception(strategy: MeshParallelStrategy, exception: BaseException) 
 
     A communication error (a peer's connection closed) is usually the consequence of another rank's failure, which
     may need a moment to become visible (a killed child not yet reaped): look for it first, so that the root cause,
-    not its echo, is what every rank reports.
+    not its echo, is what every rank reports. A collective that timed out names the ranks this one waited for.
     """
     watchdog, rank = strategy._watchdog, strategy.global_rank
     if watchdog is None:
         return
+    if is_timeout(exception) and watchdog.peer_failure() is None:
+        blamed = watchdog.report_timeout()
+        if blamed is not None:
+            _say(rank, f"this rank's {type(exception).__name__} is a collective timeout: {blamed}")
+            return
     wait = _ROOT_CAUSE_WAIT_SECONDS if _is_communication_error(exception) else 0.0
     deadline = time.monotonic() + wait
     while (peer := watchdog.peer_failure() or launched_rank_failure(strategy)) is None and time.monotonic() < deadline:
@@ -130,7 +136,10 @@ def _is_communication_error(exception: BaseException) -> bool:
 
 
 def _end_this_rank(strategy: MeshParallelStrategy, rank: int, failure: str) -> None:
-    _say(rank, f"{failure}. Ending rank {rank} too, instead of waiting for the collective timeout.")
+    if failure.startswith(f"rank {rank}:"):  # another rank found this one stuck
+        _say(rank, f"{failure}. Ending rank {rank}.")
+    else:
+        _say(rank, f"{failure}. Ending rank {rank} too, instead of waiting for the collective timeout.")
     if dist.is_initialized() and dist.get_backend() == "nccl" and abort_process_groups():
         main = threading.main_thread()
         main.join(timeout=_ABORT_GRACE_SECONDS)  # the aborted collective raises; Lightning ends the process

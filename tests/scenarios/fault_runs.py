@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from examples.gpt import GPT
 from lightning_dist import FSDP2Strategy
 
 FAULT_STEP = 2
+HANG_TIMEOUT = 15  # seconds: the collective timeout of the "hang" scenario
 
 
 class Faulty(GPT):
@@ -41,6 +43,8 @@ class Faulty(GPT):
         if self._now_failing():
             if self.fault == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.fault == "hang":  # stops answering: its peers wait in the next collective until the timeout
+                time.sleep(600)
             if self.fault == "backward":
                 loss.register_hook(_raise_in_backward)
                 return loss
@@ -55,7 +59,8 @@ def _raise_in_backward(grad: Any) -> Any:
 def _fit(devices: int, workdir: str, fault: str, rank: int) -> None:
     template, data = make_model_and_data(devices)
     model = Faulty(fault, rank, workdir, **template.hparams)
-    trainer = L.Trainer(**trainer_kwargs(devices, strategy=FSDP2Strategy(), precision="64-true"), max_steps=6)
+    strategy = FSDP2Strategy(timeout=timedelta(seconds=HANG_TIMEOUT)) if fault == "hang" else FSDP2Strategy()
+    trainer = L.Trainer(**trainer_kwargs(devices, strategy=strategy, precision="64-true"), max_steps=6)
     trainer.fit(model, data)
 
 
@@ -83,6 +88,7 @@ SCENARIOS = {
     "raise_in_backward": _failing("backward", 1),
     "rank0_raises": _failing("raise", 0),
     "sigkill": _failing("sigkill", 1),
+    "hang": _failing("hang", 1),
     "stuck_after_raise": stuck_after_raise,
 }
 

@@ -6,6 +6,8 @@ process is still alive (a slow teardown, a stuck save). The watchdog uses the re
 already shares:
 
 * a rank that raises publishes ``rank r: <error>`` under one key (the first failure wins);
+* every rank publishes where its main thread is (:mod:`.activity`): when a collective times out, the waiting rank
+  names the ranks that were not in any collective (the ones it waited for) instead of itself;
 * every rank polls that key once per ``interval`` (one cheap store request, whatever the world size);
 * rank 0 also watches one heartbeat counter per rank and publishes a failure for a rank whose counter stopped
   (a ``SIGKILL``, a machine gone), after ``stale_after`` seconds;
@@ -27,6 +29,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from lightning_dist.parallel.runtime.activity import IN_COLLECTIVE, main_thread_activity
+
 FAILED_KEY = "failed"
 
 
@@ -44,6 +48,7 @@ class FailureWatchdog:
         stale_after: Seconds without a heartbeat after which rank 0 declares a rank dead.
         check_local: Called at every poll; returns a failure this process can see by itself (a rank it launched
             exited), or ``None``.
+        activity: Called at every poll; where this rank's main thread is (:func:`.activity.main_thread_activity`).
     """
 
     def __init__(
@@ -56,8 +61,10 @@ class FailureWatchdog:
         interval: float = 1.0,
         stale_after: float = 45.0,
         check_local: Callable[[], str | None] | None = None,
+        activity: Callable[[], str] = main_thread_activity,
     ) -> None:
         self._check_local = check_local
+        self._activity = activity
         self._store = store
         self._prefix = prefix
         self._rank = rank
@@ -114,21 +121,61 @@ class FailureWatchdog:
         """Publish this rank's failure for the others (keeps an earlier rank's failure if there is one)."""
         self._reported = True
         with contextlib.suppress(Exception):  # the store may be gone already: the others find out through that
-            self._store.compare_set(self._key(FAILED_KEY), "", f"rank {self._rank}: {message}")
+            self._publish(f"rank {self._rank}: {message}")
+
+    def report_timeout(self) -> str | None:
+        """After a collective of this rank timed out: publish the failure of the ranks it waited for (those whose
+        main thread was in no collective, with where it was) and return it; ``None`` when every rank was in a
+        collective (they issued different ones) or the others' activity cannot be read."""
+        try:
+            others = {r: self._peer_activity(r) for r in range(self._world_size) if r != self._rank}
+        except Exception:  # noqa: BLE001  (the store is gone: nothing to name)
+            return None
+        away = {rank: where for rank, where in others.items() if where is not None and where != IN_COLLECTIVE}
+        if not away:
+            return None
+        first, where = next(iter(away.items()))
+        more = f" (also {', '.join(f'rank {r}: {w}' for r, w in list(away.items())[1:])})" if len(away) > 1 else ""
+        message = (
+            f"rank {first}: stopped answering: it was in {where}{more} while rank {self._rank} waited for it in a"
+            " collective until the timeout"
+        )
+        self._reported = True
+        with contextlib.suppress(Exception):
+            self._publish(message)
+        return self.published_failure() or message
 
     def peer_failure(self) -> str | None:
         """The failure another rank published, if any (``"rank r: <error>"``)."""
         with contextlib.suppress(Exception):
-            failure = self._published()
-            if failure and not failure.startswith(f"rank {self._rank}:"):
+            reporter, failure = self._published_record()
+            if failure and reporter != self._rank:
                 return failure
         return None
 
-    def _published(self) -> str:
-        """The failure published under this prefix ("" if none); raises if the store cannot be reached."""
+    def published_failure(self) -> str | None:
+        """The failure published by any rank, this one included, if any."""
+        with contextlib.suppress(Exception):
+            return self._published() or None
+        return None
+
+    def _publish(self, message: str) -> None:
+        self._store.compare_set(self._key(FAILED_KEY), "", f"{self._rank}|{message}")
+
+    def _published_record(self) -> tuple[int | None, str]:
+        """(the rank that published it, the failure) under this prefix (``(None, "")`` if none); raises if the store
+        cannot be reached."""
         if not self._store.check([self._key(FAILED_KEY)]):
-            return ""
-        return self._store.get(self._key(FAILED_KEY)).decode()
+            return None, ""
+        reporter, _, message = self._store.get(self._key(FAILED_KEY)).decode().partition("|")
+        return int(reporter), message
+
+    def _published(self) -> str:
+        return self._published_record()[1]
+
+    def _peer_activity(self, rank: int) -> str | None:
+        key = self._key(f"activity/{rank}")
+        return self._store.get(key).decode() if self._store.check([key]) else None
 
     def _key(self, name: str) -> str:
         return f"{self._prefix}/{name}"
@@ -146,18 +193,19 @@ class FailureWatchdog:
 
     def _poll(self) -> str | None:
         self._store.add(self._key(f"heartbeat/{self._rank}"), 1)
-        failure = self._published()
-        if failure:  # this rank's own failure is already being handled by its main thread
-            return None if failure.startswith(f"rank {self._rank}:") else failure
+        self._store.set(self._key(f"activity/{self._rank}"), self._activity())
+        reporter, failure = self._published_record()
+        if failure:  # a failure this rank published is already being handled by its main thread
+            return None if reporter == self._rank else failure
         local = self._check_local() if self._check_local is not None else None
         if local is not None:
-            self._store.compare_set(self._key(FAILED_KEY), "", local)
+            self._publish(local)
             return local
         if self._rank == 0:
             stale = self._stale_rank()
             if stale is not None:
                 message = f"rank {stale}: no heartbeat for {self._stale_after:g} s (the process died or hangs)"
-                self._store.compare_set(self._key(FAILED_KEY), "", message)
+                self._publish(message)
                 return message
         return None
 

@@ -20,9 +20,11 @@ from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
 
 import lightning_dist  # noqa: F401  (registers the strategy names)
-from lightning_dist.commands import TOOLS, run_tool
+from lightning_dist.checkpoint.errors import CheckpointError
+from lightning_dist.commands import TOOLS, fail, run_tool
 from lightning_dist.plugins.precision import unsupported_precision_message
 from lightning_dist.strategies.base import MeshParallelStrategy
+from lightning_dist.strategies.preflight import FOUND_BEFORE_LAUNCH
 from lightning_dist.strategies.registry import unknown_strategy_message
 
 
@@ -67,18 +69,28 @@ def import_from_cwd() -> None:
 
 
 def main(args: list[str] | None = None) -> None:
-    """Run a tool (``lightning-dist <tool> ...``) or a LightningCLI subcommand (fit, validate, test, predict)."""
+    """Run a tool (``lightning-dist <tool> ...``) or a LightningCLI subcommand (fit, validate, test, predict).
+
+    A mistake the strategy's checks find before launch, or a checkpoint that cannot be used, ends the subcommand
+    with its message on one line (``lightning-dist fit: error: ...``) and exit status 2, without a traceback.
+    """
     argv = sys.argv[1:] if args is None else list(args)
     if argv and argv[0] in TOOLS:
         run_tool(argv[0], argv[1:])
         return
     import_from_cwd()
-    DistCLI(
-        **CLI_CLASSES,
-        args=args,  # None: LightningCLI reads sys.argv itself (passing both makes it warn)
-        parser_kwargs={"epilog": "tools: " + ", ".join(f"{name} ({doc})" for name, (_, doc) in TOOLS.items())},
-        save_config_kwargs={"overwrite": True},
-    )
+    try:
+        DistCLI(
+            **CLI_CLASSES,
+            args=args,  # None: LightningCLI reads sys.argv itself (passing both makes it warn)
+            parser_kwargs={"epilog": "tools: " + ", ".join(f"{name} ({doc})" for name, (_, doc) in TOOLS.items())},
+            save_config_kwargs={"overwrite": True},
+        )
+    except Exception as error:
+        if not (isinstance(error, CheckpointError) or getattr(error, FOUND_BEFORE_LAUNCH, False)):
+            raise
+        subcommand = next((a for a in argv if not a.startswith("-")), "")
+        fail(subcommand, str(error))
 
 
 if __name__ == "__main__":

@@ -1,16 +1,20 @@
 """Tools of the ``lightning-dist`` console script besides the LightningCLI subcommands.
 
 Each tool is a module here with a ``main(argv: list[str]) -> None``; add it to :data:`TOOLS` to expose it as
-``lightning-dist <name> ...``.
+``lightning-dist <name> ...``. Bad input ends a tool with one line, ``lightning-dist <name>: error: ...``, and exit
+status 2: a :class:`~.errors.CommandError` or :class:`~lightning_dist.CheckpointError` it raises, or a file it cannot
+read or write. A reader that closes the pipe (``lightning-dist inspect CKPT | head``) ends it quietly.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from lightning_dist.checkpoint.layout import CheckpointError
+from lightning_dist.commands.errors import CommandError
 
 #: name -> (module under lightning_dist.commands, one-line description)
 TOOLS: dict[str, tuple[str, str]] = {
@@ -26,9 +30,26 @@ def run_tool(name: str, argv: list[str]) -> None:
     module_name, _ = TOOLS[name]
     try:
         importlib.import_module(f"lightning_dist.commands.{module_name}").main(argv)
-    except CheckpointError as err:
-        print(f"lightning-dist {name}: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        sys.stdout.flush()  # a closed pipe shows here rather than at exit
+    except (CheckpointError, CommandError) as err:
+        fail(name, str(err))
+    except BrokenPipeError:
+        end_on_closed_pipe()
+    except OSError as err:  # a file the tool was given that cannot be read or written
+        fail(name, f"{err.strerror or err}: {err.filename!r}" if err.filename else str(err))
+
+
+def fail(tool: str, message: str) -> None:
+    """End ``tool`` for bad input: its message on stderr, exit status 2."""
+    print(f"lightning-dist {tool}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def end_on_closed_pipe() -> None:
+    """The reader of stdout went away (``| head``): end quietly, without the interpreter's complaint at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(0)
 
 
 def add_trust_code_argument(parser: argparse.ArgumentParser) -> None:
@@ -39,10 +60,3 @@ def add_trust_code_argument(parser: argparse.ArgumentParser) -> None:
         help="unpickle the checkpoint's files in full (weights_only=False), which can run code stored in them; only"
         " for checkpoints from a source you trust. By default nothing but tensors and plain data is unpickled",
     )
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--config``, ``--model`` and ``--init-args``: the model a ``plan`` tool reads."""
-    parser.add_argument("--config", help="a lightning-dist/LightningCLI YAML: model and strategy options from it")
-    parser.add_argument("--model", help="class path of the model (LightningModule or nn.Module)")
-    parser.add_argument("--init-args", default="{}", help="JSON object of the model's constructor arguments")

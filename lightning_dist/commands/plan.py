@@ -11,17 +11,14 @@ device (no memory, no weights), so this works for large models on a laptop.
 from __future__ import annotations
 
 import argparse
-import importlib
-import json
-import os
 import re
 import sys
 from typing import Any
 
-import torch
 import yaml
 
-from lightning_dist.commands import add_model_arguments
+from lightning_dist.commands.errors import CommandError
+from lightning_dist.commands.model_arguments import add_model_arguments, build_on_meta, json_object, read_config
 from lightning_dist.parallel.tensor_parallel import TensorParallelPlanError, resolve_plan
 from lightning_dist.parallel.validation import check_positive_int
 
@@ -47,16 +44,8 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive int (the ranks a layer is split over)") from None
 
 
-def _import(class_path: str) -> Any:
-    module, _, name = class_path.rpartition(".")
-    if not module:
-        raise SystemExit(f"--model must be a class path such as examples.gpt.GPT, got {class_path!r}.")
-    return getattr(importlib.import_module(module), name)
-
-
 def _from_config(path: str) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
-    with open(path) as f:
-        config = yaml.safe_load(f) or {}
+    config = read_config(path)
     model = config.get("model") or {}
     strategy = (config.get("trainer") or {}).get("strategy")
     options: dict[str, Any] = {}
@@ -129,19 +118,16 @@ def main(argv: list[str]) -> None:
         return None
     args = build_parser().parse_args(argv)
     if not args.strategy.startswith("tensor_parallel") and "TensorParallel" not in args.strategy:
-        raise SystemExit(f"--strategy {args.strategy}: only the tensor_parallel strategies have a plan to print.")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+        raise CommandError(f"--strategy {args.strategy}: only the tensor_parallel strategies have a plan to print.")
     class_path, init_args, options = _from_config(args.config) if args.config else (None, {}, {})
     class_path = args.model or class_path
     if class_path is None:
-        raise SystemExit("Give --model CLASS_PATH or a --config with a model section.")
-    init_args.update(json.loads(args.init_args))
+        raise CommandError("Give --model CLASS_PATH or a --config with a model section.")
+    init_args.update(json_object(args.init_args))
     for key in ("sequence_parallel", "loss_parallel", "tensor_parallel_size"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
-    with torch.device("meta"):
-        model = _import(class_path)(**init_args)
+    model = build_on_meta(class_path, init_args)
     plan = resolve_plan(
         model, options.get("plan"), bool(options.get("sequence_parallel")), bool(options.get("loss_parallel"))
     )
@@ -150,7 +136,7 @@ def main(argv: list[str]) -> None:
         try:
             check_positive_int("tensor_parallel_size", tp)
         except ValueError as err:
-            raise SystemExit(str(err)) from None
+            raise CommandError(str(err)) from None
     header = f"# tensor-parallel plan of {class_path}: {plan.summary()}"
     print(header)
     folded = {re.sub(r"\.\d+(?=\.|$)", ".*", name): attrs for name, attrs in plan.head_attributes.items()}

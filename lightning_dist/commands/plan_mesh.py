@@ -13,12 +13,8 @@ step inside and across nodes, with the reason a mesh is ruled out; then the reco
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 
-import torch
-
+from lightning_dist.commands.model_arguments import build_on_meta, json_object
 from lightning_dist.planning.estimate import COMPUTE_BYTES, GIB, OPTIMIZER_STATES
 from lightning_dist.planning.recommend import NoMeshFits, plan_meshes
 from lightning_dist.planning.search import milliseconds
@@ -62,21 +58,10 @@ def _ep_size(text: str) -> int | str:
     return int(text)
 
 
-def _build(args: argparse.Namespace) -> torch.nn.Module:
-    from lightning_dist.commands.plan import _import as load
-
-    init_args = json.loads(args.init_args)
-    with torch.device("meta"):  # plan_meshes casts its own meta copy to the compute dtype
-        if args.config_class:
-            return load(args.model)(load(args.config_class)(**init_args))
-        return load(args.model)(**init_args)
-
-
 def main(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    model = _build(args)
+    # on the meta device: plan_meshes casts its own meta copy to the compute dtype
+    model = build_on_meta(args.model, json_object(args.init_args), args.config_class)
     world = args.devices * args.nodes
     planned = plan_meshes(
         model,

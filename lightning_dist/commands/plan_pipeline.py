@@ -12,15 +12,18 @@ One line per stage: the rank holding it, its modules and its parameter count. Th
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 from typing import Any
 
-import torch
 from torch import nn
 
-from lightning_dist.commands import add_model_arguments
+from lightning_dist.commands.errors import CommandError
+from lightning_dist.commands.model_arguments import (
+    add_model_arguments,
+    build_on_meta,
+    json_object,
+    json_value,
+    read_config,
+)
 from lightning_dist.parallel import pipeline as pp
 
 
@@ -48,10 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _config_strategy(path: str) -> tuple[Any, dict[str, Any], Any, dict[str, Any]]:
     """``(strategy name or class path, strategy options, model class path, model options)`` of a config; an
     ``auto`` pipeline size is resolved from ``trainer.devices`` × ``num_nodes`` when those are numbers."""
-    import yaml
-
-    with open(path) as f:
-        config = yaml.safe_load(f) or {}
+    config = read_config(path)
     trainer = config.get("trainer") or {}
     strategy = trainer.get("strategy")
     model = config.get("model") or {}
@@ -82,34 +82,29 @@ def _preset(strategy: str | None) -> dict[str, Any]:
 
 def main(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
     strategy, options, class_path, init_args = _config_strategy(args.config) if args.config else (None, {}, None, {})
     options = {**_preset(args.strategy or strategy), **options}
     for key in ("pipeline_parallel_size", "schedule", "stages_per_rank"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
     if args.split is not None:
-        options["split"] = json.loads(args.split)
+        options["split"] = json_value(args.split, "--split")
     class_path = args.model or class_path
     if class_path is None:
-        raise SystemExit("Give --model CLASS_PATH or a --config with a model section.")
+        raise CommandError("Give --model CLASS_PATH or a --config with a model section.")
     size = options.get("pipeline_parallel_size", "auto")
     if not isinstance(size, int) or isinstance(size, bool) or size < 2:
-        raise SystemExit(
+        raise CommandError(
             f"pipeline_parallel_size={size!r}: give --pipeline-parallel-size N (N >= 2, the ranks in one pipeline);"
             " 'auto' depends on the number of processes."
         )
-    init_args.update(json.loads(args.init_args))
-    from lightning_dist.commands.plan import _import
-
-    with torch.device("meta"):
-        model = _import(class_path)(**init_args)
+    init_args.update(json_object(args.init_args))
+    model = build_on_meta(class_path, init_args)
     try:
         for line in describe_pipeline(model, size, options):
             print(line)
     except ValueError as err:
-        raise SystemExit(str(err)) from None
+        raise CommandError(str(err)) from None
 
 
 def describe_pipeline(model: nn.Module, pp_size: int, options: dict[str, Any]) -> list[str]:

@@ -33,6 +33,17 @@ _NAMED_CHECKPOINTS = ("last", "best", "hpc", "registry")
 
 # Set on a model once parallelized: the strategy settings that did it (see parallel_settings).
 PARALLELIZED = "_lightning_dist_parallelized"
+# Set (True) on an exception the checks before launch raised: bad input, which the console script prints as one line.
+FOUND_BEFORE_LAUNCH = "lightning_dist_found_before_launch"
+
+
+def run_preflight(strategy: MeshParallelStrategy, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
+    """The strategy's checks before launch; what they raise is marked :data:`FOUND_BEFORE_LAUNCH`."""
+    try:
+        strategy.preflight(trainer, arguments)
+    except Exception as error:
+        setattr(error, FOUND_BEFORE_LAUNCH, True)
+        raise
 
 
 def parallel_settings(strategy: MeshParallelStrategy) -> dict[str, str]:
@@ -152,7 +163,7 @@ class PreflightSubprocessLauncher(SubprocessScriptLauncherBase):
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         if trainer is not None:
-            self._strategy.preflight(trainer, bound_arguments(function, args, kwargs))
+            run_preflight(self._strategy, trainer, bound_arguments(function, args, kwargs))
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
@@ -171,7 +182,7 @@ class PreflightLauncher(LauncherBase):
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         if trainer is not None:
-            self._strategy.preflight(trainer, bound_arguments(function, args, kwargs))
+            run_preflight(self._strategy, trainer, bound_arguments(function, args, kwargs))
         return function(*args, **kwargs)
 
     @override

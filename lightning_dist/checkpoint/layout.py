@@ -15,6 +15,9 @@ Two formats:
 * full state (``FullStateCheckpointIO``): one ``torch.save`` file, a plain Lightning checkpoint (its zip directory
   holds a CRC-32 of every record).
 
+Every file a folder names (its DCP index's paths, its ``COMPLETE`` manifest's entries, its files of fixed name) must
+lie inside it: :mod:`lightning_dist.checkpoint.contained_paths`.
+
 Both are written under a hidden temporary name beside the target (``.step=3.ckpt.tmp-<token>``) and renamed into
 place, so a save that dies midway leaves the previous checkpoint at that path untouched.
 
@@ -38,6 +41,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from lightning_dist.checkpoint.contained_paths import checkpoint_file
 from lightning_dist.checkpoint.errors import CheckpointError
 from lightning_dist.checkpoint.safe_load import DCP_INDEX, load_file, probe_entries
 
@@ -69,6 +73,8 @@ def validate_checkpoint(path: str | os.PathLike, weights_only: bool = True) -> P
         if recovered is None:
             raise CheckpointError(f"Checkpoint not found: {str(path)!r} does not exist.")
     if path.is_dir():
+        for name in (COMPLETE_MARKER, METADATA_FILENAME, DCP_INDEX):  # before any of them is looked into
+            checkpoint_file(path, name)
         if is_lightning_sharded_checkpoint(path):
             check_structure(path, weights_only)
             return path
@@ -157,7 +163,7 @@ def read_metadata(path: str | os.PathLike, weights_only: bool = True) -> dict[st
     ``weights_only`` (the default) nothing but plain data and tensors is unpickled."""
     path = Path(path)
     if path.is_dir():
-        meta = load_torch_file(path / METADATA_FILENAME, path, weights_only)
+        meta = load_torch_file(checkpoint_file(path, METADATA_FILENAME), path, weights_only)
         if not isinstance(meta, dict):
             raise CheckpointError(
                 f"The checkpoint {str(path)!r} is damaged: {str(path / METADATA_FILENAME)!r} holds a"

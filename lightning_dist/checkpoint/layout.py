@@ -133,7 +133,7 @@ def foreign_content(path: Path) -> str | None:
         count = f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}"
         return f"it is a directory that is not a lightning_dist checkpoint ({count}: {shown})"
     if path.is_file():
-        return None if _is_ours(path) else f"it is a file that is not a lightning_dist checkpoint ({_size(path)})"
+        return None if _is_ours(path) else f"it is a file that is not a lightning_dist checkpoint ({file_size(path)})"
     return "it is neither a file nor a directory"
 
 
@@ -144,7 +144,8 @@ def _is_ours(file: Path) -> bool:
     return entries is not None and isinstance(entries.get(PROVENANCE_KEY), dict)
 
 
-def _size(path: Path) -> str:
+def file_size(path: Path) -> str:
+    """A file's size for messages (bytes, KiB or MiB)."""
     size = path.stat().st_size
     return f"{size} bytes" if size < 1024 else f"{size / 1024:.1f} KiB" if size < 2**20 else f"{size / 2**20:.1f} MiB"
 

@@ -220,6 +220,17 @@ def _crafted_index(tmp_path: Path) -> Path:
     return sharded_with_index(tmp_path / "downloaded.ckpt", Payload(tmp_path / "PAYLOAD_RAN"))
 
 
+def _escaping(kind: str) -> Callable[[Path], Path]:
+    """A checkpoint crafted to read a file outside its folder (``scenarios.crafted_checkpoints.ESCAPING``)."""
+
+    def build(tmp_path: Path) -> Path:
+        from scenarios.crafted_checkpoints import ESCAPING  # type: ignore[import-not-found]
+
+        return ESCAPING[kind][0](tmp_path / "downloaded.ckpt")
+
+    return build
+
+
 ROWS: list[BadInput] = [
     # --- option types and values, from Python
     BadInput("A size given as a string in Python", lambda t: _fit(FSDP2Strategy(data_parallel_shard_size="2")),
@@ -375,6 +386,15 @@ ROWS: list[BadInput] = [
     BadInput("A ckpt_path whose DCP index would run code when unpickled (a crafted or untrusted checkpoint)",
              lambda t: _fit("fsdp2", ckpt_path=_crafted_index(t)),
              CheckpointError, r"DCP index .*names 'builtins\.exec', which is not one of the metadata types.*weights_only=False"),
+    BadInput("A ckpt_path whose DCP index names a file in another folder ('../other/x.distcp')",
+             lambda t: _fit("fsdp2", ckpt_path=_escaping("index with ..")(t)),
+             CheckpointError, r"is refused: its DCP index names '\.\./outside/stolen\.distcp', a path outside the checkpoint folder"),
+    BadInput("A ckpt_path whose DCP index names an absolute path",
+             lambda t: _fit("fsdp2", ckpt_path=_escaping("index with an absolute path")(t)),
+             CheckpointError, r"is refused: its DCP index names '.*/outside/stolen\.distcp', an absolute path outside the checkpoint folder"),
+    BadInput("A ckpt_path whose shard is a symbolic link out of its folder",
+             lambda t: _fit("fsdp2", ckpt_path=_escaping("shard linked outside")(t)),
+             CheckpointError, r"'__0_0\.distcp', named by its COMPLETE manifest, leads outside the checkpoint folder through a symbolic link.*cp -rL"),
     BadInput("save_last='link' with the async checkpoint plugin",
              lambda t: _fit("fsdp2", plugins=[AsyncDistributedCheckpointIO()], callbacks=[ModelCheckpoint(save_last="link")]),
              ValueError, r"ModelCheckpoint\(save_last='link'\) cannot be combined with AsyncDistributedCheckpointIO"),

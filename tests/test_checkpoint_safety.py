@@ -14,6 +14,7 @@ from torch import nn
 from lightning_dist import AsyncDistributedCheckpointIO, CheckpointError, DistributedCheckpointIO, FullStateCheckpointIO
 from lightning_dist.checkpoint import model_state
 from lightning_dist.checkpoint.consolidate import load_full_checkpoint, save_safetensors, save_torch
+from lightning_dist.checkpoint.export_target import check_export_target
 from lightning_dist.checkpoint.layout import check_replaceable, validate_checkpoint
 from lightning_dist.commands import run_tool
 
@@ -127,13 +128,13 @@ def test_consolidate_never_replaces_a_directory_or_a_users_file(tmp_path, capsys
     exports = _user_folder(tmp_path / "exports")
     with pytest.raises(SystemExit):
         run_tool("consolidate", [str(source), str(exports)])
-    assert "Refusing to write a checkpoint to" in capsys.readouterr().err
+    assert f"Refusing to write {str(exports)!r}: it is a directory (2 entries" in capsys.readouterr().err
     assert (exports / "notes.txt").read_text() == SENTINEL and len(list(exports.iterdir())) == 2
     users_file = tmp_path / "model.safetensors"
     users_file.write_text(SENTINEL)
     with pytest.raises(SystemExit):
         run_tool("consolidate", [str(source), str(users_file)])
-    assert "Exports replace only an earlier safetensors export" in capsys.readouterr().err
+    assert "it is a file that is not an export of lightning_dist (27 bytes)" in capsys.readouterr().err
     assert users_file.read_text() == SENTINEL
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exports", "last.ckpt", "model.safetensors"]
 
@@ -162,3 +163,107 @@ def test_consolidate_writes_nothing_for_an_input_that_is_not_a_checkpoint(tmp_pa
     err = capsys.readouterr().err
     assert "cannot be read as a torch checkpoint" in err or "is not a Lightning checkpoint" in err
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["not_a_checkpoint.ckpt"]
+
+
+# ------------------------------------------------------------------------------- what an export may replace
+def _contents(folder: Path) -> dict[str, bytes | str]:
+    """Every entry under ``folder``: a file's bytes, a link's target."""
+    return {
+        str(p.relative_to(folder)): os.readlink(p) if p.is_symlink() else p.read_bytes() if p.is_file() else "dir"
+        for p in sorted(folder.rglob("*"))
+    }
+
+
+def _lightning_single_file(path: Path) -> None:
+    """What plain Lightning's ``trainer.save_checkpoint`` writes (no lightning_dist entry)."""
+    torch.save({**_checkpoint(), "loops": {"fit_loop": {}}, "pytorch-lightning_version": "2.6.6"}, path)
+
+
+def _lightning_sharded(path: Path) -> None:
+    """A sharded folder as Lightning's ModelParallelStrategy writes it (no COMPLETE marker, no provenance)."""
+    _save(DistributedCheckpointIO, path)
+    meta = torch.load(path / "meta.pt", weights_only=True)
+    del meta["lightning_dist"]
+    torch.save(meta, path / "meta.pt")
+    (path / "COMPLETE").unlink()
+
+
+def _unfinished_save(path: Path) -> None:
+    _save(DistributedCheckpointIO, path)
+    (path / "COMPLETE").unlink()
+
+
+TRAINING_CHECKPOINTS = {
+    "sharded, ours": (lambda p: _save(DistributedCheckpointIO, p), "a sharded training checkpoint"),
+    "single file, ours": (lambda p: _save(FullStateCheckpointIO, p), "a training checkpoint"),
+    "sharded, Lightning's": (_lightning_sharded, "a sharded training checkpoint"),
+    "single file, Lightning's": (_lightning_single_file, "a training checkpoint"),
+    "unfinished sharded save": (_unfinished_save, "a sharded training checkpoint"),
+}
+
+
+@pytest.mark.parametrize("target", list(TRAINING_CHECKPOINTS))
+def test_consolidate_never_replaces_a_training_checkpoint(tmp_path, capsys, target):
+    """``lightning-dist consolidate step=100.ckpt step=200.ckpt`` (the arguments swapped) leaves both as they were."""
+    source = tmp_path / "step=100.ckpt"
+    _save(DistributedCheckpointIO, source, step=3)
+    build, kind = TRAINING_CHECKPOINTS[target]
+    out = tmp_path / "step=200.ckpt"
+    build(out)
+    before = _contents(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        run_tool("consolidate", [str(source), str(out)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"Refusing to write {str(out)!r}: it is {kind}" in err, err
+    assert "lightning-dist consolidate CHECKPOINT OUT" in err  # the order of the arguments
+    assert _contents(tmp_path) == before
+
+
+@pytest.mark.parametrize("how", ["the same path", "a link to it", "a file inside it", "an export onto itself"])
+def test_consolidate_never_writes_over_or_into_its_input(tmp_path, capsys, how):
+    source = tmp_path / "step=6.ckpt"
+    _save(DistributedCheckpointIO, source, step=6)
+    extra: list[str] = []
+    if how == "a link to it":
+        (tmp_path / "last.ckpt").symlink_to(source.name)
+        source, out = tmp_path / "last.ckpt", source
+    elif how == "a file inside it":
+        out = source / "model.ckpt"
+    elif how == "an export onto itself":
+        run_tool("consolidate", [str(source), str(tmp_path / "model.ckpt")])
+        source = out = tmp_path / "model.ckpt"
+        extra = ["--weights-only"]
+    else:
+        out = source
+    capsys.readouterr()
+    before = _contents(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        run_tool("consolidate", [str(source), str(out), *extra])
+    assert exit_.value.code == 2
+    expected = (
+        "it is inside the checkpoint being read" if how == "a file inside it" else "it is the checkpoint being read"
+    )
+    assert f"Refusing to write {str(out)!r}: {expected}" in capsys.readouterr().err
+    assert _contents(tmp_path) == before
+
+
+def test_an_export_replaces_only_files_marked_as_exports(tmp_path):
+    """The rule both export commands share: a torch export or a safetensors export of ours may be replaced, in
+    either format; the same data saved by a training run may not."""
+    source = tmp_path / "last.ckpt"
+    _save(DistributedCheckpointIO, source)
+    checkpoint = load_full_checkpoint(source)
+    torch_out, safetensors_out = tmp_path / "model.ckpt", tmp_path / "model.safetensors"
+    save_torch(checkpoint, torch_out)
+    save_safetensors(checkpoint, safetensors_out)
+    check_export_target(torch_out, source)
+    check_export_target(safetensors_out, source)
+    save_safetensors(checkpoint, torch_out)  # a safetensors export over a torch export of ours
+    save_torch(checkpoint, safetensors_out)
+    trained = tmp_path / "trained.ckpt"
+    FullStateCheckpointIO().save_checkpoint(checkpoint, trained)  # the very same content, saved as a checkpoint
+    with pytest.raises(CheckpointError, match=r"it is a training checkpoint \(a single file with a lightning_dist"):
+        save_torch(checkpoint, trained)
+    with pytest.raises(CheckpointError, match="it is a training checkpoint"):
+        check_export_target(trained)

@@ -3,7 +3,6 @@ out as one file (``torch.save`` or safetensors) for export."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -11,11 +10,10 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import CheckpointException
 
+from lightning_dist.checkpoint.export_target import SAFETENSORS_MARKER, check_export_target, mark_export
 from lightning_dist.checkpoint.integrity import crc32_enabled, verify_checksums
 from lightning_dist.checkpoint.layout import (
     CheckpointError,
-    check_replaceable,
-    foreign_content,
     is_sharded_checkpoint,
     new_token,
     publish,
@@ -23,14 +21,13 @@ from lightning_dist.checkpoint.layout import (
     read_metadata,
     temporary_path,
     validate_checkpoint,
-    with_provenance,
 )
 from lightning_dist.checkpoint.optimizer_format import is_name_keyed, names_to_positions
 from lightning_dist.checkpoint.safe_load import RestrictedBytesLoading, dcp_reader, shard_error
 from lightning_dist.compat import load_dcp_without_process_group
 
-#: Key of the safetensors header metadata that marks our exports (so a later export may replace them).
-SAFETENSORS_MARKER = "lightning_dist"
+#: The tool recorded in the export mark of what this module writes.
+EXPORT_TOOL = "consolidate"
 #: Keys a weights-only export keeps: enough for ``LightningModule.load_from_checkpoint``.
 WEIGHTS_ONLY_KEYS = ("state_dict", "hyper_parameters", "hparams_name", "pytorch-lightning_version", "lightning_dist")
 
@@ -62,56 +59,39 @@ def weights_only(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in checkpoint.items() if k in WEIGHTS_ONLY_KEYS}
 
 
-def save_torch(checkpoint: dict[str, Any], out: str | os.PathLike) -> Path:
-    """``torch.save`` ``checkpoint`` to ``out`` atomically (temporary file, then rename). ``out`` may replace only an
-    earlier export or checkpoint of ours (:func:`~lightning_dist.checkpoint.layout.check_replaceable`)."""
-    out = Path(out)
-    check_replaceable(out)
+def save_torch(checkpoint: dict[str, Any], out: str | os.PathLike, source: str | os.PathLike | None = None) -> Path:
+    """``torch.save`` ``checkpoint`` to ``out`` atomically (temporary file, then rename), marked as an export. ``out``
+    must be free or an earlier export (:func:`~lightning_dist.checkpoint.export_target.check_export_target`; ``source``:
+    the checkpoint it was read from, which it may not replace)."""
+    out = check_export_target(out, source)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_path(out, new_token())
     with crc32_enabled():
-        torch.save(with_provenance(checkpoint), tmp)
+        torch.save(mark_export(checkpoint, EXPORT_TOOL), tmp)
     publish(tmp, out)
     return out
 
 
-def save_safetensors(checkpoint: dict[str, Any], out: str | os.PathLike) -> Path:
-    """Write the model weights (``state_dict``) as a safetensors file; scalars of the checkpoint go to its metadata."""
+def save_safetensors(
+    checkpoint: dict[str, Any], out: str | os.PathLike, source: str | os.PathLike | None = None
+) -> Path:
+    """Write the model weights (``state_dict``) as a safetensors file; scalars of the checkpoint go to its metadata,
+    with the export mark. ``out`` and ``source`` as in :func:`save_torch`."""
     try:
         from safetensors.torch import save_file
     except ImportError as err:
         raise ImportError(
             "safetensors output needs the `safetensors` package: pip install 'lightning-dist[export]'"
         ) from err
+    out = check_export_target(out, source)
     tensors = {k: v.detach().contiguous().clone() for k, v in checkpoint["state_dict"].items() if torch.is_tensor(v)}
     metadata = {k: str(checkpoint[k]) for k in ("epoch", "global_step", "pytorch-lightning_version") if k in checkpoint}
     metadata[SAFETENSORS_MARKER] = "consolidated"
-    out = Path(out)
-    if (out.exists() or out.is_symlink()) and not is_own_safetensors(out):
-        raise CheckpointError(
-            f"Refusing to write {str(out)!r}: {foreign_content(out) or 'it is not a lightning_dist export'}."
-            " Exports replace only an earlier safetensors export of lightning_dist. Choose another path."
-        )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_path(out, new_token())
     save_file(tensors, str(tmp), metadata=metadata)
     publish(tmp, out)
     return out
-
-
-def is_own_safetensors(path: Path) -> bool:
-    """Whether ``path`` is a safetensors file this module wrote (its header metadata carries our marker)."""
-    if path.is_symlink() or not path.is_file():
-        return False
-    try:
-        with path.open("rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            if not 0 < size < 100 * 2**20:
-                return False
-            header = json.loads(f.read(size))
-    except (OSError, ValueError):
-        return False
-    return isinstance(header, dict) and (header.get("__metadata__") or {}).get(SAFETENSORS_MARKER) == "consolidated"
 
 
 def _position_keyed(optimizer_state: dict[str, Any]) -> dict[str, Any]:

@@ -35,8 +35,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from lightning_dist.checkpoint.contained_paths import check_contained, checkpoint_file
 from lightning_dist.checkpoint.layout import COMPLETE_MARKER, DCP_INDEX, METADATA_FILENAME, CheckpointError
-from lightning_dist.checkpoint.safe_load import dcp_reader
+from lightning_dist.checkpoint.safe_load import check_index_files, dcp_reader
 
 _CHUNK = 4 * 2**20
 #: Files at most this large are checked against their checksum by the cheap :func:`check_structure`.
@@ -157,8 +158,8 @@ def write_marker(folder: Path, records: dict[str, FileRecord]) -> None:
 
 def read_marker(folder: Path) -> dict[str, FileRecord] | None:
     """The checksum table of a sharded checkpoint; ``None`` when it has none (a Lightning folder, or an older save
-    whose marker says ``ok``)."""
-    marker = folder / COMPLETE_MARKER
+    whose marker says ``ok``). Every file it names is checked to lie inside ``folder``."""
+    marker = checkpoint_file(folder, COMPLETE_MARKER)
     if not marker.is_file():
         return None
     try:
@@ -166,9 +167,11 @@ def read_marker(folder: Path) -> dict[str, FileRecord] | None:
         if text.strip() == "ok":
             return None
         files = json.loads(text)["files"]
-        return {name: FileRecord(int(r["bytes"]), int(r["crc32"], 16)) for name, r in files.items()}
+        records = {name: FileRecord(int(r["bytes"]), int(r["crc32"], 16)) for name, r in files.items()}
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise damaged(folder, COMPLETE_MARKER, f"(the completion marker) cannot be read: {type(err).__name__}") from err
+    check_contained(folder, records, f"its {COMPLETE_MARKER} manifest")
+    return records
 
 
 @contextmanager
@@ -215,18 +218,23 @@ def _check_folder(folder: Path, weights_only: bool) -> None:
 
 
 def _index_extents(folder: Path, weights_only: bool) -> dict[str, int]:
-    """For each shard file the DCP index names, the end of its last item."""
+    """For each shard file the DCP index names, the end of its last item (each file checked to lie inside
+    ``folder``)."""
     try:
-        storage = dcp_reader(folder, weights_only).read_metadata().storage_data
+        metadata = dcp_reader(folder, weights_only).read_metadata()
     except CheckpointError:
         raise
     except Exception as err:
         raise damaged(
             folder, DCP_INDEX, f"(the DCP index) cannot be read: {type(err).__name__}: {str(err).rstrip('.')}"
         ) from err
+    check_index_files(folder, metadata)
     extents: dict[str, int] = {}
-    for info in (storage or {}).values():
-        extents[info.relative_path] = max(extents.get(info.relative_path, 0), info.offset + info.length)
+    try:
+        for info in metadata.storage_data.values():
+            extents[info.relative_path] = max(extents.get(info.relative_path, 0), int(info.offset) + int(info.length))
+    except (AttributeError, TypeError, ValueError) as err:
+        raise damaged(folder, DCP_INDEX, f"(the DCP index) holds a malformed file position: {err}") from err
     return extents
 
 

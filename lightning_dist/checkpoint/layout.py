@@ -15,6 +15,9 @@ Two formats:
 * full state (``FullStateCheckpointIO``): one ``torch.save`` file, a plain Lightning checkpoint (its zip directory
   holds a CRC-32 of every record).
 
+Every file a folder names (its DCP index's paths, its ``COMPLETE`` manifest's entries, its files of fixed name) must
+lie inside it: :mod:`lightning_dist.checkpoint.contained_paths`.
+
 Both are written under a hidden temporary name beside the target (``.step=3.ckpt.tmp-<token>``) and renamed into
 place, so a save that dies midway leaves the previous checkpoint at that path untouched.
 
@@ -38,6 +41,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from lightning_dist.checkpoint.contained_paths import checkpoint_file
 from lightning_dist.checkpoint.errors import CheckpointError
 from lightning_dist.checkpoint.safe_load import DCP_INDEX, load_file, probe_entries
 
@@ -69,6 +73,8 @@ def validate_checkpoint(path: str | os.PathLike, weights_only: bool = True) -> P
         if recovered is None:
             raise CheckpointError(f"Checkpoint not found: {str(path)!r} does not exist.")
     if path.is_dir():
+        for name in (COMPLETE_MARKER, METADATA_FILENAME, DCP_INDEX):  # before any of them is looked into
+            checkpoint_file(path, name)
         if is_lightning_sharded_checkpoint(path):
             check_structure(path, weights_only)
             return path
@@ -127,7 +133,7 @@ def foreign_content(path: Path) -> str | None:
         count = f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}"
         return f"it is a directory that is not a lightning_dist checkpoint ({count}: {shown})"
     if path.is_file():
-        return None if _is_ours(path) else f"it is a file that is not a lightning_dist checkpoint ({_size(path)})"
+        return None if _is_ours(path) else f"it is a file that is not a lightning_dist checkpoint ({file_size(path)})"
     return "it is neither a file nor a directory"
 
 
@@ -138,7 +144,8 @@ def _is_ours(file: Path) -> bool:
     return entries is not None and isinstance(entries.get(PROVENANCE_KEY), dict)
 
 
-def _size(path: Path) -> str:
+def file_size(path: Path) -> str:
+    """A file's size for messages (bytes, KiB or MiB)."""
     size = path.stat().st_size
     return f"{size} bytes" if size < 1024 else f"{size / 1024:.1f} KiB" if size < 2**20 else f"{size / 2**20:.1f} MiB"
 
@@ -157,7 +164,7 @@ def read_metadata(path: str | os.PathLike, weights_only: bool = True) -> dict[st
     ``weights_only`` (the default) nothing but plain data and tensors is unpickled."""
     path = Path(path)
     if path.is_dir():
-        meta = load_torch_file(path / METADATA_FILENAME, path, weights_only)
+        meta = load_torch_file(checkpoint_file(path, METADATA_FILENAME), path, weights_only)
         if not isinstance(meta, dict):
             raise CheckpointError(
                 f"The checkpoint {str(path)!r} is damaged: {str(path / METADATA_FILENAME)!r} holds a"

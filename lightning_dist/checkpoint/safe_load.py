@@ -10,6 +10,9 @@ extends the same rule to everything else the package reads:
   :class:`~lightning_dist.CheckpointError` naming the type and how to opt in.
 * :class:`RestrictedFileSystemReader`: DCP's ``.metadata`` index, which torch reads with plain ``pickle.load``,
   read by an unpickler that knows only DCP's metadata classes and the torch types they hold.
+* :class:`ContainedFileSystemReader` (the base of the restricted reader, and the reader of trusted folders): every
+  file the index names is checked to lie inside the folder before any is read
+  (:mod:`~lightning_dist.checkpoint.contained_paths`).
 * :class:`RestrictedLoadPlanner`: the non-tensor items of DCP shards, which torch's planner unpickles with
   ``weights_only=False``, checked to load with ``weights_only=True`` first.
 * :func:`probe_entries`: the top-level plain entries of a ``torch.save`` file, for "is this checkpoint ours?",
@@ -39,6 +42,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from lightning_dist.checkpoint.contained_paths import checkpoint_file
 from lightning_dist.checkpoint.errors import CheckpointError
 from lightning_dist.compat import dcp_storage_info_class, layout_lookup
 
@@ -139,7 +143,7 @@ class _DCPIndexUnpickler(pickle.Unpickler):
 def read_dcp_index(folder: Path) -> Metadata:
     """The ``.metadata`` index of a DCP folder, read without running code from it; raises :class:`CheckpointError`
     naming the type if it needs anything beyond DCP's metadata."""
-    file = Path(folder) / DCP_INDEX
+    file = checkpoint_file(folder, DCP_INDEX)
     with open(file, "rb") as stream:
         try:
             metadata = _DCPIndexUnpickler(stream).load()
@@ -157,22 +161,58 @@ def read_dcp_index(folder: Path) -> Metadata:
     return metadata
 
 
-class RestrictedFileSystemReader(FileSystemReader):
-    """torch's ``FileSystemReader`` whose index is read by :func:`read_dcp_index` (torch's uses ``pickle.load``)."""
+class ContainedFileSystemReader(FileSystemReader):
+    """torch's ``FileSystemReader`` that reads only files inside its folder: the index itself, and every file the
+    index names, checked when DCP sets the reader up with the index (torch's ``read_data`` then joins those names to
+    the folder as they are). A refusal there reaches the caller as a failure of ``dcp.load`` (:func:`shard_error`);
+    raised from ``read_metadata``, DCP would take it for a missing index and look for per-rank ones."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:  # a per-rank index (no-collective saves): not something we write
             raise CheckpointError(f"{str(self.path)!r} has per-rank DCP indexes, which lightning_dist does not read.")
-        metadata = read_dcp_index(Path(self.path))
+        metadata = self._read_index()
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        check_index_files(Path(self.path), metadata)
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+
+    def _read_index(self) -> Metadata:
+        """torch's own reading of the index (full unpickling: the user trusts the folder)."""
+        with open(checkpoint_file(self.path, DCP_INDEX), "rb") as stream:
+            return pickle.load(stream)
+
+
+def check_index_files(folder: Path, metadata: Metadata) -> list[str]:
+    """The files a DCP index names, each checked to lie inside ``folder``
+    (:func:`~lightning_dist.checkpoint.contained_paths.checkpoint_file`)."""
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise CheckpointError(f"The DCP index of {str(folder)!r} holds no table of files; the folder is damaged.")
+    names: dict[Any, None] = {}
+    for info in storage.values():
+        name = getattr(info, "relative_path", None)
+        if not (isinstance(name, str) and name in names):  # thousands of items name a few files
+            checkpoint_file(folder, name, "its DCP index")
+            names[name] = None
+    return list(names)
+
+
+class RestrictedFileSystemReader(ContainedFileSystemReader):
+    """:class:`ContainedFileSystemReader` whose index is read by :func:`read_dcp_index` (torch's uses
+    ``pickle.load``)."""
+
+    def _read_index(self) -> Metadata:
+        return read_dcp_index(Path(self.path))
+
 
 def dcp_reader(folder: str | os.PathLike, weights_only: bool = True) -> FileSystemReader:
-    """The storage reader of a DCP folder: restricted with ``weights_only``, torch's own otherwise."""
-    return RestrictedFileSystemReader(folder) if weights_only else FileSystemReader(folder)
+    """The storage reader of a DCP folder: restricted with ``weights_only``, torch's unpickling otherwise; both read
+    only files inside ``folder``."""
+    return RestrictedFileSystemReader(folder) if weights_only else ContainedFileSystemReader(folder)
 
 
 class RestrictedBytesLoading:

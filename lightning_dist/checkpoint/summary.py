@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_dist.checkpoint.export_target import EXPORT_ENTRY
 from lightning_dist.checkpoint.integrity import verify_checksums
 from lightning_dist.checkpoint.layout import (
     is_sharded_checkpoint,
@@ -96,12 +97,14 @@ def format_summary(summary: CheckpointSummary, max_rows: int | None = None) -> s
         f"format:     {summary.format}",
         f"epoch:      {summary.epoch}    global_step: {summary.global_step}",
     ]
-    if saved:
+    if saved.get("strategy") is not None:
         lines.append(
             f"saved with: {saved.get('strategy')} on {saved.get('world_size')} processes, mesh {saved.get('mesh')}"
         )
     else:
-        lines.append("saved with: (not recorded: not written by lightning_dist)")
+        lines.append("saved with: (not recorded: not written by a lightning_dist strategy)")
+    if isinstance(export := saved.get(EXPORT_ENTRY), dict):
+        lines.append(f"exported:   by lightning-dist {export.get('tool')} (a later export may replace this file)")
     lines.append(summary.integrity)
     rows = summary.tensors if max_rows is None else summary.tensors[:max_rows]
     width = max((len(t.key) for t in rows), default=3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from lightning_dist.checkpoint.consolidate import load_full_checkpoint, save_safetensors, save_torch, weights_only
+from lightning_dist.checkpoint.export_target import check_export_target
 from lightning_dist.commands import add_trust_code_argument
 
 
@@ -15,7 +16,10 @@ def main(argv: list[str]) -> None:
         " checkpoint: MyModule.load_from_checkpoint(OUT) works, and a one-device Trainer resumes from it.",
     )
     parser.add_argument("checkpoint", help="sharded checkpoint folder (or a single-file checkpoint)")
-    parser.add_argument("out", help="output file")
+    parser.add_argument(
+        "out",
+        help="output file: a new path, or an earlier export of lightning_dist (never a training checkpoint or the input)",
+    )
     parser.add_argument(
         "--weights-only",
         action="store_true",
@@ -31,11 +35,12 @@ def main(argv: list[str]) -> None:
     add_trust_code_argument(parser)
     args = parser.parse_args(argv)
     fmt = args.format or ("safetensors" if args.out.endswith(".safetensors") else "torch")
+    check_export_target(args.out, args.checkpoint, command="consolidate")  # before the (long) read
     checkpoint = load_full_checkpoint(args.checkpoint, weights_only=not args.trust_code)
     if fmt == "safetensors":
-        out = save_safetensors(checkpoint, args.out)
+        out = save_safetensors(checkpoint, args.out, source=args.checkpoint)
     else:
-        out = save_torch(weights_only(checkpoint) if args.weights_only else checkpoint, args.out)
+        out = save_torch(weights_only(checkpoint) if args.weights_only else checkpoint, args.out, args.checkpoint)
     tensors = len(checkpoint["state_dict"])
     print(
         f"wrote {out} ({fmt}, {tensors} model tensors{', weights only' if args.weights_only or fmt != 'torch' else ''})"

@@ -119,3 +119,98 @@ CRAFTED = {
 #: The crafted checkpoints the multi-process test resumes from: those refused before any tensor is read, whatever the
 #: model ("shard item" is read after the model's keys are checked, so it is tested in-process with a matching model).
 PROCESS_CASES = ("single file", "meta.pt", "DCP index")
+
+
+# ------------------------------------------------------------------------------------ files outside the checkpoint
+#: Where the crafted checkpoints below point: a folder beside the checkpoint, holding what they would read.
+OUTSIDE = "outside"
+
+
+def _move_out(folder: Path, name: str, stolen: str) -> Path:
+    """Move ``folder/name`` to the ``outside`` folder beside ``folder`` (as ``stolen``): an intact file of the right
+    content that the checkpoint no longer holds."""
+    outside = folder.parent / OUTSIDE
+    outside.mkdir(exist_ok=True)
+    target = outside / stolen
+    (folder / name).rename(target)
+    return target
+
+
+def _drop_record(folder: Path, name: str) -> None:
+    manifest = json.loads((folder / COMPLETE_MARKER).read_text())
+    del manifest["files"][name]
+    (folder / COMPLETE_MARKER).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def _index_pointing_at(path: Path, relative_path: str) -> Path:
+    """A sharded checkpoint whose DCP index names ``relative_path`` for every item of its shard, the shard moved out to
+    ``outside/stolen.distcp``; the manifest no longer lists the shard, so every checksum it holds still matches."""
+    sharded(path)
+    metadata = read_dcp_index(path)
+    shard = next(iter({info.relative_path for info in metadata.storage_data.values()}))
+    _move_out(path, shard, "stolen.distcp")
+    metadata.storage_data = {
+        index: dataclasses.replace(info, relative_path=relative_path) for index, info in metadata.storage_data.items()
+    }
+    _drop_record(path, shard)
+    _rewrite(path, DCP_INDEX, pickle.dumps(metadata))
+    return path
+
+
+def index_with_parent_path(path: Path) -> Path:
+    """The DCP index names ``../outside/stolen.distcp``."""
+    return _index_pointing_at(path, f"../{OUTSIDE}/stolen.distcp")
+
+
+def index_with_absolute_path(path: Path) -> Path:
+    """The DCP index names the absolute path of ``outside/stolen.distcp``."""
+    return _index_pointing_at(path, str(path.parent.resolve() / OUTSIDE / "stolen.distcp"))
+
+
+def shard_linked_outside(path: Path) -> Path:
+    """The shard is a symbolic link to ``outside/stolen.distcp`` (an absolute link), its index and manifest intact."""
+    sharded(path)
+    shard = next(p.name for p in path.iterdir() if p.name.endswith(".distcp"))
+    target = _move_out(path, shard, "stolen.distcp")
+    (path / shard).symlink_to(target.resolve())
+    return path
+
+
+def manifest_with_parent_path(path: Path) -> Path:
+    """The ``COMPLETE`` manifest records a file ``../outside/secret.txt`` (a check of its size would tell whether a
+    file exists there, and how large it is)."""
+    sharded(path)
+    outside = path.parent / OUTSIDE
+    outside.mkdir(exist_ok=True)
+    (outside / "secret.txt").write_text("not for the checkpoint's author to learn about\n")
+    manifest = json.loads((path / COMPLETE_MARKER).read_text())
+    manifest["files"][f"../{OUTSIDE}/secret.txt"] = {"bytes": 1, "crc32": "00000000"}
+    (path / COMPLETE_MARKER).write_text(json.dumps(manifest, indent=1) + "\n")
+    return path
+
+
+def meta_linked_outside(path: Path) -> Path:
+    """``meta.pt`` is a relative symbolic link to ``../outside/meta.pt`` (the intact file, moved out)."""
+    sharded(path)
+    _move_out(path, METADATA_FILENAME, METADATA_FILENAME)
+    (path / METADATA_FILENAME).symlink_to(Path("..") / OUTSIDE / METADATA_FILENAME)
+    return path
+
+
+#: name -> (how to build it at a path, the entry every refusal names). Each reads files of the ``outside`` folder
+#: beside the checkpoint if followed.
+ESCAPING = {
+    "index with ..": (index_with_parent_path, f"../{OUTSIDE}/stolen.distcp"),
+    "index with an absolute path": (index_with_absolute_path, "stolen.distcp"),
+    "shard linked outside": (shard_linked_outside, "__0_0.distcp"),
+    "manifest with ..": (manifest_with_parent_path, f"../{OUTSIDE}/secret.txt"),
+    "meta.pt linked outside": (meta_linked_outside, METADATA_FILENAME),
+}
+
+#: The one of them the multi-process test resumes from (every rank refuses before reading a shard).
+PROCESS_ESCAPING = ("index with ..",)
+
+
+def crafted_file_name(case: str) -> str:
+    """Where the multi-process test builds the crafted checkpoint ``case`` in its workdir."""
+    return f"{case.replace(' ', '_').replace('.', '_')}.ckpt"

@@ -1,6 +1,7 @@
 """Crafted checkpoints (built by the test in the workdir) used for resume and validation in real processes: every
-use must end in a ``CheckpointError`` on every rank and run none of the payloads; then a checkpoint whose module
-saved a custom object is refused by default and resumes with ``weights_only=False``.
+use must end in a ``CheckpointError`` on every rank and run none of the payloads (nor read the file outside the
+folder that one of them names); then a checkpoint whose module saved a custom object is refused by default and
+resumes with ``weights_only=False``.
 
 python tests/scenarios/security_runs.py --devices 2 --out r.json --workdir DIR --scenarios crafted,trusted
 """
@@ -12,7 +13,12 @@ from typing import Any
 
 import lightning as L
 from common import make_model_and_data, run_scenario_script, trainer_kwargs  # type: ignore[import-not-found]
-from crafted_checkpoints import PROCESS_CASES, CustomState  # type: ignore[import-not-found]
+from crafted_checkpoints import (  # type: ignore[import-not-found]
+    PROCESS_CASES,
+    PROCESS_ESCAPING,
+    CustomState,
+    crafted_file_name,
+)
 
 import lightning_dist
 from examples.gpt import GPT
@@ -40,8 +46,10 @@ def crafted(devices: int, workdir: str) -> dict[str, Any]:
     outcomes: dict[str, Any] = {}
     uses = [("fit", s) for s in ("fsdp2", "tensor_parallel", "pipeline")] + [("validate", "fsdp2")]
     for fn, strategy in uses:
-        for name in PROCESS_CASES:
-            path = Path(workdir) / f"{name.replace(' ', '_').replace('.', '_')}.ckpt"
+        # the escaping index is refused by the same check under every strategy: resumed under one
+        escaping = PROCESS_ESCAPING if (fn, strategy) == ("fit", "fsdp2") else ()
+        for name in PROCESS_CASES + escaping:
+            path = Path(workdir) / crafted_file_name(name)
             model, data = make_model_and_data(devices, 1 if strategy != "fsdp2" else devices, vocab_size=VOCAB)
             trainer = L.Trainer(**trainer_kwargs(devices, strategy=_strategy(strategy)), max_steps=1)
             outcomes[f"{fn} {strategy} {name}"] = _outcome(

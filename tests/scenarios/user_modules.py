@@ -54,7 +54,9 @@ class OwnSamplerGPT(GPT):
         self.save_hyperparameters()
         tokens = encode(generate_text(train_samples * self.hparams.seq_len + 1, data_seed))
         self.train_set = TokenWindows(tokens, self.hparams.seq_len)
-        self.val_set = TokenWindows(encode(generate_text(32 * self.hparams.seq_len + 1, data_seed + 1)), self.hparams.seq_len)
+        self.val_set = TokenWindows(
+            encode(generate_text(32 * self.hparams.seq_len + 1, data_seed + 1)), self.hparams.seq_len
+        )
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if os.environ.get("OWN_SAMPLER_DEBUG"):

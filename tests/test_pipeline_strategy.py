@@ -15,7 +15,7 @@ from launch import max_abs_diff, run_scenarios
 
 from lightning_dist import PipelineStrategy
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
-from lightning_dist.parallel.pipeline import optimizers_may_be_empty
+from lightning_dist.parallel.pipeline import StageOptimization, optimizers_may_be_empty
 from lightning_dist.strategies.pipeline_step import uneven_label_counts
 
 TOL = 1e-10  # fp64: the same operations in another order across processes
@@ -222,6 +222,18 @@ def test_a_stage_with_nothing_to_optimize_gets_an_optimizer_that_steps_nothing()
     assert len(kept.param_groups[0]["params"]) == 2
     with pytest.raises(ValueError, match="optimizer got an empty parameter list"):
         torch.optim.AdamW([], lr=0.1)
+
+
+def test_stages_with_nothing_to_optimize_are_found_and_a_pipeline_with_nothing_anywhere_is_refused():
+    """Every rank reports (its stages, parameters its optimizers update, optimizers built from an empty list)."""
+    found = StageOptimization.of([([0, 2], 0, ["AdamW"]), ([1, 3], 5, [])])
+    assert found.idle_stages == [0, 2] and found.num_stages == 4
+    assert found.describe().startswith("stages 0, 2 (of 4) hold no parameter to optimize")
+    assert StageOptimization.of([([0], 3, []), ([1], 5, [])]).idle_stages == []
+    # Lightning's stand-in optimizer (configure_optimizers returned None) updates nothing either: Lightning's call
+    assert StageOptimization.of([([0], 0, []), ([1], 0, [])]).idle_stages == [0, 1]
+    with pytest.raises(ValueError, match=r"No pipeline stage has a parameter to optimize: .*built AdamW from an empty"):
+        StageOptimization.of([([0], 0, ["AdamW"]), ([1], 0, ["AdamW"])])
 
 
 def _dims(world: int, pp: int | str = "auto", dp: int = 1) -> ParallelDims:

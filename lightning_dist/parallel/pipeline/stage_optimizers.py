@@ -65,12 +65,33 @@ def optimized_parameter_count(optimizers: Iterable[Any]) -> int:
     )
 
 
+#: What a rank reports: its stage indices, how many parameters its optimizers update, and the optimizers that
+#: :func:`optimizers_may_be_empty` gave one empty group there (class names).
+StageReport = tuple[list[int], int, list[str]]
+
+
 @dataclass(frozen=True)
 class StageOptimization:
     """The stages of a pipeline that have nothing to optimize (stage indices, sorted)."""
 
     idle_stages: list[int]
     num_stages: int
+
+    @classmethod
+    def of(cls, reports: Sequence[StageReport]) -> StageOptimization:
+        """From every rank's report over a pipeline group. Raises ``ValueError`` when optimizers were built from
+        empty parameter lists and no stage has anything to optimize, as torch does in one process."""
+        idle = sorted(s for ids, count, _ in reports if count == 0 for s in ids)
+        num_stages = sum(len(ids) for ids, _, _ in reports)
+        built = sorted({name for _, _, names in reports for name in names})
+        if built and len(idle) == num_stages:
+            raise ValueError(
+                f"No pipeline stage has a parameter to optimize: configure_optimizers built {', '.join(built)} from"
+                f" an empty parameter list on every stage ({_EMPTY_LIST}, as torch says in one process). Every"
+                " parameter is frozen (requires_grad=False) or left out of the optimizer: unfreeze some, or pass them"
+                " to it."
+            )
+        return cls(idle, num_stages)
 
     def describe(self) -> str:
         stages = ", ".join(str(s) for s in self.idle_stages)
@@ -85,20 +106,10 @@ class StageOptimization:
 def stages_to_optimize(
     stage_ids: Sequence[int], optimizers: Iterable[Any], empty: EmptyOptimizers, group: dist.ProcessGroup
 ) -> StageOptimization:
-    """Over the pipeline ``group`` (one rank per stage position): which stages have no parameter to optimize.
-    ``stage_ids``: this rank's stages; ``empty``: what :func:`optimizers_may_be_empty` did here. Raises ``ValueError``
-    when optimizers were built from empty parameter lists and no stage has anything to optimize, as torch does in
-    one process. Collective."""
-    mine = (list(stage_ids), optimized_parameter_count(optimizers), empty.built)
+    """Over the pipeline ``group`` (one rank per stage position): which stages have no parameter to optimize (see
+    :meth:`StageOptimization.of`, which refuses a pipeline with nothing to optimize anywhere). ``stage_ids``: this
+    rank's stages; ``empty``: what :func:`optimizers_may_be_empty` did here. Collective."""
+    mine: StageReport = (list(stage_ids), optimized_parameter_count(optimizers), empty.built)
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
-    idle = sorted(s for ids, count, _ in everyone if count == 0 for s in ids)
-    num_stages = sum(len(ids) for ids, _, _ in everyone)
-    built = sorted({name for _, _, names in everyone for name in names})
-    if built and len(idle) == num_stages:
-        raise ValueError(
-            f"No pipeline stage has a parameter to optimize: configure_optimizers built {', '.join(built)} from an"
-            f" empty parameter list on every stage ({_EMPTY_LIST}, as torch says in one process). Every parameter is"
-            " frozen (requires_grad=False) or left out of the optimizer: unfreeze some, or pass them to it."
-        )
-    return StageOptimization(idle, num_stages)
+    return StageOptimization.of(everyone)

@@ -207,6 +207,11 @@ def _fit_leaving_nothing(tmp_path: Path, strategy: Any, model: Any, samples: lis
             raise AssertionError(f"the refused run left {left} behind")
 
 
+def _manual_optimization(model: LightningModule) -> LightningModule:
+    model.automatic_optimization = False  # a module that calls manual_backward() and optimizer.step() itself
+    return model
+
+
 def _unfinished(tmp_path: Path) -> Path:
     path = tmp_path / "step=3.ckpt"
     path.mkdir()
@@ -319,6 +324,9 @@ ROWS: list[BadInput] = [
     BadInput("A module read across pipeline stages (transformers ViT reads its patch embedding's dtype)",
              lambda t: _fit_leaving_nothing(t, PipelineStrategy(pipeline_parallel_size=2), _vit_classifier(), _images()),
              StageCutError, r"(?s)Pipeline stage 1 .*reads vit\.embeddings\.patch_embeddings, which lives on pipeline stage 0.*another parallelism.*Found before launch.*modeling_vit\.py:\d+"),
+    BadInput("Manual optimization (automatic_optimization=False) under pipeline",
+             lambda t: _fit(PipelineStrategy(pipeline_parallel_size=2), _manual_optimization(_gpt())),
+             ValueError, r"GPT sets automatic_optimization=False \(manual optimization\), which PipelineStrategy cannot run with pipeline_parallel_size=2.*Return the loss from training_step"),
     BadInput("A 1-block model under pipeline_parallel_size=2",
              lambda t: _fit_leaving_nothing(t, PipelineStrategy(pipeline_parallel_size=2), _gpt(n_layer=1), _tokens()),
              ValueError, r"The model has 1 block \(blocks\.0\) for 2 pipeline stages.*Use fewer stages"),

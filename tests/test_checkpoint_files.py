@@ -10,11 +10,13 @@ import lightning as L
 import pytest
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 import lightning_dist
 from lightning_dist import AsyncDistributedCheckpointIO, DistributedCheckpointIO, FullStateCheckpointIO
 from lightning_dist.checkpoint import model_state
 from lightning_dist.checkpoint.consolidate import load_full_checkpoint
+from lightning_dist.checkpoint.empty_param_groups import empty_groups_set_aside, holds_parameters
 from lightning_dist.checkpoint.layout import (
     COMPLETE_MARKER,
     CheckpointError,
@@ -163,6 +165,32 @@ def test_an_optimizer_without_per_parameter_state_reads_back_from_shards():
     its checkpoint round trip of a context-parallel SGD run raised KeyError)."""
     positions = names_to_positions({"param_groups": [{"params": ["a.w", "b.w"], "lr": 0.1}]})
     assert positions == {"state": {}, "param_groups": [{"params": [0, 1], "lr": 0.1}]}
+
+
+def test_an_empty_param_group_round_trips_through_a_state_keyed_per_parameter():
+    """A pipeline stage's optimizer holds an empty param group where the group's parameters live on other stages.
+    torch (2.13) reads a group's options from its first parameter when it loads a state keyed per parameter (what
+    pipeline checkpoints hold), and fails on an empty group: the group is set aside while torch loads, and put back
+    where it was (its options come from another stage, see share_group_options)."""
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    model = _model()
+    optimizer = torch.optim.AdamW([{"params": [], "lr": 0.5}, {"params": model.parameters()}], lr=0.1)
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    with empty_groups_set_aside(optimizer) as empty:
+        state = get_optimizer_state_dict(model, optimizer, options=flat)
+    assert empty == [0] and len(optimizer.param_groups) == 2
+    fresh = _model()
+    fresh_opt = torch.optim.AdamW([{"params": [], "lr": 0.5}, {"params": fresh.parameters(), "lr": 0.2}], lr=0.1)
+    with pytest.raises(IndexError):  # torch's own load
+        set_optimizer_state_dict(fresh, fresh_opt, state, options=flat)
+    with empty_groups_set_aside(fresh_opt):
+        set_optimizer_state_dict(fresh, fresh_opt, state, options=flat)
+    assert [len(g["params"]) for g in fresh_opt.param_groups] == [0, 4]
+    assert [g["lr"] for g in fresh_opt.param_groups] == [0.5, 0.1]  # the saved group's learning rate, restored
+    exp_avg = [optimizer.state[p]["exp_avg"] for p in model.parameters()]
+    assert all(torch.equal(fresh_opt.state[p]["exp_avg"], e) for p, e in zip(fresh.parameters(), exp_avg))
+    assert not holds_parameters(torch.optim.SGD([{"params": []}], lr=0.1))
 
 
 @pytest.mark.parametrize("io_cls", [DistributedCheckpointIO, AsyncDistributedCheckpointIO, FullStateCheckpointIO])

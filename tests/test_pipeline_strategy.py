@@ -1,7 +1,8 @@
 """PipelineStrategy: the unchanged example GPT in a real Trainer at pp=2 (every schedule family) and pp=4, and stock
 Hugging Face models, train, clip, validate and predict exactly as one process does (fp64, 1e-10), every rank logging
 and returning the loss stage's loss; pipeline checkpoints resume under fsdp2 and tensor_parallel and the other way
-round; bad settings are refused before anything runs.
+round; a frozen first stage (nothing to optimize there) trains the other stage as one process and resumes; bad
+settings are refused before anything runs.
 
 Launches: one reference process, one 2-process launch for every pp=2 scenario, one 4-process launch."""
 
@@ -14,6 +15,7 @@ from launch import max_abs_diff, run_scenarios
 
 from lightning_dist import PipelineStrategy
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
+from lightning_dist.parallel.pipeline import StageOptimization, optimizers_may_be_empty
 from lightning_dist.strategies.pipeline_step import uneven_label_counts
 
 TOL = 1e-10  # fp64: the same operations in another order across processes
@@ -29,7 +31,10 @@ REFERENCE = {  # pipeline run on 2 ranks: the one-process run it must match
     "1f1b_checkpointing": "reference",
 }
 # (pp4_gpipe, also in the script, matched the reference by hand: left out of the launch for time)
-FOUR_RANKS = {"1f1b_dp2": "reference", "pp4_1f1b": "reference"}
+FOUR_RANKS = {"1f1b_dp2": "reference", "pp4_1f1b": "reference", "frozen_filter_hybrid3d": "frozen_reference"}
+# The first stage frozen (filter: the optimizer built from the trainable parameters; group: a param group of its
+# own), each saving at step 2 and resumed from there: against the one-process frozen_reference
+FROZEN = ["frozen_filter", "frozen_group"]
 HF_MODELS = ["llama", "gpt2", "litgpt"]  # litgpt: lm_head registered before the blocks
 # (checkpoint saved by, resumed under): each resumes the step-2 checkpoint and trains to step 4
 RESUMES = [("pipeline", "fsdp2"), ("pipeline", "tensor_parallel"), ("fsdp2", "pipeline")]
@@ -51,6 +56,7 @@ def references(workdir):
 @pytest.fixture(scope="module")
 def runs(workdir, references):
     scenarios = [*REFERENCE, *(f"hf_{m}" for m in HF_MODELS), "save_fsdp2", "precisions"]
+    scenarios += [name for kind in FROZEN for name in (kind, f"{kind}_resumed")]
     scenarios += [f"{source}_as_{target}" for source, target in RESUMES]
     return {**references, "pipeline": run_scenarios(SCRIPT, 2, workdir, scenarios)}
 
@@ -97,9 +103,52 @@ def test_pp2_matches_one_process(runs, schedule):
 @pytest.mark.parametrize("scenario", list(FOUR_RANKS))
 def test_four_ranks_match_one_process(four_ranks, scenario):
     """pp=4 (one block per stage) with 1f1b, and pp=2 × dp_shard=2 (FSDP2 inside each stage): losses, logged
-    values, every gradient of the first step and final parameter, fit's validation loss and accuracy."""
+    values, every gradient of the first step and final parameter, fit's validation loss and accuracy. hybrid3d
+    pp=2 × dp_shard=2 with a frozen first stage (see the test below): as one process."""
     replicas = 2 if "dp2" in scenario else 1
+    if scenario.startswith("frozen"):  # hybrid3d pp2 × dp_shard2 with a frozen first stage (FSDP2 inside it)
+        _check_frozen_run(four_ranks[FOUR_RANKS[scenario]], four_ranks["pipeline"][scenario]["per_rank"], 2)
+        return
     _check_gpt_run(four_ranks[FOUR_RANKS[scenario]], four_ranks["pipeline"][scenario]["per_rank"], replicas)
+
+
+def _check_frozen_run(reference, ranks, replicas=1, logged=True):
+    frozen = ("tok_emb.", "pos_emb.", "blocks.0.", "blocks.1.")
+    assert reference["grad_keys"] and not any(key.startswith(frozen) for key in reference["grad_keys"])
+    held = [set(rank["keys"]) for rank in ranks]
+    assert set().union(*held) == set(reference["keys"])  # every parameter compared, frozen ones included
+    assert set().union(*(rank["grad_keys"] for rank in ranks)) == set(reference["grad_keys"])
+    assert sum(not rank["grad_keys"] for rank in ranks) == replicas  # stage 0 trains nothing
+    # logged by rank 0 when stage 0's optimizer holds nothing (not when it is frozen after configure_optimizers)
+    log = [line for rank in ranks for line in rank["log"]]
+    assert len(log) == int(logged) and all("stage 0 (of 2) holds no parameter to optimize" in line for line in log)
+    assert not logged or ranks[0]["log"]
+    for rank in ranks:
+        assert max_abs_diff(rank["losses"], reference["losses"]) <= TOL
+        assert rank["param_diff"] <= TOL
+        assert rank["grad_diff"] <= TOL
+        assert rank["steps"] == reference["steps"] == [1, 2, 3, 4]  # Lightning's global_step, on every rank
+        assert rank["lrs"] == reference["lrs"]  # the scheduled learning rate, on every rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", FROZEN)
+def test_a_frozen_first_stage_trains_and_resumes_as_one_process(runs, kind):
+    """The GPT's first stage (embeddings, blocks 0-1) frozen: ``requires_grad_(False)`` in ``__init__`` with
+    ``AdamW(filter(lambda p: p.requires_grad, self.parameters()))`` (an empty list on stage 0, which torch refuses),
+    or frozen in ``on_fit_start`` with the frozen parameters in a param group of their own (one empty group on each
+    stage). Stage 0 takes part in the schedule and steps nothing; stage 1 trains as one process does (fp64, clipped by
+    the norm over both stages); global_step and the learning rates agree on every rank. The step-2 checkpoint resumes
+    in a new run to the same parameters, restoring the learning rate of the empty groups too."""
+    reference = runs["frozen_reference"]
+    ranks = runs["pipeline"][kind]["per_rank"]
+    if kind == "frozen_group":  # the frozen group's learning rate is 0, the other's is the filter model's one group's
+        reference = {**reference, "lrs": [[0.0, *lrs] for lrs in reference["lrs"]]}
+    _check_frozen_run(reference, ranks, logged=kind == "frozen_filter")
+    for rank in runs["pipeline"][f"{kind}_resumed"]["per_rank"]:
+        assert max_abs_diff(rank["losses"], reference["losses"][2:]) <= TOL
+        assert rank["param_diff"] <= TOL
+        assert rank["steps"] == [3, 4] and rank["lrs"] == reference["lrs"][2:]
 
 
 @pytest.mark.slow
@@ -155,6 +204,36 @@ def test_uneven_label_counts_name_the_condition_for_an_exact_mean():
     labels[3, :3] = -100
     assert uneven_label_counts(labels, 2) == [8, 5]
     assert uneven_label_counts(labels.double(), 2) is None  # not class labels
+
+
+def test_a_stage_with_nothing_to_optimize_gets_an_optimizer_that_steps_nothing():
+    """torch refuses an optimizer built from an empty parameter list, which is what a frozen stage's
+    ``filter(lambda p: p.requires_grad, self.parameters())`` is; while a pipeline stage's optimizers are built it gets
+    one param group without parameters (with the optimizer's defaults) instead. Other optimizers are built as torch
+    builds them, and torch's refusal is back afterwards."""
+    frozen = torch.nn.Linear(2, 2).requires_grad_(False)
+    with optimizers_may_be_empty() as empty:
+        optimizer = torch.optim.AdamW(filter(lambda p: p.requires_grad, frozen.parameters()), lr=0.1)
+        kept = torch.optim.SGD(frozen.parameters(), lr=0.1)
+    assert empty.built == ["AdamW"]
+    assert len(optimizer.param_groups) == 1 and optimizer.param_groups[0]["params"] == []
+    assert optimizer.param_groups[0]["lr"] == 0.1 and optimizer.param_groups[0]["weight_decay"] == 0.01
+    optimizer.step()  # steps nothing
+    assert len(kept.param_groups[0]["params"]) == 2
+    with pytest.raises(ValueError, match="optimizer got an empty parameter list"):
+        torch.optim.AdamW([], lr=0.1)
+
+
+def test_stages_with_nothing_to_optimize_are_found_and_a_pipeline_with_nothing_anywhere_is_refused():
+    """Every rank reports (its stages, parameters its optimizers update, optimizers built from an empty list)."""
+    found = StageOptimization.of([([0, 2], 0, ["AdamW"]), ([1, 3], 5, [])])
+    assert found.idle_stages == [0, 2] and found.num_stages == 4
+    assert found.describe().startswith("stages 0, 2 (of 4) hold no parameter to optimize")
+    assert StageOptimization.of([([0], 3, []), ([1], 5, [])]).idle_stages == []
+    # Lightning's stand-in optimizer (configure_optimizers returned None) updates nothing either: Lightning's call
+    assert StageOptimization.of([([0], 0, []), ([1], 0, [])]).idle_stages == [0, 1]
+    with pytest.raises(ValueError, match=r"No pipeline stage has a parameter to optimize: .*built AdamW from an empty"):
+        StageOptimization.of([([0], 0, ["AdamW"]), ([1], 0, ["AdamW"])])
 
 
 def _dims(world: int, pp: int | str = "auto", dp: int = 1) -> ParallelDims:

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_dist.checkpoint.empty_param_groups import empty_groups_set_aside, holds_parameters, share_group_options
 from lightning_dist.checkpoint.integrity import verify_checksums
 from lightning_dist.checkpoint.layout import (
     CheckpointError,
@@ -80,14 +81,16 @@ def optimizer_state(
     """Name-keyed sharded optimizer state, or on rank 0 the full state keyed by position as ``Optimizer.state_dict``
     does (so a one-device run can resume from it). With pipeline ``stages`` the full state stays keyed by name
     (positions of one stage's optimizer mean nothing to another's): lightning_dist loads either. Collective."""
+    # A pipeline stage with nothing to optimize has no optimizer state (torch refuses to make an empty one).
+    held = holds_parameters(optimizer)
     if not full:  # keyed per parameter under a pipeline: one shared `param_groups.N.params` list would keep one stage's
         flat = _optimizer_options(flat=stages is not None)
-        return plain_state(get_optimizer_state_dict(model, optimizer, options=flat))
+        return plain_state(get_optimizer_state_dict(model, optimizer, options=flat)) if held else {}
     if stages is None:
         state = plain_state(get_optimizer_state_dict(model, optimizer, options=_FULL))
         return names_to_positions(state) if state else state
-    local = gather_full_state(plain_state(get_optimizer_state_dict(model, optimizer)), stages.leader)
-    return _merge_stages(local, stages)
+    local = plain_state(get_optimizer_state_dict(model, optimizer)) if held else {}
+    return _merge_stages(gather_full_state(local, stages.leader), stages)
 
 
 def _merge_stages(local: dict[str, Any], stages: StageLayout) -> dict[str, Any]:
@@ -154,7 +157,11 @@ def load_sharded(
     flat = [_saved_flat(index, idx) for idx in range(len(optimizers))]
     for idx, optimizer in enumerate(optimizers):
         options = _optimizer_options(flat[idx])
-        state[f"optimizer_{idx}"] = plain_state(get_optimizer_state_dict(model, optimizer, options=options))
+        with empty_groups_set_aside(optimizer):
+            held = holds_parameters(optimizer)
+            state[f"optimizer_{idx}"] = (
+                plain_state(get_optimizer_state_dict(model, optimizer, options=options)) if held else {}
+            )
     shapes = _tensor_shapes(state["state_dict"])
     report = compare_shapes(shapes, _checkpoint_shapes(index, "state_dict."), _keys_of_all_stages(shapes, stages))
     check_fit(report, strict, repr(str(path)))
@@ -173,7 +180,19 @@ def load_sharded(
         if stages is not None and not flat[idx]:  # saved without stages: its param groups name every parameter
             local = {name for group in parameter_names(model, optimizer) for name in group}
             optimizer_state = only_names(optimizer_state, local)
-        set_optimizer_state_dict(model, optimizer, optimizer_state, options=_optimizer_options(flat[idx]))
+        _set_optimizer_state(model, optimizer, optimizer_state, _optimizer_options(flat[idx]), stages)
+
+
+def _set_optimizer_state(
+    model: Module, optimizer: Optimizer, state: dict[str, Any], options: StateDictOptions, stages: StageLayout | None
+) -> None:
+    """``set_optimizer_state_dict``, with a pipeline stage's empty param groups set aside and given the options of
+    their group on the stages that hold its parameters (see :mod:`.empty_param_groups`)."""
+    with empty_groups_set_aside(optimizer):
+        if holds_parameters(optimizer):
+            set_optimizer_state_dict(model, optimizer, state, options=options)
+    if stages is not None:
+        share_group_options(optimizer, stages.group)
 
 
 def _optimizer_options(flat: bool) -> StateDictOptions:
@@ -223,7 +242,7 @@ def load_full(
                 raise CheckpointError(f"The optimizer state in {where} does not fit the optimizer: {err}") from err
         if stages is not None:
             state = only_names(state, {name for group in parameter_names(model, optimizer) for name in group})
-        set_optimizer_state_dict(model, optimizer, state, options=options)
+        _set_optimizer_state(model, optimizer, state, options, stages)
 
 
 def parameter_names(model: Module, optimizer: Optimizer) -> list[list[str]]:

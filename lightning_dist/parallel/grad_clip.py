@@ -52,13 +52,15 @@ def total_grad_norm(
 
 def _combine_over(norm: Tensor, norm_type: float, group: dist.ProcessGroup) -> Tensor:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else norm.device
-    value = norm.to(device)
+    # In fp64 on every rank: a rank without gradients (a pipeline stage with nothing to train) has a float32 zero
+    # where the others have their gradients' dtype, and a collective over mixed dtypes fails (or reads garbage).
+    value = norm.to(device, torch.float64)
     if math.isinf(norm_type):
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-        return value
+        return value.to(norm.dtype)
     value = value.pow(norm_type)
     dist.all_reduce(value, group=group)
-    return value.pow(1.0 / norm_type)
+    return value.pow(1.0 / norm_type).to(norm.dtype)
 
 
 def _local_total_norm(parameters: Iterable[Tensor], norm_type: float) -> Tensor:

@@ -4,6 +4,7 @@ metrics synced over the right group, optimizers; and where a resumed epoch start
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
@@ -193,7 +194,10 @@ class ModelSetup(_Base):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         # Evaluation after fitting sets the model up again: drop optimizers that refer to the old parameters.
         reset_optimizers_and_schedulers(self)
-        super().setup_optimizers(trainer)
+        setup = functools.partial(super().setup_optimizers, trainer)
+        for part in reversed(self.step_parts()):  # pipeline: a stage with nothing to optimize
+            setup = part.wrap_optimizer_setup(setup)
+        setup()
 
     @property
     def offloads_parameters(self) -> bool:

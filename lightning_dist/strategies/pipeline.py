@@ -26,8 +26,9 @@ class PipelineStrategy(PipelineSteps, MeshParallelStrategy):
 
     The step methods must call the model exactly once (``self(x)``, or ``self.model(input_ids=x, labels=y)`` for a
     Hugging Face model in ``self.model``: the innermost module holding every parameter is pipelined). Manual
-    optimization is not supported. ``predict_step`` returns the outputs in batch order on the ranks holding the last
-    stage and ``None`` on the others. A torchmetrics ``Metric`` logged on the loss stage is logged on every rank with the loss
+    optimization is refused before launch. A stage with nothing to optimize (frozen) runs in the schedule and its
+    optimizer, given one empty param group, steps nothing. ``predict_step`` returns the outputs in batch order on
+    the ranks holding the last stage and ``None`` on the others. A torchmetrics ``Metric`` logged on the loss stage is logged on every rank with the loss
     stage's state (epoch values are exact; a step value is that of the last micro-batch).
 
     Args:

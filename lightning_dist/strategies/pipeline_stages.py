@@ -4,6 +4,7 @@ Used by ``pipeline`` and ``hybrid3d``; inactive on a mesh whose ``pp`` axis has 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -167,13 +168,29 @@ class PipelineStages(_Base):
             pp.broadcast_tied_parameters(self._module, self._ties, self._tie_groups, self._tie_layouts_agree)
             pp.count_tied_copies_once(self._module, self._ties)  # clipping's norm: as one process counts it
 
-    def refuse_manual_optimization(self, trainer: pl.Trainer) -> None:
-        """At setup, before the model is parallelized."""
-        if self.pipelined and not trainer.lightning_module.automatic_optimization:
-            raise RuntimeError(
-                "The pipeline strategy runs forward and backward inside its schedule and does not support manual"
-                " optimization (automatic_optimization=False). Use automatic optimization or another strategy."
+    def refuse_manual_optimization(self) -> None:
+        """Before launch (and at setup on ranks that torchrun or SLURM started): a module with
+        ``automatic_optimization=False`` is refused."""
+        model = self.lightning_module
+        if self.pipelined and model is not None and not model.automatic_optimization:
+            raise ValueError(
+                f"{type(model).__name__} sets automatic_optimization=False (manual optimization), which"
+                f" {type(self).__name__} cannot run with pipeline_parallel_size={self.parallel_dims.pp}: the pipeline"
+                " schedule runs the forward and backward of every micro-batch itself, so a training_step that calls"
+                " manual_backward() and optimizer.step() has no place in it. Return the loss from training_step"
+                " (automatic optimization), or train this module without pipeline stages (fsdp2, tensor_parallel,"
+                " or hybrid3d with pipeline_parallel_size=1)."
             )
+
+    def setup_stage_optimizers(self, setup: Callable[[], None]) -> None:
+        """Lightning's optimizer set-up (``setup``: ``configure_optimizers``) on a stage that may hold none of the
+        parameters it optimizes (see :mod:`lightning_dist.parallel.pipeline.stage_optimizers`): such an optimizer
+        steps nothing, and the stages with nothing to optimize are logged (refused if no stage has any)."""
+        with pp.optimizers_may_be_empty() as empty:
+            setup()
+        optimization = pp.stages_to_optimize(self._stage_ids, self.optimizers, empty, self.process_group("pp"))
+        if optimization.idle_stages:
+            self.log_decision(optimization.describe())
 
     def let_the_schedule_run_backward(self, trainer: pl.Trainer) -> None:
         """At the end of setup."""

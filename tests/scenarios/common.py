@@ -152,9 +152,14 @@ class OneProcessData(TextDataModule):
 
 
 def make_model_and_data(
-    devices: int, dp_size: int | None = None, train_samples: int = 256, **model_kwargs: Any
+    devices: int,
+    dp_size: int | None = None,
+    train_samples: int = 256,
+    model_class: type[GPT] = GPT,
+    **model_kwargs: Any,
 ) -> tuple[GPT, TextDataModule]:
-    """The example GPT (small) and data whose *global* batch is the same for any number of data-parallel ranks."""
+    """The example GPT (small; or a ``model_class`` derived from it) and data whose *global* batch is the same for
+    any number of data-parallel ranks."""
     dp = dp_size if dp_size is not None else devices
     L.seed_everything(1234, verbose=False)
     data_cls = OneProcessData if devices == 1 else TextDataModule
@@ -169,7 +174,7 @@ def make_model_and_data(
         "warmup_steps": 2,
     }
     kwargs.update(model_kwargs)
-    return GPT(**kwargs), data
+    return model_class(**kwargs), data
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -17,12 +17,13 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from common import StepRecorder, make_model_and_data, run_scenario_script, trainer_kwargs  # type: ignore[import-not-found]
+from common import LogLines, StepRecorder, make_model_and_data, run_scenario_script, trainer_kwargs  # type: ignore[import-not-found]
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from models import HFCausalLM  # type: ignore[import-not-found]
 from torch.distributed.tensor import DTensor
 
-from lightning_dist import FSDP2Strategy, PipelineStrategy, TensorParallelStrategy
+from examples.gpt import GPT
+from lightning_dist import FSDP2Strategy, Hybrid3DStrategy, PipelineStrategy, TensorParallelStrategy
 
 STEPS, CLIP = 4, 0.05
 SAVE_AT = 2  # the resumes start from the checkpoint of step 2 (mid-epoch)
@@ -263,6 +264,103 @@ def _hf_pipeline(kind: str) -> Callable[[int, str], dict[str, Any]]:
     return run
 
 
+FROZEN = ("tok_emb.", "pos_emb.", "blocks.0.", "blocks.1.")  # stage 0 of the 4-block GPT at pp=2, whole
+
+
+class FrozenFirstStage(GPT):
+    """The GPT fine-tuned with its first pipeline stage frozen, as users write it: ``requires_grad_(False)`` in
+    ``__init__`` and the optimizer built from the trainable parameters (an empty list on stage 0)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        for name, p in self.named_parameters():
+            p.requires_grad_(not name.startswith(FROZEN))
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(filter(lambda p: p.requires_grad, self.parameters()), lr=self.hparams.lr)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class FrozenGroup(GPT):
+    """The same stage frozen in ``on_fit_start`` (after ``configure_optimizers``), the optimizer holding it as a
+    param group of its own: each stage then holds one empty param group."""
+
+    def on_fit_start(self) -> None:
+        for name, p in self.named_parameters():
+            p.requires_grad_(not name.startswith(FROZEN))
+
+    def configure_optimizers(self) -> Any:
+        named = list(self.named_parameters())
+        groups = [
+            {"params": [p for n, p in named if n.startswith(FROZEN)], "lr": 0.0},
+            {"params": [p for n, p in named if not n.startswith(FROZEN)]},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class StepCounts(Callback):
+    """On this rank: the optimizer's learning rates at the start of every step (what LearningRateMonitor logs; after
+    a resume, what the checkpoint restored) and Lightning's global_step after it."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.lrs: list[list[float]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.lrs.append([float(g["lr"]) for g in trainer.optimizers[0].param_groups])
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.steps.append(trainer.global_step)
+
+
+def _frozen(kind: str, strategy: Callable[[], Any] | None = None, dp: int = 1, save: bool = False,
+            resume: bool = False) -> Callable[[int, str], dict[str, Any]]:  # fmt: skip
+    """A GPT with a frozen first stage (``kind``: filter or group; both train the same parameters alike) for STEPS
+    clipped steps under ``strategy``: without one, the one-process run, which saves its parameters and first
+    gradients for the others to compare with. ``save``: a checkpoint at step SAVE_AT; ``resume``: train from it to
+    STEPS."""
+    model_class = {"filter": FrozenFirstStage, "group": FrozenGroup}[kind]
+
+    def run(devices: int, workdir: str) -> dict[str, Any]:
+        model, data = make_model_and_data(devices, dp_size=dp, n_layer=4, vocab_size=VOCAB, model_class=model_class)
+        recorder, counts, grads, lines = StepRecorder(), StepCounts(), FirstGradients(), LogLines("no parameter")
+        trainer = L.Trainer(
+            **trainer_kwargs(
+                devices,
+                strategy=strategy() if strategy else "auto",
+                precision="64-true",
+                gradient_clip_val=CLIP,
+                limit_val_batches=0,
+                enable_checkpointing=save,
+            ),
+            max_steps=STEPS,
+            callbacks=[recorder, counts, grads, *([_checkpoints(workdir, f"frozen_{kind}")] if save else [])],
+        )
+        trainer.fit(model, data, ckpt_path=f"{workdir}/frozen_{kind}/step={SAVE_AT}.ckpt" if resume else None)
+        lines.close()
+        result: dict[str, Any] = {"losses": recorder.losses, "steps": counts.steps, "lrs": counts.lrs}
+        if strategy is None:
+            torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{workdir}/frozen.pt")
+            torch.save(grads.grads, f"{workdir}/frozen_grads.pt")
+            return {**result, "keys": sorted(model.state_dict()), "grad_keys": sorted(grads.grads)}
+        expected = torch.load(f"{workdir}/frozen.pt")
+        local = {k: _full(v.detach()) for k, v in model.state_dict().items()}
+        result.update(keys=sorted(local), log=lines.lines)
+        result["param_diff"] = max((local[k] - expected[k]).abs().max().item() for k in local)
+        if not resume:
+            expected_grads = torch.load(f"{workdir}/frozen_grads.pt")
+            diffs = [(v - expected_grads[k]).abs().max().item() for k, v in grads.grads.items()]
+            result.update(grad_keys=sorted(grads.grads), grad_diff=max(diffs, default=0.0))  # stage 0: none
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, result)
+        return {"per_rank": gathered}
+
+    return run
+
+
 PRECISIONS = ("bf16-mixed", "16-mixed", "bf16-true", "16-true")  # 32-true and 64-true: every other scenario
 
 
@@ -304,6 +402,15 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "hf_llama_reference": _hf_reference("llama"),
     "hf_gpt2_reference": _hf_reference("gpt2"),
     "hf_litgpt_reference": _hf_reference("litgpt"),
+    # a frozen first stage: frozen_reference in one process; frozen_<kind> saves the checkpoint _resumed starts from
+    "frozen_reference": _frozen("filter"),
+    "frozen_filter": _frozen("filter", PipelineStrategy, save=True),
+    "frozen_filter_resumed": _frozen("filter", PipelineStrategy, resume=True),
+    "frozen_group": _frozen("group", PipelineStrategy, save=True),
+    "frozen_group_resumed": _frozen("group", PipelineStrategy, resume=True),
+    "frozen_filter_hybrid3d": _frozen(  # 4 processes: pp2 × dp_shard2
+        "filter", lambda: Hybrid3DStrategy(pipeline_parallel_size=2, data_parallel_shard_size=2), dp=2
+    ),
     "hf_llama": _hf_pipeline("llama"),
     "hf_gpt2": _hf_pipeline("gpt2"),
     "hf_litgpt": _hf_pipeline("litgpt"),

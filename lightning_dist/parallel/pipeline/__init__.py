@@ -8,7 +8,8 @@ The steps a caller (the pipeline strategy, or a plain training loop) takes:
 2. :func:`cut_pipeline_stages` — this rank's stage modules, cut from the unchanged model (see :mod:`.stage` for the
    design and its limits); apply FSDP2 / tensor parallel to them; materialise them if the model is on meta.
 3. :class:`PipelineRunner` — ``step`` / ``eval`` of a whole batch through a schedule (:mod:`.schedule` checks the
-   name and the micro-batching first); :func:`all_reduce_tied_gradients` after ``step``.
+   name and the micro-batching first); :func:`all_reduce_tied_gradients` after ``step``. The optimizers are built
+   inside :func:`optimizers_may_be_empty` (a stage may hold nothing to optimize), then :func:`stages_to_optimize`.
 4. :func:`capture_call` / :func:`substituted_forward` — run a user's step written for one process: take the model
    call's arguments from it, and on the last stage re-run it per micro-batch with the model call returning the
    pipeline's output.
@@ -41,6 +42,12 @@ from lightning_dist.parallel.pipeline.stage import (
     model_inputs_as_kwargs,
     stage_runtime,
 )
+from lightning_dist.parallel.pipeline.stage_optimizers import (
+    EmptyOptimizers,
+    StageOptimization,
+    optimizers_may_be_empty,
+    stages_to_optimize,
+)
 from lightning_dist.parallel.pipeline.substitution import PipelinedCallError, capture_call, substituted_forward
 from lightning_dist.parallel.pipeline.tied import (
     TiedParameter,
@@ -56,10 +63,12 @@ from lightning_dist.parallel.pipeline.tied import (
 __all__ = [
     "SCHEDULES",
     "BusyTimer",
+    "EmptyOptimizers",
     "PipelineRunner",
     "PipelinedCallError",
     "ScheduleInfo",
     "StageCutError",
+    "StageOptimization",
     "StagePlan",
     "TiedParameter",
     "all_reduce_tied_gradients",
@@ -76,6 +85,7 @@ __all__ = [
     "find_tied_parameters",
     "model_inputs_as_kwargs",
     "new_tie_groups",
+    "optimizers_may_be_empty",
     "plan_stages",
     "rehearse_stages",
     "resolve_stages_per_rank",
@@ -83,6 +93,7 @@ __all__ = [
     "stage_ids_for_rank",
     "stage_owner",
     "stage_runtime",
+    "stages_to_optimize",
     "substituted_forward",
     "tied_layouts_agree",
     "tied_parameter_ranks",

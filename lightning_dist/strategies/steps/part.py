@@ -61,6 +61,11 @@ class StepPart:
     def make_copies_equal(self) -> None:
         """At setup, after the replicated parameters and buffers were made equal: copies this part keeps itself."""
 
+    def wrap_optimizer_setup(self, setup: Callable[[], None]) -> Callable[[], None]:
+        """``setup`` (Lightning's: the module's ``configure_optimizers``, when fitting) with what this part does
+        around it."""
+        return setup
+
     # ------------------------------------------------------------------ steps
     def transform_batch(self, batch: Any, dataloader_idx: int) -> Any:
         """A batch once it reached the device."""

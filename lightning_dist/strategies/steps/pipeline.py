@@ -1,11 +1,14 @@
 """Pipeline parallelism's part in a step: it runs the steps itself. A training step's forward and backward run per
 micro-batch inside the schedule (Lightning's backward is then skipped), an evaluation step runs the forward-only
 pass, and a weight tied across stages gets its copies' gradients summed before clipping. Before launch the first
-training batch is checked; at setup manual optimization is refused and the tied copies are made equal. The work is
-done by :class:`~lightning_dist.strategies.pipeline_step.PipelineSteps`."""
+training batch is checked and manual optimization refused; at setup the tied copies are made equal, and a stage
+with nothing to optimize gets an optimizer that steps nothing. The work is done by
+:class:`~lightning_dist.strategies.pipeline_step.PipelineSteps`."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
@@ -25,11 +28,17 @@ class PipelinePart(StepPart):
 
     mixin, axis = PipelineSteps, "pp"
 
+    def preflight_before_model(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
+        self.strategy.refuse_manual_optimization()
+
     def preflight_after_model(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
         self.strategy.check_first_training_batch(trainer, arguments)
 
     def before_setup(self, trainer: pl.Trainer) -> None:
-        self.strategy.refuse_manual_optimization(trainer)
+        self.strategy.refuse_manual_optimization()  # ranks that torchrun or SLURM started: no launching process
+
+    def wrap_optimizer_setup(self, setup: Callable[[], None]) -> Callable[[], None]:
+        return functools.partial(self.strategy.setup_stage_optimizers, setup)
 
     def after_setup(self, trainer: pl.Trainer) -> None:
         self.strategy.let_the_schedule_run_backward(trainer)

@@ -9,9 +9,9 @@ import ast
 from pathlib import Path
 
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"
-# The harness and recorders, the pure-PyTorch harness, the shared models, and the crafted checkpoint files (also used
-# by the security tests).
-SHARED = {"common", "pure_torch", "models", "crafted_checkpoints"}
+# The harness and recorders, the pure-PyTorch harness, the shared models, the crafted checkpoint files (also used
+# by the security tests) and the modules written with users' habits (user_modules.py).
+SHARED = {"common", "pure_torch", "models", "crafted_checkpoints", "user_modules"}
 
 
 def imported_siblings(path: Path) -> set[str]:

@@ -30,6 +30,12 @@ PRIVATE_TORCH_NAMES: dict[str, tuple[str, str]] = {
     "_fsdp_api": ("torch 2.13", "parallel/zeropp.py: FSDP2's AllGather/ReduceScatter protocols"),
     "_fully_shard": ("torch 2.13", "torch.distributed.fsdp._fully_shard(._fully_shard): FSDP2's implementation"),
     "_get_post_forward_mesh_info": ("torch 2.13", "parallel/fsdp.py: one post-forward mesh per int reshard size"),
+    "_get_fsdp_state": ("torch 2.13", "parallel/fsdp.py: the FSDP2 state of a root module (manual backward)"),
+    "_force_complete_incomplete_states": (
+        "torch 2.13",
+        "parallel/fsdp.py: FSDP2's end of the root's forward, run before a backward inside it",
+    ),
+    "_register_pre_backward_hook": ("torch 2.13", "parallel/fsdp.py: the root's pre-backward hook on a manual loss"),
     "_dynamo": ("torch 2.13", "parallel/compile.py: OptimizedModule, the torch.compile(module) wrapper"),
     "_orig_mod": ("torch 2.13", "parallel/compile.py: the module inside a torch.compile wrapper"),
     "_inductor": ("torch 2.13", "parallel/compile.py: the mode names torch.compile accepts"),
@@ -169,6 +175,17 @@ def replaced_post_forward_mesh_info(wrap: Callable[[Callable[..., Any]], Callabl
         yield True
     finally:
         impl._get_post_forward_mesh_info = original
+
+
+def end_fsdp_forward_before_backward(root: torch.nn.Module, loss: torch.Tensor) -> None:
+    """What FSDP2 does when its root module's forward returns, done on ``loss`` before a backward that starts while
+    that forward still runs: every grouped unit (``fully_shard([a, b, ...])``) whose modules ran only in part is
+    finished (``FSDPState._force_complete_incomplete_states``), and the root's pre-backward hook is registered on
+    ``loss`` (``FSDPState._register_pre_backward_hook``), which queues the callback that reduce-scatters every unit's
+    gradients at the end of the backward. Both register autograd hooks on ``loss`` in place."""
+    state = root._get_fsdp_state()
+    state._force_complete_incomplete_states(loss)
+    state._register_pre_backward_hook(loss)
 
 
 # ---------------------------------------------------------------------------------------------------- torch.compile

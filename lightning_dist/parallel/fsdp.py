@@ -9,12 +9,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from lightning_dist.compat import replaced_post_forward_mesh_info
+from lightning_dist.compat import end_fsdp_forward_before_backward, replaced_post_forward_mesh_info
 from lightning_dist.parallel.validation import is_int
 
 ShardingMode = Literal["full", "grad_op", "no_shard", "hybrid"]
@@ -218,6 +218,41 @@ def modules_outside(model: nn.Module, units: Iterable[nn.Module]) -> list[nn.Mod
 def _height(module: nn.Module) -> int:
     """Levels of submodules below ``module``: a unit nested in another always has a smaller height."""
     return 1 + max((_height(child) for child in module.children()), default=0)
+
+
+def end_forward_before_backward(model: nn.Module, loss: Tensor) -> None:
+    """Let FSDP2 reduce every gradient of a backward that starts while ``model``'s forward is still running.
+
+    FSDP2 finishes a forward pass when the root module's forward returns. Where the root's forward is a whole
+    ``training_step`` that runs its own backwards (manual optimization), that is too late: a unit of several modules
+    of which only some ran (a GAN's critic, called outside ``forward``) has then registered no hook that would
+    reduce-scatter its gradients, and they stayed unreduced, invisible to the optimizer. Finishing the pass on
+    ``loss`` first makes the backward reduce every unit's gradients, as after a forward that returned. No effect on a
+    model without FSDP2, or on a loss that needs no gradient.
+    """
+    if isinstance(model, FSDPModule) and loss.requires_grad:
+        end_fsdp_forward_before_backward(model, loss)
+
+
+def gather_root(model: nn.Module) -> None:
+    """Gather again the parameters the root FSDP module holds itself (not in a unit), as its forward's start left
+    them. For a training step that goes on after a backward or an optimizer step (manual optimization): both reshard
+    the root, and the step reads the root's own parameters outside any module call, where no FSDP hook gathers
+    them."""
+    if isinstance(model, FSDPModule):
+        model.unshard()
+
+
+def root_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters the root FSDP module holds itself, by name, as the optimizer holds them: call it while the
+    root is sharded (after set-up)."""
+    return dict(model.named_parameters(recurse=False)) if isinstance(model, FSDPModule) else {}
+
+
+def toggled_while_gathered(model: nn.Module, params: dict[str, nn.Parameter]) -> list[str]:
+    """The names of ``params`` (:func:`root_parameters`) whose ``requires_grad`` was changed while the root held them
+    gathered (``toggle_optimizer`` inside a training step): the gathered copies the step computes with do not see it."""
+    return [name for name, param in params.items() if getattr(model, name).requires_grad != param.requires_grad]
 
 
 def reshard_all(model: nn.Module) -> None:

@@ -18,7 +18,8 @@ over the data-parallel axes are reduced by FSDP2 itself; pipeline stages hold di
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -116,6 +117,22 @@ def sum_gradients(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup) 
     """Sum the gradients of ``parameters`` over ``group`` (each rank holds its part of the whole gradient: a
     per-head norm under tensor parallelism); otherwise as :func:`average_gradients`."""
     return _all_reduce_gradients(parameters, group, average=False)
+
+
+@contextmanager
+def gradients_set_aside(parameters: Iterable[nn.Parameter]) -> Iterator[None]:
+    """Within it, ``parameters`` have no gradient, so a backward inside computes only its own part of it; on exit the
+    gradients they had are added back. For gradients reduced once per backward (:func:`sum_gradients`, which must not
+    sum what an earlier backward already summed) when several backwards accumulate into them."""
+    earlier = [(p, p.grad) for p in parameters if p.grad is not None]
+    for p, _ in earlier:
+        p.grad = None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, grad in earlier:
+                p.grad = grad if p.grad is None else grad.add_(p.grad)
 
 
 def _all_reduce_gradients(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup, average: bool) -> int:

@@ -191,6 +191,7 @@ class MeshParallelStrategy(
         self._tp_replicated: list[torch.nn.Parameter] = []
         self._tp_partial: list[torch.nn.Parameter] = []
         self._tp_sharded: list[torch.nn.Parameter] = []
+        self._root_parameters: dict[str, torch.nn.Parameter] = {}
         self._watchdog: FailureWatchdog | None = None
         self.num_nodes = 1
 

@@ -27,7 +27,7 @@ from lightning_dist.compat.lightning import (
 from lightning_dist.parallel.compile import keep_user_compilation, unwrap_user_compiled
 from lightning_dist.parallel.expert_parallel import mark_held_experts
 from lightning_dist.parallel.expert_parallel.router_loss import reduce_router_statistics
-from lightning_dist.parallel.fsdp import is_fully_sharded
+from lightning_dist.parallel.fsdp import is_fully_sharded, root_parameters
 from lightning_dist.parallel.placement import place_model
 from lightning_dist.parallel.replicated_state import broadcast_replicated_state, tp_replicated_parameters
 from lightning_dist.parallel.tensor_parallel import tp_sharded_parameters
@@ -83,6 +83,7 @@ class ModelSetup(_Base):
         self._tp_replicated = [p for p in tp_replicated_parameters(self.model, self.mesh) if id(p) not in partial]
         tp_alone = self.parallel_dims.tp > 1 and not is_fully_sharded(self.model)
         self._tp_sharded = tp_sharded_parameters(self.model) if tp_alone else []
+        self._root_parameters = root_parameters(self.model)  # manual optimization: see run_manual_backward
         # Each pipeline stage holds different parameters: the norm to clip by sums over the stages.
         self.precision_plugin.stage_group = self.process_group("pp") if self.parallel_dims.pp > 1 else None
         # DTensor/FSDP2 parameters cannot be used under inference_mode (their version counters); Lightning only

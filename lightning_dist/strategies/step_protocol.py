@@ -18,6 +18,13 @@ A training step
     6. Lightning: gradient clipping (the precision plugin's global norm, over the pipeline stages too) → the
        optimizer's step → ``float8='tensorwise'`` under FSDP2: the FP8 all-gather scales of the next forward.
 
+A manual-optimization step (``automatic_optimization = False``)
+    Steps 1 to 4, with :meth:`StepProtocol.train_context` open until ``training_step`` returns: every forward of the
+    step runs inside it. Each ``manual_backward`` (:meth:`StepProtocol.run_manual_backward`) first ends FSDP2's
+    forward pass on its loss (the whole step is the root module's forward), then runs the backward and makes the
+    gradients consistent over tp (step 5's tensor-parallel part, on this backward's share); each optimizer step
+    reshards, then gathers again the parameters the root module holds itself, for the rest of the step.
+
 An evaluation step (validation, test, predict)
     1. :meth:`StepProtocol.transform_batch`, as above.
     2. The precision plugin's evaluation context.
@@ -45,9 +52,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dist.compat.lightning import forward_redirection
-from lightning_dist.parallel.fsdp import reshard_all
+from lightning_dist.parallel.fsdp import (
+    end_forward_before_backward,
+    gather_root,
+    reshard_all,
+    toggled_while_gathered,
+)
 from lightning_dist.parallel.gradient_sync import AccumulationSync, deferred_gradient_sync
-from lightning_dist.parallel.replicated_state import average_gradients, sum_gradients
+from lightning_dist.parallel.replicated_state import average_gradients, gradients_set_aside, sum_gradients
 from lightning_dist.parallel.runtime.nonfinite import NonFiniteError, gather_non_finite, gradients_are_finite
 from lightning_dist.parallel.tensor_parallel import shard_gradients_like_parameters
 from lightning_dist.strategies.steps.context_parallel import ContextParallelPart
@@ -66,6 +78,8 @@ class StepProtocol:
     """Training, evaluation and optimizer steps of :class:`~lightning_dist.strategies.base.MeshParallelStrategy`."""
 
     _train_context: ExitStack | None = None
+    #: Whether a training step runs now: a backward inside it is ``manual_backward`` (manual optimization).
+    _in_training_step: bool = False
     on_nonfinite: NonFiniteMode = "ignore"
     #: Optimizer steps skipped by ``on_nonfinite="skip"`` in this process.
     skipped_non_finite_steps: int = 0
@@ -138,19 +152,55 @@ class StepProtocol:
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._close_train_context()  # the previous step's, if its backward was skipped (training_step gave None)
         self._train_context = self.train_context()
+        self._in_training_step = True
         try:
             with self.precision_plugin.train_step_context():
-                return self.run_training_step(*args, **kwargs)
+                output = self.run_training_step(*args, **kwargs)
         except BaseException:
             self._close_train_context()
             raise
+        finally:
+            self._in_training_step = False
+        if not self.lightning_module.automatic_optimization:  # its backwards ran inside it
+            self._close_train_context()
+        return output
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self._in_training_step:
+            return self.run_manual_backward(closure_loss, optimizer, *args, **kwargs)
         try:
             return self.run_backward(closure_loss, optimizer, *args, **kwargs)
         finally:
             self._close_train_context()
+
+    def run_manual_backward(self, loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """``manual_backward`` (manual optimization): a backward inside the training step, which goes on after it
+        in the same :meth:`train_context`. FSDP2's forward pass (the whole step is the root module's forward) is
+        finished on ``loss`` first, so that the backward reduces every unit's gradients; after it the gradients are
+        made consistent over tp, as an automatic step's closure makes them, so that what the step does next
+        (``clip_gradients``, the optimizer's step, another backward) sees what one process would."""
+        self._check_root_parameters_untoggled()
+        for part in self.model_parts:
+            end_forward_before_backward(part, loss)
+        with gradients_set_aside(self._tp_partial):  # summed over tp: only this backward's part may be
+            output = self.run_backward(loss, optimizer, *args, **kwargs)
+            self._make_gradients_consistent()
+        for part in self.model_parts:  # the backward resharded the root
+            gather_root(part)
+        return output
+
+    def _check_root_parameters_untoggled(self) -> None:
+        toggled = toggled_while_gathered(self.model, self._root_parameters)
+        if toggled:
+            raise RuntimeError(
+                f"{self.log_name}: requires_grad of {', '.join(toggled)} changed during the training step"
+                " (toggle_optimizer / untoggle_optimizer): these are parameters of the LightningModule itself, not of"
+                " a submodule, and FSDP2 keeps them gathered for the whole training step in copies that do not see"
+                " the change, so this step would compute other gradients than one process. Hold them in a submodule"
+                " whose forward uses them (gathered, with the current requires_grad, at each call), or do not toggle"
+                " optimizers."
+            )
 
     def _close_train_context(self) -> None:
         context, self._train_context = self._train_context, None
@@ -194,19 +244,27 @@ class StepProtocol:
             for part in parts:  # before clipping (pipeline: a tied weight's gradients summed over its stages)
                 part.after_backward()
             reshard_all(self.model)
-            if self._tp_sharded:  # before clipping and the update (see shard_gradients_like_parameters)
-                shard_gradients_like_parameters(self._tp_sharded)
-            if self._tp_partial:  # per-head norms: each tp rank holds its heads' part of the gradient
-                sum_gradients(self._tp_partial, self.process_group("tp"))
-            if self._tp_replicated:  # before clipping and the update: the copies must see identical gradients
-                average_gradients(self._tp_replicated, self.process_group("tp"))
+            if self.lightning_module.automatic_optimization:  # manual: after each manual_backward
+                self._make_gradients_consistent()
             if self.on_nonfinite != "ignore":
                 self._guard_non_finite(result, optimizer)
             return result
 
         output = super().optimizer_step(optimizer, closure_then_reshard, model, **kwargs)
         self.float8_after_optimizer_step()  # tensorwise under FSDP2: the next forward's FP8 all-gather scales
+        if self._in_training_step:  # manual optimization: the step goes on, reading the root's own parameters
+            for part in self.model_parts:
+                gather_root(part)
         return output
+
+    def _make_gradients_consistent(self) -> None:
+        """After the backward (all of them, under accumulation), before clipping and the update."""
+        if self._tp_sharded:  # see shard_gradients_like_parameters
+            shard_gradients_like_parameters(self._tp_sharded)
+        if self._tp_partial:  # per-head norms: each tp rank holds its heads' part of the gradient
+            sum_gradients(self._tp_partial, self.process_group("tp"))
+        if self._tp_replicated:  # the copies must see identical gradients
+            average_gradients(self._tp_replicated, self.process_group("tp"))
 
     def float8_after_optimizer_step(self) -> None:
         """After every optimizer step (see :class:`~lightning_dist.strategies.float8_setup.Float8Setup`)."""

@@ -17,6 +17,8 @@
   precision.
 - :class:`HFLlama`: a stock ``LlamaForCausalLM`` whose loss is computed inside the model (context parallelism's
   label shift), or from its logits.
+- :class:`QKNormAttention`: Qwen3-style attention normalizing queries and keys over head_dim (``q_norm``,
+  ``k_norm``): under tensor parallelism each rank sees its heads only, and the norms' gradients are summed over tp.
 - :class:`UserMoE`: a mixture-of-experts model as a user writes it, with names no library uses: each layer's
   experts in a ``ModuleList`` called ``expert_list``, routed by ``scorer`` in the same ``forward`` as the loop.
 
@@ -202,6 +204,28 @@ class EncoderLM(LlamaLike):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         mask = nn.Transformer.generate_square_subsequent_mask(input_ids.shape[1], dtype=self.lm_head.weight.dtype)
         return self.lm_head(self.encoder(self.embed_tokens(input_ids), mask=mask, is_causal=True))
+
+
+# ------------------------------------------------------------------------------------------------------ QKNormAttention
+
+
+class QKNormAttention(nn.Module):
+    """Causal self-attention with Qwen3-style RMSNorms over head_dim on the queries and keys (see the module
+    docstring); a drop-in for the example GPT's ``CausalSelfAttention``."""
+
+    def __init__(self, d_model: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = heads, d_model // heads
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(d_model, d_model) for _ in range(4))
+        self.q_norm, self.k_norm = nn.RMSNorm(self.head_dim), nn.RMSNorm(self.head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, s, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, s, self.num_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
 
 # ------------------------------------------------------------------------------------------------------- library models

@@ -23,6 +23,7 @@ from common import (  # type: ignore[import-not-found]
     run_scenario_script,
     trainer_kwargs,
 )
+from models import QKNormAttention  # type: ignore[import-not-found]
 from torch import nn
 
 from examples.gpt import GPT, CausalSelfAttention
@@ -62,29 +63,10 @@ class MultiheadAttentionBlock(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
-class QKNormAttention(nn.Module):
-    """Qwen3-style RMSNorm over head_dim on queries and keys: each tp rank sees its heads only, and the norms'
-    gradients are summed over tp."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.num_heads, self.head_dim = HEADS, D_MODEL // HEADS
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(D_MODEL, D_MODEL) for _ in range(4))
-        self.q_norm, self.k_norm = nn.RMSNorm(self.head_dim), nn.RMSNorm(self.head_dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, s, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, s, self.num_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
-
-
 class QKNormBlock(NormMLPBlock):
     def __init__(self) -> None:
         super().__init__()
-        self.attn = QKNormAttention()
+        self.attn = QKNormAttention(D_MODEL, HEADS)  # Qwen3-style q/k norms over head_dim
 
 
 BLOCKS: dict[str, Callable[[], nn.Module]] = {

@@ -7,6 +7,14 @@
 - :class:`GANLike`: manual optimization with two optimizers (a generator and a critic), ``toggle_optimizer``,
   ``manual_backward``, gradient clipping by ``self.clip_gradients``; the critic runs outside ``forward``, twice per
   step. Each sample carries its own noise, so the global batch is the same on any number of ranks.
+- :class:`AccumulatingGAN`: :class:`GANLike` accumulating gradients over batches by hand, as Lightning's docs write it
+  for manual optimization (each loss divided by k, ``step`` and ``zero_grad`` every k batches).
+- :class:`OffsetGAN`: :class:`GANLike` with a parameter of the LightningModule itself (not of a submodule), read in
+  ``training_step`` after the generator's update, outside any module call.
+- :class:`TwoOptimizerGPT`: the example GPT under manual optimization, with one optimizer for its blocks and one for
+  the rest, each updated after a forward and ``manual_backward`` of its own (two per ``training_step``), zeroing
+  its gradients after its step as Lightning's GAN example does: each update also sums the gradients of the other
+  optimizer's backward.
 
 Only torch, Lightning and the examples; both the scenario scripts (``from user_modules import ...``) and the tests
 (``from tests.scenarios.user_modules import ...``) import it, and verify's runs unpickle its classes by this name.
@@ -159,3 +167,118 @@ class GANLike(L.LightningModule):
         dtype = next(self.parameters()).dtype
         dataset = NoisyPairs(h.train_samples, h.data_dim, h.noise_dim, dtype)
         return own_loader(self, dataset, h.global_batch, shuffle=True, seed=0)
+
+
+class AccumulatingGAN(GANLike):
+    """:class:`GANLike` stepping each optimizer every ``accumulate`` batches (see the module docstring).
+
+    Args:
+        accumulate: Batches whose gradients each update sums.
+        **gan: :class:`GANLike`'s arguments.
+    """
+
+    def __init__(self, accumulate: int = 2, **gan: Any) -> None:
+        super().__init__(**gan)
+        self.save_hyperparameters()
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        opt_g, opt_c = self.optimizers()
+        h = self.hparams
+        update = (batch_idx + 1) % h.accumulate == 0
+        if h.toggle:
+            self.toggle_optimizer(opt_g)
+        g_loss = F.softplus(-self.critic(self(batch["noise"]))).mean()
+        self.manual_backward(g_loss / h.accumulate)
+        if update:
+            if h.clip:
+                self.clip_gradients(opt_g, gradient_clip_val=h.clip, gradient_clip_algorithm="norm")
+            opt_g.step()
+            opt_g.zero_grad()
+        if h.toggle:
+            self.untoggle_optimizer(opt_g)
+            self.toggle_optimizer(opt_c)
+        fake = self(batch["noise"]).detach()
+        c_loss = F.softplus(-self.critic(batch["real"])).mean() + F.softplus(self.critic(fake)).mean()
+        self.manual_backward(c_loss / h.accumulate)
+        if update:
+            if h.clip:
+                self.clip_gradients(opt_c, gradient_clip_val=h.clip, gradient_clip_algorithm="norm")
+            opt_c.step()
+            opt_c.zero_grad()
+        if h.toggle:
+            self.untoggle_optimizer(opt_c)
+        self.log_dict({"g_loss": g_loss, "c_loss": c_loss}, sync_dist=True)
+
+
+class OffsetGAN(GANLike):
+    """:class:`GANLike` whose critic judges the data less a learned offset, ``self.offset``, that the LightningModule
+    holds itself and the critic's optimizer updates (never clipped).
+
+    Args:
+        **gan: :class:`GANLike`'s arguments.
+    """
+
+    def __init__(self, **gan: Any) -> None:
+        super().__init__(**gan)
+        self.offset = nn.Parameter(torch.zeros(self.hparams.data_dim))
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        opt_g, opt_c = self.optimizers()
+        toggle = self.hparams.toggle
+        if toggle:
+            self.toggle_optimizer(opt_g)
+        g_loss = F.softplus(-self.critic(self(batch["noise"]))).mean()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        opt_g.zero_grad()
+        if toggle:
+            self.untoggle_optimizer(opt_g)
+            self.toggle_optimizer(opt_c)
+        real = batch["real"] - self.offset  # after the generator's step, outside any module call
+        c_loss = F.softplus(-self.critic(real)).mean() + F.softplus(self.critic(self(batch["noise"]).detach())).mean()
+        self.manual_backward(c_loss)
+        opt_c.step()
+        opt_c.zero_grad()
+        if toggle:
+            self.untoggle_optimizer(opt_c)
+        self.log_dict({"g_loss": g_loss, "c_loss": c_loss}, sync_dist=True)
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        lr = self.hparams.lr
+        return [
+            torch.optim.Adam(self.generator.parameters(), lr=lr, betas=(0.5, 0.9)),
+            torch.optim.Adam([*self.critic.parameters(), self.offset], lr=lr, betas=(0.5, 0.9)),
+        ]
+
+
+class TwoOptimizerGPT(GPT):
+    """The example GPT trained by hand with two optimizers (see the module docstring).
+
+    Args:
+        clip: Gradient clipping value of both optimizers (0: none).
+        **gpt: The example GPT's arguments.
+    """
+
+    def __init__(self, clip: float = 1.0, **gpt: Any) -> None:
+        super().__init__(**gpt)
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        losses = {}
+        for name, optimizer in zip(("blocks_loss", "rest_loss"), self.optimizers()):
+            loss, _ = self._loss(batch)
+            self.manual_backward(loss)
+            if self.hparams.clip:
+                self.clip_gradients(optimizer, gradient_clip_val=self.hparams.clip, gradient_clip_algorithm="norm")
+            optimizer.step()
+            optimizer.zero_grad()  # the other optimizer's parameters keep this backward's gradients
+            losses[name] = loss
+        self.log_dict(losses, sync_dist=True)
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        blocks = list(self.blocks.parameters())
+        in_blocks = {id(p) for p in blocks}
+        rest = [p for p in self.parameters() if id(p) not in in_blocks]
+        lr = self.hparams.lr
+        return [torch.optim.AdamW(blocks, lr=lr), torch.optim.AdamW(rest, lr=lr)]

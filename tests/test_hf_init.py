@@ -154,7 +154,8 @@ def test_the_kv_cache_is_off_in_training_steps_only(runs):
     for name in EMPTY_INIT_RUNS:
         assert runs[name]["use_cache_seen"] == {"train": [False], "val": [True]}, name
     default, no_cache = runs["compile_default"], runs["compile_no_cache"]
-    assert default["graphs"] == no_cache["graphs"] == [41], (default["graphs"], no_cache["graphs"])
+    # one graph per step (41 operations with torch 2.13, transformers 5.24), as with use_cache=False; before: 2 of 45
+    assert default["graphs"] == no_cache["graphs"] and len(no_cache["graphs"]) == 1, (default, no_cache)
     assert default["log"] == [CACHE_LINE]
     assert no_cache["log"] == []
 

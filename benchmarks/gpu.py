@@ -1,7 +1,10 @@
 """One-GPU throughput comparison: ``python -m benchmarks.run --gpu`` (CUDA only; on CPU it exits with a message).
 
 The workload is a stock ``transformers`` ``LlamaForCausalLM`` built from a config (random weights, no download),
-bf16-mixed, fused AdamW, random token ids, ``seq_len`` 2048. Each setup runs in a fresh process of its own (clean
+bf16-mixed, fused AdamW, random token ids, ``seq_len`` 2048. The config is written as users write it: ``use_cache``
+is left at its default (on). lightning_dist strategies turn the key/value cache off while a training step runs (as
+transformers' Trainer does); Lightning's own strategies leave it on, so the ``auto`` rows trace and fill it, as a
+user's run does. Each setup runs in a fresh process of its own (clean
 peak memory, no compile cache shared between setups), one after the other on GPU 0:
 
 * ``auto`` / ``auto_compile``: Lightning ``strategy="auto"``, without and with ``torch.compile(self.model)`` in
@@ -333,7 +336,7 @@ def _lightning_module(size: LlamaSize, user_compile: bool, hand: bool) -> L.Ligh
     class LlamaLM(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            config = LlamaConfig(**size.config_kwargs(), attn_implementation="sdpa", use_cache=False)
+            config = LlamaConfig(**size.config_kwargs(), attn_implementation="sdpa")  # use_cache: its default
             self.model = LlamaForCausalLM(config)
 
         def configure_model(self) -> None:

@@ -172,7 +172,7 @@ def run_one(setup: str, size: MixtralSize, args: argparse.Namespace, devices: in
                            generator=torch.Generator().manual_seed(0))  # fmt: skip
     loader = DataLoader(TensorDataset(tokens), batch_size=size.batch_size, shuffle=False, drop_last=True)
     config = MixtralConfig(**size.config_kwargs(), max_position_embeddings=args.seq_len, attn_implementation="sdpa",
-                           use_cache=False, experts_implementation="grouped_mm" if cuda else "eager")  # fmt: skip
+                           experts_implementation="grouped_mm" if cuda else "eager")  # fmt: skip
 
     class MixtralLM(L.LightningModule):
         def __init__(self) -> None:

@@ -212,6 +212,23 @@ def _manual_optimization(model: LightningModule) -> LightningModule:
     return model
 
 
+class _RotaryTable(torch.nn.Module):
+    """Rotary frequencies computed in the constructor into a non-persistent buffer, with no ``reset_parameters``."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim), persistent=False)
+
+
+def _meta_model_with_constructor_buffer() -> None:
+    """A model built under ``trainer.init_module(empty_init=True)`` whose non-persistent buffer nothing can set."""
+    trainer = Trainer(strategy="fsdp2", accelerator="cpu", devices=2, logger=False, max_steps=1)
+    with trainer.init_module(empty_init=True):
+        model = _gpt()
+        model.rotary = _RotaryTable()
+    trainer.fit(model)
+
+
 def _unfinished(tmp_path: Path) -> Path:
     path = tmp_path / "step=3.ckpt"
     path.mkdir()
@@ -316,6 +333,9 @@ ROWS: list[BadInput] = [
              ValueError, r"(?s)this batch holds none.*0: \(4, 16\) float32.*strategy='fsdp2'"),
     BadInput("Images (ViT pixel_values) under context_parallel", lambda t: _fit_leaving_nothing(t, "context_parallel", _vit_classifier(), _images()),
              ValueError, r"(?s)this batch holds none.*pixel_values: \(4, 3, 32, 32\) float32, labels: \(4,\) int64.*Images.*strategy='fsdp2'"),
+    BadInput("A constructor-computed non-persistent buffer under init_module(empty_init=True)",
+             lambda t: _meta_model_with_constructor_buffer(),
+             RuntimeError, r"built rotary\.inv_freq \(_RotaryTable\) on the meta device.*non-persistent buffers.*Give _RotaryTable a reset_parameters\(\)"),
     BadInput("A wrap class the model does not have", lambda t: _fit(FSDP2Strategy(wrap_modules=["DecoderLayer"])),
              ValueError, r"Cannot shard \['DecoderLayer'\]: the model has no module of that class"),
     BadInput("A wrap regex that matches no module", lambda t: _fit(FSDP2Strategy(wrap_regex=r"layers\.\d+")),

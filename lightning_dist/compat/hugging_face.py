@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 #: Every private name used below: ``name -> (checked on, used for)``. tests/test_compat.py checks the list is complete.
@@ -11,6 +14,7 @@ PRIVATE_HUGGING_FACE_NAMES: dict[str, tuple[str, str]] = {
     "_apply_gate": ("transformers 5.24", "expert parallel: an experts module's own act(gate) * up"),
     "_CAN_RECORD_REGISTRY": ("transformers 5.24", "verify: output capture of a model unpickled in a new process"),
     "_can_record_outputs": ("transformers 5.24", "verify: output capture of a model unpickled in a new process"),
+    "_is_hf_initialized": ("transformers 5.24", "materialize: the mark that makes initialize_weights skip a module"),
 }
 
 
@@ -84,3 +88,64 @@ def apply_experts_gate(experts: Any, gate_up_out: Any) -> Any:
     """``act(gate) * up`` as the experts module computes it (transformers' ``_apply_gate``, set by
     ``@use_experts_implementation``; models with another activation layout override it)."""
     return experts._apply_gate(gate_up_out)
+
+
+# ---------------------------------------------------------------------------------------------------- weight init
+def pretrained_models(module: Any) -> list[Any]:
+    """The outermost transformers ``PreTrainedModel`` instances in ``module`` (``module`` itself, if it is one)."""
+    if "transformers" not in sys.modules:  # a module holding a transformers model would have imported it
+        return []
+    from transformers import PreTrainedModel
+
+    found: list[Any] = []
+    stack = [module]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, PreTrainedModel):
+            found.append(current)
+        else:
+            stack.extend(reversed(list(current.children())))
+    return found
+
+
+def initialize_pretrained_weights(model: Any) -> None:
+    """Run a transformers model's own weight initialization on its (materialized) state, as its constructor does
+    outside the meta device: ``initialize_weights()`` applies the model's ``_init_weights`` to every module, sub-models
+    dispatching to their own (norm weights to one, rotary ``inv_freq`` recomputed from the config, experts and routers
+    drawn with the config's ``initializer_range``). Weight tying is left to the caller.
+
+    Modules marked as already initialized (``_is_hf_initialized``, set by an earlier init or by ``from_pretrained``)
+    would be skipped: the marks are cleared first, since materializing replaced every tensor."""
+    for submodule in model.modules():
+        if getattr(submodule, "_is_hf_initialized", False):
+            submodule._is_hf_initialized = False
+    model.initialize_weights()
+
+
+# ---------------------------------------------------------------------------------------------------- generation cache
+def generation_cache_configs(module: Any) -> list[Any]:
+    """The transformers configs in ``module`` with the key/value cache on (``use_cache=True``, the default of every
+    decoder config), each once."""
+    if "transformers" not in sys.modules:
+        return []
+    from transformers import PreTrainedConfig
+
+    found: dict[int, Any] = {}
+    for submodule in module.modules():
+        config = getattr(submodule, "config", None)
+        if isinstance(config, PreTrainedConfig) and getattr(config, "use_cache", None) is True:
+            found.setdefault(id(config), config)
+    return list(found.values())
+
+
+@contextmanager
+def generation_cache_off(configs: Sequence[Any]) -> Iterator[None]:
+    """Within it, ``use_cache=False`` on each config; on exit, each config's value from before."""
+    before = [config.use_cache for config in configs]
+    for config in configs:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config, value in zip(configs, before):
+            config.use_cache = value

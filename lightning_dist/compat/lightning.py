@@ -24,7 +24,6 @@ PRIVATE_LIGHTNING_NAMES: dict[str, tuple[str, str]] = {
     "_get_default_process_group_backend_for_device": ("Lightning 2.6.6", "strategies/processes.py: nccl or gloo"),
     "_init_dist_connection": ("Lightning 2.6.6", "strategies/processes.py: the default process group"),
     "_sync_ddp_if_available": ("Lightning 2.6.6", "strategies/collectives.py: reduce a tensor over a group"),
-    "_materialize_distributed_module": ("Lightning 2.6.6", "strategies/model_setup.py: meta-initialized state"),
     "_optimizers_to_device": ("Lightning 2.6.6", "strategies/model_setup.py: optimizer state onto the device"),
     "_PATH": ("Lightning 2.6.6", "plugins, strategies/checkpointing.py: CheckpointIO's path type"),
     "_Stateful": ("Lightning 2.6.6", "strategies/data_position.py: a dataloader with state_dict/load_state_dict"),
@@ -100,13 +99,6 @@ def all_reduce_if_distributed(tensor: torch.Tensor, group: Any = None, reduce_op
 
 
 # ---------------------------------------------------------------------------------------------------- model and optimizers
-def materialize_distributed_module(module: torch.nn.Module, device: torch.device) -> None:
-    """Create on ``device`` the state of ``module`` still on the meta device, and run its ``reset_parameters``."""
-    from lightning.fabric.utilities.init import _materialize_distributed_module
-
-    _materialize_distributed_module(module, device)
-
-
 def optimizers_to_device(optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> None:
     """Move the state of every optimizer onto ``device``."""
     from lightning.fabric.utilities.optimizer import _optimizers_to_device

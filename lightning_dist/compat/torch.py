@@ -65,6 +65,7 @@ PRIVATE_TORCH_NAMES: dict[str, tuple[str, str]] = {
     "_nn": ("torch 2.13", "context parallel: the C module of F.scaled_dot_product_attention's builtin"),
     "_buffers": ("torch 2.13", "nn.Module's buffer dict: rope tables read/swapped, buffers moved under offload"),
     "_modules": ("torch 2.13", "nn.Module's child dict: pipeline/stage.py's shell copies of container modules"),
+    "_non_persistent_buffers_set": ("torch 2.13", "parallel/materialize.py: buffers no checkpoint holds"),
     "_cdata": ("torch 2.13", "planning/model_facts.py: identity of a tensor storage"),
     "_foreach_norm": ("torch 2.13", "runtime/nonfinite.py: one fused norm per device for the non-finite check"),
     "_apply": ("torch 2.13", "tensor parallel: ParallelStyle's apply hook, run by our fused styles"),
@@ -120,6 +121,12 @@ def buffer_registry(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     """``module``'s own buffers by name, the dict itself (``nn.Module._buffers``): writing to it replaces a buffer
     without the checks of ``register_buffer``."""
     return module._buffers
+
+
+def non_persistent_buffer_names(module: torch.nn.Module) -> set[str]:
+    """The names of ``module``'s own buffers registered with ``persistent=False`` (in no state dict, so in no
+    checkpoint): ``nn.Module._non_persistent_buffers_set``."""
+    return set(module._non_persistent_buffers_set)
 
 
 def child_module_registry(module: torch.nn.Module) -> dict[str, torch.nn.Module | None]:

@@ -72,7 +72,11 @@ class ParallelizeConfig:
     Attributes:
         units: The repeated blocks (name, module): activation-checkpointed and sharded as FSDP units.
         tp_plan: A resolved tensor-parallel plan, applied over the ``tp`` axis; ``None``: no tensor parallelism.
-        activation_checkpointing: Recompute the units' activations in backward.
+        activation_checkpointing: Recompute the units' activations in backward. A Hugging Face model's key/value cache
+            is then turned off for good (``use_cache=False``: a recomputed block must save what its forward saved),
+            unless ``keep_generation_cache``.
+        keep_generation_cache: Leave ``use_cache`` as it is under activation checkpointing: the caller turns the
+            cache off around each training step itself (the strategies do, so that evaluation keeps the setting).
         compile: ``torch.compile`` keyword arguments for each unit (``{}``: the defaults); ``None``: no compilation.
         fsdp: How to shard; ``None``: no FSDP2.
         root_mp_policy: The root module's mixed-precision policy (default: ``fsdp.mp_policy``).
@@ -87,6 +91,7 @@ class ParallelizeConfig:
     units: list[Unit] = field(default_factory=list)
     tp_plan: TensorParallelPlan | None = None
     activation_checkpointing: bool = False
+    keep_generation_cache: bool = False
     compile: dict[str, Any] | None = None
     fsdp: FSDPConfig | None = None
     root_mp_policy: MixedPrecisionPolicy | None = None
@@ -142,7 +147,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelizeConfig)
     if config.activation_checkpointing:
         apply_activation_checkpointing(m for _, m in config.units)
         record.checkpointed = summarize(config.units)
-        if uncached := turn_off_generation_cache(model):
+        if not config.keep_generation_cache and (uncached := turn_off_generation_cache(model)):
             record.checkpointed += f" (config.use_cache turned off on {', '.join(uncached)}, as transformers does)"
     if config.compile is not None:
         record.compiled = _compile_units(config)

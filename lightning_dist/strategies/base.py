@@ -98,7 +98,9 @@ class MeshParallelStrategy(
         on_nonfinite: When a loss or gradient is NaN or infinite on any rank: ``"skip"`` drops that optimizer step
             on every rank (with a warning naming the step and the ranks), ``"stop"`` raises
             :class:`~lightning_dist.parallel.runtime.nonfinite.NonFiniteError` on every rank, ``"ignore"`` (default) checks
-            nothing. The check costs one gradient norm pass and a tiny all-gather per optimizer step.
+            only the first training step's loss. The check costs one gradient norm pass and a tiny all-gather per
+            optimizer step. Whatever the setting, a first training loss that is not finite is reported: a warning
+            naming the step (``"stop"``: the error).
         compile: ``torch.compile`` the model's repeated blocks in place after tensor parallelism and activation
             checkpointing, before FSDP2 shards them (torchtitan's order; names and checkpoint keys do not change).
             ``False``, ``True`` (torch.compile's defaults) or a dict of ``torch.compile`` keyword arguments

@@ -160,6 +160,7 @@ class FSDP2Strategy(ExpertParallelOption, MeshParallelStrategy):
         return ParallelizeConfig(
             units=units,
             activation_checkpointing=self.activation_checkpointing,
+            keep_generation_cache=True,  # off in training steps only (StepProtocol.train_context)
             compile=self.compile_options,
             fsdp=self.fsdp_config,
             root_mp_policy=self.precision_plugin.root_mp_policy,

@@ -57,6 +57,7 @@ class ParallelizeOptions(_Base):
             units=units,
             tp_plan=tp_plan,
             activation_checkpointing=self.activation_checkpointing,
+            keep_generation_cache=True,  # off in training steps only (StepProtocol.train_context)
             fsdp=fsdp if sharded else None,
             root_mp_policy=self.precision_plugin.root_mp_policy if sharded else None,
             compile=self.compile_options,

@@ -6,7 +6,8 @@ parts whose axis has more than one rank take part, in this order:
 A training step
     1. ``batch_to_device`` → :meth:`StepProtocol.transform_batch`: context parallel shards the sequences.
     2. :meth:`StepProtocol.train_context`, open from forward to the end of backward (activation checkpointing
-       recomputes forward inside backward): context parallel's attention dispatch, loss parallel's cross-entropy.
+       recomputes forward inside backward): a Hugging Face model's key/value cache off (``use_cache=False``),
+       context parallel's attention dispatch, loss parallel's cross-entropy.
     3. The precision plugin's autocast.
     4. :meth:`StepProtocol.run_training_step`, each part wrapping the next: context parallel (the shard's global
        positions, the first output checked for a sequence dim) → tensor parallel (a loss-parallel failure explained,
@@ -35,7 +36,8 @@ An evaluation step (validation, test, predict)
 
 A strategy written by hand may still override the hooks above (``train_context``, ``run_training_step``,
 ``run_backward``, ``run_eval_step``, ``transform_batch``); the parallelisms of this package do not.
-``on_nonfinite``: what every rank does when any rank sees a non-finite loss or gradient (skip or stop).
+``on_nonfinite``: what every rank does when any rank sees a non-finite loss or gradient (skip or stop). The first
+training step's loss is checked whatever the setting: a run that starts from NaN is said to, loudly.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_dist.compat.hugging_face import generation_cache_off
 from lightning_dist.compat.lightning import forward_redirection
 from lightning_dist.parallel.fsdp import (
     end_forward_before_backward,
@@ -83,6 +86,10 @@ class StepProtocol:
     on_nonfinite: NonFiniteMode = "ignore"
     #: Optimizer steps skipped by ``on_nonfinite="skip"`` in this process.
     skipped_non_finite_steps: int = 0
+    #: The Hugging Face configs whose key/value cache is turned off while a training step runs (set at setup).
+    _generation_caches: tuple[Any, ...] = ()
+    #: Whether the first training step of this ``fit`` has had its loss checked.
+    _first_loss_checked: bool = False
 
     def step_parts(self) -> list[StepPart]:
         """The parts of this strategy's steps on its mesh, in :data:`STEP_PARTS`'s order."""
@@ -108,6 +115,8 @@ class StepProtocol:
         strategy adds its own to the stack ``super().train_context()`` returns. (Precision's autocast is entered
         around the forward only, as torch recommends.)"""
         stack = ExitStack()
+        if self._generation_caches:
+            stack.enter_context(generation_cache_off(self._generation_caches))
         for part in self.step_parts():
             for context in part.train_contexts():
                 stack.enter_context(context)
@@ -156,14 +165,49 @@ class StepProtocol:
         try:
             with self.precision_plugin.train_step_context():
                 output = self.run_training_step(*args, **kwargs)
+            if not self._first_loss_checked:
+                self._first_loss_checked = True
+                self._check_first_loss(output)
         except BaseException:
             self._close_train_context()
             raise
         finally:
             self._in_training_step = False
-        if not self.lightning_module.automatic_optimization:  # its backwards ran inside it
+        # the step is over: its backwards ran inside it (manual optimization), or a part's schedule ran backward too
+        if not self.lightning_module.automatic_optimization or self._step_runner(self.step_parts()) is not None:
             self._close_train_context()
         return output
+
+    def _check_first_loss(self, output: Any) -> None:
+        """The first training step's loss, on every ``on_nonfinite`` setting: when it is not finite on any rank,
+        every rank learns it; ``"stop"`` stops there, otherwise a warning names the step and the likely causes."""
+        loss = output.get("loss") if isinstance(output, dict) else output
+        finite = not isinstance(loss, Tensor) or bool(torch.isfinite(loss.detach()).all())
+        report = gather_non_finite(finite, True, self.root_device)
+        if not report.found:
+            return
+        causes = (
+            "A run that starts from a non-finite loss usually has parameters or buffers that were never initialized"
+            " (a model built under Trainer.init_module(empty_init=True) whose modules have no reset_parameters()), NaN"
+            " in the weights it loaded, or a first batch that holds NaN or labels out of range."
+        )
+        if self.on_nonfinite == "stop":
+            raise NonFiniteError(
+                f"Training stopped at the first training step, {self._where()}: {report.describe()}"
+                f" (on_nonfinite='stop'). {causes}"
+            )
+        then = {
+            "ignore": "Training goes on (on_nonfinite='ignore' checks no later step): pass on_nonfinite='stop' to stop"
+            " at such a step, or 'skip' to skip its update.",
+            "skip": "Its optimizer step is skipped (on_nonfinite='skip').",
+        }[self.on_nonfinite]
+        rank_zero_warn(f"The first training loss is not finite, {self._where()}: {report.describe()}. {causes} {then}")
+
+    def _where(self) -> str:
+        trainer = self.lightning_module.trainer
+        return (
+            f"at global step {trainer.global_step} (epoch {trainer.current_epoch}, batch {trainer.fit_loop.batch_idx})"
+        )
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -279,10 +323,7 @@ class StepProtocol:
         report = gather_non_finite(loss_finite, grads_finite, self.root_device)
         if not report.found:
             return
-        trainer = self.lightning_module.trainer
-        where = (
-            f"at global step {trainer.global_step} (epoch {trainer.current_epoch}, batch {trainer.fit_loop.batch_idx})"
-        )
+        where = self._where()
         if self.on_nonfinite == "stop":
             raise NonFiniteError(
                 f"Training stopped {where}: {report.describe()} (on_nonfinite='stop'). Look at that batch, lower the"

@@ -15,6 +15,8 @@
   logits to float32 before the cross entropy, so ``out.loss`` is a float32 value even in a ``64-true`` run. The step
   also logs ``loss64``, the same loss computed from the float64 logits, so a test can compare the forward at float64
   precision.
+- :func:`tiny_hf_causal_lm`: stock Llama, GPT-2, Qwen3 or Mixtral causal LMs with their default config
+  (``use_cache=True``), as users build them.
 - :class:`HFLlama`: a stock ``LlamaForCausalLM`` whose loss is computed inside the model (context parallelism's
   label shift), or from its logits.
 - :class:`QKNormAttention`: Qwen3-style attention normalizing queries and keys over head_dim (``q_norm``,
@@ -323,6 +325,29 @@ def hf_model(kind: str) -> torch.nn.Module:
     return GPTNeoXForCausalLM(config)
 
 
+def tiny_hf_causal_lm(kind: str, **overrides: Any) -> nn.Module:
+    """A stock transformers causal LM (``llama``, ``gpt2``, ``qwen3``, ``mixtral``) with a tiny config, as a user writes
+    it (``use_cache`` left at its default), without dropout; Qwen3 and Mixtral with a padding token (an embedding
+    row the constructor zeroes)."""
+    import transformers as tf
+
+    common = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": SEQ_LEN,
+              "attn_implementation": "eager", "bos_token_id": 0, "eos_token_id": 1}  # fmt: skip
+    if kind == "gpt2":
+        config = tf.GPT2Config(vocab_size=64, n_positions=SEQ_LEN, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                               embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager", bos_token_id=0,
+                               eos_token_id=1, **overrides)  # fmt: skip
+        return tf.GPT2LMHeadModel(config)
+    if kind == "qwen3":
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=8, pad_token_id=2, **overrides))
+    if kind == "mixtral":
+        config = tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, pad_token_id=2,
+                                  experts_implementation="eager", **overrides)  # fmt: skip
+        return tf.MixtralForCausalLM(config)
+    return tf.LlamaForCausalLM(tf.LlamaConfig(**common, **overrides))
+
+
 # ---------------------------------------------------------------------------------- causal LMs computing their own loss
 
 
@@ -434,7 +459,8 @@ class UserMoELayer(nn.Module):
         super().__init__()
         self.scorer = nn.Linear(hidden, experts, bias=False)
         self.expert_list = nn.ModuleList(
-            nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden)) for _ in range(experts)
+            nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
+            for _ in range(experts)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

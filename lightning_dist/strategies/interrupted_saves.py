@@ -41,7 +41,7 @@ def recover_checkpoint_folders(trainer: pl.Trainer, global_rank: int, ckpt_path:
                 say(f"lightning_dist: in {str(folder)!r}, {item.describe()}.")
         else:
             _wait_for_rank_zero(folder)
-    if resuming_last:
+    if resuming_last and global_rank == 0:
         _warn_without_complete_last(trainer)
 
 
@@ -60,8 +60,9 @@ def checkpoint_folders(trainer: pl.Trainer, resolve_logger_folders: bool) -> lis
 
 
 def _wait_for_rank_zero(folder: Path) -> None:
+    """Wait until rank 0 has published what Lightning will list (deleting what was set aside changes nothing)."""
     deadline = time.monotonic() + WAIT_SECONDS
-    while interrupted_publishes(folder):
+    while any(item.newest is not None for item in interrupted_publishes(folder)):
         if time.monotonic() > deadline:
             raise CheckpointError(
                 f"Rank 0 did not finish publishing the checkpoints an interrupted save left in {str(folder)!r} within"

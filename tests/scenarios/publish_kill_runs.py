@@ -118,7 +118,7 @@ def killed_between(workdir: str) -> dict[str, Any]:
 
 def kill_matrix(devices: int, workdir: str) -> dict[str, Any]:
     assert devices == 1, "publishing is rank 0's work: one process is enough"
-    result: dict[str, Any] = {"killed": killed_between(workdir)}
+    result: dict[str, Any] = {"sigkill": killed_between(workdir)}
 
     def freeze(point: str) -> None:
         shutil.copytree(Path(workdir, "ckpts"), Path(workdir, f"state_{point}"), symlinks=True)

@@ -113,10 +113,13 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(crashed, resumed,
     last = validate_checkpoint(folder / "last.ckpt")
     assert summarize_checkpoint(last).global_step == 2
     assert not (folder / "step=4.ckpt").exists()
+    # the unfinished write: removed by rank 0 when its save failed, or (if rank 0 was ended first) left under a
+    # hidden name that never passes for a checkpoint
     leftovers = list(folder.glob(".step=4.ckpt.tmp-*"))
-    assert len(leftovers) == 1  # the unfinished write, under a hidden name ...
-    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
-        validate_checkpoint(leftovers[0])  # ... that never passes for a checkpoint
+    assert len(leftovers) <= 1 and not list(folder.glob(".*.old-*"))
+    for leftover in leftovers:
+        with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+            validate_checkpoint(leftover)
     # resuming from `last` continues the uninterrupted run exactly
     assert max_abs_diff(resumed["resume_after_crash"]["losses"], saved["fit_dcp_fp32"]["losses"][2:]) <= FP32_EXACT
 

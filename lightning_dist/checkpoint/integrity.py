@@ -86,12 +86,17 @@ class _ChecksummingStream:
         self._raw = raw
         self.crc32 = 0
         self.size = 0
+        self.error: OSError | None = None  # what the operating system said when a write failed
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self.crc32 = zlib.crc32(view, self.crc32)
         self.size += view.nbytes
-        return self._raw.write(view)
+        try:
+            return self._raw.write(view)
+        except OSError as err:
+            self.error = err
+            raise
 
     def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close...
         return getattr(self._raw, name)
@@ -112,7 +117,14 @@ class ChecksummingFileSystem(FileSystem):
                 yield raw
                 return
             stream = _ChecksummingStream(raw)
-            yield stream  # type: ignore[misc]
+            try:
+                yield stream  # type: ignore[misc]
+            except Exception as err:
+                # torch's zip writer turns the OSError (a full disk) into "unexpected pos 704 vs 598", and DCP sends
+                # failures to rank 0 pickled, without their causes: raise the OSError itself, which keeps its errno.
+                if stream.error is not None and stream.error is not err:
+                    raise stream.error from err
+                raise
         with self._lock:
             self.records[Path(path).name] = FileRecord(stream.size, stream.crc32)
 

@@ -19,7 +19,10 @@ Every file a folder names (its DCP index's paths, its ``COMPLETE`` manifest's en
 lie inside it: :mod:`lightning_dist.checkpoint.contained_paths`.
 
 Both are written under a hidden temporary name beside the target (``.step=3.ckpt.tmp-<token>``) and renamed into
-place, so a save that dies midway leaves the previous checkpoint at that path untouched.
+place, so a save that dies midway leaves the previous checkpoint at that path untouched. One killed after its write
+finished but before its renames did leaves a complete checkpoint under a hidden name: the next start, or the next
+save of that name, publishes it (:mod:`~lightning_dist.checkpoint.recovery`). A save that fails (a full disk) removes
+its temporary file or folder and says why (:mod:`~lightning_dist.checkpoint.save_failures`).
 
 A save replaces only what is provably one of our own complete checkpoints (:func:`check_replaceable`): a folder
 with the ``COMPLETE`` marker whose ``meta.pt`` carries our ``lightning_dist`` entry, or a single file whose
@@ -50,8 +53,8 @@ COMPLETE_MARKER = "COMPLETE"
 #: The entry of every checkpoint we write (strategy, world size, mesh, data position...): how a save recognises a
 #: checkpoint of ours it may replace.
 PROVENANCE_KEY = "lightning_dist"
-_TMP_INFIX = ".tmp-"
-_OLD_INFIX = ".old-"
+TMP_INFIX = ".tmp-"
+OLD_INFIX = ".old-"
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
@@ -217,38 +220,61 @@ def without_states(checkpoint: dict[str, Any]) -> dict[str, Any]:
 
 def temporary_path(path: Path, token: str) -> Path:
     """The hidden name a checkpoint is written under before it is published at ``path``."""
-    return path.parent / f".{path.name}{_TMP_INFIX}{token}"
+    return path.parent / f".{path.name}{TMP_INFIX}{token}"
+
+
+def aside_path(path: Path, token: str) -> Path:
+    """The hidden name the previous checkpoint at ``path`` is moved to while a new one is published there."""
+    return path.parent / f".{path.name}{OLD_INFIX}{token}"
 
 
 def new_token() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def remove_stale_temporaries(path: Path) -> None:
-    """Delete what a crashed save of ``path`` left: unfinished writes (they never look complete) and, when ``path``
-    itself exists, an older version renamed aside by an interrupted publish."""
-    stale = list(path.parent.glob(f".{path.name}{_TMP_INFIX}*"))
-    if path.exists():
-        stale += path.parent.glob(f".{path.name}{_OLD_INFIX}*")
-    for leftover in stale:
-        remove(leftover)
+def prepare_target(path: Path) -> None:
+    """Before a save of ``path`` writes anything: finish what a killed save of the same name left half-published (a
+    complete version is published, never deleted: :mod:`lightning_dist.checkpoint.recovery`), then delete that
+    save's unfinished writes, which never look complete."""
+    from lightning_dist.checkpoint.recovery import finish_publish, interrupted_publish, unfinished_writes
+
+    item = interrupted_publish(path)
+    if item is not None:
+        finish_publish(item)
+    for leftover in unfinished_writes(path):
+        discard(leftover)
 
 
 def publish(tmp: Path, path: Path) -> None:
     """Move the finished ``tmp`` (file or folder) to ``path``, replacing what was there.
 
     A file over a file is one atomic ``os.replace``. Otherwise the previous checkpoint is first renamed aside
-    (``.name.old-*``) and deleted only after the new one is in place; if the process dies between the two renames,
-    :func:`validate_checkpoint` finds the previous checkpoint under its aside name.
+    (``.name.old-*``) and deleted only after the new one is in place. If the second rename fails, the previous
+    checkpoint is put back; if the process dies between the two renames, the next start or save finds the new
+    checkpoint under its temporary name and publishes it (:mod:`lightning_dist.checkpoint.recovery`).
     """
     if path.exists() and (path.is_dir() or tmp.is_dir()):
-        old = path.parent / f".{path.name}{_OLD_INFIX}{uuid.uuid4().hex[:8]}"
+        old = aside_path(path, uuid.uuid4().hex[:8])
         os.replace(path, old)
-        os.replace(tmp, path)
-        remove(old)
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            os.replace(old, path)
+            raise
+        discard(old)
     else:
         os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def discard(path: Path) -> bool:
+    """:func:`remove`, as far as it goes: an error leaves the rest for the next save of the same name to delete.
+    Returns whether ``path`` is gone."""
+    try:
+        remove(path)
+    except OSError:
+        pass
+    return not path.exists() and not path.is_symlink()
 
 
 def remove(path: Path) -> None:
@@ -274,20 +300,9 @@ def remove_own_checkpoint(path: Path) -> bool:
 
 
 def _recover_interrupted_publish(path: Path) -> Path | None:
-    asides = []
-    for aside in path.parent.glob(f".{path.name}{_OLD_INFIX}*"):
-        try:
-            asides.append((aside.stat().st_mtime, aside))
-        except OSError:  # another rank recovered it meanwhile
-            continue
-    if not asides:
-        return path if path.exists() else None
-    asides = [aside for _, aside in sorted(asides)]
-    try:  # every rank may try this at once; one rename wins
-        os.replace(asides[-1], path)
-    except OSError:
-        pass
-    return path if path.exists() else None
+    from lightning_dist.checkpoint.recovery import restore_missing
+
+    return path if restore_missing(path) else None
 
 
 def _fsync_dir(directory: Path) -> None:

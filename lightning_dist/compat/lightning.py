@@ -35,6 +35,11 @@ PRIVATE_LIGHTNING_NAMES: dict[str, tuple[str, str]] = {
     "_device_mesh": ("Lightning 2.6.6", "strategies/processes.py: LightningModule.device_mesh of the strategy's mesh"),
     "_forward_redirection": ("Lightning 2.6.6", "strategies/step_protocol.py: steps run through the wrapped model"),
     "_trainer": ("Lightning 2.6.6", "planning/recommend.py: a LightningModule's Trainer, left out of a model copy"),
+    "_ModelCheckpoint__resolve_ckpt_dir": (
+        "Lightning 2.6.6",
+        "strategies/interrupted_saves.py: the folder a ModelCheckpoint without dirpath saves into",
+    ),
+    "_find_last_checkpoints": ("Lightning 2.6.6", "strategies/interrupted_saves.py: what ckpt_path='last' lists"),
     "_defaults": ("torchmetrics 1.9.0", "strategies/pipeline_logs.py: the names of a Metric's states"),
     "_update_count": ("torchmetrics 1.9.0", "strategies/pipeline_logs.py: how often a Metric was updated"),
     "_forward_cache": ("torchmetrics 1.9.0", "strategies/pipeline_logs.py: a Metric's step value"),
@@ -126,6 +131,18 @@ def attached_trainer(model: Any) -> Any:
     """The Trainer a LightningModule is attached to, without the property's error (``None`` when none or when
     ``model`` is a plain module)."""
     return getattr(model, "_trainer", None)
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+def model_checkpoint_dir(callback: Any, trainer: Any) -> str:
+    """The folder a ``ModelCheckpoint`` saves into: its ``dirpath``, or the one it derives from the logger or the
+    Trainer's ``default_root_dir`` (what ``ckpt_path="last"`` lists)."""
+    return callback._ModelCheckpoint__resolve_ckpt_dir(trainer)
+
+
+def last_checkpoints(callback: Any, trainer: Any) -> set[str]:
+    """The ``last*.ckpt`` paths in a ``ModelCheckpoint``'s folder, which ``ckpt_path="last"`` chooses from."""
+    return set(callback._find_last_checkpoints(trainer))
 
 
 # ---------------------------------------------------------------------------------------------------- loops and data

@@ -16,6 +16,7 @@ from typing_extensions import override
 
 from lightning_dist.checkpoint.integrity import gather_records, records_of
 from lightning_dist.checkpoint.layout import CheckpointError, remove
+from lightning_dist.checkpoint.save_failures import save_failure
 from lightning_dist.compat.lightning import StrOrPath
 from lightning_dist.plugins.checkpoint_io import (
     DistributedCheckpointIO,
@@ -70,7 +71,7 @@ class AsyncDistributedCheckpointIO(DistributedCheckpointIO):
             meta_bytes = serialize(meta)
             staged = stager.stage(sharded)
         except Exception as err:  # noqa: BLE001 (every rank learns of it below, before any rank starts writing)
-            error = f"{type(err).__name__}: {err}"
+            error = str(save_failure(path, err))
         if self._any_error(error):  # collective: called on every rank, failed or not
             stager.close()
             if rank() == 0:
@@ -80,12 +81,16 @@ class AsyncDistributedCheckpointIO(DistributedCheckpointIO):
 
         def write() -> None:
             try:
-                dcp.save(staged, storage_writer=writer, process_group=group)  # collective over the save group
-            finally:
-                stager.close()
-            records = gather_records(records_of(writer), group)  # collective over the save group
+                try:
+                    dcp.save(staged, storage_writer=writer, process_group=group)  # collective over the save group
+                finally:
+                    stager.close()
+                records = gather_records(records_of(writer), group)  # collective over the save group
+            except (Exception, dcp.CheckpointException) as err:
+                # Every rank has DCP's error once every rank's writes ended: rank 0 removes the partial folder.
+                raise save_failure(path, err, tmp if is_rank_zero else None) from err
             if is_rank_zero:
-                finish_folder(tmp, path, meta_bytes, records)
+                finish_folder(tmp, path, meta_bytes, records)  # a CheckpointError, the folder removed, if it fails
 
         assert self._executor is not None
         self._pending = self._executor.submit(write)
@@ -148,15 +153,18 @@ class AsyncDistributedCheckpointIO(DistributedCheckpointIO):
         return bool(flag)
 
     def _raise_on_every_rank(self, error: str | None) -> None:
+        """Raise the same :class:`CheckpointError` on every rank: the first failing rank's message (its first line
+        names the checkpoint and the cause), and the other failing ranks' first lines. Collective."""
         errors: list[str | None] = [error]
         if dist.is_initialized():
             gathered: list[str | None] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, error, group=self._status_group)
             errors = gathered
-        failures = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
-        raise CheckpointError(
-            "The background checkpoint save failed; the previous checkpoint is still in place. " + "; ".join(failures)
-        )
+        failures = [(r, e) for r, e in enumerate(errors) if e]
+        first_rank, message = failures[0]
+        others = [f"rank {r}: {e.splitlines()[0]}" for r, e in failures[1:]]
+        background = f"(A background save: rank {first_rank} reported this at the first step or save after it failed.)"
+        raise CheckpointError("\n".join([message, *others, background]))
 
     def _ensure_groups(self) -> None:
         if self._executor is None:
@@ -177,4 +185,6 @@ def _error_of(future: Future, block: bool) -> str | None:
     if not block and not future.done():
         return None
     err = future.exception()
-    return None if err is None else f"{type(err).__name__}: {err}"
+    if err is None:
+        return None
+    return str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"

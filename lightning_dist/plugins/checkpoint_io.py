@@ -34,16 +34,17 @@ from lightning_dist.checkpoint.layout import (
     check_replaceable,
     foreign_content,
     new_token,
+    prepare_target,
     publish,
     read_checkpoint_file,
     read_metadata,
     remove_own_checkpoint,
-    remove_stale_temporaries,
     temporary_path,
     validate_checkpoint,
     with_provenance,
 )
 from lightning_dist.checkpoint.safe_load import resolve_weights_only
+from lightning_dist.checkpoint.save_failures import save_failure
 from lightning_dist.compat.lightning import StrOrPath
 
 __all__ = ["CheckpointError", "DistributedCheckpointIO", "ParallelCheckpointIO"]
@@ -98,7 +99,10 @@ class DistributedCheckpointIO(ParallelCheckpointIO):
         sharded, meta = split_sharded(checkpoint)
         tmp = start_folder(path)
         writer = self._storage_writer(tmp)
-        dcp.save(sharded, storage_writer=writer)
+        try:
+            dcp.save(sharded, storage_writer=writer)  # every rank returns or raises, once every rank's writes ended
+        except (Exception, dcp.CheckpointException) as err:
+            raise shared_save_failure(path, tmp, err) from err
         records = gather_records(records_of(writer))
         on_rank_zero_then_check(lambda: finish_folder(tmp, path, meta, records), f"publish the checkpoint at {path}")
 
@@ -122,8 +126,11 @@ def start_folder(path: Path) -> Path:
 
     def create() -> None:
         check_replaceable(path)
-        remove_stale_temporaries(path)
-        tmp.mkdir(parents=True, exist_ok=False)
+        prepare_target(path)
+        try:
+            tmp.mkdir(parents=True, exist_ok=False)
+        except OSError as err:
+            raise save_failure(path, err, tmp) from err
 
     on_rank_zero_then_check(create, f"create {tmp}")
     return tmp
@@ -133,9 +140,21 @@ def finish_folder(tmp: Path, path: Path, meta: dict[str, Any] | bytes, records: 
     """Write ``meta.pt`` and the completion marker, with the checksums of every file (``records``: the shards and
     DCP index), into ``tmp``, then publish it at ``path`` (rank 0 only)."""
     meta_bytes = meta if isinstance(meta, bytes) else serialize(meta)
-    (tmp / METADATA_FILENAME).write_bytes(meta_bytes)
-    write_marker(tmp, {**records, METADATA_FILENAME: record_of_bytes(meta_bytes)})
-    publish(tmp, path)
+    try:
+        (tmp / METADATA_FILENAME).write_bytes(meta_bytes)
+        write_marker(tmp, {**records, METADATA_FILENAME: record_of_bytes(meta_bytes)})
+        publish(tmp, path)
+    except OSError as err:
+        raise save_failure(path, err, tmp) from err
+
+
+def shared_save_failure(path: Path, tmp: Path, error: BaseException) -> CheckpointError:
+    """After a collective write into ``tmp`` failed on some rank (every rank has the error): rank 0 removes the
+    partial folder; every rank gets rank 0's :class:`CheckpointError` naming ``path`` and the cause. Collective."""
+    message: list[str | None] = [str(save_failure(path, error, tmp)) if rank() == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(message, src=0)
+    return CheckpointError(message[0])
 
 
 def serialize(obj: Any) -> bytes:

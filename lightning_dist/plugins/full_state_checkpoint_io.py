@@ -11,11 +11,12 @@ from typing_extensions import override
 from lightning_dist.checkpoint.integrity import crc32_enabled
 from lightning_dist.checkpoint.layout import (
     check_replaceable,
+    prepare_target,
     publish,
-    remove_stale_temporaries,
     temporary_path,
     with_provenance,
 )
+from lightning_dist.checkpoint.save_failures import save_failure
 from lightning_dist.compat.lightning import StrOrPath
 from lightning_dist.plugins.checkpoint_io import ParallelCheckpointIO, on_rank_zero_then_check, shared_token
 
@@ -41,10 +42,15 @@ class FullStateCheckpointIO(ParallelCheckpointIO):
 
         def write() -> None:
             check_replaceable(path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            remove_stale_temporaries(path)
-            with crc32_enabled():  # a CRC-32 of every record in the zip's directory: what loads verify
-                torch.save(with_provenance(checkpoint), tmp)
-            publish(tmp, path)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                prepare_target(path)
+                # A Python file, not a path: torch's own file writer reports a full disk as "unexpected pos", while
+                # the OSError of a Python file's write stays in the chain of causes, with its errno.
+                with crc32_enabled(), open(tmp, "wb") as file:  # crc32: what loads verify, for every zip record
+                    torch.save(with_provenance(checkpoint), file)
+                publish(tmp, path)
+            except Exception as err:
+                raise save_failure(path, err, tmp) from err
 
         on_rank_zero_then_check(write, f"write the checkpoint {path}")

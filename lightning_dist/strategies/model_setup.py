@@ -37,6 +37,7 @@ from lightning_dist.parallel.replicated_state import broadcast_replicated_state,
 from lightning_dist.parallel.tensor_parallel import tp_sharded_parameters
 from lightning_dist.parallel.tensor_parallel.partial_gradients import partial_over_tp_parameters
 from lightning_dist.strategies.data_position import LIGHTNING_NOT_RESUMABLE_WARNING, skip_trained_batches
+from lightning_dist.strategies.interrupted_saves import recover_checkpoint_folders
 from lightning_dist.strategies.metric_sync import gather_over_data_parallel, use_metric_group
 from lightning_dist.strategies.preflight import (
     PARALLELIZED,
@@ -172,6 +173,7 @@ class ModelSetup(_Base):
         for part in parts:
             part.preflight_before_model(trainer, arguments)
         check_checkpoint_callbacks(trainer)
+        recover_checkpoint_folders(trainer, self.global_rank, arguments.get("ckpt_path"))
         self._requested_weights_only = arguments.get("weights_only")
         check_ckpt_path(arguments.get("ckpt_path"), self._requested_weights_only)
         self.check_float8(trainer)

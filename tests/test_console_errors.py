@@ -106,3 +106,15 @@ def test_a_yaml_with_only_model_and_trainer_trains_from_the_modules_own_loaders(
     monkeypatch.syspath_prepend(str(REPO_ROOT / "tests" / "scenarios"))
     monkeypatch.setattr(sys, "argv", ["lightning-dist", "fit", "--config", str(config)])
     cli.main()  # LightningCLI reads sys.argv (as the console script does)
+
+
+def test_consolidate_to_a_path_it_cannot_write_is_one_line_and_leaves_nothing(tmp_path, capsys):
+    source = tmp_path / "one.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(2)}, "global_step": 0}, source)
+    (tmp_path / "a_file").write_text("not a folder")
+    with pytest.raises(SystemExit) as ended:
+        cli.main(["consolidate", str(source), str(tmp_path / "a_file" / "out.pt")])
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and "Traceback" not in err
+    assert err.splitlines()[0].startswith(f"lightning-dist consolidate: error: Saving the checkpoint '{tmp_path}"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "one.ckpt"]

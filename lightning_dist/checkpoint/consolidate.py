@@ -4,6 +4,8 @@ out as one file (``torch.save`` or safetensors) for export."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from lightning_dist.checkpoint.layout import (
 )
 from lightning_dist.checkpoint.optimizer_format import is_name_keyed, names_to_positions
 from lightning_dist.checkpoint.safe_load import RestrictedBytesLoading, dcp_reader, shard_error
+from lightning_dist.checkpoint.save_failures import save_failure
 from lightning_dist.compat import load_dcp_without_process_group
 
 #: The tool recorded in the export mark of what this module writes.
@@ -64,11 +67,9 @@ def save_torch(checkpoint: dict[str, Any], out: str | os.PathLike, source: str |
     must be free or an earlier export (:func:`~lightning_dist.checkpoint.export_target.check_export_target`; ``source``:
     the checkpoint it was read from, which it may not replace)."""
     out = check_export_target(out, source)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_path(out, new_token())
-    with crc32_enabled():
-        torch.save(mark_export(checkpoint, EXPORT_TOOL), tmp)
-    publish(tmp, out)
+    # a Python file, not a path: torch's own writer hides the operating system's reason for a failed write
+    with _written_atomically(out) as tmp, crc32_enabled(), open(tmp, "wb") as file:
+        torch.save(mark_export(checkpoint, EXPORT_TOOL), file)
     return out
 
 
@@ -87,11 +88,22 @@ def save_safetensors(
     tensors = {k: v.detach().contiguous().clone() for k, v in checkpoint["state_dict"].items() if torch.is_tensor(v)}
     metadata = {k: str(checkpoint[k]) for k in ("epoch", "global_step", "pytorch-lightning_version") if k in checkpoint}
     metadata[SAFETENSORS_MARKER] = "consolidated"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_path(out, new_token())
-    save_file(tensors, str(tmp), metadata=metadata)
-    publish(tmp, out)
+    with _written_atomically(out) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
     return out
+
+
+@contextmanager
+def _written_atomically(out: Path) -> Iterator[Path]:
+    """A temporary path to write ``out``'s content to, published as ``out`` when the block ends; a write that fails
+    removes the temporary file and raises a :class:`CheckpointError` naming ``out`` and the cause."""
+    tmp = temporary_path(out, new_token())
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        yield tmp
+        publish(tmp, out)
+    except Exception as err:
+        raise save_failure(out, err, tmp) from err
 
 
 def _position_keyed(optimizer_state: dict[str, Any]) -> dict[str, Any]:

@@ -10,10 +10,12 @@ Each entry names the private torch name it wraps, the torch version it was check
 
 from __future__ import annotations
 
+import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from types import ModuleType
+from types import FrameType, ModuleType
 from typing import Any
 
 import torch
@@ -27,6 +29,7 @@ PRIVATE_TORCH_NAMES: dict[str, tuple[str, str]] = {
     "_flatten": ("torch 2.13", "parallel/mesh.py: the flattened data-parallel and loss meshes"),
     "_unflatten": ("torch 2.13", "parallel/mesh.py: hybrid shard's replicate x shard split"),
     "_world": ("torch 2.13", "runtime: destroy every registered process group at exit"),
+    "_current_frames": ("CPython 3.11", "runtime/activity.py: the main thread's frame (sys, not torch)"),
     "_fsdp_api": ("torch 2.13", "parallel/zeropp.py: FSDP2's AllGather/ReduceScatter protocols"),
     "_fully_shard": ("torch 2.13", "torch.distributed.fsdp._fully_shard(._fully_shard): FSDP2's implementation"),
     "_get_post_forward_mesh_info": ("torch 2.13", "parallel/fsdp.py: one post-forward mesh per int reshard size"),
@@ -288,6 +291,12 @@ def default_store() -> Any:
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None
     return _get_default_store()
+
+
+def thread_frame(thread: threading.Thread) -> FrameType | None:
+    """The innermost Python frame ``thread`` runs now (``None`` if it runs none): CPython's ``sys._current_frames``,
+    which its docs keep for debugging tools such as this watchdog."""
+    return sys._current_frames().get(thread.ident or -1)
 
 
 def abort_process_groups() -> bool:

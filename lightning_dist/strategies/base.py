@@ -55,10 +55,11 @@ from lightning_dist.strategies.checkpointing import ShardedCheckpointing
 from lightning_dist.strategies.collectives import MeshCollectives
 from lightning_dist.strategies.float8_setup import Float8Setup
 from lightning_dist.strategies.model_setup import ModelSetup
+from lightning_dist.strategies.nonfinite_guard import NonFiniteMode
 from lightning_dist.strategies.parallelize_options import ParallelizeOptions
 from lightning_dist.strategies.preflight import strategy_options, unknown_options_message
 from lightning_dist.strategies.processes import ProcessSetup
-from lightning_dist.strategies.step_protocol import NonFiniteMode, StepProtocol
+from lightning_dist.strategies.step_protocol import StepProtocol
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

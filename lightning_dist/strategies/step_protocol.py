@@ -45,10 +45,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Generator
 from contextlib import ExitStack, contextmanager
-from typing import Any, Literal
+from typing import Any
 
-import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -63,33 +61,26 @@ from lightning_dist.parallel.fsdp import (
 )
 from lightning_dist.parallel.gradient_sync import AccumulationSync, deferred_gradient_sync
 from lightning_dist.parallel.replicated_state import average_gradients, gradients_set_aside, sum_gradients
-from lightning_dist.parallel.runtime.nonfinite import NonFiniteError, gather_non_finite, gradients_are_finite
 from lightning_dist.parallel.tensor_parallel import shard_gradients_like_parameters
+from lightning_dist.strategies.nonfinite_guard import NonFiniteGuard
 from lightning_dist.strategies.steps.context_parallel import ContextParallelPart
 from lightning_dist.strategies.steps.expert_parallel import ExpertParallelPart
 from lightning_dist.strategies.steps.part import StepPart
 from lightning_dist.strategies.steps.pipeline import PipelinePart
 from lightning_dist.strategies.steps.tensor_parallel import TensorParallelPart
 
-NonFiniteMode = Literal["ignore", "skip", "stop"]
-
 #: The parts of a step, outermost first (see the module docstring for what each does where).
 STEP_PARTS: tuple[type[StepPart], ...] = (ExpertParallelPart, ContextParallelPart, TensorParallelPart, PipelinePart)
 
 
-class StepProtocol:
+class StepProtocol(NonFiniteGuard):
     """Training, evaluation and optimizer steps of :class:`~lightning_dist.strategies.base.MeshParallelStrategy`."""
 
     _train_context: ExitStack | None = None
     #: Whether a training step runs now: a backward inside it is ``manual_backward`` (manual optimization).
     _in_training_step: bool = False
-    on_nonfinite: NonFiniteMode = "ignore"
-    #: Optimizer steps skipped by ``on_nonfinite="skip"`` in this process.
-    skipped_non_finite_steps: int = 0
     #: The Hugging Face configs whose key/value cache is turned off while a training step runs (set at setup).
     _generation_caches: tuple[Any, ...] = ()
-    #: Whether the first training step of this ``fit`` has had its loss checked.
-    _first_loss_checked: bool = False
 
     def step_parts(self) -> list[StepPart]:
         """The parts of this strategy's steps on its mesh, in :data:`STEP_PARTS`'s order."""
@@ -177,37 +168,6 @@ class StepProtocol:
         if not self.lightning_module.automatic_optimization or self._step_runner(self.step_parts()) is not None:
             self._close_train_context()
         return output
-
-    def _check_first_loss(self, output: Any) -> None:
-        """The first training step's loss, on every ``on_nonfinite`` setting: when it is not finite on any rank,
-        every rank learns it; ``"stop"`` stops there, otherwise a warning names the step and the likely causes."""
-        loss = output.get("loss") if isinstance(output, dict) else output
-        finite = not isinstance(loss, Tensor) or bool(torch.isfinite(loss.detach()).all())
-        report = gather_non_finite(finite, True, self.root_device)
-        if not report.found:
-            return
-        causes = (
-            "A run that starts from a non-finite loss usually has parameters or buffers that were never initialized"
-            " (a model built under Trainer.init_module(empty_init=True) whose modules have no reset_parameters()), NaN"
-            " in the weights it loaded, or a first batch that holds NaN or labels out of range."
-        )
-        if self.on_nonfinite == "stop":
-            raise NonFiniteError(
-                f"Training stopped at the first training step, {self._where()}: {report.describe()}"
-                f" (on_nonfinite='stop'). {causes}"
-            )
-        then = {
-            "ignore": "Training goes on (on_nonfinite='ignore' checks no later step): pass on_nonfinite='stop' to stop"
-            " at such a step, or 'skip' to skip its update.",
-            "skip": "Its optimizer step is skipped (on_nonfinite='skip').",
-        }[self.on_nonfinite]
-        rank_zero_warn(f"The first training loss is not finite, {self._where()}: {report.describe()}. {causes} {then}")
-
-    def _where(self) -> str:
-        trainer = self.lightning_module.trainer
-        return (
-            f"at global step {trainer.global_step} (epoch {trainer.current_epoch}, batch {trainer.fit_loop.batch_idx})"
-        )
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -312,28 +272,6 @@ class StepProtocol:
 
     def float8_after_optimizer_step(self) -> None:
         """After every optimizer step (see :class:`~lightning_dist.strategies.float8_setup.Float8Setup`)."""
-
-    def _guard_non_finite(self, loss: Any, optimizer: Any) -> None:
-        """``on_nonfinite``: after backward, before clipping and the update, every rank learns which ranks saw a
-        non-finite loss or gradient; then all stop, or all drop their gradients so that the optimizer skips the
-        step. Under ``16-mixed`` the loss scaler already skips overflowing steps: only the loss is checked."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        loss_finite = not isinstance(loss, Tensor) or bool(torch.isfinite(loss.detach()).all())
-        grads_finite = getattr(self.precision_plugin, "scaler", None) is not None or gradients_are_finite(params)
-        report = gather_non_finite(loss_finite, grads_finite, self.root_device)
-        if not report.found:
-            return
-        where = self._where()
-        if self.on_nonfinite == "stop":
-            raise NonFiniteError(
-                f"Training stopped {where}: {report.describe()} (on_nonfinite='stop'). Look at that batch, lower the"
-                " learning rate, clip gradients (Trainer(gradient_clip_val=...)), or pass on_nonfinite='skip' to skip"
-                " such steps."
-            )
-        for p in params:  # optimizers leave parameters without a gradient untouched (state and step count included)
-            p.grad = None
-        self.skipped_non_finite_steps += 1
-        rank_zero_warn(f"Skipped the optimizer step {where} on every rank: {report.describe()} (on_nonfinite='skip').")
 
     def _reshard_after_evaluation(self) -> None:
         for part in self.model_parts:

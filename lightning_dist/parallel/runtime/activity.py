@@ -8,8 +8,9 @@ where they were (a ``time.sleep`` in ``training_step``, a slow data loader, a de
 from __future__ import annotations
 
 import os
-import sys
 import threading
+
+from lightning_dist.compat import thread_frame
 
 #: What :func:`main_thread_activity` says of a main thread inside torch.distributed (issuing or waiting on a
 #: collective).
@@ -20,7 +21,7 @@ _TIMEOUT_WORDINGS = ("Timed out waiting", "timed out", "collective operation tim
 
 def main_thread_activity() -> str:
     """:data:`IN_COLLECTIVE`, or the main thread's innermost frame as ``"function (file:line)"``."""
-    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    frame = thread_frame(threading.main_thread())
     if frame is None:
         return "not running Python code"
     if _COLLECTIVE_FOLDER in frame.f_code.co_filename:

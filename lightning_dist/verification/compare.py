@@ -134,7 +134,7 @@ def compare_tensors(
         worst = sorted(raw.items(), key=lambda item: -item[1])[:WORST]
         return Row(quantity, when, max(raw.values(), default=0.0), tolerance, worst, detail, judged=False)
     if skipped:
-        notes.append(f"{skipped} of {elements} elements, whose gradient was at the runs' rounding level, not judged")
+        notes.append(f"{skipped} elements whose gradient was at the runs' rounding level not judged (of {elements})")
     return Row(quantity, when, max(diffs.values(), default=0.0), tolerance, worst, "; ".join(notes))
 
 

@@ -24,10 +24,12 @@ from fractions import Fraction
 from typing import Any
 
 import torch
+from lightning.pytorch.core.hooks import DataHooks
 from torch.utils.data import DataLoader
 
 #: The loader hooks whose batches verify counts (the candidate) or sets (the reference).
 HOOKS = {"train": "train_dataloader", "val": "val_dataloader"}
+_BASE_HOOKS = (None, *(getattr(DataHooks, hook) for hook in HOOKS.values()))
 
 
 class VerifyDataError(ValueError):
@@ -116,14 +118,15 @@ def resized_loader(loader: Any, target: int | None, ranks: int, same_ranks: bool
     )
 
 
-def wrap_dataloader_hooks(owner: Any, change: Callable[[str, Any], Any]) -> None:
-    """Make ``owner``'s (a LightningModule's or LightningDataModule's) ``train_dataloader`` and ``val_dataloader``
-    return ``change(stage, loaders)`` ("train" or "val"): an instance attribute wraps each method, so Lightning's
-    calls reach it."""
+def wrap_dataloader_hooks(owners: list[Any], change: Callable[[str, Any], Any]) -> None:
+    """Make the ``train_dataloader`` and ``val_dataloader`` that Lightning calls return ``change(stage, loaders)``
+    ("train" or "val"). Each hook is taken, as Lightning takes it, from the first of ``owners`` (the datamodule, then
+    the module; ``None`` for none) whose class overrides it, and wrapped by an instance attribute there: a hook no
+    class defines stays as it is (Lightning tells a defined hook from the base one by its code)."""
     for stage, hook in HOOKS.items():
-        method = getattr(owner, hook, None)
-        if callable(method):
-            setattr(owner, hook, _wrapped(method, stage, change))
+        owner = next((o for o in owners if o is not None and getattr(type(o), hook, None) not in _BASE_HOOKS), None)
+        if owner is not None:
+            setattr(owner, hook, _wrapped(getattr(owner, hook), stage, change))
 
 
 def _wrapped(method: Callable[[], Any], stage: str, change: Callable[[str, Any], Any]) -> Callable[[], Any]:

@@ -83,7 +83,8 @@ class VerifyRecorder(Callback):
         self.save_checkpoint = save_checkpoint
         self.float8 = float8
         self.anchoring = anchoring
-        self.record: dict[str, Any] = {"logged": [], "losses": [], "steps": [], "dropout_zeroed": [], "calls": [], "samples": []}
+        self.record: dict[str, Any] = {"logged": [], "losses": [], "steps": [], "dropout_zeroed": [], "calls": []}
+        self.record["samples"] = []  # per training batch, its samples' fingerprints as the loader gave them
         self.record.update({"anchors": {}, "after": []} if anchoring else {})
         self._anchors: dict[str, Any] = {}  # the reference's: the strategy's states, by moment
         self._since_anchor: list[tuple[int, int]] = []  # the optimizer steps taken since the last anchor
@@ -109,8 +110,8 @@ class VerifyRecorder(Callback):
                 self.record["float8"] = convert_like_the_strategy(pl_module, self.float8, device)
 
         pl_module.configure_model = configure_then_load  # type: ignore[method-assign]
-        owner = trainer.datamodule if trainer.datamodule is not None else pl_module
-        wrap_dataloader_hooks(owner, self._reference_loaders if self.candidate_replicas else self._count_batches)
+        change = self._reference_loaders if self.candidate_replicas else self._count_batches
+        wrap_dataloader_hooks([trainer.datamodule, pl_module], change)
         self._record_samples(trainer)
         if self.anchoring == FOLLOW:
             self._anchors = merge_anchors(load_records(self.folder.parent / "candidate"))

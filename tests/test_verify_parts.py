@@ -20,7 +20,7 @@ from lightning_dist.verification.causes import likely_causes, rank_reads
 from lightning_dist.verification.compare import Row, compare_runs, compare_tensors, merge_ranks, tensor_difference
 from lightning_dist.verification.data import VerifyDataError, global_batches, reference_loaders, sample_fingerprints
 from lightning_dist.verification.report import VerifyReport
-from lightning_dist.verification.run import MARKER, VerifyError, last_error, prepare_workdir
+from lightning_dist.verification.run import MARKER, VerifyError, compare_into, last_error, prepare_workdir
 from lightning_dist.verification.settings import VerifySettings, default_tolerance, is_removed_callback
 
 
@@ -78,6 +78,28 @@ def test_the_samples_of_each_step_are_compared_and_data_the_reference_cannot_rea
     assert first.quantity == "sample replicas" and "ranks 0 and 1 share data-parallel rank 0" in first.detail
     assert "distributed_sampler_kwargs" in likely_causes(peers, None)[0]
     assert "samples" not in [r.quantity for r in compare_runs(ranks(None, ["a"]), ref, 1e-6)]
+
+
+def test_a_reference_that_read_other_samples_is_not_verified_rather_than_different(tmp_path):
+    def ranks(*samples: list[str]) -> list[dict]:
+        meta = {"mesh": "dp_shard=2"}
+        return [
+            {**_record(1.0, 0.5, 0.25), "samples": [s], "meta": {**meta, "data_parallel_rank": d},
+             "dropout_zeroed": []}
+            for d, s in enumerate(samples)
+        ]  # fmt: skip
+
+    report = VerifyReport("fsdp2", "one process", 1e-6, "given", 1)
+    compare_into(
+        report, ranks(["a", "b"], ["c", "d"]), ranks(["a", "b", "x", "y"]), torch.nn.Linear(1, 1), tmp_path, None
+    )
+    assert report.summary().startswith("NOT VERIFIED: the reference did not read the samples the strategy's ranks")
+    assert "train batch 0: the strategy's 2 data-parallel ranks read 4 samples together" in report.failure
+    report = VerifyReport("fsdp2", "one process", 1e-6, "given", 1)
+    compare_into(
+        report, ranks(["a", "b"], ["c", "d"]), ranks(["a", "b", "c", "d"]), torch.nn.Linear(1, 1), tmp_path, None
+    )
+    assert not report.failure and report.first_difference.quantity == "checkpoint"  # no checkpoint was written here
 
 
 def test_a_row_whose_every_element_was_left_out_says_so_and_a_step_without_a_loss_has_no_loss_row():

@@ -107,7 +107,7 @@ def run_check(
         report.strategy = f"{strategy} ({meta['mesh']})" if meta["mesh"] else strategy
         ref = _reference_run(settings, workdir, ours, devices, reference_key, report, reference_extras)
         if ref is not None:
-            _compare(report, ours, ref, module, workdir, None if settings.tolerance else stated_tolerance)
+            compare_into(report, ours, ref, module, workdir, None if settings.tolerance else stated_tolerance)
     report.seconds = time.perf_counter() - start
     if report.passed and temporary:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -147,7 +147,7 @@ def _reference_run(
     return ref
 
 
-def _compare(
+def compare_into(
     report: VerifyReport,
     ours: list[dict[str, Any]],
     ref: list[dict[str, Any]],
@@ -155,7 +155,8 @@ def _compare(
     workdir: Path,
     stated_tolerance: tuple[float, str, tuple[str, ...]] | None,
 ) -> None:
-    """The report's rows (the checkpoint round trip last), its likely causes and its notes."""
+    """The report's rows (the checkpoint round trip last), its likely causes and its notes; its failure where the
+    reference did not read the strategy's samples before any other difference."""
     report.rows = compare_runs(ours, ref, report.tolerance)
     if stated_tolerance is not None:
         report.notes.append(_limit_to(report.rows, stated_tolerance))

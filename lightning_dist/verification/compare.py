@@ -8,9 +8,9 @@ attention key's bias, which softmax cancels) holds rounding noise, and noise aga
 
 What is compared, in the order a training step produces it (the first row over the tolerance is the first
 difference): per training batch, the samples read (the reference's against the strategy's data-parallel ranks'
-together, and peers of one data-parallel rank against each other), the loss and every logged value; per optimizer step, the learning rates, the
-gradient norm and every parameter's gradient; after validation, the logged values; at the end, the parameters, the
-optimizer states and the checkpoint round trip. Copies of one parameter on several ranks of the strategy's run must
+together, and peers of one data-parallel rank against each other), the loss and every logged value; per optimizer
+step, the learning rates, the gradient norm and every parameter's gradient; after validation, the logged values; at
+the end, the parameters, the optimizer states and the checkpoint round trip. Copies of one parameter on several ranks of the strategy's run must
 agree with each other too (``replicas``): a gradient that was not reduced shows there.
 
 With an anchored reference (``VerifySettings.anchor``), each of its steps started from the strategy's state, so the

@@ -20,9 +20,6 @@ ONE_PROCESS_STRATEGY = f"{__name__}.OneProcessStrategy"
 class OneProcessStrategy(DDPStrategy):
     """Lightning's DDP on one process, the module left unwrapped (see the module docstring)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-
     @override
     def configure_ddp(self) -> None:
         """Nothing to wrap: one rank has no gradients to reduce."""

@@ -9,31 +9,113 @@ import os
 import re
 import subprocess
 import sys
-from fractions import Fraction
 
 import pytest
 import torch
 from launch import REPO_ROOT
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
-from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler, TensorDataset
 
 from lightning_dist.verification.causes import likely_causes, rank_reads
-from lightning_dist.verification.compare import Row, compare_runs, merge_ranks, tensor_difference
-from lightning_dist.verification.data import VerifyDataError, scaled_loader
-from lightning_dist.verification.run import MARKER, VerifyError, last_error, prepare_workdir
+from lightning_dist.verification.compare import Row, compare_runs, compare_tensors, merge_ranks, tensor_difference
+from lightning_dist.verification.data import VerifyDataError, global_batches, reference_loaders, sample_fingerprints
+from lightning_dist.verification.report import VerifyReport
+from lightning_dist.verification.run import MARKER, VerifyError, compare_into, last_error, prepare_workdir
 from lightning_dist.verification.settings import VerifySettings, default_tolerance, is_removed_callback
 
 
-def test_the_reference_reads_the_global_batch_of_every_data_parallel_rank():
-    loader = DataLoader(TensorDataset(torch.arange(64.0)), batch_size=4, shuffle=True, drop_last=True)
-    scaled = scaled_loader(loader, Fraction(4, 2))
-    assert scaled.batch_size == 8 and scaled.drop_last and scaled.dataset is loader.dataset
-    assert scaled_loader(loader, Fraction(1)) is loader
-    with pytest.raises(VerifyDataError, match="3 samples per step cannot be split over the reference's 2 ranks"):
-        scaled_loader(DataLoader(loader.dataset, batch_size=1), Fraction(3, 2))
-    custom = DataLoader(loader.dataset, batch_sampler=BatchSampler(SequentialSampler(loader.dataset), 4, False))
+def test_the_reference_reads_the_strategys_global_batch_through_the_users_own_loaders():
+    """One rule for every loader: the reference's ranks read the sum of the strategy's data-parallel ranks' batches,
+    through the loader the user's hook returns in the reference, its sampler kept."""
+    data = TensorDataset(torch.arange(64.0))
+    # tensor, context and pipeline peers of one data-parallel rank are counted once
+    assert global_batches([(0, [4, 2]), (1, [4, 2]), (0, [4, 2]), (1, [4, 2])]) == [8, 4]
+    assert global_batches([(0, [4]), (1, [None])]) == [None]
+    # Lightning puts in the sampler: the hook returns the per-rank batch in one process too, scaled to the global one
+    plain = DataLoader(data, batch_size=4, shuffle=True, drop_last=True)
+    scaled = reference_loaders(plain, [8], ranks=1, same_ranks=False)
+    assert scaled.batch_size == 8 and scaled.drop_last and scaled.dataset is data and scaled.sampler is plain.sampler
+    # the user's own sampler from distributed_sampler_kwargs: in one process the hook already returns the global batch
+    own = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, num_replicas=1, rank=0, seed=3))
+    assert reference_loaders(own, [8], ranks=1, same_ranks=False) is own
+    # a sampler that reads the world size (4 per rank on 2 ranks, 4 in one process): scaled, the sampler kept
+    world = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, num_replicas=1, rank=0, seed=3))
+    resized = reference_loaders({"a": world, "b": [own]}, [8, 8], ranks=1, same_ranks=False)
+    assert resized["a"].batch_size == 8 and resized["a"].sampler is world.sampler and resized["b"][0] is own
+    custom = DataLoader(data, batch_sampler=BatchSampler(SequentialSampler(data), 4, False))
+    assert reference_loaders(custom, [4], ranks=1, same_ranks=True) is custom  # its batch size is known: 4
+    unknown = DataLoader(data, batch_sampler=[[0, 1], [2, 3]])
+    assert reference_loaders(unknown, [None], ranks=1, same_ranks=True) is unknown  # as many ranks: as it is
     with pytest.raises(VerifyDataError, match="custom batch_sampler"):
-        scaled_loader(custom, Fraction(2))
+        reference_loaders(custom, [8], ranks=1, same_ranks=False)
+    with pytest.raises(VerifyDataError, match="global batch of 3 samples per step cannot be split over the"):
+        reference_loaders(DataLoader(data, batch_size=1), [3], ranks=2, same_ranks=False)
+
+
+def test_the_samples_of_each_step_are_compared_and_data_the_reference_cannot_read_is_no_difference():
+    """Per training batch, the strategy's data-parallel ranks together must have read the reference's samples, and
+    peers of one data-parallel rank the same ones; a batch without per-sample rows is not compared."""
+    batch = {"x": torch.arange(8.0).reshape(4, 2), "y": torch.tensor([0, 1, 2, 3])}
+    prints = sample_fingerprints(batch)
+    assert len(set(prints)) == 4 and sample_fingerprints({"x": batch["x"].double(), "y": batch["y"]}) == prints
+    assert sample_fingerprints({"x": torch.ones(2, 3), "y": torch.ones(3)}) is None and sample_fingerprints("a") is None
+
+    def ranks(*samples: list[str], dp: tuple[int, ...] = (0, 1)) -> list[dict]:
+        return [
+            {**_record(1.0, 0.5, 0.25), "samples": [s], "meta": {"data_parallel_rank": d}} for s, d in zip(samples, dp)
+        ]
+
+    ref = ranks(["a", "b", "c", "d"], dp=(0,))
+    rows = compare_runs(ranks(["c", "a"], ["d", "b"]), ref, 1e-6)
+    assert [r.quantity for r in rows][:2] == ["samples", "loss"] and all(r.ok for r in rows)
+    rows = compare_runs(ranks(["a", "b"], ["a", "b"]), ref, 1e-6)
+    first = next(r for r in rows if not r.ok)
+    assert first.quantity == "samples" and first.difference == 0.5
+    assert "read 4 samples together, the reference 4; 2 in common" in first.detail
+    assert "every data-parallel rank read the same samples" in first.detail
+    peers = compare_runs(ranks(["a", "b", "c", "d"], ["a", "b", "x", "d"], dp=(0, 0)), ref, 1e-6)
+    first = next(r for r in peers if not r.ok)
+    assert first.quantity == "sample replicas" and "ranks 0 and 1 share data-parallel rank 0" in first.detail
+    assert "distributed_sampler_kwargs" in likely_causes(peers, None)[0]
+    assert "samples" not in [r.quantity for r in compare_runs(ranks(None, ["a"]), ref, 1e-6)]
+
+
+def test_a_reference_that_read_other_samples_is_not_verified_rather_than_different(tmp_path):
+    def ranks(*samples: list[str]) -> list[dict]:
+        meta = {"mesh": "dp_shard=2"}
+        return [
+            {**_record(1.0, 0.5, 0.25), "samples": [s], "meta": {**meta, "data_parallel_rank": d},
+             "dropout_zeroed": []}
+            for d, s in enumerate(samples)
+        ]  # fmt: skip
+
+    report = VerifyReport("fsdp2", "one process", 1e-6, "given", 1)
+    compare_into(
+        report, ranks(["a", "b"], ["c", "d"]), ranks(["a", "b", "x", "y"]), torch.nn.Linear(1, 1), tmp_path, None
+    )
+    assert report.summary().startswith("NOT VERIFIED: the reference did not read the samples the strategy's ranks")
+    assert "train batch 0: the strategy's 2 data-parallel ranks read 4 samples together" in report.failure
+    report = VerifyReport("fsdp2", "one process", 1e-6, "given", 1)
+    compare_into(
+        report, ranks(["a", "b"], ["c", "d"]), ranks(["a", "b", "c", "d"]), torch.nn.Linear(1, 1), tmp_path, None
+    )
+    assert not report.failure and report.first_difference.quantity == "checkpoint"  # no checkpoint was written here
+
+
+def test_a_row_whose_every_element_was_left_out_says_so_and_a_step_without_a_loss_has_no_loss_row():
+    """Gradients 2.1 apart make every element of the parameters noise-driven: that row must not read "ok"."""
+    ours, ref = {"w": torch.tensor([1.0, 3.0])}, {"w": torch.tensor([1.0, 2.0])}
+    row = compare_tensors("parameters", "after step 0", ours, ref, 1e-6, {"w": torch.tensor([True, True])})
+    assert not row.judged and row.ok and row.difference == 0.5 and "none of its 2 elements judged" in row.detail
+    partly = compare_tensors("parameters", "after step 0", ours, ref, 1e-6, {"w": torch.tensor([False, True])})
+    assert partly.judged and partly.ok and "not judged (of 2)" in partly.detail
+    report = VerifyReport("fsdp2", "one process", 1e-6, "given", 1, rows=[row, Row("loss", "train batch 0", 0.1, 1)])
+    line = next(line for line in report.table().splitlines() if "parameters" in line)
+    assert line.endswith("not judged") and "5.00e-01" in line
+    assert "largest relative difference 1.0e-01" in report.summary()  # the row not judged is not the largest
+    assert report.to_json()["rows"][0]["judged"] is False
+    manual = [{**_record(1.0, 0.5, 0.25), "losses": [None]}]  # manual optimization: training_step returns None
+    assert "loss" not in [r.quantity for r in compare_runs(manual, manual, 1e-6)]
 
 
 def test_differences_are_relative_to_the_largest_value_and_a_missing_side_is_infinite():

@@ -1,8 +1,8 @@
 """``lightning-dist verify``: does the user's own module train under a strategy as it does in one process?
 
 It trains the module for a few steps under the strategy, and again in one process (the reference) with the same
-global batch, the same samples in the same steps and the same initial weights (copied, not re-seeded), then
-compares what each step logged, the gradients, the parameters, the optimizer states, and a checkpoint saved under
+global batch, the same samples in the same steps (checked) and the same initial weights (copied, not re-seeded),
+then compares what each step logged, the gradients, the parameters, the optimizer states, and a checkpoint saved under
 the strategy and loaded in one process. See ``docs/verify.md``.
 
 Where things are:
@@ -10,7 +10,8 @@ Where things are:
     ``phase.py``     one run, in processes of its own (``python -m lightning_dist.verification.phase``)
     ``recorder.py``  the callback both runs carry: initial weights, the reference's batch, the records
     ``settings.py``  the options, and the Trainer settings both runs get from them
-    ``data.py``      the reference's data loaders (the strategy's global batch, on fewer ranks)
+    ``one_process.py``  the reference's strategy in one process (DDP's process group and sampler, no DDP wrapper)
+    ``data.py``      the reference's data loaders (the strategy's global batch, on fewer ranks), sample fingerprints
     ``tensors.py``   parameters, gradients and optimizer states read whole, under the user's names
     ``compare.py``   the comparison, as rows; ``causes.py`` the likely cause of a difference
     ``report.py``    :class:`VerifyReport`: the table, the JSON, passed or not

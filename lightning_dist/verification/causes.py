@@ -37,6 +37,13 @@ def likely_causes(
             " the reduction, or code changes it on some ranks only)."
         )
         return [cause]
+    if first.quantity == "sample replicas":
+        cause = (
+            f"{first.detail}: the loader splits the data by the global rank or the world size. Build its sampler"
+            " from trainer.strategy.distributed_sampler_kwargs (num_replicas and rank count data-parallel ranks"
+            " only), or let Lightning put in its own (use_distributed_sampler=True)."
+        )
+        return [cause]
     causes = []
     before_update = first.when in ("train batch 0", "step 0") and (
         first.quantity == "loss" or first.quantity.startswith(("logged", "gradient"))

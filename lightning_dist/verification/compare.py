@@ -7,20 +7,25 @@ scalar's ``|a − b| / max(|b|, 1)``. A row passes when its difference is at mos
 attention key's bias, which softmax cancels) holds rounding noise, and noise against noise is no measure.
 
 What is compared, in the order a training step produces it (the first row over the tolerance is the first
-difference): per training batch, the loss and every logged value; per optimizer step, the learning rates, the
-gradient norm and every parameter's gradient; after validation, the logged values; at the end, the parameters, the
-optimizer states and the checkpoint round trip. Copies of one parameter on several ranks of the strategy's run must
+difference): per training batch, the samples read (the reference's against the strategy's data-parallel ranks'
+together, and peers of one data-parallel rank against each other), the loss and every logged value; per optimizer
+step, the learning rates, the gradient norm and every parameter's gradient; after validation, the logged values; at
+the end, the parameters, the optimizer states and the checkpoint round trip. Copies of one parameter on several ranks of the strategy's run must
 agree with each other too (``replicas``): a gradient that was not reduced shows there.
 
 With an anchored reference (``VerifySettings.anchor``), each of its steps started from the strategy's state, so the
 parameters and optimizer states are compared after every step (what each side's step made of the same state),
 before the next batch's loss, and not again at the end.
+
+A row whose every element was left out of the judgement (see :func:`noise_driven`) is marked so (``judged`` is
+false): it passes, since what it holds is judged elsewhere, but it does not claim a match.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from typing import Any
 
 import torch
@@ -46,10 +51,11 @@ class Row:
     tolerance: float
     worst: list[tuple[str, float]] = dataclasses.field(default_factory=list)
     detail: str = ""
+    judged: bool = True
 
     @property
     def ok(self) -> bool:
-        return self.difference <= self.tolerance
+        return not self.judged or self.difference <= self.tolerance
 
 
 def tensor_difference(a: Tensor | None, b: Tensor | None, floor: float = 0.0, skip: Tensor | None = None) -> float:
@@ -116,9 +122,19 @@ def compare_tensors(
     worst = sorted(diffs.items(), key=lambda item: -item[1])[:WORST]
     only = sorted(set(ours) ^ set(ref))
     notes = [f"only on one side: {', '.join(only[:WORST])}"] if only else []
-    skipped = sum(int(mask.sum()) for mask in skip.values())
+    skipped = sum(int(mask.sum()) for name, mask in skip.items() if name in diffs)
+    elements = sum(t.numel() for t in ref.values() if t is not None)
+    if skipped and skipped >= elements and not only:
+        # nothing was judged: show the unmasked difference, and say so rather than "ok"
+        raw = {name: tensor_difference(ours.get(name), ref.get(name), floors.get(_kind(name), 0.0)) for name in diffs}
+        detail = (
+            f"none of its {elements} elements judged: the runs' gradients differ by more than the update could show"
+            " (judged in the gradients rows)"
+        )
+        worst = sorted(raw.items(), key=lambda item: -item[1])[:WORST]
+        return Row(quantity, when, max(raw.values(), default=0.0), tolerance, worst, detail, judged=False)
     if skipped:
-        notes.append(f"{skipped} elements whose gradient was at the runs' rounding level not judged")
+        notes.append(f"{skipped} elements whose gradient was at the runs' rounding level not judged (of {elements})")
     return Row(quantity, when, max(diffs.values(), default=0.0), tolerance, worst, "; ".join(notes))
 
 
@@ -194,7 +210,10 @@ def compare_runs(ours: list[dict[str, Any]], ref: list[dict[str, Any]], toleranc
             rows += _after_step_rows(when, after[when], ours, ref, tolerance)
         if when.startswith("train batch "):
             index = int(when.rsplit(" ", 1)[1])
-            rows.append(Row("loss", when, scalar_difference(_at(our_losses, index), _at(ref_losses, index)), tolerance))
+            rows += sample_rows(when, index, ours, ref)
+            mine, theirs = _at(our_losses, index), _at(ref_losses, index)
+            if mine is not None or theirs is not None:  # manual optimization may return no loss
+                rows.append(Row("loss", when, scalar_difference(mine, theirs), tolerance))
         rows += _logged_rows(when, our_logged.get(when, {}), logged.get(when, {}), tolerance)
         for key in steps.get(when, []):
             rows += _step_rows(key, ours, ref, tolerance)
@@ -208,6 +227,52 @@ def compare_runs(ours: list[dict[str, Any]], ref: list[dict[str, Any]], toleranc
         merged = _merge_optimizer([r["optimizers"][index] for r in ours])
         rows.append(_compare_optimizer(index, merged, theirs, tolerance))
     return rows
+
+
+def sample_rows(when: str, index: int, ours: list[dict[str, Any]], ref: list[dict[str, Any]]) -> list[Row]:
+    """The samples of training batch ``index``: peers of one data-parallel rank of the strategy must read the same
+    (``sample replicas``), and the strategy's data-parallel ranks together the reference's (``samples``; a
+    multiset, since each rank reads its own part in its own order). No row where a batch had no per-sample
+    rows to fingerprint (see :func:`~lightning_dist.verification.data.sample_fingerprints`)."""
+    groups: dict[int, list[tuple[int, list[str]]]] = {}
+    for rank, record in enumerate(ours):
+        prints = _at(record.get("samples", []), index)
+        if prints is None:
+            return []
+        groups.setdefault(record["meta"].get("data_parallel_rank", rank), []).append((rank, prints))
+    theirs = [_at(record.get("samples", []), index) for record in ref]
+    if not groups or any(prints is None for prints in theirs):
+        return []
+    rows = []
+    for dp_rank, peers in groups.items():
+        first_rank, first = peers[0]
+        for rank, prints in peers[1:]:
+            if Counter(prints) != Counter(first):
+                detail = (
+                    f"ranks {first_rank} and {rank} share data-parallel rank {dp_rank} (tensor, context or pipeline"
+                    " peers) but read different samples"
+                )
+                rows.append(Row("sample replicas", when, _unshared(prints, first), 0.0, [], detail))
+    strategy = Counter(p for peers in groups.values() for p in peers[0][1])
+    reference = Counter(p for prints in theirs for p in prints)
+    detail = (
+        f"the strategy's {len(groups)} data-parallel ranks read {sum(strategy.values())} samples together, the"
+        f" reference {sum(reference.values())}; {sum((strategy & reference).values())} in common"
+    )
+    firsts = [Counter(peers[0][1]) for peers in groups.values()]
+    if len(firsts) > 1 and all(counts == firsts[0] for counts in firsts):
+        detail += (
+            "; every data-parallel rank read the same samples: the loader does not split the data over them"
+            " (use_distributed_sampler=False, and no sampler built from trainer.strategy.distributed_sampler_kwargs)"
+        )
+    rows.append(Row("samples", when, _unshared(list(strategy.elements()), list(reference.elements())), 0.0, [], detail))
+    return rows
+
+
+def _unshared(a: list[str], b: list[str]) -> float:
+    """The fraction of samples not in common between two multisets (0: the same samples)."""
+    common = sum((Counter(a) & Counter(b)).values())
+    return 1.0 - common / max(len(a), len(b), 1)
 
 
 def _after_step_rows(

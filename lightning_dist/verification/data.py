@@ -1,71 +1,162 @@
-"""The reference's data: the strategy's global batch, read by fewer ranks.
+"""The reference's data: in each step, the samples the strategy's data-parallel ranks read together in that step.
 
-Under a strategy, each of the ``replicas`` data-parallel ranks reads ``batch_size`` samples per step, through the
-``DistributedSampler`` Lightning puts in (it shuffles a training loader with the global seed even when the loader
-says ``shuffle=False``). The reference is run with Lightning's DDP on its own ranks (one, by default), so Lightning
-puts in the same sampler with the same seed; only the batch size changes, to ``batch_size × replicas / its ranks``,
-which makes each of its steps read the same samples as one step of the strategy.
+The rule is one for every kind of loader: the reference's ranks together read the strategy's **global batch** (the
+sum of the batch sizes its data-parallel ranks' loaders have, each counted once: tensor, context and pipeline peers
+share one), through the loaders the user's hooks return in the reference's own process, **sampler included**.
+
+- Lightning puts in the sampler (a plain ``DataLoader(dataset, batch_size=b)``): each rank of the strategy reads
+  ``b`` samples of a ``DistributedSampler``'s order, the reference's hook returns ``b`` too; its batch becomes
+  ``b × replicas / its ranks``, and Lightning gives it the same shuffled order.
+- The user's own sampler built from ``trainer.strategy.distributed_sampler_kwargs``, with a per-rank batch of
+  ``global // num_replicas``: in one process the hook already returns the global batch; nothing changes.
+- A sampler that is not a ``DistributedSampler`` (or one that reads the world size itself) is kept as it is, only
+  the batch size follows the rule.
+
+Whether the samples then agree is not assumed: both runs record a fingerprint of every training sample
+(:func:`sample_fingerprints`), and :mod:`~lightning_dist.verification.compare` checks them step by step.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
-from torch.utils.data import DataLoader, RandomSampler
+import torch
+from lightning.pytorch.core.hooks import DataHooks
+from torch.utils.data import DataLoader
+
+#: The loader hooks whose batches verify counts (the candidate) or sets (the reference).
+HOOKS = {"train": "train_dataloader", "val": "val_dataloader"}
+_BASE_HOOKS = (None, *(getattr(DataHooks, hook) for hook in HOOKS.values()))
 
 
 class VerifyDataError(ValueError):
     """A data loader verify cannot give the reference with the strategy's global batch."""
 
 
-def scaled_loader(loader: Any, scale: Fraction) -> Any:
-    """``loader`` with its batch size multiplied by ``scale`` (a loader of any other kind is refused)."""
-    if scale == 1:
+def leaves(loaders: Any) -> list[Any]:
+    """The loaders in ``loaders`` (one, or a list, tuple or dict of them as Lightning accepts), in order."""
+    if isinstance(loaders, (list, tuple)):
+        return [leaf for one in loaders for leaf in leaves(one)]
+    if isinstance(loaders, dict):
+        return [leaf for one in loaders.values() for leaf in leaves(one)]
+    return [loaders]
+
+
+def batch_size(loader: Any) -> int | None:
+    """Samples per batch of ``loader`` (a ``DataLoader``, or its batch sampler's ``batch_size``); ``None``: unknown."""
+    if not isinstance(loader, DataLoader):
+        return None
+    size = loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size", None)
+    return size if isinstance(size, int) else None
+
+
+def global_batches(ranks: list[tuple[int, list[int | None]]]) -> list[int | None]:
+    """Per loader, the strategy's global batch from its ranks' ``(data-parallel rank, batch sizes)``: the sum over
+    data-parallel ranks, each counted once (``None`` where a rank's is unknown)."""
+    by_dp_rank = dict(ranks)  # peers of one data-parallel rank read the same loader
+    count = max((len(sizes) for sizes in by_dp_rank.values()), default=0)
+    totals: list[int | None] = []
+    for index in range(count):
+        sizes = [s[index] if index < len(s) else None for s in by_dp_rank.values()]
+        totals.append(None if any(size is None for size in sizes) else sum(sizes))  # type: ignore[arg-type]
+    return totals
+
+
+def reference_loaders(loaders: Any, targets: list[int | None], ranks: int, same_ranks: bool) -> Any:
+    """``loaders`` (the user's hook's return, in the reference) with each loader's batch set so that the reference's
+    ``ranks`` ranks read its ``targets`` entry (the strategy's global batch) per step; ``same_ranks``: the strategy
+    had as many data-parallel ranks, where a loader whose batch is unknown is right as it is."""
+    position = iter(range(len(leaves(loaders))))
+
+    def each(one: Any) -> Any:
+        if isinstance(one, (list, tuple)):
+            return type(one)(each(x) for x in one)
+        if isinstance(one, dict):
+            return {key: each(x) for key, x in one.items()}
+        index = next(position)
+        return resized_loader(one, targets[index] if index < len(targets) else None, ranks, same_ranks)
+
+    return each(loaders)
+
+
+def resized_loader(loader: Any, target: int | None, ranks: int, same_ranks: bool) -> Any:
+    """``loader`` reading ``target`` samples per step over ``ranks`` ranks: itself when it already does, else a copy
+    with the batch size changed and everything else (its sampler first) kept."""
+    size = batch_size(loader)
+    if size is not None and target is not None and size * ranks == target:
         return loader
-    if isinstance(loader, (list, tuple)):
-        return type(loader)(scaled_loader(one, scale) for one in loader)
-    if isinstance(loader, dict):
-        return {key: scaled_loader(one, scale) for key, one in loader.items()}
-    if not isinstance(loader, DataLoader) or loader.batch_size is None:
+    if (size is None or target is None) and same_ranks:
+        return loader  # the same loader code on as many data-parallel ranks reads the same batches
+    if size is None or target is None or loader.batch_size is None:
+        kind = type(loader).__name__
         raise VerifyDataError(
             f"verify needs DataLoaders with a batch_size to give the reference the strategy's global batch; got"
-            f" {type(loader).__name__}{' with a custom batch_sampler' if isinstance(loader, DataLoader) else ''}."
+            f" {kind}{' with a custom batch_sampler' if isinstance(loader, DataLoader) else ''}."
             " Return a DataLoader(dataset, batch_size=...) from the *_dataloader hooks."
         )
-    batch = loader.batch_size * scale
-    if batch.denominator != 1:
+    new = Fraction(target, ranks)
+    if new.denominator != 1:
         raise VerifyDataError(
-            f"The global batch of {loader.batch_size} × {scale.numerator} samples per step cannot be split over the"
-            f" reference's {scale.denominator} ranks. Choose a batch size or an --against with a number of ranks"
-            " that divides it."
+            f"The strategy's global batch of {target} samples per step cannot be split over the reference's {ranks}"
+            " ranks. Choose a batch size or an --against with a number of ranks that divides it."
         )
     return DataLoader(
         loader.dataset,
-        batch_size=int(batch),
-        shuffle=isinstance(loader.sampler, RandomSampler),
+        batch_size=int(new),
+        sampler=loader.sampler,  # the user's own (a DistributedSampler, ...) or the default one Lightning replaces
         num_workers=loader.num_workers,
         collate_fn=loader.collate_fn,
         pin_memory=loader.pin_memory,
         drop_last=loader.drop_last,
         timeout=loader.timeout,
         worker_init_fn=loader.worker_init_fn,
+        generator=loader.generator,
         persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False,
     )
 
 
-def scale_dataloader_hooks(owner: Any, scale: Fraction) -> None:
-    """Make ``owner``'s (a LightningModule's or LightningDataModule's) ``train_dataloader`` and ``val_dataloader``
-    return loaders scaled by ``scale``: an instance attribute wraps each method, so Lightning's calls reach it."""
-    for hook in ("train_dataloader", "val_dataloader"):
-        method = getattr(owner, hook, None)
-        if callable(method):
-            setattr(owner, hook, _scaled(method, scale))
+def wrap_dataloader_hooks(owners: list[Any], change: Callable[[str, Any], Any]) -> None:
+    """Make the ``train_dataloader`` and ``val_dataloader`` that Lightning calls return ``change(stage, loaders)``
+    ("train" or "val"). Each hook is taken, as Lightning takes it, from the first of ``owners`` (the datamodule, then
+    the module; ``None`` for none) whose class overrides it, and wrapped by an instance attribute there: a hook no
+    class defines stays as it is (Lightning tells a defined hook from the base one by its code)."""
+    for stage, hook in HOOKS.items():
+        owner = next((o for o in owners if o is not None and getattr(type(o), hook, None) not in _BASE_HOOKS), None)
+        if owner is not None:
+            setattr(owner, hook, _wrapped(getattr(owner, hook), stage, change))
 
 
-def _scaled(method: Callable[[], Any], scale: Fraction) -> Callable[[], Any]:
+def _wrapped(method: Callable[[], Any], stage: str, change: Callable[[str, Any], Any]) -> Callable[[], Any]:
     def hook() -> Any:
-        return scaled_loader(method(), scale)
+        return change(stage, method())
 
     return hook
+
+
+def sample_fingerprints(batch: Any) -> list[str] | None:
+    """One short hash per sample of ``batch`` (a tensor, or a dict, list or tuple holding tensors that share their
+    first dimension): the sample's row of every tensor, floating values as float64. ``None``: no such rows."""
+    tensors = _tensors(batch)
+    if not tensors or any(t.dim() == 0 or t.shape[0] != tensors[0].shape[0] for t in tensors):
+        return None
+    rows = [t.detach().to("cpu", torch.float64 if t.is_floating_point() else t.dtype).contiguous() for t in tensors]
+    prints = []
+    for index in range(tensors[0].shape[0]):
+        digest = hashlib.blake2b(digest_size=8)
+        for row in rows:
+            digest.update(row[index].reshape(-1).view(torch.uint8).numpy().tobytes())
+        prints.append(digest.hexdigest())
+    return prints
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        return [t for one in batch for t in _tensors(one)]
+    return []

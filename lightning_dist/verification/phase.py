@@ -24,6 +24,7 @@ from typing_extensions import override
 
 from lightning_dist.cli import CLI_CLASSES, DistCLI, import_from_cwd
 from lightning_dist.compat.hugging_face import restore_output_capture
+from lightning_dist.verification.one_process import ONE_PROCESS_STRATEGY, OneProcessStrategy
 from lightning_dist.verification.recorder import VerifyRecorder
 from lightning_dist.verification.settings import VerifySettings, is_removed_callback, trainer_overrides
 
@@ -35,6 +36,15 @@ def _overrides(settings: VerifySettings, role: str, workdir: Path, trainer: dict
     path = workdir / f"{role}.json"  # absent where the configuration is only built (verify's own process)
     role_args = json.loads(path.read_text()) if path.exists() else {}
     return {**trainer_overrides(settings, role, workdir, validates, accumulate), **role_args.get("trainer", {})}
+
+
+def _one_process_strategy(overrides: dict[str, Any], config: bool) -> dict[str, Any]:
+    """``overrides`` with the one-process reference's strategy as a configuration entry (``config``) or an
+    instance, in place of its class path (a plain string names a registered strategy)."""
+    if overrides.get("strategy") == ONE_PROCESS_STRATEGY:
+        entry = Namespace(class_path=ONE_PROCESS_STRATEGY, init_args=Namespace())
+        overrides["strategy"] = entry if config else OneProcessStrategy()
+    return overrides
 
 
 class VerifyCLI(DistCLI):
@@ -49,7 +59,8 @@ class VerifyCLI(DistCLI):
         super().before_instantiate_classes()
         settings, role, workdir = self.verify
         trainer = self.config["trainer"]
-        for key, value in _overrides(settings, role, workdir, dict(vars(trainer))).items():
+        overrides = _one_process_strategy(_overrides(settings, role, workdir, dict(vars(trainer))), config=True)
+        for key, value in overrides.items():
             trainer[key] = value
         trainer["callbacks"] = [c for c in (trainer.get("callbacks") or []) if not is_removed_callback(c)]
         logger = Namespace(save_dir=str(workdir / role), name="logs")
@@ -94,6 +105,7 @@ def run(workdir: Path, role: str) -> None:
         str(workdir),
         role,
         candidate_replicas=role_args.get("candidate_replicas", 0),
+        candidate_batches=role_args.get("candidate_batches"),
         keep_dropout=settings.keep_dropout,
         save_checkpoint=role == "candidate",
         float8=role_args.get("float8"),
@@ -107,7 +119,7 @@ def run(workdir: Path, role: str) -> None:
     objects = load_objects(workdir, shared.get("main_path"))
     pl.seed_everything(settings.seed, verbose=False)
     kwargs = dict(objects["trainer_kwargs"])
-    kwargs.update(_overrides(settings, role, workdir, kwargs))
+    kwargs.update(_one_process_strategy(_overrides(settings, role, workdir, kwargs), config=False))
     kwargs["callbacks"] = [c for c in kwargs.get("callbacks") or [] if not is_removed_callback(c)] + [recorder]
     kwargs["logger"] = CSVLogger(str(workdir / role), name="logs")
     pl.Trainer(**kwargs).fit(objects["model"], datamodule=objects["datamodule"])

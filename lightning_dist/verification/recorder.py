@@ -1,5 +1,6 @@
 """The callback verify adds to both runs: it gives the module the shared initial weights, gives the reference the
-strategy's global batch, and records on every rank what the comparison needs (``<workdir>/<role>/rank<r>.pt``).
+strategy's global batch (:mod:`~lightning_dist.verification.data`), and records on every rank what the comparison
+needs (``<workdir>/<role>/rank<r>.pt``), the samples of every training batch included.
 
 Every hook here runs on every rank, because reading a logged value synced with ``sync_dist=True`` and reading a
 sharded tensor whole are collectives.
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import os
 from contextlib import ExitStack
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dist.verification.calls import record_calls
-from lightning_dist.verification.data import scale_dataloader_hooks
+from lightning_dist.verification.data import (
+    batch_size,
+    leaves,
+    reference_loaders,
+    sample_fingerprints,
+    wrap_dataloader_hooks,
+)
 from lightning_dist.verification.tensors import (
     full_gradients,
     full_optimizer_state,
@@ -45,8 +51,9 @@ class VerifyRecorder(Callback):
     Args:
         workdir: The verify run's folder; this run writes ``<workdir>/<role>/``.
         role: ``"candidate"`` (the strategy under test) or ``"reference"``.
-        candidate_replicas: The reference's: how many data-parallel ranks the strategy's run had, so that its own
-            batch size becomes the strategy's per-rank one × that / its own ranks (0: the candidate, no change).
+        candidate_replicas: The reference's: how many data-parallel ranks the strategy's run had (0: the candidate).
+        candidate_batches: The reference's: the strategy's global batch per loader (``"train"``, ``"val"``: a list,
+            one entry per loader), which the reference's ranks read together in each step.
         keep_dropout: Leave dropout on (its draws cannot agree between layouts, so verify zeroes it by default).
         save_checkpoint: Save a checkpoint at the end (the candidate's, for the round trip).
         float8: The reference's: the strategy's ``float8`` recipe and skip patterns, applied to the module here the
@@ -62,6 +69,7 @@ class VerifyRecorder(Callback):
         workdir: str,
         role: str,
         candidate_replicas: int = 0,
+        candidate_batches: dict[str, list[int | None]] | None = None,
         keep_dropout: bool = False,
         save_checkpoint: bool = False,
         float8: dict[str, Any] | None = None,
@@ -70,17 +78,21 @@ class VerifyRecorder(Callback):
         self.folder = Path(workdir) / role
         self.initial = Path(workdir) / "initial.pt"
         self.candidate_replicas = candidate_replicas
+        self.candidate_batches = candidate_batches or {}
         self.keep_dropout = keep_dropout
         self.save_checkpoint = save_checkpoint
         self.float8 = float8
         self.anchoring = anchoring
         self.record: dict[str, Any] = {"logged": [], "losses": [], "steps": [], "dropout_zeroed": [], "calls": []}
+        self.record["samples"] = []  # per training batch, its samples' fingerprints as the loader gave them
         self.record.update({"anchors": {}, "after": []} if anchoring else {})
         self._anchors: dict[str, Any] = {}  # the reference's: the strategy's states, by moment
         self._since_anchor: list[tuple[int, int]] = []  # the optimizer steps taken since the last anchor
         self._optimizer_steps: dict[int, int] = {}
         self._batch_idx = self._batches = 0
         self._tracing = ExitStack()
+        self._loader_batches: dict[str, list[int | None]] = {}  # per stage, the batch size of each loader
+        self._trainer: pl.Trainer | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -98,9 +110,9 @@ class VerifyRecorder(Callback):
                 self.record["float8"] = convert_like_the_strategy(pl_module, self.float8, device)
 
         pl_module.configure_model = configure_then_load  # type: ignore[method-assign]
-        if self.candidate_replicas:
-            scale = Fraction(self.candidate_replicas, _replicas(trainer))
-            scale_dataloader_hooks(trainer.datamodule if trainer.datamodule is not None else pl_module, scale)
+        change = self._reference_loaders if self.candidate_replicas else self._count_batches
+        wrap_dataloader_hooks([trainer.datamodule, pl_module], change)
+        self._record_samples(trainer)
         if self.anchoring == FOLLOW:
             self._anchors = merge_anchors(load_records(self.folder.parent / "candidate"))
 
@@ -111,6 +123,8 @@ class VerifyRecorder(Callback):
             "rank": trainer.global_rank,
             "world_size": trainer.world_size,
             "replicas": _replicas(trainer),
+            "data_parallel_rank": _data_parallel_rank(trainer),
+            "loader_batches": self._loader_batches,
             "strategy": type(strategy).__name__,
             "mesh": str(getattr(strategy, "parallel_dims", "")),
             "precision": str(trainer.precision),
@@ -184,6 +198,32 @@ class VerifyRecorder(Callback):
         torch.save(self.record, path.with_suffix(".tmp"))
         os.replace(path.with_suffix(".tmp"), path)
 
+    def _count_batches(self, stage: str, loaders: Any) -> Any:
+        """The strategy's run: note the batch size of each loader the user's hook returned on this rank."""
+        self._loader_batches[stage] = [batch_size(loader) for loader in leaves(loaders)]
+        return loaders
+
+    def _reference_loaders(self, stage: str, loaders: Any) -> Any:
+        """The reference: the user's loaders reading the strategy's global batch per step (see ``data.py``)."""
+        assert self._trainer is not None
+        ranks = _replicas(self._trainer)
+        targets = self.candidate_batches.get(stage, [])
+        return reference_loaders(loaders, targets, ranks, same_ranks=ranks == self.candidate_replicas)
+
+    def _record_samples(self, trainer: pl.Trainer) -> None:
+        """Fingerprint every training batch as the loader gave it, before the strategy transforms it (context
+        parallel shards the sequences): the strategy's ``batch_to_device`` is wrapped on this instance."""
+        self._trainer = trainer
+        strategy = trainer.strategy
+        to_device = strategy.batch_to_device
+
+        def batch_to_device(batch: Any, *args: Any, **kwargs: Any) -> Any:
+            if trainer.training:
+                self.record["samples"].append(sample_fingerprints(batch))
+            return to_device(batch, *args, **kwargs)
+
+        strategy.batch_to_device = batch_to_device  # type: ignore[method-assign]
+
     def _anchor(self, trainer: pl.Trainer, pl_module: pl.LightningModule, moment: str) -> None:
         """At ``moment``, if an optimizer step was taken since the last one: the strategy's run keeps its state;
         the reference keeps its own, then loads the strategy's (there is none to load at the end of training)."""
@@ -237,6 +277,13 @@ def convert_like_the_strategy(module: Module, float8: dict[str, Any], device: st
         head=recognize(module).output_head,
     )
     return convert_to_float8(module, settings).describe()
+
+
+def _data_parallel_rank(trainer: pl.Trainer) -> int:
+    """This rank's place among the data-parallel ranks (its sampler's ``rank``): peers under tensor, context or
+    pipeline parallelism share it."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return int(kwargs.get("rank", 0))
 
 
 def _replicas(trainer: pl.Trainer) -> int:

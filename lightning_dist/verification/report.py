@@ -56,7 +56,7 @@ class VerifyReport:
             return f"NOT VERIFIED: {self.failure}"
         row = self.first_difference
         if row is None:
-            worst = max((r.difference for r in self.rows if math.isfinite(r.tolerance)), default=0.0)
+            worst = max((r.difference for r in self.rows if math.isfinite(r.tolerance) and r.judged), default=0.0)
             return (
                 f"EQUIVALENT: {self.strategy} matches {self.against} over {self.steps} steps"
                 f" (largest relative difference {worst:.1e}, tolerance {self.tolerance:.0e})."
@@ -76,12 +76,12 @@ class VerifyReport:
             "",
         ]
         if self.rows:
-            lines.append(f"{'when':<28} {'quantity':<34} {'difference':>11}  ")
+            width = max(28, *(len(row.when) for row in self.rows))
+            lines.append(f"{'when':<{width}} {'quantity':<34} {'difference':>11}  ")
             for row in self.rows:
-                mark = "shown" if math.isinf(row.tolerance) else "ok" if row.ok else "DIFFERS"
-                lines.append(f"{row.when:<28} {row.quantity[:34]:<34} {_number(row.difference):>11}  {mark}")
-                if not row.ok and row.detail:
-                    lines.append(f"{'':<28}   {row.detail}")
+                lines.append(f"{row.when:<{width}} {row.quantity[:34]:<34} {_number(row.difference):>11}  {_mark(row)}")
+                if (not row.ok or not row.judged) and row.detail:
+                    lines.append(f"{'':<{width}}   {row.detail}")
             parameters = next((r for r in reversed(self.rows) if r.quantity == "parameters"), None)
             if parameters is not None and parameters.worst:
                 lines += ["", f"parameters that differ most {parameters.when or 'at the end'}:"]
@@ -120,9 +120,18 @@ def _row_json(row: Row) -> dict[str, Any]:
         "when": row.when,
         "difference": _finite(row.difference),
         "ok": row.ok,
+        "judged": row.judged,
         "worst": [[name, _finite(diff)] for name, diff in row.worst],
         "detail": row.detail,
     }
+
+
+def _mark(row: Row) -> str:
+    """``ok``, ``DIFFERS``, ``shown`` (compared, not judged: a stated tolerance does not cover it) or ``not judged``
+    (every element left out: judged through other rows)."""
+    if not row.judged:
+        return "not judged"
+    return "shown" if math.isinf(row.tolerance) else "ok" if row.ok else "DIFFERS"
 
 
 def _finite(value: float) -> float | str:

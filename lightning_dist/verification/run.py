@@ -27,6 +27,7 @@ from torch import nn
 from lightning_dist.checkpoint.consolidate import load_full_checkpoint
 from lightning_dist.verification.causes import likely_causes
 from lightning_dist.verification.compare import Row, compare_runs, merge_ranks, tensor_difference
+from lightning_dist.verification.data import HOOKS, global_batches
 from lightning_dist.verification.recorder import FOLLOW, RECORD, load_records
 from lightning_dist.verification.report import VerifyReport
 from lightning_dist.verification.settings import ONE_PROCESS, VerifySettings, default_tolerance, reference_strategy
@@ -104,9 +105,9 @@ def run_check(
     if ours is not None:
         meta = ours[0]["meta"]
         report.strategy = f"{strategy} ({meta['mesh']})" if meta["mesh"] else strategy
-        ref = _reference_run(settings, workdir, meta["replicas"], devices, reference_key, report, reference_extras)
+        ref = _reference_run(settings, workdir, ours, devices, reference_key, report, reference_extras)
         if ref is not None:
-            _compare(report, ours, ref, module, workdir, None if settings.tolerance else stated_tolerance)
+            compare_into(report, ours, ref, module, workdir, None if settings.tolerance else stated_tolerance)
     report.seconds = time.perf_counter() - start
     if report.passed and temporary:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -117,14 +118,22 @@ def run_check(
 def _reference_run(
     settings: VerifySettings,
     workdir: Path,
-    replicas: int,
+    ours: list[dict[str, Any]],
     devices: tuple[Any, int],
     key: str,
     report: VerifyReport,
     extras: dict[str, Any],
 ) -> list[dict[str, Any]] | None:
-    """The reference's records: launched with the strategy's global batch, or reused from the reference cache."""
-    role = {"trainer": reference_strategy(settings.against, *devices), "candidate_replicas": replicas, **extras}
+    """The reference's records: launched with the strategy's global batch (from the strategy's records ``ours``), or
+    reused from the reference cache."""
+    ranks = [(r["meta"]["data_parallel_rank"], r["meta"]["loader_batches"]) for r in ours]
+    batches = {stage: global_batches([(dp, sizes.get(stage, [])) for dp, sizes in ranks]) for stage in HOOKS}
+    role = {
+        "trainer": reference_strategy(settings.against, *devices),
+        "candidate_replicas": ours[0]["meta"]["replicas"],
+        "candidate_batches": batches,
+        **extras,
+    }
     if settings.anchored:
         role["anchoring"] = FOLLOW
     (workdir / "reference.json").write_text(json.dumps(role))
@@ -138,7 +147,7 @@ def _reference_run(
     return ref
 
 
-def _compare(
+def compare_into(
     report: VerifyReport,
     ours: list[dict[str, Any]],
     ref: list[dict[str, Any]],
@@ -146,12 +155,21 @@ def _compare(
     workdir: Path,
     stated_tolerance: tuple[float, str, tuple[str, ...]] | None,
 ) -> None:
-    """The report's rows (the checkpoint round trip last), its likely causes and its notes."""
+    """The report's rows (the checkpoint round trip last), its likely causes and its notes; its failure where the
+    reference did not read the strategy's samples before any other difference."""
     report.rows = compare_runs(ours, ref, report.tolerance)
     if stated_tolerance is not None:
         report.notes.append(_limit_to(report.rows, stated_tolerance))
     report.rows.append(_checkpoint_row(module, workdir / "candidate" / "checkpoint", ours))
     report.causes = likely_causes(report.rows, module, ours[0], ref[0])
+    first = report.first_difference
+    if first is not None and first.quantity == "samples":  # the inputs differ: the outputs say nothing
+        report.failure = (
+            f"the reference did not read the samples the strategy's ranks read ({first.when}: {first.detail}), so"
+            " the runs cannot be compared. verify gives the reference the strategy's global batch through your own"
+            " loaders (docs/verify.md, 'What it runs'); data that changes between runs (random per-sample transforms"
+            " drawn per rank) or a loader that does not split the data over the data-parallel ranks cannot be."
+        )
     zeroed = ours[0]["dropout_zeroed"]
     if zeroed:
         shown = ", ".join(zeroed[:4]) + (", ..." if len(zeroed) > 4 else "")
@@ -163,7 +181,7 @@ def _compare(
 def _limit_to(rows: list[Row], stated: tuple[float, str, tuple[str, ...]]) -> str:
     """Rows the strategy's stated tolerance does not cover become informational (compared, not judged)."""
     covered = stated[2]
-    always = ("replicas", "gradient replicas", "checkpoint", "learning rate")
+    always = ("replicas", "gradient replicas", "checkpoint", "learning rate", "samples", "sample replicas")
     skipped = sorted(
         {row.quantity for row in rows if not row.quantity.startswith(covered) and row.quantity not in always}
     )

@@ -2,9 +2,9 @@
 
 Both runs train the user's configuration with a few settings replaced: ``max_steps`` (and no other stopping rule),
 validation once at the end on two batches when the configuration validates, no checkpoint or early-stopping
-callbacks and a logger inside verify's own folder (so nothing of the user's is written or overwritten), Lightning's
-distributed sampler, and for ``--dtype float64`` the ``64-true`` precision. The reference also gets its strategy and
-its number of processes.
+callbacks and a logger inside verify's own folder (so nothing of the user's is written or overwritten), and for
+``--dtype float64`` the ``64-true`` precision. The user's data settings (``use_distributed_sampler``, their own
+samplers) are kept. The reference also gets its strategy and its number of processes.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.callbacks import Checkpoint, EarlyStopping
+
+from lightning_dist.verification.one_process import ONE_PROCESS_STRATEGY
 
 #: ``--against`` value of the default reference: the same module trained in one process.
 ONE_PROCESS = "one_process"
@@ -36,7 +38,7 @@ class VerifySettings:
             mixed/half), or what the strategy states for itself (ZeRO++'s quantized communication).
         dtype: ``"float64"`` runs both sides in ``64-true`` precision, a much sharper check; ``None`` keeps the
             configuration's precision.
-        against: The reference: ``"one_process"`` (Lightning's DDP on one process), ``"ddp"`` (DDP on as many
+        against: The reference: ``"one_process"`` (one process, no DDP wrapper), ``"ddp"`` (DDP on as many
             processes as the strategy), or another registered strategy name (on as many processes).
         keep_dropout: Leave dropout on. Its random draws cannot agree between layouts, so verify sets every dropout
             probability to 0 on both sides unless told otherwise.
@@ -104,7 +106,6 @@ def trainer_overrides(
         "enable_progress_bar": False,
         "enable_model_summary": False,
         "num_sanity_val_steps": 0,
-        "use_distributed_sampler": True,
         "default_root_dir": str(root / role),
         "check_val_every_n_epoch": None,
         "val_check_interval": settings.steps * accumulate,
@@ -118,7 +119,7 @@ def trainer_overrides(
 def reference_strategy(against: str, devices: Any, num_nodes: int) -> dict[str, Any]:
     """The Trainer arguments that make the reference's processes: ``strategy``, ``devices`` and ``num_nodes``."""
     if against == ONE_PROCESS:
-        return {"strategy": "ddp", "devices": 1, "num_nodes": 1}
+        return {"strategy": ONE_PROCESS_STRATEGY, "devices": 1, "num_nodes": 1}
     return {"strategy": against, "devices": devices, "num_nodes": num_nodes}
 
 

@@ -1,0 +1,168 @@
+"""`lightning-dist verify` on modules written with users' habits (``tests/scenarios/user_modules.py``): data loaders
+with their own ``DistributedSampler`` (``use_distributed_sampler=False``), and a GAN with two optimizers under manual
+optimization. verify must call them equivalent where the strategy trains them as one process does, from Python and
+from a YAML without ``data:``, and still fail a loss scaled by the rank.
+
+The suite runs the own-sampler module under fsdp2 from a YAML (where the reference's batch differs from a rank's),
+the rank-scaled failure from Python, and the GAN under tensor_parallel; ``LIGHTNING_DIST_FULL_MATRIX=1`` adds
+fsdp2, tensor_parallel, pipeline and hybrid3d pp2 × tp2 from Python, the last three from a YAML, and the GAN under
+fsdp2 (which must come to a verdict, not "NOT VERIFIED").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from launch import FULL_MATRIX, REPO_ROOT
+
+#: The runs import the user's module as a user's project would: ``user_modules`` on the path.
+USER_PATH = os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests" / "scenarios"), os.environ.get("PYTHONPATH", "")])
+#: A small OwnSamplerGPT (two blocks: one per pipeline stage; heads divisible by tp=2).
+GPT_ARGS = {"vocab_size": 64, "seq_len": 16, "d_model": 16, "n_layer": 2, "n_head": 2, "global_batch": 8}
+#: The GAN's tensor-parallel plan: its layers are plain nn.Sequential entries, which the automatic plan leaves alone.
+GAN_PLAN = {"generator.0": "colwise", "generator.2": "rowwise", "critic.0": "colwise", "critic.2": "rowwise"}
+#: Strategy by name: (the YAML's ``trainer.strategy``, the Python argument as source, devices).
+STRATEGIES = {
+    "fsdp2": ("fsdp2", '"fsdp2"', 2),
+    "tensor_parallel": ("tensor_parallel", '"tensor_parallel"', 2),
+    "pipeline": ("pipeline", '"pipeline"', 2),
+    "hybrid3d": (
+        {"class_path": "lightning_dist.Hybrid3DStrategy",
+         "init_args": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}},
+        "lightning_dist.Hybrid3DStrategy(pipeline_parallel_size=2, tensor_parallel_size=2)",
+        4,
+    ),
+}  # fmt: skip
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import lightning_dist
+    from lightning_dist import TensorParallelStrategy
+    from user_modules import GANLike, OwnSamplerGPT
+
+
+    class RankScaledOwnSamplerGPT(OwnSamplerGPT):
+        '''A user bug that verify must still find: the loss depends on the rank.'''
+
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch, batch_idx) * (1 + self.global_rank)
+
+
+    if __name__ == "__main__":
+        common = dict(dtype="float64", accelerator="cpu", use_distributed_sampler=False)
+        reports = {}
+        for name, module, strategy, devices, steps in CHECKS:
+            report = lightning_dist.verify(module, strategy=strategy, devices=devices, steps=steps, **common)
+            print(report.table(), flush=True)
+            reports[name] = report.to_json()
+        json.dump(reports, open(sys.argv[1], "w"))
+    """
+)
+
+
+def python_checks(tmp_path: Path, checks: list[str]) -> dict[str, dict]:
+    """Run one script of ``lightning_dist.verify`` calls (``checks``: lines of ``(name, module, strategy, devices,
+    steps)``); each one's report as JSON, by name."""
+    script = SCRIPT.replace("if __name__", "CHECKS = [\n    " + ",\n    ".join(checks) + ",\n]\n\n\nif __name__")
+    (tmp_path / "run.py").write_text(script)
+    out = tmp_path / "reports.json"
+    env = {**os.environ, "PYTHONPATH": USER_PATH}
+    done = subprocess.run([sys.executable, "run.py", str(out)], check=False, cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=1800)  # fmt: skip
+    assert done.returncode == 0 and out.exists(), (done.stdout + done.stderr)[-4000:]
+    return json.loads(out.read_text())
+
+
+def own_sampler_check(strategy: str, steps: int = 2, cls: str = "OwnSamplerGPT", name: str = "") -> str:
+    """The script line of a check of ``cls`` under ``strategy`` (reported as ``name``, by default the strategy's)."""
+    _, source, devices = STRATEGIES[strategy]
+    return f"({name or strategy!r}, {cls}(**{GPT_ARGS!r}), {source}, {devices}, {steps})"
+
+
+def yaml_check(tmp_path: Path, strategy: str) -> tuple[int, dict, str]:
+    """``lightning-dist verify --config`` of a YAML with only ``model:`` and ``trainer:`` (no ``data:``)."""
+    entry, _, devices = STRATEGIES[strategy]
+    config = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": devices, "strategy": entry, "use_distributed_sampler": False,
+                    "max_steps": 100, "logger": False},
+        "model": {"class_path": "user_modules.OwnSamplerGPT", "init_args": GPT_ARGS},
+    }  # fmt: skip
+    (tmp_path / "own_sampler.yaml").write_text(json.dumps(config))  # JSON is YAML
+    report = tmp_path / "report.json"
+    command = [sys.executable, "-m", "lightning_dist.cli", "verify", "--config", "own_sampler.yaml", "--steps=2",
+               "--dtype=float64", "--json", str(report)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": USER_PATH}
+    done = subprocess.run(command, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    output = done.stdout + done.stderr
+    assert report.exists(), output[-4000:]
+    return done.returncode, json.loads(report.read_text()), output
+
+
+def assert_equivalent(report: dict, batches: int = 2) -> None:
+    """Equivalent in fp64, on the same samples in every step (each compared), every row judged."""
+    assert report["passed"] and report["tolerance"] == 1e-10, report["summary"]
+    samples = [row for row in report["rows"] if row["quantity"] == "samples"]
+    assert [row["when"] for row in samples] == [f"train batch {i}" for i in range(batches)], report["summary"]
+    assert all(row["difference"] == 0 for row in samples) and all(row["judged"] for row in report["rows"])
+    assert max(row["difference"] for row in report["rows"]) <= 1e-10
+
+
+@pytest.mark.slow
+def test_a_module_with_its_own_sampler_from_a_yaml_without_data_is_equivalent_under_fsdp2(tmp_path):
+    """Before: the reference read twice the global batch in another order (DIFFERENT at train batch 0's loss, the
+    module's debug line blamed)."""
+    code, report, output = yaml_check(tmp_path, "fsdp2")
+    assert code == 0, output[-4000:]
+    assert_equivalent(report)
+
+
+@pytest.mark.slow
+def test_a_rank_scaled_loss_still_fails_and_a_gan_is_checked_under_tensor_parallel(tmp_path):
+    """From Python: the own-sampler module with its loss scaled by the rank fails at the first loss, on the same
+    samples, naming the line; the GAN (two optimizers, manual optimization, a sub-network unused in each backward)
+    is equivalent under tensor_parallel. Before: its one-process reference failed in DDP ("NOT VERIFIED")."""
+    reports = python_checks(
+        tmp_path,
+        [
+            own_sampler_check("fsdp2", steps=1, cls="RankScaledOwnSamplerGPT", name="rank scaled"),
+            f"('gan', GANLike(), TensorParallelStrategy(plan={GAN_PLAN!r}), 2, 4)",
+        ],
+    )
+    scaled = reports["rank scaled"]
+    assert not scaled["passed"] and not scaled["failure"], scaled["summary"]
+    first = scaled["first_difference"]
+    assert (first["quantity"], first["when"]) == ("loss", "train batch 0")
+    assert next(r for r in scaled["rows"] if r["quantity"] == "samples")["difference"] == 0
+    assert any("run.py" in cause and "self.global_rank" in cause for cause in scaled["causes"]), scaled["causes"]
+    gan = reports["gan"]
+    assert gan["passed"] and "EQUIVALENT" in gan["summary"], gan["summary"]
+    whens = {row["when"] for row in gan["rows"] if row["quantity"] == "gradients"}
+    assert whens == {f"optimizer {o} step {s}" for o in (0, 1) for s in (0, 1)}, whens  # 4 optimizer steps
+    assert "loss" not in {row["quantity"] for row in gan["rows"]}  # its training_step returns nothing to compare
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not FULL_MATRIX, reason="the full matrix (LIGHTNING_DIST_FULL_MATRIX=1): 8 more checks, ~5 min")
+def test_the_full_matrix_of_own_sampler_checks_and_the_gan_under_fsdp2(tmp_path):
+    checks = [own_sampler_check(name) for name in STRATEGIES]
+    reports = python_checks(tmp_path, [*checks, "('gan fsdp2', GANLike(), 'fsdp2', 2, 4)"])
+    for name in STRATEGIES:
+        assert_equivalent(reports[name])
+    # the GAN under fsdp2: a verdict from compared rows (its strategy's training of it is being fixed), never
+    # "NOT VERIFIED" for want of a reference
+    gan = reports["gan fsdp2"]
+    assert not gan["failure"] and gan["rows"], gan["summary"]
+    for name in ("tensor_parallel", "pipeline", "hybrid3d"):
+        folder = tmp_path / name
+        folder.mkdir()
+        code, report, output = yaml_check(folder, name)
+        assert code == 0, output[-4000:]
+        assert_equivalent(report)

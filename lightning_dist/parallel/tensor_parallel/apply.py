@@ -33,6 +33,7 @@ from lightning_dist.parallel.tensor_parallel.fused import (
 )
 from lightning_dist.parallel.tensor_parallel.inference import infer_plan, resolve_explicit_plan
 from lightning_dist.parallel.tensor_parallel.kv_heads import ReplicatedKVHeadParallel
+from lightning_dist.parallel.tensor_parallel.lora import column_part_owner, sharded_dropout_style
 from lightning_dist.parallel.tensor_parallel.multihead import MultiheadAttentionParallel
 from lightning_dist.parallel.tensor_parallel.partial_gradients import mark_partial_over_tp
 from lightning_dist.parallel.tensor_parallel.plan import (
@@ -80,6 +81,8 @@ def build_style(spec: str | dict[str, Any], where: str = "?", module: nn.Module 
         return MultiheadAttentionParallel(None if dim is None else int(dim))
     if style == "fused_gate_up":
         return FusedGateUpParallel(layouts.get("input_layouts"))
+    if style == "sharded_dropout":
+        return sharded_dropout_style(options)
     if style in ("colwise", "rowwise") and module is not None and is_conv1d(module):
         if local is False:
             raise TensorParallelPlanError(f"plan[{where!r}]: a Conv1D's output is always a local tensor")
@@ -181,8 +184,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
         for proj in info["projections"]
     }
     for name, spec in plan.styles.items():
-        if name in replicated_kv:
-            style: ParallelStyle = ReplicatedKVHeadParallel(replicated_kv[name])
+        kv_projection = name if name in replicated_kv else column_part_owner(name, plan.lora)
+        if kv_projection in replicated_kv:  # a LoRA-wrapped one: its base layer and lora_B alike
+            style: ParallelStyle = ReplicatedKVHeadParallel(replicated_kv[kv_projection])
         else:
             style = build_style(spec, name, modules[name])
         parallelize_module(modules[name], tp_mesh, style)

@@ -176,6 +176,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
     plan.validate(tp)
     modules = dict(model.named_modules())
     tied = _tied_parameters(model)
+    frozen = [name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad]
     # Parents before children: a parent's input hook must see what its parent handed it.
     replicated_kv = {  # key/value projections of attention with fewer key/value heads than tp
         f"{attn}.{proj}": info["kv_heads"]
@@ -194,6 +195,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
             # Falcon adds the attention output to the MLP's in place; a local output is a view DTensor made
             modules[name].register_forward_hook(_owned_output)
     _retie(model, tied)
+    _keep_frozen(model, frozen)
     mark_partial_over_tp(model, plan.partial_over_tp)
     changed: dict[str, str] = {}
     for name, attrs in plan.head_attributes.items():
@@ -238,6 +240,14 @@ def shard_gradients_like_parameters(parameters: list[nn.Parameter]) -> None:
         param.grad = DTensor.from_local(
             local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
         )
+
+
+def _keep_frozen(model: nn.Module, frozen: list[str]) -> None:
+    """Freeze again the parameters that were frozen before sharding. torch's ``SequenceParallel`` (2.13) re-registers
+    a norm's parameters as new ``nn.Parameter``s that require gradients: the frozen norms of a LoRA or otherwise
+    partly frozen model would become trainable, and an optimizer built after setup would update them."""
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
 
 
 def _owned_output(module: nn.Module, args: Any, output: Any) -> Any:

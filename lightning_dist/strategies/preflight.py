@@ -20,6 +20,7 @@ from typing_extensions import override
 from lightning_dist.checkpoint.layout import validate_checkpoint
 from lightning_dist.checkpoint.safe_load import resolve_weights_only
 from lightning_dist.compat.lightning import LauncherBase, SignalNumber, SubprocessScriptLauncherBase
+from lightning_dist.strategies.first_batch import rng_kept
 from lightning_dist.strategies.parallelize_options import PARALLELIZE_OPTIONS
 
 if TYPE_CHECKING:
@@ -152,7 +153,8 @@ class PreflightSubprocessLauncher(SubprocessScriptLauncherBase):
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         if trainer is not None:
-            self._strategy.preflight(trainer, bound_arguments(function, args, kwargs))
+            with rng_kept():  # the checks draw nothing from the stream the training will use
+                self._strategy.preflight(trainer, bound_arguments(function, args, kwargs))
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
@@ -171,7 +173,8 @@ class PreflightLauncher(LauncherBase):
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         if trainer is not None:
-            self._strategy.preflight(trainer, bound_arguments(function, args, kwargs))
+            with rng_kept():
+                self._strategy.preflight(trainer, bound_arguments(function, args, kwargs))
         return function(*args, **kwargs)
 
     @override

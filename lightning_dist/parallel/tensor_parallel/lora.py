@@ -139,11 +139,17 @@ class ShardedDropoutParallel(ParallelStyle):
         self.dim = dim
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if type(module) is not nn.Dropout:
-            raise TypeError(f"sharded_dropout applies to an nn.Dropout, not {type(module).__name__}")
-        module.__class__ = DropoutOfShard
-        module.shard_dim, module.shards, module.shard_index = self.dim, device_mesh.size(), device_mesh.get_local_rank()
-        return module
+        return shard_dropout(module, self.dim, device_mesh.size(), device_mesh.get_local_rank())
+
+
+def shard_dropout(module: nn.Module, dim: int, shards: int, index: int) -> DropoutOfShard:
+    """Make the ``nn.Dropout`` ``module`` (in place) the dropout of slice ``index`` of ``shards`` on ``dim``."""
+    if type(module) is not nn.Dropout:
+        raise TypeError(f"sharded_dropout applies to an nn.Dropout, not {type(module).__name__}")
+    module.__class__ = DropoutOfShard
+    assert isinstance(module, DropoutOfShard)
+    module.shard_dim, module.shards, module.shard_index = dim, shards, index
+    return module
 
 
 class DropoutOfShard(nn.Dropout):

@@ -7,9 +7,9 @@ adapters the plan leaves whole (DoRA, LoHa, a LoRA-wrapped head), named with why
 
 Against one process (fp64, 1e-10; one reference launch and one 2-process launch of ``scenarios/lora_runs.py``, and
 in the full matrix one 4-process launch): losses, LoRA parameters after 6 AdamW steps and frozen weights unchanged,
-at tp=2 (with LoRA dropout 0.1 on every projection, with and without sequence parallel), and in the full matrix
-dp2 × tp2 and hybrid3d pp2 × tp2; ``merge_and_unload()`` after training; a tp=2 checkpoint with PEFT's keys resumed
-under fsdp2.
+at tp=2 for the Llama (then ``merge_and_unload()``), the Qwen3 (LoRA dropout 0.1 on every projection, with and
+without sequence parallel) and the Phi-3, whose tp=2 checkpoint holds PEFT's keys and resumes under fsdp2; in the
+full matrix dp2 × tp2 and hybrid3d pp2 × tp2.
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ def test_lora_on_q_and_v_shards_the_wrapped_projections_as_the_unwrapped_model()
     plain = infer_plan(lora_base_model("llama"))
     model = _lora(lora_base_model("llama"), target_modules=["q_proj", "v_proj"])
     plan = infer_plan(model)
-    bases = {n.removeprefix(WRAPPED).removesuffix(".base_layer"): s for n, s in plan.styles.items() if ".lora_" not in n}
+    bases = {
+        n.removeprefix(WRAPPED).removesuffix(".base_layer"): s for n, s in plan.styles.items() if ".lora_" not in n
+    }
     assert bases == plain.styles
     for layer in range(2):
         for proj in ("q_proj", "v_proj"):
@@ -63,7 +65,9 @@ def test_lora_on_q_and_v_shards_the_wrapped_projections_as_the_unwrapped_model()
     )
     assert not plan.unplanned and not plan.unreduced
     assert {k.removeprefix(WRAPPED): v for k, v in plan.grouped_query.items()} == plain.grouped_query
-    assert {(c.module.removeprefix(WRAPPED), c.value) for c in plan.checks} == {(c.module, c.value) for c in plain.checks}
+    assert {(c.module.removeprefix(WRAPPED), c.value) for c in plan.checks} == {
+        (c.module, c.value) for c in plain.checks
+    }
     plan.validate(2)
     # the printed plan parses back to the same plan, and a user's plan naming the wrapped layers is expanded alike
     again = resolve_explicit_plan(model, plan.compact(model))
@@ -157,12 +161,12 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(workdir: Path) -> dict:
-    return run_scenarios(SCRIPT, 1, workdir, ["llama", "qwen3_all"])
+    return run_scenarios(SCRIPT, 1, workdir, ["llama", "qwen3_all", "phi3"])
 
 
 @pytest.fixture(scope="module")
 def two_ranks(workdir: Path, reference: dict) -> dict:
-    return run_scenarios(SCRIPT, 2, workdir, ["llama", "qwen3_all", "qwen3_all_sp", "llama_fsdp2_from_tp"])
+    return run_scenarios(SCRIPT, 2, workdir, ["llama", "qwen3_all", "qwen3_all_sp", "phi3", "phi3_fsdp2_from_tp"])
 
 
 @pytest.fixture(scope="module")
@@ -194,8 +198,10 @@ def test_lora_on_q_and_v_matches_one_process_with_the_wrapped_projections_sharde
     assert Counter(v for n, v in layouts.items() if ".lora_A." in n) == {"R": 4}
     assert Counter(v for n, v in layouts.items() if "norm" in n) == {"plain": 5}
     assert run["plan_lines"] == [
-        "tensor_parallel: auto plan over tp=2: 5 rowwise, 11 colwise, 4 LoRA-wrapped layers sharded as their base:"
-        " 4 with a column-wise base (lora_B split, lora_A whole) (full plan: `lightning-dist plan`)"
+        (
+            "tensor_parallel: auto plan over tp=2: 5 rowwise, 11 colwise, 4 LoRA-wrapped layers sharded as their"
+            " base: 4 with a column-wise base (lora_B split, lora_A whole) (full plan: `lightning-dist plan`)"
+        )
     ]
 
 
@@ -225,14 +231,21 @@ def test_merge_and_unload_after_training_matches_one_process(workdir, reference,
 
 
 @pytest.mark.slow
-def test_a_tensor_parallel_lora_checkpoint_keeps_peft_keys_and_resumes_under_fsdp2(workdir, reference, two_ranks):
+def test_lora_on_fused_projections_matches_one_process_and_its_checkpoint_resumes_under_fsdp2(
+    workdir, reference, two_ranks
+):
+    """Phi-3 with LoRA on qkv_proj and gate_up_proj (lora_B's rows permuted like the base layer's while sharded),
+    o_proj and down_proj: tp=2 matches one process; its step-3 checkpoint holds PEFT's keys (it loads strictly into
+    the one-process module) and resumes under fsdp2, which holds the rows unpermuted, to one process's losses."""
     from lightning_dist.checkpoint.consolidate import load_full_checkpoint
 
-    state = load_full_checkpoint(workdir / "ckpt_llama_d2" / "step=3.ckpt")["state_dict"]
-    assert state.keys() == LoraCausalLM().state_dict().keys()
-    resumed = two_ranks["llama_fsdp2_from_tp"]
+    _assert_matches_one_process(workdir, two_ranks["phi3"], reference["phi3"], "phi3", 2, "phi3")
+    state = load_full_checkpoint(workdir / "ckpt_phi3_d2" / "step=3.ckpt")["state_dict"]
+    original = LoraCausalLM("phi3", targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj")).double()
+    original.load_state_dict(state, strict=True)
+    resumed = two_ranks["phi3_fsdp2_from_tp"]
     assert resumed["global_step"] == 6
-    assert max_abs_diff(resumed["losses"], reference["llama"]["losses"][3:]) <= FP64_TOL
+    assert max_abs_diff(resumed["losses"], reference["phi3"]["losses"][3:]) <= FP64_TOL
 
 
 @pytest.mark.slow

@@ -449,9 +449,7 @@ def _recognize_embeddings_and_head(model: nn.Module, structure: ModelStructure, 
 
     embeddings = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding) and candidate(n)}
     linears = {
-        n: m
-        for n, m in model.named_modules()
-        if type(m) is nn.Linear and candidate(n) and n not in claimed_children
+        n: m for n, m in model.named_modules() if type(m) is nn.Linear and candidate(n) and n not in claimed_children
     }
     heads = [n for n in linears if n.rpartition(".")[2] in HEAD_NAMES]
     token = next((n for n in embeddings if n.rpartition(".")[2] in TOKEN_EMBEDDING_NAMES), None)

@@ -1,9 +1,9 @@
 """LoRA (PEFT's ``get_peft_model``) under tensor parallelism against one process: a stock Llama with LoRA on
-q_proj/v_proj (column-wise bases) and a Qwen3 with LoRA on every projection, dropout 0.1 and sequence parallel
-(row-wise bases: o_proj, down_proj); tp=2, dp2 × tp2 and hybrid3d; ``merge_and_unload()`` after training; the tp=2
-checkpoint resumed under fsdp2.
+q_proj/v_proj (column-wise bases; ``merge_and_unload()`` after training), a Qwen3 with LoRA on every projection,
+dropout 0.1 and sequence parallel (row-wise bases: o_proj, down_proj), and Phi-3's fused qkv_proj/gate_up_proj with
+LoRA (its tp=2 checkpoint resumed under fsdp2); tp=2, and (4 devices) dp2 × tp2 and hybrid3d pp2 × tp2.
 
-python tests/scenarios/lora_runs.py --devices 2 --out r.json --workdir DIR --scenarios llama_tp,qwen3_all_sp
+python tests/scenarios/lora_runs.py --devices 2 --out r.json --workdir DIR --scenarios llama,qwen3_all_sp
 python tests/scenarios/lora_runs.py --devices 1 --out ref.json --workdir DIR --scenarios llama,qwen3_all   # reference
 """
 
@@ -37,6 +37,7 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 MODELS: dict[str, dict[str, Any]] = {
     "llama": {"kind": "llama"},
     "qwen3_all": {"kind": "qwen3", "targets": ALL_LINEAR, "lora_dropout": 0.1},
+    "phi3": {"kind": "phi3", "targets": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")},
 }
 
 
@@ -95,7 +96,9 @@ def train(
     callbacks: list[Any] = [recorder]
     if checkpoint:
         folder = f"{workdir}/ckpt_{name}_d{devices}"
-        callbacks.append(ModelCheckpoint(dirpath=folder, every_n_train_steps=CKPT_STEP, save_top_k=-1, filename="{step}"))
+        callbacks.append(
+            ModelCheckpoint(dirpath=folder, every_n_train_steps=CKPT_STEP, save_top_k=-1, filename="{step}")
+        )
     trainer = L.Trainer(
         **trainer_kwargs(
             devices,
@@ -136,10 +139,11 @@ def train(
 
 SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     # references (1 device) and tp=2 / dp2 × tp2 runs of the same modules
-    "llama": lambda d, w: train(d, w, "llama", "llama", checkpoint=d == 2, merge=d <= 2),
+    "llama": lambda d, w: train(d, w, "llama", "llama", merge=d <= 2),
     "qwen3_all": lambda d, w: train(d, w, "qwen3_all", "qwen3_all"),
+    "phi3": lambda d, w: train(d, w, "phi3", "phi3", checkpoint=d == 2),
+    "phi3_fsdp2_from_tp": lambda d, w: train(d, w, "phi3_fsdp2_from_tp", "phi3", "fsdp2", resume_from="ckpt_phi3_d2"),
     "qwen3_all_sp": lambda d, w: train(d, w, "qwen3_all_sp", "qwen3_all", sequence_parallel=True),
-    "llama_fsdp2_from_tp": lambda d, w: train(d, w, "llama_fsdp2_from_tp", "llama", "fsdp2", resume_from="ckpt_llama_d2"),
     "llama_hybrid3d": lambda d, w: train(d, w, "llama_hybrid3d", "llama", "hybrid3d"),
 }
 

@@ -370,9 +370,13 @@ class HFCausalLM(L.LightningModule):
 
 
 def lora_base_model(kind: str) -> torch.nn.Module:
-    """A stock ``LlamaForCausalLM`` (4 query heads, 2 key/value heads) or ``Qwen3ForCausalLM`` (the same, with
-    per-head ``q_norm``/``k_norm``), 2 layers, for :class:`LoraCausalLM`."""
+    """A stock ``LlamaForCausalLM`` (4 query heads, 2 key/value heads), ``Qwen3ForCausalLM`` (the same, with
+    per-head ``q_norm``/``k_norm``) or ``Phi3ForCausalLM`` (fused ``qkv_proj``, ``gate_up_proj``), 2 layers, for
+    :class:`LoraCausalLM`."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    if kind == "phi3":
+        return phi3_model(SEQ_LEN)
 
     sizes = {
         "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

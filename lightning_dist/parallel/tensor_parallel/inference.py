@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_dist.compat.peft import BASE_LAYER
 from lightning_dist.parallel.model_structure import (
     Attention,
     ModelStructure,
@@ -23,7 +24,6 @@ from lightning_dist.parallel.model_structure import (
     projection_features,
     recognize,
 )
-from lightning_dist.compat.peft import BASE_LAYER
 from lightning_dist.parallel.tensor_parallel.fused import fused_spec
 from lightning_dist.parallel.tensor_parallel.lora import adapters_left_whole, expand_lora
 from lightning_dist.parallel.tensor_parallel.plan import (

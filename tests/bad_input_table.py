@@ -123,6 +123,13 @@ def _qwen3(kv_heads: int) -> _HFCausalLM:
     return _HFCausalLM(Qwen3ForCausalLM(config))
 
 
+def _lora_llama(targets: list[str]) -> _HFCausalLM:
+    """A Llama fine-tuned with PEFT's LoRA on ``targets``, wrapped by ``get_peft_model`` as users write it."""
+    from peft import LoraConfig, get_peft_model
+
+    return _HFCausalLM(get_peft_model(_llama(2).model, LoraConfig(r=8, target_modules=targets)))
+
+
 def _router_loss_without_experts() -> _HFCausalLM:
     """A Llama whose config asks for the router's auxiliary loss (a flag copied from a MoE config): no experts."""
     model = _llama(2)
@@ -323,6 +330,8 @@ ROWS: list[BadInput] = [
              ValueError, r"(?s)tensor_parallel_size=2.*key/value heads"),
     BadInput("Per-head q/k norms (Qwen3) with tp above the KV heads", lambda t: _fit(TensorParallelStrategy(tensor_parallel_size=2), _qwen3(1)),
              ValueError, r"(?s)q_norm.weight: a per-head norm in an attention module with 1 key/value heads; with tp=2, 2 ranks hold each"),
+    BadInput("A LoRA-wrapped output head under sequence_parallel", lambda t: _fit(TensorParallelStrategy(tensor_parallel_size=2, sequence_parallel=True), _lora_llama(["q_proj", "lm_head"])),
+             ValueError, r"(?s)base_model\.model\.lm_head: a PEFT adapter layer outside the attention and MLP modules the plan shards.*with sequence_parallel it would see only this rank's slice of the sequence"),
     BadInput("A vocabulary not divisible by tp", lambda t: _fit(TensorParallelStrategy(tensor_parallel_size=2), _gpt(vocab_size=63)),
              ValueError, r"(?s)tok_emb: vocabulary.* = 63 is not divisible.*pad the"),
     BadInput("Heads not divisible by cp under Ulysses", lambda t: _fit(ContextParallelStrategy(attention="ulysses"), _gpt(d_model=24, n_head=3)),

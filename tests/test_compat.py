@@ -1,5 +1,5 @@
 """Private torch and Lightning APIs live in lightning_dist/compat/ only, so a new release needs one folder changed
-(compat/torch.py, compat/lightning.py; compat/hugging_face.py for transformers).
+(compat/torch.py, compat/lightning.py; compat/hugging_face.py for transformers, compat/peft.py for PEFT).
 
 The check reads the package's syntax tree. Outside ``lightning_dist/compat/`` it fails on
 (a) an import of a private module or name of torch, Lightning, lightning_utilities, torchmetrics or transformers,
@@ -19,6 +19,7 @@ import lightning_dist
 from lightning_dist.compat import PRIVATE_TORCH_NAMES, TESTED_TORCH, torch_minor_version, untested_torch_message
 from lightning_dist.compat.hugging_face import PRIVATE_HUGGING_FACE_NAMES
 from lightning_dist.compat.lightning import PRIVATE_LIGHTNING_NAMES
+from lightning_dist.compat.peft import PRIVATE_PEFT_NAMES
 
 PACKAGE = Path(lightning_dist.__file__).parent
 COMPAT = PACKAGE / "compat"
@@ -30,6 +31,7 @@ FOREIGN_ROOTS = {
     "pytorch_lightning",
     "torchmetrics",
     "transformers",
+    "peft",
 }
 # Private-looking names of the Python standard library that are its public API.
 STDLIB_ALLOWED = {
@@ -191,7 +193,7 @@ def test_the_check_sees_each_kind_of_private_use():
 
 
 def test_every_private_name_in_compat_is_listed_with_the_version_it_was_checked_on():
-    listed = {**PRIVATE_TORCH_NAMES, **PRIVATE_LIGHTNING_NAMES, **PRIVATE_HUGGING_FACE_NAMES}
+    listed = {**PRIVATE_TORCH_NAMES, **PRIVATE_LIGHTNING_NAMES, **PRIVATE_HUGGING_FACE_NAMES, **PRIVATE_PEFT_NAMES}
     unlisted = [
         f"{path.relative_to(PACKAGE.parent)}:{line}: {name}"
         for path in sorted(COMPAT.glob("*.py"))

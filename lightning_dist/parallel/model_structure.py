@@ -3,19 +3,21 @@
 ``recognize(model)`` inspects a single-device model (nothing changes, no communication) and returns a
 :class:`ModelStructure` that the tensor-parallel plan, context parallelism's checks and the pipeline split
 read. It knows the common naming of hand-written GPTs, Hugging Face decoders (Llama/Mistral/Qwen, GPT-2, GPT-NeoX),
-litgpt, and ``torch.nn``'s transformer layers. What looks like attention but cannot be understood is listed in
+litgpt, and ``torch.nn``'s transformer layers, and sees through PEFT's LoRA wrappers to the projections they wrap. What looks like attention but cannot be understood is listed in
 :attr:`ModelStructure.unsupported` with the reason. Pure PyTorch.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
 
 from lightning_dist.compat import buffer_registry
+from lightning_dist.compat.peft import is_adapter_layer, lora_base, why_adapter_is_whole
 
 if TYPE_CHECKING:
     from lightning_dist.parallel.tensor_parallel.fused_layouts import FusedLayout
@@ -176,8 +178,19 @@ def is_norm(module: nn.Module) -> bool:
 def is_projection(module: nn.Module) -> bool:
     """An ``nn.Linear`` (exactly, not a subclass with other semantics, except Falcon's plain ``x @ W.T + b`` and
     torchao's ``Float8Linear``, the same product in FP8, which ``float8`` puts in before tensor parallelism) or
-    Hugging Face's ``Conv1D``."""
+    Hugging Face's ``Conv1D``; or such a layer wrapped by PEFT's LoRA (``base_layer(x) + B(A(x))``), which the
+    tensor-parallel plan shards as its base layer."""
+    return _is_plain_projection(projection_base(module))
+
+
+def _is_plain_projection(module: nn.Module) -> bool:
     return type(module) is nn.Linear or type(module).__name__ in _LINEAR_SUBCLASSES or is_conv1d(module)
+
+
+def projection_base(module: nn.Module) -> nn.Module:
+    """The layer that holds a projection's weight: ``module`` itself, or the base layer of a LoRA-wrapped one."""
+    base = lora_base(module)
+    return module if base is None else base
 
 
 #: ``nn.Linear`` subclasses whose forward is still ``x @ W.T + b`` (tensor-parallel styles apply to them).
@@ -191,7 +204,8 @@ def is_conv1d(module: nn.Module) -> bool:
 
 
 def projection_features(module: nn.Module) -> tuple[int, int]:
-    """``(in_features, out_features)`` of an ``nn.Linear`` or ``Conv1D``."""
+    """``(in_features, out_features)`` of an ``nn.Linear`` or ``Conv1D`` (the base layer's, when LoRA wraps it)."""
+    module = projection_base(module)
     if is_conv1d(module):
         return module.weight.shape[0], module.weight.shape[1]
     return module.in_features, module.out_features
@@ -241,6 +255,8 @@ def recognize(model: nn.Module) -> ModelStructure:
             skipped.append(name)
             continue
         children = {n: c for n, c in module.named_children() if is_projection(c)}
+        if _adapter_left_whole(structure, name, module, children, skipped):
+            continue
         if _recognize_attention(structure, name, module, children, skipped):
             claimed_children.update(join(name, c) for c in children)
             continue
@@ -322,7 +338,7 @@ def _recognize_attention(
         output = _pick({n: m for n, m in children.items() if n != fused}, O_NAMES)
         from lightning_dist.parallel.tensor_parallel.fused_layouts import fused_layout  # see _recognize_mha
 
-        layout = fused_layout(module, fused, children[fused])
+        layout = fused_layout(module, fused, projection_base(children[fused]))
         if isinstance(layout, str) or output is None:
             why = layout if isinstance(layout, str) else "no recognised output projection"
             structure.unsupported[join(name, fused)] = f"fused QKV projection: {why}"
@@ -377,6 +393,35 @@ def _recognize_attention(
     return True
 
 
+def _adapter_left_whole(
+    structure: ModelStructure, name: str, module: nn.Module, children: dict[str, nn.Module], skipped: list[str]
+) -> bool:
+    """An attention module or MLP with a projection that is a PEFT adapter layer the plan cannot shard (a LoRA
+    variant such as DoRA, another kind of adapter): the module is left whole, each such projection is named with
+    why, and returns ``True``."""
+    whole = {n: why for n, c in module.named_children() if (why := why_adapter_is_whole(c)) is not None}
+    role = _role({*children, *whole}) if whole else None
+    if role is None:
+        return False
+    for child, why in whole.items():
+        structure.unsupported[join(name, child)] = f"{why}; the {role} module holding it is left whole"
+    structure.claimed.append(name)
+    skipped.append(name)
+    return True
+
+
+def _role(names: set[str]) -> str | None:
+    """``"attention"`` or ``"MLP"`` when child projections of these names make a module one (as the rules of
+    :func:`recognize` read them), else ``None``."""
+    if all(_pick(names, role) for role in (Q_NAMES, K_NAMES, V_NAMES)) or _pick(names, FUSED_QKV_NAMES):
+        return "attention"
+    ups = [n for n in UP_NAMES if n in names]
+    down = _pick(names - set(ups), DOWN_NAMES)
+    if {"linear1", "linear2"} <= names or (ups or "gate_up_proj" in names) and down is not None:
+        return "MLP"
+    return None
+
+
 def _recognize_mlp(structure: ModelStructure, name: str, children: dict[str, nn.Module]) -> bool:
     if "linear1" in children and "linear2" in children:  # nn.TransformerEncoderLayer / DecoderLayer
         structure.mlps[name] = MLP(name, ("linear1",), "linear2")
@@ -396,13 +441,15 @@ def _recognize_mlp(structure: ModelStructure, name: str, children: dict[str, nn.
 
 
 def _recognize_embeddings_and_head(model: nn.Module, structure: ModelStructure, claimed_children: set[str]) -> None:
-    embeddings = {
-        n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding) and not structure.inside_claimed(n)
-    }
+    # an embedding or head wrapped by a PEFT adapter is not sharded (the plan names the adapter as left whole)
+    adapters = [n for n, m in model.named_modules() if is_adapter_layer(m)]
+
+    def candidate(name: str) -> bool:
+        return not structure.inside_claimed(name) and not any(name.startswith(f"{a}.") for a in adapters)
+
+    embeddings = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding) and candidate(n)}
     linears = {
-        n: m
-        for n, m in model.named_modules()
-        if type(m) is nn.Linear and not structure.inside_claimed(n) and n not in claimed_children
+        n: m for n, m in model.named_modules() if type(m) is nn.Linear and candidate(n) and n not in claimed_children
     }
     heads = [n for n in linears if n.rpartition(".")[2] in HEAD_NAMES]
     token = next((n for n in embeddings if n.rpartition(".")[2] in TOKEN_EMBEDDING_NAMES), None)
@@ -446,7 +493,7 @@ def find_positions_argument(model: nn.Module, inference_only: str | None = None)
     return None
 
 
-def _pick(children: dict[str, nn.Module], candidates: tuple[str, ...]) -> str | None:
+def _pick(children: Collection[str], candidates: tuple[str, ...]) -> str | None:
     return next((n for n in candidates if n in children), None)
 
 

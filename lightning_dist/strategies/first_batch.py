@@ -36,7 +36,7 @@ def first_batch(arguments: dict[str, Any], stage: str) -> Any | None:
 
 def _read_first_batch(arguments: dict[str, Any], stage: str) -> Any | None:
     try:
-        with _rng_kept():
+        with rng_kept():
             loader = _loader(arguments, stage)
             return _collate_first(loader) if isinstance(loader, DataLoader) else None
     except Exception:  # noqa: BLE001 (best effort: the check runs again on the first batch after launch)
@@ -74,7 +74,7 @@ def _collate_first(loader: DataLoader) -> Any | None:
 
 
 @contextmanager
-def _rng_kept() -> Iterator[None]:
+def rng_kept() -> Iterator[None]:
     """The Python, NumPy and torch (CPU) generators as they were on entry, on exit."""
     python = random.getstate()
     try:

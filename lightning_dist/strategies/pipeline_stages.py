@@ -19,7 +19,7 @@ from lightning_dist.compat.lightning import skip_lightning_backward
 from lightning_dist.parallel import pipeline as pp
 from lightning_dist.parallel.expert_parallel.router_loss import reduce_router_statistics
 from lightning_dist.parallel.pipeline.router_statistics import carry_router_statistics, plan_router_statistics
-from lightning_dist.strategies.first_batch import _rng_kept, first_batch
+from lightning_dist.strategies.first_batch import first_batch, rng_kept
 from lightning_dist.strategies.pipeline_logs import captured_log
 from lightning_dist.strategies.preflight import PARALLELIZED
 
@@ -207,7 +207,7 @@ def _first_training_call(model: pl.LightningModule, arguments: dict[str, Any]) -
         return None
     module = model.get_submodule(pp.find_pipelined_module(model))
     try:
-        with _rng_kept(), captured_log(model, None):
+        with rng_kept(), captured_log(model, None):
             batch = model.on_after_batch_transfer(model.on_before_batch_transfer(batch, 0), 0)
             call = pp.capture_call(module, lambda: model.training_step(batch, 0))
         inputs = pp.model_inputs_as_kwargs(module, *call)

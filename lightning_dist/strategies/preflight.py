@@ -20,6 +20,7 @@ from typing_extensions import override
 from lightning_dist.checkpoint.layout import validate_checkpoint
 from lightning_dist.checkpoint.safe_load import resolve_weights_only
 from lightning_dist.compat.lightning import LauncherBase, SignalNumber, SubprocessScriptLauncherBase
+from lightning_dist.strategies.first_batch import rng_kept
 from lightning_dist.strategies.parallelize_options import PARALLELIZE_OPTIONS
 
 if TYPE_CHECKING:
@@ -40,7 +41,8 @@ FOUND_BEFORE_LAUNCH = "lightning_dist_found_before_launch"
 def run_preflight(strategy: MeshParallelStrategy, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
     """The strategy's checks before launch; what they raise is marked :data:`FOUND_BEFORE_LAUNCH`."""
     try:
-        strategy.preflight(trainer, arguments)
+        with rng_kept():  # the checks draw nothing from the stream the training will use
+            strategy.preflight(trainer, arguments)
     except Exception as error:
         setattr(error, FOUND_BEFORE_LAUNCH, True)
         raise

@@ -8,7 +8,6 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
@@ -83,7 +82,9 @@ class ProcessSetup(_Base):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
+        # No `reset_seed()` (Lightning's DDP and ModelParallelStrategy re-seed here): every rank ran the user's script
+        # to this point, so its random state is the one a single process has when it starts training; re-seeding
+        # would rewind it to before the model's initialization, and dropout would draw other masks than one process.
         self.set_world_ranks()  # also validates the mesh sizes, before any process group exists
         self._process_group_backend = self._process_group_backend or default_process_group_backend(self.root_device)
         assert self.cluster_environment is not None

@@ -17,6 +17,7 @@
   precision.
 - :func:`tiny_hf_causal_lm`: stock Llama, GPT-2, Qwen3 or Mixtral causal LMs with their default config
   (``use_cache=True``), as users build them.
+- :class:`LoraCausalLM`: a stock Llama or Qwen3 wrapped by PEFT's LoRA (``get_peft_model``) as users write it.
 - :class:`HFLlama`: a stock ``LlamaForCausalLM`` whose loss is computed inside the model (context parallelism's
   label shift), or from its logits.
 - :class:`QKNormAttention`: Qwen3-style attention normalizing queries and keys over head_dim (``q_norm``,
@@ -24,7 +25,7 @@
 - :class:`UserMoE`: a mixture-of-experts model as a user writes it, with names no library uses: each layer's
   experts in a ``ModuleList`` called ``expert_list``, routed by ``scorer`` in the same ``forward`` as the loop.
 
-Only torch, Lightning, torchmetrics and (imported where used) transformers and litgpt: the module imports nothing
+Only torch, Lightning, torchmetrics and (imported where used) transformers, peft and litgpt: the module imports nothing
 from the scenario scripts, so both the scripts (``from models import ...``) and the tests
 (``from tests.scenarios.models import ...``) can use it.
 """
@@ -415,6 +416,49 @@ class HFCausalLM(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def lora_base_model(kind: str) -> torch.nn.Module:
+    """A stock ``LlamaForCausalLM`` (4 query heads, 2 key/value heads), ``Qwen3ForCausalLM`` (the same, with
+    per-head ``q_norm``/``k_norm``) or ``Phi3ForCausalLM`` (fused ``qkv_proj``, ``gate_up_proj``), 2 layers, for
+    :class:`LoraCausalLM`."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    if kind == "phi3":
+        return phi3_model(SEQ_LEN)
+
+    sizes = {
+        "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": SEQ_LEN,
+        "attn_implementation": "eager", "use_cache": False,
+    }  # fmt: skip
+    if kind == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(head_dim=8, **sizes))
+    return LlamaForCausalLM(LlamaConfig(**sizes))
+
+
+class LoraCausalLM(L.LightningModule):
+    """LoRA fine-tuning as users write it: a stock transformers causal LM wrapped by PEFT's
+    ``get_peft_model(model, LoraConfig(r=8, target_modules=...))`` in ``__init__``, AdamW over the trainable
+    parameters. The loss is computed from the logits (transformers' own loss casts them to float32, which would
+    limit a float64 comparison)."""
+
+    def __init__(
+        self, kind: str = "llama", targets: tuple[str, ...] = ("q_proj", "v_proj"), lora_dropout: float = 0.0
+    ) -> None:
+        super().__init__()
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=8, target_modules=list(targets), lora_dropout=lora_dropout)
+        self.model = get_peft_model(lora_base_model(kind), config)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x = batch["input_ids"]
+        logits = self.model(input_ids=x).logits[:, :-1]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
 
 
 class HFLlama(L.LightningModule):

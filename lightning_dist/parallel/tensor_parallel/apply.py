@@ -33,6 +33,7 @@ from lightning_dist.parallel.tensor_parallel.fused import (
 )
 from lightning_dist.parallel.tensor_parallel.inference import infer_plan, resolve_explicit_plan
 from lightning_dist.parallel.tensor_parallel.kv_heads import ReplicatedKVHeadParallel
+from lightning_dist.parallel.tensor_parallel.lora import column_part_owner, sharded_dropout_style
 from lightning_dist.parallel.tensor_parallel.multihead import MultiheadAttentionParallel
 from lightning_dist.parallel.tensor_parallel.partial_gradients import mark_partial_over_tp
 from lightning_dist.parallel.tensor_parallel.plan import (
@@ -80,6 +81,8 @@ def build_style(spec: str | dict[str, Any], where: str = "?", module: nn.Module 
         return MultiheadAttentionParallel(None if dim is None else int(dim))
     if style == "fused_gate_up":
         return FusedGateUpParallel(layouts.get("input_layouts"))
+    if style == "sharded_dropout":
+        return sharded_dropout_style(options)
     if style in ("colwise", "rowwise") and module is not None and is_conv1d(module):
         if local is False:
             raise TensorParallelPlanError(f"plan[{where!r}]: a Conv1D's output is always a local tensor")
@@ -173,6 +176,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
     plan.validate(tp)
     modules = dict(model.named_modules())
     tied = _tied_parameters(model)
+    frozen = [name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad]
     # Parents before children: a parent's input hook must see what its parent handed it.
     replicated_kv = {  # key/value projections of attention with fewer key/value heads than tp
         f"{attn}.{proj}": info["kv_heads"]
@@ -181,8 +185,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
         for proj in info["projections"]
     }
     for name, spec in plan.styles.items():
-        if name in replicated_kv:
-            style: ParallelStyle = ReplicatedKVHeadParallel(replicated_kv[name])
+        kv_projection = name if name in replicated_kv else column_part_owner(name, plan.lora)
+        if kv_projection in replicated_kv:  # a LoRA-wrapped one: its base layer and lora_B alike
+            style: ParallelStyle = ReplicatedKVHeadParallel(replicated_kv[kv_projection])
         else:
             style = build_style(spec, name, modules[name])
         parallelize_module(modules[name], tp_mesh, style)
@@ -190,6 +195,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
             # Falcon adds the attention output to the MLP's in place; a local output is a view DTensor made
             modules[name].register_forward_hook(_owned_output)
     _retie(model, tied)
+    _keep_frozen(model, frozen)
     mark_partial_over_tp(model, plan.partial_over_tp)
     changed: dict[str, str] = {}
     for name, attrs in plan.head_attributes.items():
@@ -234,6 +240,14 @@ def shard_gradients_like_parameters(parameters: list[nn.Parameter]) -> None:
         param.grad = DTensor.from_local(
             local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
         )
+
+
+def _keep_frozen(model: nn.Module, frozen: list[str]) -> None:
+    """Freeze again the parameters that were frozen before sharding. torch's ``SequenceParallel`` (2.13) re-registers
+    a norm's parameters as new ``nn.Parameter``s that require gradients: the frozen norms of a LoRA or otherwise
+    partly frozen model would become trainable, and an optimizer built after setup would update them."""
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
 
 
 def _owned_output(module: nn.Module, args: Any, output: Any) -> Any:

@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_dist.compat.peft import BASE_LAYER
 from lightning_dist.parallel.model_structure import (
     Attention,
     ModelStructure,
@@ -24,6 +25,7 @@ from lightning_dist.parallel.model_structure import (
     recognize,
 )
 from lightning_dist.parallel.tensor_parallel.fused import fused_spec
+from lightning_dist.parallel.tensor_parallel.lora import adapters_left_whole, expand_lora
 from lightning_dist.parallel.tensor_parallel.plan import (
     SEQUENCE_GATHER,
     DivisibilityCheck,
@@ -133,6 +135,8 @@ def infer_plan(model: nn.Module, sequence_parallel: bool = False, loss_parallel:
         for norm in structure.norms:
             plan.styles[norm] = "sequence_parallel"
         _check_sequence_parallel_coverage(model, plan, checked)
+    expand_lora(modules, plan)
+    adapters_left_whole(modules, plan, structure.claimed)
     _one_name_per_module(model, plan)
     _check_tied_parameters(model, plan)
     # Keep the model's own order (parents before children), which is also the order printed to users.
@@ -187,6 +191,7 @@ def resolve_explicit_plan(
                 resolved.loss_parallel_head = name
             if options["style"] == "sequence_parallel":
                 resolved.sequence_parallel = True
+    expand_lora(modules, resolved)
     order = {n: i for i, n in enumerate(names)}
     resolved.styles = dict(sorted(resolved.styles.items(), key=lambda item: order[item[0]]))
     auto = auto if auto is not None else infer_plan(model)
@@ -199,7 +204,9 @@ def resolve_explicit_plan(
         sharded = [join(attn, p) for p in (info.query, info.key, info.value, info.fused) if p and p != "in_proj"]
         by_heads = ("colwise", "fused_colwise")
         whole = style_name(resolved.styles.get(attn, "")) == "multihead_attention"
-        if whole or sharded and all(style_name(resolved.styles.get(n, "")) in by_heads for n in sharded):
+        # a LoRA-wrapped projection's style is its base layer's
+        styles = [resolved.styles.get(n, resolved.styles.get(join(n, BASE_LAYER), "")) for n in sharded]
+        if whole or sharded and all(style_name(style) in by_heads for style in styles):
             resolved.head_attributes[attn] = attrs
             resolved.checks.extend(c for c in auto.checks if c.module == attn)
             if attn in auto.grouped_query:

@@ -15,6 +15,12 @@ A plan maps module names to *styles* (plain data: a string or a small dict, so i
   ``sequence_dim`` (sequence parallel) its inputs and output are this rank's slice of the sequence on that dim.
 - ``"fused_gate_up"``: shard a fused ``[gate | up]`` MLP projection (``nn.Linear``) so each rank holds matching rows
   of both halves.
+- ``"sharded_dropout"``: an ``nn.Dropout`` whose input is this rank's slice of an activation (``input_layouts``,
+  default ``"shard(-1)"``): it draws the whole activation's mask, as one process does, and applies its slice (a LoRA
+  adapter's dropout before a row-wise ``lora_A``).
+
+A LoRA-wrapped layer (PEFT) named with ``colwise``/``rowwise``/``fused_*`` is sharded as its base layer: the entry
+becomes entries for its ``base_layer``, ``lora_A``, ``lora_B`` and dropout (:mod:`.lora`).
 
 ``colwise``/``rowwise`` also take Hugging Face ``Conv1D`` modules (GPT-2).
 
@@ -35,7 +41,8 @@ from typing import Any
 
 from torch import nn
 
-from lightning_dist.parallel.model_structure import is_conv1d, projection_features
+from lightning_dist.compat.peft import BASE_LAYER
+from lightning_dist.parallel.model_structure import is_conv1d, projection_base, projection_features
 
 StyleSpec = str | dict[str, Any]
 
@@ -49,7 +56,10 @@ STYLES: tuple[str, ...] = (
     "fused_colwise",
     "multihead_attention",
     "fused_gate_up",
+    "sharded_dropout",
 )
+#: Styles that split a layer's output features (a LoRA ``lora_B`` follows its base layer in these).
+COLUMN_STYLES: tuple[str, ...] = ("colwise", "fused_colwise", "fused_gate_up")
 _STYLE_KEYS = {
     "colwise": {"input_layouts", "output_layouts", "use_local_output"},
     "rowwise": {"input_layouts", "output_layouts", "use_local_output"},
@@ -60,6 +70,7 @@ _STYLE_KEYS = {
     "fused_colwise": {"order", "heads", "kv_heads", "head_dim", "input_layouts"},
     "multihead_attention": {"sequence_dim"},
     "fused_gate_up": {"input_layouts"},
+    "sharded_dropout": {"input_layouts"},
 }
 
 SEQUENCE_GATHER: dict[str, Any] = {
@@ -136,6 +147,8 @@ class TensorParallelPlan:
             gradient is summed over tp (:mod:`lightning_dist.parallel.tensor_parallel.partial_gradients`).
         tied: Parameter name → why its tied copies would get different layouts (one module planned, the other
             not); any entry makes :meth:`validate` refuse an automatic plan.
+        lora: LoRA-wrapped layer (PEFT) → the style of its base layer, for every wrapped layer sharded as its base
+            (its own entries name its children: :mod:`lightning_dist.parallel.tensor_parallel.lora`).
     """
 
     styles: dict[str, StyleSpec] = field(default_factory=dict)
@@ -150,6 +163,7 @@ class TensorParallelPlan:
     tied: dict[str, str] = field(default_factory=dict)
     partial_over_tp: dict[str, str] = field(default_factory=dict)
     grouped_query: dict[str, dict[str, Any]] = field(default_factory=dict)
+    lora: dict[str, str] = field(default_factory=dict)
 
     def validate(self, tp: int) -> None:
         """Raise :class:`TensorParallelPlanError` listing every size tp does not divide (and, for sequence
@@ -215,7 +229,7 @@ class TensorParallelPlan:
         names = [n for n, _ in model.named_modules() if n]
         groups: dict[str, list[str]] = defaultdict(list)
         for name in self.styles:
-            groups[re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", name)].append(name)
+            groups[_fold_indices(name)].append(name)
         out: dict[str, StyleSpec] = {}
         for pattern, members in groups.items():
             spec = self.styles[members[0]]
@@ -239,14 +253,46 @@ class TensorParallelPlan:
         )
 
     def summary(self) -> str:
-        """One compact line: how many modules of each style and what was left replicated."""
+        """One compact line: how many modules of each style (a LoRA-wrapped layer counted once, as its base layer),
+        the LoRA-wrapped layers, and what was left whole and why."""
         counts: dict[str, int] = defaultdict(int)
-        for spec in self.styles.values():
-            counts[spec if isinstance(spec, str) else spec["style"]] += 1
+        for name, spec in self.styles.items():
+            owner = next((w for w in self.lora if name.startswith(f"{w}.")), None)
+            if owner is None or name == f"{owner}.{BASE_LAYER}":
+                counts[style_name(spec)] += 1
         parts = [f"{n} {style}" for style, n in counts.items()]
+        if self.lora:
+            parts.append(_lora_summary(self.lora))
         if self.unplanned:
-            parts.append(f"left replicated: {', '.join(self.unplanned)}")
+            parts.append(f"left whole: {_folded_reasons(self.unplanned)}")
         return ", ".join(parts)
+
+
+def _fold_indices(name: str) -> str:
+    """``"layers.3.attn"`` → ``"layers.*.attn"``: every block index replaced by ``*``."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", name)
+
+
+def _lora_summary(lora: dict[str, str]) -> str:
+    column = sum(style in COLUMN_STYLES for style in lora.values())
+    splits = [
+        f"{n} with a {kind} base ({how})"
+        for n, kind, how in (
+            (column, "column-wise", "lora_B split, lora_A whole"),
+            (len(lora) - column, "row-wise", "lora_A split, lora_B whole"),
+        )
+        if n
+    ]
+    return f"{len(lora)} LoRA-wrapped layers sharded as their base: {', '.join(splits)}"
+
+
+def _folded_reasons(unplanned: dict[str, str]) -> str:
+    """``"layers.*.attn.q_proj, layers.*.attn.v_proj (why); head (why)"``: names that differ only in block indices
+    folded into ``*``, names left whole for the same reason together."""
+    by_reason: dict[str, dict[str, None]] = defaultdict(dict)
+    for name, reason in unplanned.items():
+        by_reason[reason][_fold_indices(name)] = None
+    return "; ".join(f"{', '.join(names)} ({reason})" for reason, names in by_reason.items())
 
 
 def fused_kv_checks(name: str, kv_heads: int, head_dim: int, shareable: bool) -> list[DivisibilityCheck]:
@@ -307,6 +353,7 @@ def normalize_style(spec: StyleSpec, where: str) -> dict[str, Any]:
 def size_checks(name: str, module: nn.Module, options: dict[str, Any]) -> list[DivisibilityCheck]:
     """The sizes of ``module`` that tp must divide for the style ``options`` (refusing styles it cannot take)."""
     style = options["style"]
+    module = projection_base(module)  # a LoRA-wrapped layer: the sizes of its base layer
     if style == "fused_colwise":
         heads, kv = int(options["heads"]), int(options["kv_heads"])
         checks = [DivisibilityCheck(name, "attention heads (fused projection)", heads)]

@@ -73,6 +73,7 @@ class ModelSetup(_Base):
             self.model_to_device()
             mark_held_experts(self.model)  # materializing and moving made new parameter objects, without marks
             self._make_replicas_equal()
+        self.shard_averaged_copies(trainer)  # WeightAveraging/SWA copied the model before it was parallelized
         if not is_fully_sharded(self.model):  # no FSDP2 policy to cast parameters: mixed precision is autocast
             self.precision_plugin.use_autocast(self.root_device.type)
         self._reduce_router_statistics()
@@ -228,3 +229,5 @@ class ModelSetup(_Base):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.checkpoint_io.check()  # a background save that failed is raised here, on every rank
+        for part in self.step_parts():
+            part.before_training_batch(self.lightning_module.trainer)

@@ -62,6 +62,9 @@ class StepPart:
         """At setup, after the replicated parameters and buffers were made equal: copies this part keeps itself."""
 
     # ------------------------------------------------------------------ steps
+    def before_training_batch(self, trainer: pl.Trainer) -> None:
+        """Before each training batch, before Lightning builds the batch's optimizer closure."""
+
     def transform_batch(self, batch: Any, dataloader_idx: int) -> Any:
         """A batch once it reached the device."""
         return batch

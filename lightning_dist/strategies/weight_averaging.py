@@ -1,0 +1,157 @@
+"""Lightning's weight-averaging callbacks under a lightning_dist strategy (a mixin of the shared base):
+``WeightAveraging`` (EMA with ``get_ema_multi_avg_fn``, ``EMAWeightAveraging``, any ``avg_fn``) and
+``StochasticWeightAveraging``.
+
+Both callbacks deep-copy the LightningModule in their ``setup``, before the strategy parallelizes it, and copy values
+between that copy and the model tensor by tensor, which fails once the model is sharded (and under a pipeline, whose
+stages hold part of the model). After parallelizing, the strategy replaces each callback's copy with a
+:func:`~lightning_dist.parallel.averaged_copy.sharded_copy` of the parallelized model (for ``WeightAveraging``
+inside a :class:`~lightning_dist.parallel.averaged_copy.ShardedAveragedModel` that keeps its averaging function and
+count). The callbacks then run unchanged, shard against shard, and each rank holds the average of what it holds.
+
+Checkpoints are what Lightning writes in one process: ``WeightAveraging`` saves the averaged weights as
+``state_dict`` and the model's own as ``current_model_state``, ``StochasticWeightAveraging`` its copy in its callback
+state. Saves write these like the model's state (DCP shards, or gathered onto rank 0 by ``FullStateCheckpointIO``);
+loads fill the model and the copies from them, and hand the callbacks the live states, so that their
+``on_load_checkpoint``/``load_state_dict`` (which copy those values into the model and their copy) keep them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.nn import Module
+from torch.optim.swa_utils import AveragedModel
+
+from lightning_dist.checkpoint.state_paths import (
+    CURRENT_MODEL_STATE,
+    MODEL_STATE,
+    StatePath,
+    callback_state_path,
+    get_path,
+    set_path,
+)
+from lightning_dist.compat.lightning import (
+    attached_trainer,
+    averaged_copy,
+    averaging_device,
+    clear_schedulers_for_swa,
+    set_averaged_copy,
+)
+from lightning_dist.parallel.averaged_copy import ShardedAveragedModel, ShardedCopy, sharded_copy
+from lightning_dist.profiling import state_bytes
+
+if TYPE_CHECKING:
+    from lightning_dist.strategies.base import MeshParallelStrategy
+
+    _Base = MeshParallelStrategy
+else:
+    _Base = object
+
+
+class WeightAveragingSetup(_Base):
+    """Weight averaging of :class:`~lightning_dist.strategies.base.MeshParallelStrategy` (see the module docstring)."""
+
+    def shard_averaged_copies(self, trainer: pl.Trainer) -> None:
+        """Replace the averaged copy of each weight-averaging callback with one of the parallelized model (at setup,
+        after parallelizing). Copies already made from it (fit, then test on one Trainer) are kept."""
+        assert self.model is not None
+        for callback in averaging_callbacks(trainer):
+            copy = averaged_copy(callback)
+            if isinstance(callback, WeightAveraging):
+                if not isinstance(copy, AveragedModel) or isinstance(copy, ShardedAveragedModel):
+                    continue
+                new: Module = ShardedAveragedModel.replacing(copy, sharded_copy(self.model, averaging_device(callback)))
+                module = new.module
+            elif copy is None or isinstance(copy, ShardedCopy):
+                continue
+            else:
+                new = module = sharded_copy(self.model)
+            set_averaged_copy(callback, new)
+            self.log_decision(
+                f"{type(callback).__name__}'s averaged copy made from the parallelized model:"
+                f" {_size(state_bytes(module)['total'])} on this rank (unsharded: {_size(_unsharded_bytes(module))})"
+            )
+
+    def sharded_parameters_at_validation_end(self) -> bool:
+        # WeightAveraging swaps its averaged weights into the model around validation; at the end of the loop FSDP2's
+        # root (reshard_after_forward=False) would still hold gathered, unsharded parameters.
+        return any(isinstance(averaged_copy(c), ShardedAveragedModel) for c in self._averaging_callbacks())
+
+    def averaged_states_into(self, checkpoint: dict[str, Any], state_of: Callable[[Module], dict[str, Any]]) -> None:
+        """Put the averaged copies' states into ``checkpoint`` where the callbacks did, as ``state_of`` gives a
+        model's state (sharded, or in full on rank 0). Collective."""
+        for callback in self._averaging_callbacks():
+            copy = averaged_copy(callback)
+            if isinstance(copy, ShardedAveragedModel) and CURRENT_MODEL_STATE[0] in checkpoint:
+                checkpoint[MODEL_STATE[0]] = state_of(copy.module)  # WeightAveraging moved the model's own aside
+            elif isinstance(copy, ShardedCopy):
+                path = callback_state_path(callback.state_key)
+                if isinstance(get_path(checkpoint, path), dict):
+                    set_path(checkpoint, path, state_of(copy))
+
+    def model_state_targets(self, saved: list[StatePath]) -> dict[StatePath, Module]:
+        """Which module loads which of the ``saved`` model states: as Lightning's callbacks load them in one process
+        (the model takes ``current_model_state`` where ``WeightAveraging`` saved one and is active, else
+        ``state_dict``)."""
+        assert self.model is not None
+        targets: dict[StatePath, Module] = {MODEL_STATE: self.model}
+        for callback in self._averaging_callbacks():
+            copy = averaged_copy(callback)
+            if isinstance(copy, ShardedAveragedModel) and CURRENT_MODEL_STATE in saved:
+                targets[CURRENT_MODEL_STATE] = self.model
+                targets[MODEL_STATE] = copy.module
+            elif isinstance(copy, ShardedCopy) and callback_state_path(callback.state_key) in saved:
+                targets[callback_state_path(callback.state_key)] = copy
+        return targets
+
+    def with_live_states(self, metadata: dict[str, Any], targets: dict[StatePath, Module]) -> dict[str, Any]:
+        """``metadata`` (a loaded checkpoint without its model states) with the loaded modules' own states where the
+        checkpoint held them, when a weight-averaging callback will read them: copying those into the model and its
+        copy changes nothing, as in one process after loading."""
+        if not any(
+            isinstance(averaged_copy(c), (ShardedAveragedModel, ShardedCopy)) for c in self._averaging_callbacks()
+        ):
+            return metadata
+        for path, module in targets.items():
+            set_path(metadata, path, module.state_dict())
+        return metadata
+
+    def hand_over_swa_schedulers(self, metadata: dict[str, Any]) -> None:
+        """``StochasticWeightAveraging`` drops the Trainer's schedulers in ``on_fit_start`` when its restored state
+        holds an ``SWALR`` state (else the checkpoint's ``SWALR`` state would be loaded into the module's scheduler).
+        A strategy that restores after setup, as ours do, restores callbacks after ``on_fit_start``: the strategy
+        does it then, once the checkpoint is read, before Lightning restores the schedulers."""
+        trainer = attached_trainer(self.lightning_module)
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or not trainer.lr_scheduler_configs:
+            return
+        for callback in self._averaging_callbacks():
+            state = get_path(metadata, ("callbacks", callback.state_key))
+            if isinstance(callback, StochasticWeightAveraging) and get_path(state or {}, ("scheduler_state",)):
+                clear_schedulers_for_swa(trainer)
+                return
+
+    def _averaging_callbacks(self) -> list[Callback]:
+        trainer = attached_trainer(self.lightning_module)
+        return averaging_callbacks(trainer) if trainer is not None else []
+
+
+def averaging_callbacks(trainer: pl.Trainer) -> list[Callback]:
+    """The Trainer's ``WeightAveraging`` and ``StochasticWeightAveraging`` callbacks."""
+    return [c for c in trainer.callbacks if isinstance(c, (WeightAveraging, StochasticWeightAveraging))]
+
+
+def _unsharded_bytes(module: Module) -> int:
+    """The bytes of ``module``'s parameters and buffers at their global sizes (a DTensor's ``numel`` is global)."""
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"

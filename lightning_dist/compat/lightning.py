@@ -185,6 +185,11 @@ def averaging_device(callback: Any) -> Any:
     return callback._device
 
 
+def set_averaging_device(callback: Any, device: Any) -> None:
+    """Where a ``WeightAveraging`` callback's ``setup`` puts the averaged copy it makes."""
+    callback._device = device
+
+
 # ---------------------------------------------------------------------------------------------------- torchmetrics
 def metric_state_names(metric: Any) -> list[str]:
     """The names of the states a torchmetrics ``Metric`` registered with ``add_state``."""

@@ -129,7 +129,9 @@ class ShardedAveragedModel(AveragedModel):
     def replacing(cls, averaged: AveragedModel, module: nn.Module) -> ShardedAveragedModel:
         """A model that averages like ``averaged`` (its functions, ``use_buffers`` and count) into ``module``."""
         new = cls(module, averaged.avg_fn, averaged.multi_avg_fn, averaged.use_buffers)
-        new.n_averaged = averaged.n_averaged.detach().clone()
+        count = averaged.n_averaged.detach()
+        # A copy made on the meta device (of a model not materialized yet) has averaged nothing.
+        new.n_averaged = torch.zeros_like(count, device="cpu") if count.is_meta else count.clone()
         return new
 
     @torch.no_grad()

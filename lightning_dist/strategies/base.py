@@ -194,6 +194,7 @@ class MeshParallelStrategy(
         self._tp_partial: list[torch.nn.Parameter] = []
         self._tp_sharded: list[torch.nn.Parameter] = []
         self._watchdog: FailureWatchdog | None = None
+        self._averaging_devices: dict[int, Any] = {}
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ what a concrete strategy provides

@@ -116,10 +116,11 @@ class ModelSetup(_Base):
     # ------------------------------------------------------------------ checks before launch
     def preflight(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
         """Everything that can be checked before processes are launched (see :mod:`.preflight`): the checkpoint
-        callbacks, ``ckpt_path``, a model an earlier Trainer already parallelized, and the model against the
-        strategy's options (:meth:`check_model`); around them, each step part's checks of the first batch, in the
-        launching process (context parallel before the model's checks, the pipeline after them). ``arguments`` are
-        those of the Trainer entry point."""
+        callbacks, ``ckpt_path``, the float8 option, weight-averaging callbacks that would copy a model already
+        sharded, a model an earlier Trainer already parallelized, and the model against the strategy's options
+        (:meth:`check_model`); around them, each step part's checks of the first batch, in the launching process
+        (context parallel before the model's checks, the pipeline after them). ``arguments`` are those of the
+        Trainer entry point."""
         launching = self.mesh_is_known() and not self.cluster_environment.creates_processes_externally
         parts = self.step_parts() if launching else []
         for part in parts:
@@ -128,6 +129,7 @@ class ModelSetup(_Base):
         self._requested_weights_only = arguments.get("weights_only")
         check_ckpt_path(arguments.get("ckpt_path"), self._requested_weights_only)
         self.check_float8(trainer)
+        self.check_averaging_callbacks(trainer)
         model = self.lightning_module
         if model is not None:
             self._adopt_user_compiled(model)  # compiled before fit: checked (and named) without `_orig_mod.`

@@ -18,14 +18,17 @@ loads fill the model and the copies from them, and hand the callbacks the live s
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn import Module
 from torch.optim.swa_utils import AveragedModel
+from typing_extensions import override
 
 from lightning_dist.checkpoint.state_paths import (
     CURRENT_MODEL_STATE,
@@ -41,9 +44,14 @@ from lightning_dist.compat.lightning import (
     averaging_device,
     clear_schedulers_for_swa,
     set_averaged_copy,
+    set_averaging_device,
 )
 from lightning_dist.parallel.averaged_copy import ShardedAveragedModel, ShardedCopy, sharded_copy
+from lightning_dist.parallel.fsdp import is_fully_sharded
 from lightning_dist.profiling import state_bytes
+from lightning_dist.strategies.preflight import PARALLELIZED
+
+_META = torch.device("meta")
 
 if TYPE_CHECKING:
     from lightning_dist.strategies.base import MeshParallelStrategy
@@ -56,6 +64,40 @@ else:
 class WeightAveragingSetup(_Base):
     """Weight averaging of :class:`~lightning_dist.strategies.base.MeshParallelStrategy` (see the module docstring)."""
 
+    #: The devices given to the ``WeightAveraging`` callbacks whose copy is made on meta, by callback id.
+    _averaging_devices: dict[int, Any]
+
+    def check_averaging_callbacks(self, trainer: pl.Trainer) -> None:
+        """Before launch: refuse a weight-averaging callback that would deep-copy a model an earlier Trainer already
+        sharded with FSDP2 (``WeightAveraging`` copies when ``fit`` starts, ``StochasticWeightAveraging`` at every
+        entry point); FSDP2 modules cannot be deep-copied, and the callback's ``setup`` would fail on every rank."""
+        model = self.lightning_module
+        if model is None or getattr(model, PARALLELIZED, None) is None or not is_fully_sharded(model):
+            return
+        stage = trainer.state.fn.value if trainer.state.fn is not None else "fit"
+        for callback in averaging_callbacks(trainer):
+            if isinstance(callback, StochasticWeightAveraging) or stage == TrainerFn.FITTING.value:
+                raise RuntimeError(_sharded_copy_refusal(type(callback).__name__, type(model).__name__, stage))
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._copy_meta_models_on_meta()
+
+    def _copy_meta_models_on_meta(self) -> None:
+        """``WeightAveraging.setup`` (next, before the strategy materializes the model) moves its copy of the model to
+        a device; a model created with ``Trainer.init_module(empty_init=True)`` is still on the meta device then,
+        from where nothing can be copied. The callback's copy stays on meta instead (it costs nothing, and is
+        replaced at setup); the device it was given is kept for the copy that replaces it."""
+        module = self.lightning_module
+        trainer = attached_trainer(module)
+        if trainer is None or not any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
+            return
+        for callback in averaging_callbacks(trainer):
+            if isinstance(callback, WeightAveraging) and averaging_device(callback) != _META:
+                self._averaging_devices[id(callback)] = averaging_device(callback)
+                set_averaging_device(callback, _META)
+
     def shard_averaged_copies(self, trainer: pl.Trainer) -> None:
         """Replace the averaged copy of each weight-averaging callback with one of the parallelized model (at setup,
         after parallelizing). Copies already made from it (fit, then test on one Trainer) are kept."""
@@ -65,7 +107,10 @@ class WeightAveragingSetup(_Base):
             if isinstance(callback, WeightAveraging):
                 if not isinstance(copy, AveragedModel) or isinstance(copy, ShardedAveragedModel):
                     continue
-                new: Module = ShardedAveragedModel.replacing(copy, sharded_copy(self.model, averaging_device(callback)))
+                if id(callback) in self._averaging_devices:  # copied on meta (see setup_environment)
+                    set_averaging_device(callback, self._averaging_devices.pop(id(callback)))
+                device = averaging_device(callback)
+                new: Module = ShardedAveragedModel.replacing(copy, sharded_copy(self.model, device))
                 module = new.module
             elif copy is None or isinstance(copy, ShardedCopy):
                 continue
@@ -138,6 +183,23 @@ class WeightAveragingSetup(_Base):
     def _averaging_callbacks(self) -> list[Callback]:
         trainer = attached_trainer(self.lightning_module)
         return averaging_callbacks(trainer) if trainer is not None else []
+
+
+def _sharded_copy_refusal(callback: str, model: str, stage: str) -> str:
+    what = (
+        f"{callback} copies the LightningModule (copy.deepcopy) in its setup() when {stage} starts, and {model} was"
+        " sharded with FSDP2 by an earlier Trainer: FSDP2 modules cannot be deep-copied."
+    )
+    if stage == TrainerFn.FITTING.value:
+        return (
+            f"{what} Fit a fresh, unsharded instance of the model (construct it again, or load one with"
+            " `load_from_checkpoint`), or continue the earlier run with `ckpt_path`."
+        )
+    return (
+        f"{what} The callback put its averaged weights into the model when fit ended: {stage} without it (a Trainer"
+        f" without {callback}, or `trainer.callbacks.remove(...)` first), or {stage} a model loaded with"
+        " `load_from_checkpoint`."
+    )
 
 
 def averaging_callbacks(trainer: pl.Trainer) -> list[Callback]:

@@ -9,9 +9,9 @@ python tests/scenarios/averaging_runs.py --devices 2 --out r.json --workdir DIR 
 Each run saves, on rank 0, the whole EMA copy, SWA copy and model (before training ends: what the model trained to)
 as ``<name>.pt`` for the test to compare with the reference's; its result holds the validation losses (taken with
 the EMA weights swapped in) and the bytes of the averaged copies per rank. ``<strategy>_resume`` resumes the
-step-3 checkpoint of the ``<strategy>`` run (which must run first in the same launch); ``<strategy>_from_reference``
-resumes the one-process run's single-file checkpoint; ``fsdp2_meta_init`` averages a model created on the meta
-device. Behind ``LIGHTNING_DIST_FULL_MATRIX=1`` (tests/launch.py): the same run under zeropp, context_parallel and
+step-3 checkpoint of the ``<strategy>`` run (which must run first in the same launch), ``<strategy>_from_reference``
+the one-process run's single-file checkpoint: each saves what it restored as ``<name>_restored.pt`` and trains one
+more step. ``fsdp2_meta_init`` averages a model created on the meta device. Behind ``LIGHTNING_DIST_FULL_MATRIX=1`` (tests/launch.py): the same run under zeropp, context_parallel and
 hybrid3d, and the pipeline's resume; ``hybrid3d_pp2_dp2`` needs 4 processes (not in the suite).
 """
 
@@ -81,6 +81,29 @@ class BeforeTrainEnd(Callback):
         self.current, _ = all_ranks_state(pl_module)
 
 
+class AfterRestore(Callback):
+    """The whole model, EMA copy and SWA copy when training starts: right after a checkpoint was restored."""
+
+    def __init__(self, ema: WeightAveraging, swa: StochasticWeightAveraging) -> None:
+        self.ema, self.swa = ema, swa
+        self.states: dict[str, dict[str, list]] = {}
+        self.counts: dict[str, Any] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.states = {
+            "current": all_ranks_state(pl_module)[0],
+            "ema": all_ranks_state(self.ema._average_model.module)[0],
+            "swa": all_ranks_state(self.swa._average_model)[0],
+        }
+        self.counts = {
+            "ema_n_averaged": int(self.ema._average_model.n_averaged),
+            "swa_n_averaged": self.swa._init_n_averaged,
+            "swa_latest_update_epoch": self.swa._latest_update_epoch,
+            "swa_scheduler_state": self.swa._scheduler_state is not None,
+            "schedulers": len(trainer.lr_scheduler_configs),  # SWA builds its SWALR when its epoch starts
+        }
+
+
 def _callbacks(
     workdir: str, name: str, save: bool
 ) -> tuple[BeforeTrainEnd, WeightAveraging, StochasticWeightAveraging, list]:
@@ -110,12 +133,14 @@ def fit(
     # copies would stay float32 (WeightAveraging's foreach lerp then fails on the dtypes). A float64 model avoids it.
     model = model.double()
     before, ema, swa, callbacks = _callbacks(workdir, name, save)
+    restored = AfterRestore(ema, swa)
     trainer = L.Trainer(
         **trainer_kwargs(
             devices, strategy=strategy, precision="64-true", enable_checkpointing=save, limit_val_batches=1
         ),
         max_epochs=EPOCHS,
-        callbacks=callbacks,
+        max_steps=SAVE_AT + 1 if ckpt_path else -1,  # a resume: what was restored, then one step
+        callbacks=[restored, *callbacks] if ckpt_path else callbacks,
     )
     trainer.fit(model, data, ckpt_path=ckpt_path)
     ema_copy, swa_copy = ema._average_model, swa._average_model
@@ -123,7 +148,9 @@ def fit(
     swa_state, _ = all_ranks_state(swa_copy)
     if is_rank_zero():
         states = {"ema": ema_state, "swa": swa_state, "current": before.current}
-        torch.save({k: {n: torch.tensor(v) for n, v in s.items()} for k, s in states.items()}, f"{workdir}/{name}.pt")
+        _save_states(states, f"{workdir}/{name}.pt")
+        if ckpt_path:
+            _save_states(restored.states, f"{workdir}/{name}_restored.pt")
     held = state_bytes(model)
     refusals: list[Any] = []
     if then_test:
@@ -135,10 +162,11 @@ def fit(
         refusals = [None] * dist.get_world_size()
         dist.all_gather_object(refusals, refusal)
     return {
+        "restored": restored.counts,
         "test_after_fit": refusals,
         "val_losses": before.val_losses,
         "ema_updates": int(ema_copy.n_averaged),
-        "swa_updates": int(swa.n_averaged),
+        "swa_updates": None if swa.n_averaged is None else int(swa.n_averaged),  # None: no SWA epoch started
         "bytes": _max_over_ranks(
             {
                 "ema_copy": state_bytes(ema_copy.module)["total"],
@@ -148,6 +176,10 @@ def fit(
         ),
         "ema_copy_type": type(ema_copy).__name__,
     }
+
+
+def _save_states(states: dict[str, dict[str, list]], path: str) -> None:
+    torch.save({k: {n: torch.tensor(v, dtype=torch.float64) for n, v in s.items()} for k, s in states.items()}, path)
 
 
 def _max_over_ranks(values: dict[str, int]) -> dict[str, int]:
@@ -166,6 +198,7 @@ def reference(devices: int, workdir: str) -> dict[str, Any]:
 
 
 def reference_resume(devices: int, workdir: str) -> dict[str, Any]:
+    """The one-process run resumed from its step-3 checkpoint (by hand, not in the suite)."""
     return fit(devices, workdir, "reference_resume", "auto", 1, False, f"{workdir}/reference/step={SAVE_AT}.ckpt")
 
 

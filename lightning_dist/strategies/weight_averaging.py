@@ -91,7 +91,9 @@ class WeightAveragingSetup(_Base):
         replaced at setup); the device it was given is kept for the copy that replaces it."""
         module = self.lightning_module
         trainer = attached_trainer(module)
-        if trainer is None or not any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return  # WeightAveraging copies the model when fit starts only
+        if not any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
             return
         for callback in averaging_callbacks(trainer):
             if isinstance(callback, WeightAveraging) and averaging_device(callback) != _META:
@@ -103,12 +105,12 @@ class WeightAveragingSetup(_Base):
         after parallelizing). Copies already made from it (fit, then test on one Trainer) are kept."""
         assert self.model is not None
         for callback in averaging_callbacks(trainer):
+            if id(callback) in self._averaging_devices:  # copied on meta (see setup_environment)
+                set_averaging_device(callback, self._averaging_devices.pop(id(callback)))
             copy = averaged_copy(callback)
             if isinstance(callback, WeightAveraging):
                 if not isinstance(copy, AveragedModel) or isinstance(copy, ShardedAveragedModel):
                     continue
-                if id(callback) in self._averaging_devices:  # copied on meta (see setup_environment)
-                    set_averaging_device(callback, self._averaging_devices.pop(id(callback)))
                 device = averaging_device(callback)
                 new: Module = ShardedAveragedModel.replacing(copy, sharded_copy(self.model, device))
                 module = new.module
@@ -119,7 +121,8 @@ class WeightAveragingSetup(_Base):
             set_averaged_copy(callback, new)
             self.log_decision(
                 f"{type(callback).__name__}'s averaged copy made from the parallelized model:"
-                f" {_size(state_bytes(module)['total'])} on this rank (unsharded: {_size(_unsharded_bytes(module))})"
+                f" {_size(state_bytes(module)['total'])} on this rank (the same tensors unsharded:"
+                f" {_size(_unsharded_bytes(module))})"
             )
 
     def sharded_parameters_at_validation_end(self) -> bool:
@@ -176,7 +179,7 @@ class WeightAveragingSetup(_Base):
             return
         for callback in self._averaging_callbacks():
             state = get_path(metadata, ("callbacks", callback.state_key))
-            if isinstance(callback, StochasticWeightAveraging) and get_path(state or {}, ("scheduler_state",)):
+            if isinstance(callback, StochasticWeightAveraging) and isinstance(state, dict) and state["scheduler_state"]:
                 clear_schedulers_for_swa(trainer)
                 return
 
@@ -196,9 +199,9 @@ def _sharded_copy_refusal(callback: str, model: str, stage: str) -> str:
             " `load_from_checkpoint`), or continue the earlier run with `ckpt_path`."
         )
     return (
-        f"{what} The callback put its averaged weights into the model when fit ended: {stage} without it (a Trainer"
-        f" without {callback}, or `trainer.callbacks.remove(...)` first), or {stage} a model loaded with"
-        " `load_from_checkpoint`."
+        f"{what} The callback put its averaged weights into the model when its last epoch ended: {stage} without it"
+        f" (a Trainer without {callback}, or `trainer.callbacks.remove(...)` first), or {stage} a model loaded"
+        " with `load_from_checkpoint`."
     )
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import yaml
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -435,7 +435,37 @@ ROWS: list[BadInput] = [
     BadInput("save_last='link' with the async checkpoint plugin",
              lambda t: _fit("fsdp2", plugins=[AsyncDistributedCheckpointIO()], callbacks=[ModelCheckpoint(save_last="link")]),
              ValueError, r"ModelCheckpoint\(save_last='link'\) cannot be combined with AsyncDistributedCheckpointIO"),
+    BadInput("StochasticWeightAveraging in a test after fit, on the model fsdp2 sharded",
+             lambda t: _trainer_with(StochasticWeightAveraging(swa_lrs=0.01)).test(_sharded_by_an_earlier_fit()),
+             RuntimeError, r"StochasticWeightAveraging copies the LightningModule \(copy.deepcopy\) in its setup\(\) when"
+             r" test starts.*FSDP2 modules cannot be deep-copied.*test without it"),
+    BadInput("WeightAveraging (EMA) fitting a model an earlier fsdp2 fit sharded",
+             lambda t: _trainer_with(WeightAveraging()).fit(_sharded_by_an_earlier_fit()),
+             RuntimeError, r"WeightAveraging copies the LightningModule.*when fit starts.*Fit a fresh, unsharded instance"),
 ]  # fmt: skip
+
+
+def _trainer_with(callback: Any) -> Trainer:
+    return Trainer(strategy=FSDP2Strategy(), accelerator="cpu", devices=2, logger=False, max_steps=1, callbacks=[callback])
+
+
+def _sharded_by_an_earlier_fit() -> GPT:
+    """A GPT as a finished fsdp2 fit leaves it: FSDP2 units (applied here over a one-process group, closed again)
+    and the mark of the strategy that parallelized it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_dist.strategies.preflight import PARALLELIZED, parallel_settings
+
+    model = _gpt()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    finally:
+        dist.destroy_process_group()
+    object.__setattr__(model, PARALLELIZED, parallel_settings(FSDP2Strategy()))
+    return model
 
 
 def _without_torchao(attempt: Callable[[], Any]) -> Any:

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint import CheckpointException
 from lightning_dist.checkpoint.export_target import SAFETENSORS_MARKER, check_export_target, mark_export
 from lightning_dist.checkpoint.integrity import crc32_enabled, verify_checksums
 from lightning_dist.checkpoint.layout import (
+    PROVENANCE_KEY,
     CheckpointError,
     is_sharded_checkpoint,
     new_token,
@@ -27,6 +28,7 @@ from lightning_dist.checkpoint.layout import (
 from lightning_dist.checkpoint.optimizer_format import is_name_keyed, names_to_positions
 from lightning_dist.checkpoint.safe_load import RestrictedBytesLoading, dcp_reader, shard_error
 from lightning_dist.checkpoint.save_failures import save_failure
+from lightning_dist.checkpoint.state_paths import get_path, saved_state_paths, set_path
 from lightning_dist.compat import load_dcp_without_process_group
 
 #: The tool recorded in the export mark of what this module writes.
@@ -51,7 +53,8 @@ def load_full_checkpoint(path: str | os.PathLike, weights_only: bool = True) -> 
         raise shard_error(err, f"Could not read the shards of {str(path)!r}") from err
     if not isinstance(sharded.get("state_dict"), dict):
         raise CheckpointError(f"The checkpoint {str(path)!r} holds no 'state_dict' of model weights in its shards.")
-    checkpoint["state_dict"] = sharded.pop("state_dict")
+    for state_path in saved_state_paths(checkpoint.get(PROVENANCE_KEY, {})):  # weight averaging's, state_dict's
+        set_path(checkpoint, state_path, get_path(sharded, state_path))
     optimizers = sorted((k for k in sharded if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     checkpoint["optimizer_states"] = [_position_keyed(sharded[k]) for k in optimizers]
     return checkpoint

@@ -6,7 +6,8 @@ Two formats:
   ModelParallelStrategy, so its consolidation tool reads it too::
 
       step=3.ckpt/
-          __0_0.distcp ...   DCP shards {"state_dict": model, "optimizer_0": ...}, written by every rank
+          __0_0.distcp ...   DCP shards {"state_dict": model, "optimizer_0": ...}, written by every rank (with
+                             weight averaging also "current_model_state" or a callback's averaged model state)
           .metadata          DCP index
           meta.pt            everything else Lightning saves (loops, callbacks, hyperparameters, epoch, step)
           COMPLETE           written last: a folder without it is an unfinished save and is never loaded; it holds
@@ -47,6 +48,7 @@ from typing import Any
 from lightning_dist.checkpoint.contained_paths import checkpoint_file
 from lightning_dist.checkpoint.errors import CheckpointError
 from lightning_dist.checkpoint.safe_load import DCP_INDEX, load_file, probe_entries
+from lightning_dist.checkpoint.state_paths import without_model_states
 
 METADATA_FILENAME = "meta.pt"
 COMPLETE_MARKER = "COMPLETE"
@@ -214,8 +216,9 @@ def require_lightning_checkpoint(checkpoint: Any, path: Path) -> dict[str, Any]:
 
 
 def without_states(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """A one-file checkpoint without its model and optimizer states."""
-    return {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    """A one-file checkpoint without its model states (weight averaging's included, see
+    :mod:`~lightning_dist.checkpoint.state_paths`) and optimizer states."""
+    return without_model_states(checkpoint)
 
 
 def temporary_path(path: Path, token: str) -> Path:

@@ -6,7 +6,7 @@ plain modules alike, on any number of ranks (DCP reshards on load).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from lightning_dist.checkpoint.empty_param_groups import empty_groups_set_aside, holds_parameters, share_group_options
 from lightning_dist.checkpoint.integrity import verify_checksums
 from lightning_dist.checkpoint.layout import (
+    PROVENANCE_KEY,
     CheckpointError,
     is_sharded_checkpoint,
     read_checkpoint_file,
@@ -41,10 +42,19 @@ from lightning_dist.checkpoint.model_fit import FitReport, check_fit, compare_sh
 from lightning_dist.checkpoint.optimizer_format import (
     is_name_keyed,
     names_to_positions,
+    only_known_group_options,
     only_names,
     positions_to_names,
 )
 from lightning_dist.checkpoint.safe_load import dcp_load_planner, dcp_reader, shard_error
+from lightning_dist.checkpoint.state_paths import (
+    MODEL_STATE,
+    StatePath,
+    get_path,
+    model_state_paths,
+    saved_state_paths,
+    set_path,
+)
 from lightning_dist.compat import gather_full_state
 from lightning_dist.compat.torchao import plain_state
 
@@ -125,20 +135,25 @@ def load_checkpoint_into(
     strict: bool,
     stages: StageLayout | None = None,
     weights_only: bool = True,
+    targets: Callable[[list[StatePath]], dict[StatePath, Module]] | None = None,
 ) -> dict[str, Any]:
     """Load a validated checkpoint of either format into ``model`` (and ``optimizers``, if any), saved with any number
     of ranks; returns everything else it holds (Lightning's loops, callbacks, our provenance). With pipeline
     ``stages``, each rank loads its stages' keys and a strict load checks the keys of all stages together. With
-    ``weights_only`` nothing but tensors and plain data is unpickled. Collective (the ranks share the checksum
+    ``weights_only`` nothing but tensors and plain data is unpickled. ``targets``, given the paths of the model
+    states the checkpoint holds (:mod:`~lightning_dist.checkpoint.state_paths`), says which module loads which
+    (weight averaging's copies); by default ``model`` loads ``state_dict``. Collective (the ranks share the checksum
     verification)."""
     path = validate_checkpoint(path, weights_only)
     verify_checksums(path, weights_only)  # before DCP or torch.load read the bytes
+    choose = targets or (lambda _: {MODEL_STATE: model})
     if is_sharded_checkpoint(path):
         meta = read_metadata(path, weights_only)  # before any shard is read: a refused meta.pt loads nothing
-        load_sharded(path, model, optimizers, strict, stages, weights_only)
+        chosen = choose(saved_state_paths(meta.get(PROVENANCE_KEY, {})))
+        load_sharded(path, model, optimizers, strict, stages, weights_only, chosen)
         return meta
     full = read_checkpoint_file(path, weights_only)  # read once, used twice
-    load_full(full, model, optimizers, strict, repr(str(path)), stages)
+    load_full(full, model, optimizers, strict, repr(str(path)), stages, choose(model_state_paths(full)))
     return without_states(full)
 
 
@@ -149,11 +164,16 @@ def load_sharded(
     strict: bool,
     stages: StageLayout | None = None,
     weights_only: bool = True,
+    targets: dict[StatePath, Module] | None = None,
 ) -> None:
-    """Load a DCP checkpoint folder into ``model`` and ``optimizers`` (any saved world size or mesh). Collective."""
+    """Load a DCP checkpoint folder into ``model`` and ``optimizers`` (any saved world size or mesh); ``targets``
+    maps the model states to load to their modules (default: ``state_dict`` into ``model``). Collective."""
+    targets = targets or {MODEL_STATE: model}
     index = dcp_reader(path, weights_only).read_metadata().state_dict_metadata
     # DCP loads into these tensors in place; unwrapped from torchao's FP8 wrappers, they share the weights' storage.
-    state: dict[str, Any] = {"state_dict": plain_state(get_model_state_dict(model))}
+    state: dict[str, Any] = {}
+    for state_path, module in targets.items():
+        set_path(state, state_path, plain_state(get_model_state_dict(module)))
     flat = [_saved_flat(index, idx) for idx in range(len(optimizers))]
     for idx, optimizer in enumerate(optimizers):
         options = _optimizer_options(flat[idx])
@@ -162,9 +182,11 @@ def load_sharded(
             state[f"optimizer_{idx}"] = (
                 plain_state(get_optimizer_state_dict(model, optimizer, options=options)) if held else {}
             )
-    shapes = _tensor_shapes(state["state_dict"])
-    report = compare_shapes(shapes, _checkpoint_shapes(index, "state_dict."), _keys_of_all_stages(shapes, stages))
-    check_fit(report, strict, repr(str(path)))
+    for state_path in targets:
+        shapes = _tensor_shapes(get_path(state, state_path))
+        saved = _checkpoint_shapes(index, ".".join(state_path) + ".")
+        report = compare_shapes(shapes, saved, _keys_of_all_stages(shapes, stages))
+        check_fit(report, strict, _naming(repr(str(path)), state_path))
     _require_optimizer_states(index, path, len(optimizers))
     try:
         dcp.load(
@@ -174,7 +196,8 @@ def load_sharded(
         )
     except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
         raise shard_error(err, f"Could not load the shards of {str(path)!r}") from err
-    set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
+    for state_path, module in targets.items():
+        set_model_state_dict(module, get_path(state, state_path), options=StateDictOptions(strict=strict))
     for idx, optimizer in enumerate(optimizers):
         optimizer_state = state[f"optimizer_{idx}"]
         if stages is not None and not flat[idx]:  # saved without stages: its param groups name every parameter
@@ -193,6 +216,11 @@ def _set_optimizer_state(
             set_optimizer_state_dict(model, optimizer, state, options=options)
     if stages is not None:
         share_group_options(optimizer, stages.group)
+
+
+def _naming(where: str, state_path: StatePath) -> str:
+    """How a fit error names the checkpoint (``where``) and the model state, when it is not ``state_dict``."""
+    return where if state_path == MODEL_STATE else f"{where} ({'/'.join(state_path)})"
 
 
 def _optimizer_options(flat: bool) -> StateDictOptions:
@@ -215,18 +243,21 @@ def load_full(
     strict: bool,
     where: str,
     stages: StageLayout | None = None,
+    targets: dict[StatePath, Module] | None = None,
 ) -> None:
-    """Load a one-file checkpoint dict (full tensors; present on every rank) into a possibly sharded model."""
-    full = checkpoint["state_dict"]
-    shapes = _tensor_shapes(get_model_state_dict(model))
-    all_keys = _keys_of_all_stages(shapes, stages)
-    report: FitReport = compare_shapes(shapes, _tensor_shapes(full, keep_all=True), all_keys)
-    if stages is not None:  # each rank sets its own stages' keys only
-        full = {key: value for key, value in full.items() if key in shapes}
-    check_fit(report, strict, where)
+    """Load a one-file checkpoint dict (full tensors; present on every rank) into a possibly sharded model;
+    ``targets`` maps the model states to load to their modules (default: ``state_dict`` into ``model``)."""
     # Outside a process group there is nothing to distribute: the full state is the local state.
     options = StateDictOptions(full_state_dict=dist.is_initialized(), strict=strict)
-    set_model_state_dict(model, full, options=options)
+    for state_path, module in (targets or {MODEL_STATE: model}).items():
+        full = get_path(checkpoint, state_path)
+        shapes = _tensor_shapes(get_model_state_dict(module))
+        all_keys = _keys_of_all_stages(shapes, stages)
+        report: FitReport = compare_shapes(shapes, _tensor_shapes(full, keep_all=True), all_keys)
+        if stages is not None:  # each rank sets its own stages' keys only
+            full = {key: value for key, value in full.items() if key in shapes}
+        check_fit(report, strict, _naming(where, state_path))
+        set_model_state_dict(module, full, options=options)
     states = checkpoint.get("optimizer_states", [])
     if optimizers and len(states) < len(optimizers):
         raise CheckpointError(
@@ -242,6 +273,7 @@ def load_full(
                 raise CheckpointError(f"The optimizer state in {where} does not fit the optimizer: {err}") from err
         if stages is not None:
             state = only_names(state, {name for group in parameter_names(model, optimizer) for name in group})
+        state = only_known_group_options(state, optimizer.param_groups)
         _set_optimizer_state(model, optimizer, state, options, stages)
 
 

@@ -58,3 +58,16 @@ def only_names(state: dict[str, Any], names: set[str]) -> dict[str, Any]:
     """The part of a name-keyed optimizer state that concerns ``names`` (one pipeline stage's parameters)."""
     groups = [{**group, "params": [n for n in group["params"] if n in names]} for group in state["param_groups"]]
     return {"state": {n: v for n, v in state["state"].items() if n in names}, "param_groups": groups}
+
+
+def only_known_group_options(state: dict[str, Any], optimizer_groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """``state`` without the param-group options the optimizer's groups do not have (yet): what a scheduler created
+    later adds, such as ``SWALR``'s ``swa_lr``, which torch's ``set_optimizer_state_dict`` cannot place. A sharded
+    load reads only the options the optimizer has, too; the scheduler sets its own again when it is created."""
+    if len(state["param_groups"]) != len(optimizer_groups):
+        return state  # a different optimizer: left to the load's own error
+    groups = [
+        {key: value for key, value in saved.items() if key == "params" or key in current}
+        for saved, current in zip(state["param_groups"], optimizer_groups)
+    ]
+    return {**state, "param_groups": groups}

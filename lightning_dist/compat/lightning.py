@@ -40,6 +40,15 @@ PRIVATE_LIGHTNING_NAMES: dict[str, tuple[str, str]] = {
         "strategies/interrupted_saves.py: the folder a ModelCheckpoint without dirpath saves into",
     ),
     "_find_last_checkpoints": ("Lightning 2.6.6", "strategies/interrupted_saves.py: what ckpt_path='last' lists"),
+    "_average_model": (
+        "Lightning 2.6.6",
+        "strategies/weight_averaging.py: the averaged copy of WeightAveraging and StochasticWeightAveraging",
+    ),
+    "_device": ("Lightning 2.6.6", "strategies/weight_averaging.py: the device of WeightAveraging(device=...)"),
+    "_clear_schedulers": (
+        "Lightning 2.6.6",
+        "strategies/weight_averaging.py: StochasticWeightAveraging's scheduler hand-over on resume",
+    ),
     "_defaults": ("torchmetrics 1.9.0", "strategies/pipeline_logs.py: the names of a Metric's states"),
     "_update_count": ("torchmetrics 1.9.0", "strategies/pipeline_logs.py: how often a Metric was updated"),
     "_forward_cache": ("torchmetrics 1.9.0", "strategies/pipeline_logs.py: a Metric's step value"),
@@ -157,6 +166,37 @@ def set_sampler_epoch(dataloader: object, epoch: int) -> None:
     from lightning.fabric.utilities.data import _set_sampler_epoch
 
     _set_sampler_epoch(dataloader, epoch)
+
+
+# ---------------------------------------------------------------------------------------------------- callbacks
+def averaged_copy(callback: Any) -> Any:
+    """The averaged copy a ``WeightAveraging`` (an ``AveragedModel``) or ``StochasticWeightAveraging`` (a copy of
+    the LightningModule) callback keeps; ``None`` before its ``setup``."""
+    return callback._average_model
+
+
+def set_averaged_copy(callback: Any, copy: Any) -> None:
+    """Replace the averaged copy of a ``WeightAveraging`` or ``StochasticWeightAveraging`` callback."""
+    callback._average_model = copy
+
+
+def clear_schedulers_for_swa(trainer: Any) -> None:
+    """What ``StochasticWeightAveraging`` does in ``on_fit_start`` when it restored a scheduler state: drop the
+    Trainer's schedulers, so that the checkpoint's ``SWALR`` state is not loaded into the module's own scheduler
+    (the callback builds its ``SWALR`` again when its first epoch starts and loads that state into it)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    StochasticWeightAveraging._clear_schedulers(trainer)
+
+
+def averaging_device(callback: Any) -> Any:
+    """The ``device`` a ``WeightAveraging`` callback was given for its averaged copy (``None``: the model's)."""
+    return callback._device
+
+
+def set_averaging_device(callback: Any, device: Any) -> None:
+    """Where a ``WeightAveraging`` callback's ``setup`` puts the averaged copy it makes."""
+    callback._device = device
 
 
 # ---------------------------------------------------------------------------------------------------- torchmetrics

@@ -68,7 +68,13 @@ PRIVATE_TORCH_NAMES: dict[str, tuple[str, str]] = {
     "_nn": ("torch 2.13", "context parallel: the C module of F.scaled_dot_product_attention's builtin"),
     "_buffers": ("torch 2.13", "nn.Module's buffer dict: rope tables read/swapped, buffers moved under offload"),
     "_modules": ("torch 2.13", "nn.Module's child dict: pipeline/stage.py's shell copies of container modules"),
-    "_non_persistent_buffers_set": ("torch 2.13", "parallel/materialize.py: buffers no checkpoint holds"),
+    "_parameters": ("torch 2.13", "nn.Module's parameter dict: parallel/averaged_copy.py copies it name for name"),
+    "_non_persistent_buffers_set": (
+        "torch 2.13",
+        "buffers no state dict holds: parallel/materialize.py, parallel/averaged_copy.py",
+    ),
+    "_foreach_utils": ("torch 2.13", "parallel/averaged_copy.py: where AveragedModel's default SWA uses foreach"),
+    "_get_foreach_kernels_supported_devices": ("torch 2.13", "parallel/averaged_copy.py: as AveragedModel decides"),
     "_cdata": ("torch 2.13", "planning/model_facts.py: identity of a tensor storage"),
     "_foreach_norm": ("torch 2.13", "runtime/nonfinite.py: one fused norm per device for the non-finite check"),
     "_apply": ("torch 2.13", "tensor parallel: ParallelStyle's apply hook, run by our fused styles"),
@@ -135,6 +141,20 @@ def non_persistent_buffer_names(module: torch.nn.Module) -> set[str]:
 def child_module_registry(module: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
     """``module``'s direct children by name, the dict itself (``nn.Module._modules``)."""
     return module._modules
+
+
+def parameter_registry(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | None]:
+    """``module``'s own parameters by name, in registration order, the dict itself (``nn.Module._parameters``)."""
+    return module._parameters
+
+
+def foreach_kernel_device_types() -> list[str]:
+    """The device types on which ``AveragedModel.update_parameters`` averages with foreach kernels by default
+    (``torch.utils._foreach_utils._get_foreach_kernels_supported_devices``); elsewhere it averages tensor by tensor,
+    which rounds differently."""
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+    return list(_get_foreach_kernels_supported_devices())
 
 
 def storage_identity(tensor: torch.Tensor) -> int:

@@ -30,6 +30,7 @@ from lightning_dist.checkpoint.integrity import (
 )
 from lightning_dist.checkpoint.layout import (
     METADATA_FILENAME,
+    PROVENANCE_KEY,
     CheckpointError,
     check_replaceable,
     foreign_content,
@@ -45,6 +46,7 @@ from lightning_dist.checkpoint.layout import (
 )
 from lightning_dist.checkpoint.safe_load import resolve_weights_only
 from lightning_dist.checkpoint.save_failures import save_failure
+from lightning_dist.checkpoint.state_paths import SAVED_STATES_KEY, model_state_paths, pop_path, set_path
 from lightning_dist.compat.lightning import StrOrPath
 
 __all__ = ["CheckpointError", "DistributedCheckpointIO", "ParallelCheckpointIO"]
@@ -112,9 +114,18 @@ class DistributedCheckpointIO(ParallelCheckpointIO):
 
 
 def split_sharded(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split Lightning's checkpoint dict into DCP's sharded part and the metadata that goes to ``meta.pt``."""
+    """Split Lightning's checkpoint dict into DCP's sharded part and the metadata that goes to ``meta.pt``.
+
+    Every model state goes to DCP: ``state_dict`` and, with weight averaging, the others of
+    :func:`~lightning_dist.checkpoint.state_paths.model_state_paths`, which ``meta.pt``'s provenance entry then
+    lists."""
     meta = dict(with_provenance(checkpoint))
-    sharded = {"state_dict": meta.pop("state_dict")}
+    sharded: dict[str, Any] = {}
+    paths = model_state_paths(meta)
+    for path in paths:
+        set_path(sharded, path, pop_path(meta, path))
+    if len(paths) > 1:
+        meta[PROVENANCE_KEY] = {**meta[PROVENANCE_KEY], SAVED_STATES_KEY: [list(path) for path in paths]}
     for idx, optim_state in enumerate(meta.pop("optimizer_states", [])):
         sharded[f"optimizer_{idx}"] = optim_state
     return sharded, meta

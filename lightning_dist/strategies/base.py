@@ -10,7 +10,7 @@ precision plugin). Mixins hold the rest, one job each: :class:`.parallelize_opti
 options every strategy shares, as a parallelize config, and the log of what it did),
 :class:`.processes.ProcessSetup` (devices, the launcher, the process group and the mesh, teardown),
 :class:`.model_setup.ModelSetup` (checks before launch, the model's set-up), :class:`.float8_setup.Float8Setup`
-(FP8 training), :class:`.step_protocol.StepProtocol` (training, evaluation and optimizer steps, composed of each
+(FP8 training), :class:`.weight_averaging.WeightAveragingSetup` (Lightning's EMA and SWA callbacks on shards), :class:`.step_protocol.StepProtocol` (training, evaluation and optimizer steps, composed of each
 parallelism's part), :class:`.collectives.MeshCollectives` (reductions over the right mesh group) and
 :class:`.checkpointing.ShardedCheckpointing` (saving and loading).
 
@@ -60,6 +60,7 @@ from lightning_dist.strategies.parallelize_options import ParallelizeOptions
 from lightning_dist.strategies.preflight import strategy_options, unknown_options_message
 from lightning_dist.strategies.processes import ProcessSetup
 from lightning_dist.strategies.step_protocol import StepProtocol
+from lightning_dist.strategies.weight_averaging import WeightAveragingSetup
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -72,6 +73,7 @@ MeshSize = int | Literal["auto"]
 class MeshParallelStrategy(
     ParallelizeOptions,
     Float8Setup,
+    WeightAveragingSetup,
     ShardedCheckpointing,
     MeshCollectives,
     StepProtocol,
@@ -196,6 +198,7 @@ class MeshParallelStrategy(
         self._tp_sharded: list[torch.nn.Parameter] = []
         self._root_parameters: dict[str, torch.nn.Parameter] = {}
         self._watchdog: FailureWatchdog | None = None
+        self._averaging_devices: dict[int, Any] = {}
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ what a concrete strategy provides

@@ -20,12 +20,14 @@ import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dist.checkpoint import model_state as states
 from lightning_dist.checkpoint.layout import PROVENANCE_KEY
 from lightning_dist.checkpoint.safe_load import resolve_weights_only
+from lightning_dist.checkpoint.state_paths import StatePath
 from lightning_dist.compat.lightning import StrOrPath
 from lightning_dist.parallel.expert_parallel import holds_some_experts
 from lightning_dist.plugins.checkpoint_io import DistributedCheckpointIO, ParallelCheckpointIO
@@ -100,6 +102,8 @@ class ShardedCheckpointing:
         self, checkpoint: dict[str, Any], filepath: StrOrPath, storage_options: Any | None = None
     ) -> None:
         path = Path(self.broadcast(str(filepath)))
+        full, stages = self.checkpoint_io.full_state, self.stage_layout
+        self.averaged_states_into(checkpoint, lambda module: states.model_state(module, full=full, stages=stages))
         checkpoint[PROVENANCE_KEY] = self._checkpoint_provenance()
         trainer = self.lightning_module.trainer
         if trainer.state.fn == TrainerFn.FITTING:
@@ -131,6 +135,12 @@ class ShardedCheckpointing:
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         optimizers = optimizers if fitting else []
+        targets: dict[StatePath, Module] = {}
+
+        def choose(saved: list[StatePath]) -> dict[StatePath, Module]:
+            targets.update(self.model_state_targets(saved))  # weight averaging's copies load their own states
+            return targets
+
         metadata = states.load_checkpoint_into(
             path,
             self.model,
@@ -138,7 +148,10 @@ class ShardedCheckpointing:
             module.strict_loading,
             self.stage_layout,
             weights_only=resolve_weights_only(self._requested_weights_only if weights_only is None else weights_only),
+            targets=choose,
         )
+        metadata = self.with_live_states(metadata, targets)
+        self.hand_over_swa_schedulers(metadata)
         recorded = metadata.get(PROVENANCE_KEY, {}).get("data_position")
         self._resume_position = resume_position(metadata, recorded) if fitting else None
         self._resume_loader_index = 0

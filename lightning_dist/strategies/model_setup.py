@@ -79,6 +79,7 @@ class ModelSetup(_Base):
             mark_held_experts(self.model)  # materializing and moving made new parameter objects, without marks
             self._make_replicas_equal()
         self._turn_off_generation_cache_in_training(trainer)
+        self.shard_averaged_copies(trainer)  # WeightAveraging/SWA copied the model before it was parallelized
         if not is_fully_sharded(self.model):  # no FSDP2 policy to cast parameters: mixed precision is autocast
             self.precision_plugin.use_autocast(self.root_device.type)
         self._reduce_router_statistics()
@@ -164,10 +165,11 @@ class ModelSetup(_Base):
     # ------------------------------------------------------------------ checks before launch
     def preflight(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
         """Everything that can be checked before processes are launched (see :mod:`.preflight`): the checkpoint
-        callbacks, ``ckpt_path``, a model an earlier Trainer already parallelized, and the model against the
-        strategy's options (:meth:`check_model`); around them, each step part's checks of the first batch, in the
-        launching process (context parallel before the model's checks, the pipeline after them). ``arguments`` are
-        those of the Trainer entry point."""
+        callbacks, ``ckpt_path``, the float8 option, weight-averaging callbacks that would copy a model already
+        sharded, a model an earlier Trainer already parallelized, and the model against the strategy's options
+        (:meth:`check_model`); around them, each step part's checks of the first batch, in the launching process
+        (context parallel before the model's checks, the pipeline after them). ``arguments`` are those of the
+        Trainer entry point."""
         launching = self.mesh_is_known() and not self.cluster_environment.creates_processes_externally
         parts = self.step_parts() if launching else []
         for part in parts:
@@ -177,6 +179,7 @@ class ModelSetup(_Base):
         self._requested_weights_only = arguments.get("weights_only")
         check_ckpt_path(arguments.get("ckpt_path"), self._requested_weights_only)
         self.check_float8(trainer)
+        self.check_averaging_callbacks(trainer)
         model = self.lightning_module
         if model is not None:
             self._adopt_user_compiled(model)  # compiled before fit: checked (and named) without `_orig_mod.`
@@ -284,3 +287,5 @@ class ModelSetup(_Base):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.checkpoint_io.check()  # a background save that failed is raised here, on every rank
+        for part in self.step_parts():
+            part.before_training_batch(self.lightning_module.trainer)

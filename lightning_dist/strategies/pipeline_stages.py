@@ -193,7 +193,7 @@ class PipelineStages(_Base):
             self.log_decision(optimization.describe())
 
     def let_the_schedule_run_backward(self, trainer: pl.Trainer) -> None:
-        """At the end of setup."""
+        """At the end of setup, and before each training batch."""
         if self.pipelined:
             # The schedule runs backward: Lightning's closure must neither zero the gradients nor call backward.
             skip_lightning_backward(trainer.fit_loop.epoch_loop.automatic_optimization, True)

@@ -32,7 +32,8 @@ An evaluation step (validation, test, predict)
     3. :meth:`StepProtocol.run_eval_step`, each part wrapping the next: context parallel (attention dispatch,
        global positions, first-output check; predictions gathered back to whole sequences) → the pipeline's
        forward-only pass, or else the root module's forward.
-    4. At the end of the loop, every model part resharded.
+    4. At the end of the loop, every model part resharded (after each validation step with ``WeightAveraging``,
+       whose ``on_validation_epoch_end`` copies into the sharded parameters before the loop ends).
 
 A strategy written by hand may still override the hooks above (``train_context``, ``run_training_step``,
 ``run_backward``, ``run_eval_step``, ``transform_batch``); the parallelisms of this package do not.
@@ -214,7 +215,16 @@ class StepProtocol(NonFiniteGuard):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
-            return self.run_eval_step("validation_step", *args, **kwargs)
+            output = self.run_eval_step("validation_step", *args, **kwargs)
+        if self.sharded_parameters_at_validation_end():
+            self._reshard_after_evaluation()
+        return output
+
+    def sharded_parameters_at_validation_end(self) -> bool:
+        """Whether a callback's ``on_validation_epoch_end``, which comes before the strategy's ``on_validation_end``,
+        needs the parameters sharded: each validation step then reshards (see
+        :class:`~lightning_dist.strategies.weight_averaging.WeightAveragingSetup`)."""
+        return False
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -24,6 +24,7 @@ from lightning_dist.parallel.tensor_parallel.apply import (
     tp_sharded_parameters,
 )
 from lightning_dist.parallel.tensor_parallel.checkpoint_layout import (
+    copy_row_orders,
     install_optimizer_layout_hooks,
     permuted_parameters,
     to_checkpoint_order,
@@ -46,6 +47,7 @@ __all__ = [
     "apply_tensor_parallel",
     "build_style",
     "check_local_loss",
+    "copy_row_orders",
     "explain_loss_parallel_failure",
     "infer_plan",
     "install_optimizer_layout_hooks",

@@ -53,6 +53,13 @@ def record_row_order(module: nn.Module, pname: str, dim: int, order: Tensor) -> 
     orders[pname] = (dim, order.cpu())
 
 
+def copy_row_orders(source: nn.Module, target: nn.Module) -> None:
+    """Give ``target`` (a copy of ``source`` holding tensors of the same layout, such as an averaged copy) the
+    row orders, and so the state-dict hooks, of ``source``'s own parameters."""
+    for pname, (dim, order) in (getattr(source, _ROW_ORDERS, None) or {}).items():
+        record_row_order(target, pname, dim, order)
+
+
 def permuted_parameters(model: nn.Module) -> dict[str, tuple[nn.Parameter, int, Tensor]]:
     """Qualified name → (parameter, dim, order) of every parameter held in a permuted row order."""
     found: dict[str, tuple[nn.Parameter, int, Tensor]] = {}

@@ -67,6 +67,9 @@ class StepPart:
         return setup
 
     # ------------------------------------------------------------------ steps
+    def before_training_batch(self, trainer: pl.Trainer) -> None:
+        """Before each training batch, before Lightning builds the batch's optimizer closure."""
+
     def transform_batch(self, batch: Any, dataloader_idx: int) -> Any:
         """A batch once it reached the device."""
         return batch

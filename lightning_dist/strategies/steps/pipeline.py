@@ -43,6 +43,10 @@ class PipelinePart(StepPart):
     def after_setup(self, trainer: pl.Trainer) -> None:
         self.strategy.let_the_schedule_run_backward(trainer)
 
+    def before_training_batch(self, trainer: pl.Trainer) -> None:
+        # again: StochasticWeightAveraging turns Lightning's backward back on at every epoch end
+        self.strategy.let_the_schedule_run_backward(trainer)
+
     def make_copies_equal(self) -> None:
         self.strategy.equalize_tied_copies()
 

@@ -149,3 +149,27 @@ def generation_cache_off(configs: Sequence[Any]) -> Iterator[None]:
     finally:
         for config, value in zip(configs, before):
             config.use_cache = value
+
+
+@contextmanager
+def packed_sequences_not_detected() -> Iterator[None]:
+    """Within it, Hugging Face's masks take ``position_ids`` as they are. Called without an attention mask and
+    without a key/value cache (training with ``use_cache=False``), transformers 5 reads positions that do not count
+    up by one as packed sequences and builds a block mask (``masking_utils.find_packed_sequence_indices``): a
+    context-parallel shard's global positions (zigzag: two chunks of the sequence) are one sequence, and a mask on
+    some ranks only made them send other sizes than their peers (a collective mismatch). A no-op until transformers'
+    masking module is imported."""
+    masking = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking.find_packed_sequence_indices = _no_packed_sequences
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
+
+
+def _no_packed_sequences(position_ids: Any) -> None:
+    return None

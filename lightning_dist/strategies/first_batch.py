@@ -11,13 +11,11 @@ runs on the first batch after launch.
 
 from __future__ import annotations
 
-import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_dist.parallel.runtime.random_state import rng_kept
 
 _READ = "_lightning_dist_first_batches"  # where ``arguments`` keeps what was read, per stage
 
@@ -71,22 +69,3 @@ def _collate_first(loader: DataLoader) -> Any | None:
         return loader.collate_fn(dataset[0]) if loader.batch_sampler is None else None
     indices = range(min(loader.batch_size, len(dataset)))
     return loader.collate_fn([dataset[i] for i in indices])
-
-
-@contextmanager
-def rng_kept() -> Iterator[None]:
-    """The Python, NumPy and torch (CPU) generators as they were on entry, on exit."""
-    python = random.getstate()
-    try:
-        import numpy as np
-
-        numpy_state: Any = np.random.get_state()
-    except ImportError:
-        np, numpy_state = None, None
-    try:
-        with torch.random.fork_rng(devices=[]):
-            yield
-    finally:
-        random.setstate(python)
-        if np is not None:
-            np.random.set_state(numpy_state)

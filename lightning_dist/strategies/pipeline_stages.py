@@ -19,7 +19,8 @@ from lightning_dist.compat.lightning import skip_lightning_backward
 from lightning_dist.parallel import pipeline as pp
 from lightning_dist.parallel.expert_parallel.router_loss import reduce_router_statistics
 from lightning_dist.parallel.pipeline.router_statistics import carry_router_statistics, plan_router_statistics
-from lightning_dist.strategies.first_batch import first_batch, rng_kept
+from lightning_dist.parallel.runtime.random_state import rng_kept
+from lightning_dist.strategies.first_batch import first_batch
 from lightning_dist.strategies.pipeline_logs import captured_log
 from lightning_dist.strategies.preflight import PARALLELIZED
 

@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from lightning_dist.compat.lightning import default_process_group_backend, init_process_group, set_device_mesh
 from lightning_dist.parallel.runtime.process_group_exit import destroy_process_groups
+from lightning_dist.parallel.runtime.random_state import share_random_state
 from lightning_dist.strategies.failure_handling import (
     explain_exception,
     restart_store_kwargs,
@@ -82,9 +83,6 @@ class ProcessSetup(_Base):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        # No `reset_seed()` (Lightning's DDP and ModelParallelStrategy re-seed here): every rank ran the user's script
-        # to this point, so its random state is the one a single process has when it starts training; re-seeding
-        # would rewind it to before the model's initialization, and dropout would draw other masks than one process.
         self.set_world_ranks()  # also validates the mesh sizes, before any process group exists
         self._process_group_backend = self._process_group_backend or default_process_group_backend(self.root_device)
         assert self.cluster_environment is not None
@@ -97,6 +95,9 @@ class ProcessSetup(_Base):
             **restart_store_kwargs(self.cluster_environment, self._timeout),
         )
         _destroy_process_groups_at_exit()
+        # Not Lightning's `reset_seed()`, which rewinds each rank to where the user seeded: rank 0's random state is
+        # one process's when it starts training (see parallel/runtime/random_state.py)
+        share_random_state(self.root_device)
         self._watchdog = start_watchdog(self)
         self.agree_on_mesh()
         dims = self.parallel_dims

@@ -13,12 +13,21 @@ from __future__ import annotations
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
+from lightning_dist.parallel.runtime.random_state import rng_kept
+
 #: Dotted path of :class:`OneProcessStrategy`, for a configuration's ``trainer.strategy.class_path``.
 ONE_PROCESS_STRATEGY = f"{__name__}.OneProcessStrategy"
 
 
 class OneProcessStrategy(DDPStrategy):
     """Lightning's DDP on one process, the module left unwrapped (see the module docstring)."""
+
+    @override
+    def setup_distributed(self) -> None:
+        """DDP's, without its ``reset_seed()``: the random state goes on from where the user's code left it, as the
+        strategies' does (rank 0's, which ran the same code)."""
+        with rng_kept():
+            super().setup_distributed()
 
     @override
     def configure_ddp(self) -> None:

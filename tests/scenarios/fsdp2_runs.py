@@ -111,7 +111,8 @@ def bf16_dtypes(devices: int, workdir: str) -> dict[str, Any]:
         "grad": sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None}),
         **seen,
         "reduce_dtypes": sorted({str(r.dtype) for r in counter.records if "reduce_scatter" in r.op}),
-        "all_gather_dtypes": sorted({str(r.dtype) for r in counter.records if "all_gather" in r.op}),
+        # FSDP2's parameter all-gathers (the step's other all-gathers carry flags and objects: int and byte tensors)
+        "all_gather_dtypes": sorted({str(r.dtype) for r in counter.records if "all_gather_into_tensor" in r.op}),
     }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+from lightning_dist.compat.hugging_face import packed_sequences_not_detected
 from lightning_dist.parallel.context_parallel.batch import gather_outputs
 from lightning_dist.strategies.context_parallel_steps import ContextParallelSteps
 from lightning_dist.strategies.steps.part import StepPart, StepRun
@@ -29,7 +30,7 @@ class ContextParallelPart(StepPart):
         return self.strategy.shard_sequences(batch)
 
     def train_contexts(self) -> list[AbstractContextManager]:
-        return [self.strategy.attention_context()]
+        return [self.strategy.attention_context(), packed_sequences_not_detected()]
 
     def wrap_training_step(self, run: StepRun) -> StepRun:
         strategy = self.strategy
@@ -44,7 +45,12 @@ class ContextParallelPart(StepPart):
         strategy = self.strategy
 
         def eval_step(*args: Any, **kwargs: Any) -> Any:
-            with strategy.attention_context(), strategy.global_positions(), strategy.first_output_checked(step):
+            with (
+                strategy.attention_context(),
+                packed_sequences_not_detected(),
+                strategy.global_positions(),
+                strategy.first_output_checked(step),
+            ):
                 output = run(*args, **kwargs)
             if step == "predict_step" and strategy._seq_len is not None and output is not None:
                 cp, group = strategy.parallel_dims.cp, strategy.process_group("cp")

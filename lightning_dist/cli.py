@@ -20,7 +20,6 @@ from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
 
 import lightning_dist  # noqa: F401  (registers the strategy names)
-from lightning_dist.checkpoint.errors import CheckpointError
 from lightning_dist.commands import TOOLS, fail, run_tool
 from lightning_dist.plugins.precision import unsupported_precision_message
 from lightning_dist.strategies.base import MeshParallelStrategy
@@ -71,8 +70,9 @@ def import_from_cwd() -> None:
 def main(args: list[str] | None = None) -> None:
     """Run a tool (``lightning-dist <tool> ...``) or a LightningCLI subcommand (fit, validate, test, predict).
 
-    A mistake the strategy's checks find before launch, or a checkpoint that cannot be used, ends the subcommand
-    with its message on one line (``lightning-dist fit: error: ...``) and exit status 2, without a traceback.
+    A mistake the strategy's checks find before launch (a missing or damaged ``ckpt_path`` among them) ends the
+    subcommand with its message (``lightning-dist fit: error: ...``) and exit status 2, without a traceback; what
+    fails after launch keeps its traceback.
     """
     argv = sys.argv[1:] if args is None else list(args)
     if argv and argv[0] in TOOLS:
@@ -87,7 +87,7 @@ def main(args: list[str] | None = None) -> None:
             save_config_kwargs={"overwrite": True},
         )
     except Exception as error:
-        if not (isinstance(error, CheckpointError) or getattr(error, FOUND_BEFORE_LAUNCH, False)):
+        if not getattr(error, FOUND_BEFORE_LAUNCH, False):
             raise
         subcommand = next((a for a in argv if not a.startswith("-")), "")
         fail(subcommand, str(error))

@@ -176,7 +176,7 @@ def read_metadata(path: str | os.PathLike, weights_only: bool = True) -> dict[st
                 f" {type(meta).__name__}, not the dict of Lightning's checkpoint entries."
             )
         return meta
-    return without_states(read_checkpoint_file(path, weights_only))
+    return without_model_states(read_checkpoint_file(path, weights_only))
 
 
 def load_torch_file(file: Path, checkpoint: Path, weights_only: bool = True, **load_options: Any) -> Any:
@@ -213,12 +213,6 @@ def require_lightning_checkpoint(checkpoint: Any, path: Path) -> dict[str, Any]:
             " of model weights. Was it saved with torch.save instead of Trainer.save_checkpoint?"
         )
     return checkpoint
-
-
-def without_states(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """A one-file checkpoint without its model states (weight averaging's included, see
-    :mod:`~lightning_dist.checkpoint.state_paths`) and optimizer states."""
-    return without_model_states(checkpoint)
 
 
 def temporary_path(path: Path, token: str) -> Path:

@@ -36,7 +36,6 @@ from lightning_dist.checkpoint.layout import (
     read_checkpoint_file,
     read_metadata,
     validate_checkpoint,
-    without_states,
 )
 from lightning_dist.checkpoint.model_fit import FitReport, check_fit, compare_shapes
 from lightning_dist.checkpoint.optimizer_format import (
@@ -54,6 +53,7 @@ from lightning_dist.checkpoint.state_paths import (
     model_state_paths,
     saved_state_paths,
     set_path,
+    without_model_states,
 )
 from lightning_dist.compat import gather_full_state
 from lightning_dist.compat.torchao import plain_state
@@ -154,7 +154,7 @@ def load_checkpoint_into(
         return meta
     full = read_checkpoint_file(path, weights_only)  # read once, used twice
     load_full(full, model, optimizers, strict, repr(str(path)), stages, choose(model_state_paths(full)))
-    return without_states(full)
+    return without_model_states(full)
 
 
 def load_sharded(

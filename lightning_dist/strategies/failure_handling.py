@@ -27,7 +27,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from lightning_dist.compat import abort_process_groups, default_store
-from lightning_dist.parallel.runtime.activity import is_timeout
+from lightning_dist.parallel.runtime.activity import is_timeout, main_thread_activity
 from lightning_dist.parallel.runtime.watchdog import FailureWatchdog
 
 if TYPE_CHECKING:
@@ -52,6 +52,8 @@ def start_watchdog(strategy: MeshParallelStrategy) -> FailureWatchdog | None:
         world_size=strategy.world_size,
         on_failure=lambda message: _end_this_rank(strategy, rank, message),
         check_local=lambda: launched_rank_failure(strategy),
+        # gloo's collectives hold the calling thread until they end: where it waits tells a hung rank from the others
+        activity=main_thread_activity if dist.get_backend() == "gloo" else None,
     ).start()
     _started.add(watchdog)
     return watchdog

@@ -18,7 +18,6 @@ loads fill the model and the copies from them, and hand the callbacks the live s
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +47,7 @@ from lightning_dist.compat.lightning import (
 )
 from lightning_dist.parallel.averaged_copy import ShardedAveragedModel, ShardedCopy, sharded_copy
 from lightning_dist.parallel.fsdp import is_fully_sharded
+from lightning_dist.parallel.materialize import has_meta_state
 from lightning_dist.profiling import state_bytes
 from lightning_dist.strategies.preflight import PARALLELIZED
 
@@ -93,7 +93,7 @@ class WeightAveragingSetup(_Base):
         trainer = attached_trainer(module)
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return  # WeightAveraging copies the model when fit starts only
-        if not any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
+        if not has_meta_state(module):
             return
         for callback in averaging_callbacks(trainer):
             if isinstance(callback, WeightAveraging) and averaging_device(callback) != _META:

@@ -16,7 +16,8 @@ from lightning_dist.compat import thread_frame
 #: collective).
 IN_COLLECTIVE = "in a collective"
 _COLLECTIVE_FOLDER = f"{os.sep}torch{os.sep}distributed{os.sep}"
-_TIMEOUT_WORDINGS = ("Timed out waiting", "timed out", "collective operation timeout")
+#: How gloo and NCCL word a collective that gave up waiting.
+_TIMEOUT_WORDINGS = ("Timed out waiting", "collective operation timeout")
 
 
 def main_thread_activity() -> str:

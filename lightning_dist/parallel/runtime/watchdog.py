@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lightning_dist.parallel.runtime.activity import IN_COLLECTIVE, main_thread_activity
+from lightning_dist.parallel.runtime.activity import IN_COLLECTIVE
 
 FAILED_KEY = "failed"
 
@@ -48,7 +48,9 @@ class FailureWatchdog:
         stale_after: Seconds without a heartbeat after which rank 0 declares a rank dead.
         check_local: Called at every poll; returns a failure this process can see by itself (a rank it launched
             exited), or ``None``.
-        activity: Called at every poll; where this rank's main thread is (:func:`.activity.main_thread_activity`).
+        activity: Called at every poll, where it is given: where this rank's main thread is
+            (:func:`.activity.main_thread_activity`), published for :meth:`report_timeout`. Meaningful where
+            collectives block the calling thread until they end (gloo); NCCL's return before they run.
     """
 
     def __init__(
@@ -61,7 +63,7 @@ class FailureWatchdog:
         interval: float = 1.0,
         stale_after: float = 45.0,
         check_local: Callable[[], str | None] | None = None,
-        activity: Callable[[], str] = main_thread_activity,
+        activity: Callable[[], str] | None = None,
     ) -> None:
         self._check_local = check_local
         self._activity = activity
@@ -128,7 +130,9 @@ class FailureWatchdog:
         main thread was in no collective, with where it was) and return it; ``None`` when every rank was in a
         collective (they issued different ones) or the others' activity cannot be read."""
         try:
-            others = {r: self._peer_activity(r) for r in range(self._world_size) if r != self._rank}
+            if self._store.compare_set(self._key("timeout_claim"), "", str(self._rank)).decode() != str(self._rank):
+                return self._failure_within(seconds=5.0)  # another rank that timed out names them: once, not N times
+            others = self._peer_activities()
         except Exception:  # noqa: BLE001  (the store is gone: nothing to name)
             return None
         away = {rank: where for rank, where in others.items() if where is not None and where != IN_COLLECTIVE}
@@ -159,6 +163,13 @@ class FailureWatchdog:
             return self._published() or None
         return None
 
+    def _failure_within(self, seconds: float) -> str | None:
+        """The failure published by any rank, waiting up to ``seconds`` for one."""
+        deadline = time.monotonic() + seconds
+        while (failure := self.published_failure()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return failure
+
     def _publish(self, message: str) -> None:
         self._store.compare_set(self._key(FAILED_KEY), "", f"{self._rank}|{message}")
 
@@ -173,9 +184,13 @@ class FailureWatchdog:
     def _published(self) -> str:
         return self._published_record()[1]
 
-    def _peer_activity(self, rank: int) -> str | None:
-        key = self._key(f"activity/{rank}")
-        return self._store.get(key).decode() if self._store.check([key]) else None
+    def _peer_activities(self) -> dict[int, str | None]:
+        """Where every other rank's main thread was at its last poll (``None``: not published)."""
+        ranks = [r for r in range(self._world_size) if r != self._rank]
+        keys = [self._key(f"activity/{r}") for r in ranks]
+        if self._store.check(keys):  # one request for all (multi_get waits for keys that are missing)
+            return {r: value.decode() for r, value in zip(ranks, self._store.multi_get(keys))}
+        return {r: self._store.get(k).decode() if self._store.check([k]) else None for r, k in zip(ranks, keys)}
 
     def _key(self, name: str) -> str:
         return f"{self._prefix}/{name}"
@@ -193,7 +208,8 @@ class FailureWatchdog:
 
     def _poll(self) -> str | None:
         self._store.add(self._key(f"heartbeat/{self._rank}"), 1)
-        self._store.set(self._key(f"activity/{self._rank}"), self._activity())
+        if self._activity is not None:
+            self._store.set(self._key(f"activity/{self._rank}"), self._activity())
         reporter, failure = self._published_record()
         if failure:  # a failure this rank published is already being handled by its main thread
             return None if reporter == self._rank else failure

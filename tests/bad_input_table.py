@@ -446,7 +446,9 @@ ROWS: list[BadInput] = [
 
 
 def _trainer_with(callback: Any) -> Trainer:
-    return Trainer(strategy=FSDP2Strategy(), accelerator="cpu", devices=2, logger=False, max_steps=1, callbacks=[callback])
+    return Trainer(
+        strategy=FSDP2Strategy(), accelerator="cpu", devices=2, logger=False, max_steps=1, callbacks=[callback]
+    )
 
 
 def _sharded_by_an_earlier_fit() -> GPT:

@@ -11,7 +11,7 @@ import time
 
 import psutil
 import pytest
-from launch import run_failing_scenario
+from launch import FULL_MATRIX, run_failing_scenario
 
 from lightning_dist.parallel.runtime.watchdog import FailureWatchdog
 
@@ -27,8 +27,13 @@ CASES = {
 }
 
 
+# raise_in_step, raise_in_backward and stuck_after_raise only in the full matrix (tests/launch.py): rank0_raises and
+# sigkill run the same watchdog paths, hang the timeout's
+IN_FULL_MATRIX = ["raise_in_step", "raise_in_backward", "stuck_after_raise"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", list(CASES))
+@pytest.mark.parametrize("scenario", [c for c in CASES if FULL_MATRIX or c not in IN_FULL_MATRIX])
 def test_every_rank_ends_soon_after_one_fails_naming_it(tmp_path, scenario):
     proc = run_failing_scenario("fault_runs.py", 2, tmp_path, scenario, timeout=240)
     ended = time.time()

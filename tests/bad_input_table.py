@@ -522,7 +522,7 @@ def damaged_checkpoint_text(case: Any, tmp_path: Path) -> str:
     import test_checkpoint_integrity as damaged  # type: ignore[import-not-found]
 
     from lightning_dist.checkpoint import model_state
-    from lightning_dist.checkpoint.layout import validate_checkpoint
+    from lightning_dist.checkpoint.validation import validate_checkpoint
 
     path = case.build(tmp_path)
     model = damaged._model()

@@ -17,15 +17,10 @@ from lightning_dist import AsyncDistributedCheckpointIO, DistributedCheckpointIO
 from lightning_dist.checkpoint import model_state
 from lightning_dist.checkpoint.consolidate import load_full_checkpoint
 from lightning_dist.checkpoint.empty_param_groups import empty_groups_set_aside, holds_parameters
-from lightning_dist.checkpoint.layout import (
-    COMPLETE_MARKER,
-    CheckpointError,
-    publish,
-    temporary_path,
-    validate_checkpoint,
-)
+from lightning_dist.checkpoint.layout import COMPLETE_MARKER, CheckpointError, publish, temporary_path
 from lightning_dist.checkpoint.model_fit import check_fit, compare_shapes
 from lightning_dist.checkpoint.optimizer_format import names_to_positions, positions_to_names
+from lightning_dist.checkpoint.validation import validate_checkpoint
 from lightning_dist.strategies.preflight import check_checkpoint_callbacks
 
 

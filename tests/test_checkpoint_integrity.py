@@ -21,7 +21,8 @@ from torch import nn
 from lightning_dist import AsyncDistributedCheckpointIO, CheckpointError, DistributedCheckpointIO, FullStateCheckpointIO
 from lightning_dist.checkpoint import model_state
 from lightning_dist.checkpoint.integrity import checksumming_writer
-from lightning_dist.checkpoint.layout import COMPLETE_MARKER, validate_checkpoint
+from lightning_dist.checkpoint.layout import COMPLETE_MARKER
+from lightning_dist.checkpoint.validation import validate_checkpoint
 from lightning_dist.commands import run_tool
 
 SHARD = "__0_1.distcp"  # the second of the two shard files (the second writer thread's)

@@ -17,8 +17,9 @@ import torch
 from launch import max_abs_diff, run_failing_scenario, run_scenarios
 
 from examples.gpt import GPT
-from lightning_dist.checkpoint.layout import CheckpointError, validate_checkpoint
+from lightning_dist.checkpoint.layout import CheckpointError
 from lightning_dist.checkpoint.summary import summarize_checkpoint
+from lightning_dist.checkpoint.validation import validate_checkpoint
 
 pytestmark = pytest.mark.slow
 

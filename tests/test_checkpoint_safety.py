@@ -15,7 +15,8 @@ from lightning_dist import AsyncDistributedCheckpointIO, CheckpointError, Distri
 from lightning_dist.checkpoint import model_state
 from lightning_dist.checkpoint.consolidate import load_full_checkpoint, save_safetensors, save_torch
 from lightning_dist.checkpoint.export_target import check_export_target
-from lightning_dist.checkpoint.layout import check_replaceable, validate_checkpoint
+from lightning_dist.checkpoint.layout import check_replaceable
+from lightning_dist.checkpoint.validation import validate_checkpoint
 from lightning_dist.commands import run_tool
 
 SENTINEL = "my notes, not a checkpoint\n"

@@ -49,7 +49,7 @@ from lightning_dist import CheckpointError, DistributedCheckpointIO, FullStateCh
 from lightning_dist.checkpoint import model_state
 from lightning_dist.checkpoint.consolidate import load_full_checkpoint
 from lightning_dist.checkpoint.contained_paths import checkpoint_file
-from lightning_dist.checkpoint.layout import check_replaceable, read_metadata, validate_checkpoint
+from lightning_dist.checkpoint.layout import check_replaceable, read_metadata
 from lightning_dist.checkpoint.safe_load import (
     RestrictedFileSystemReader,
     dcp_reader,
@@ -58,6 +58,7 @@ from lightning_dist.checkpoint.safe_load import (
     shard_error,
 )
 from lightning_dist.checkpoint.summary import summarize_checkpoint
+from lightning_dist.checkpoint.validation import validate_checkpoint
 from lightning_dist.commands import run_tool
 from lightning_dist.compat import load_dcp_without_process_group
 from lightning_dist.verification.run import _checkpoint_row

@@ -21,13 +21,9 @@ from torch import nn
 
 from lightning_dist import DistributedCheckpointIO, FullStateCheckpointIO
 from lightning_dist.checkpoint import model_state
-from lightning_dist.checkpoint.layout import (
-    COMPLETE_MARKER,
-    CheckpointError,
-    read_metadata,
-    validate_checkpoint,
-)
+from lightning_dist.checkpoint.layout import COMPLETE_MARKER, CheckpointError, read_metadata
 from lightning_dist.checkpoint.recovery import finish_publish, interrupted_publishes
+from lightning_dist.checkpoint.validation import validate_checkpoint
 from lightning_dist.plugins import checkpoint_io
 
 EXACT = 1e-7  # fp32, same process count: observed bitwise

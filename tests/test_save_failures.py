@@ -22,8 +22,9 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from lightning_dist import AsyncDistributedCheckpointIO, CheckpointError, DistributedCheckpointIO, FullStateCheckpointIO
 from lightning_dist.checkpoint import model_state
-from lightning_dist.checkpoint.layout import read_metadata, validate_checkpoint
+from lightning_dist.checkpoint.layout import read_metadata
 from lightning_dist.checkpoint.save_failures import describe_cause
+from lightning_dist.checkpoint.validation import validate_checkpoint
 
 PLUGINS = [DistributedCheckpointIO, AsyncDistributedCheckpointIO, FullStateCheckpointIO]
 

@@ -20,18 +20,18 @@ from launch import max_abs_diff, run_scenarios
 from torch import nn
 
 from lightning_dist.commands import plan as plan_command
+from lightning_dist.parallel.fused_layouts import (
+    FusedLayout,
+    block_rank_order,
+    fused_layout,
+    rank_grouped_order,
+)
 from lightning_dist.parallel.model_structure import recognize
 from lightning_dist.parallel.tensor_parallel.apply import set_count
 from lightning_dist.parallel.tensor_parallel.checkpoint_layout import (
     install_optimizer_layout_hooks,
     record_row_order,
     to_checkpoint_order,
-)
-from lightning_dist.parallel.tensor_parallel.fused_layouts import (
-    FusedLayout,
-    block_rank_order,
-    fused_layout,
-    rank_grouped_order,
 )
 from lightning_dist.parallel.tensor_parallel.inference import infer_plan, resolve_explicit_plan
 from lightning_dist.parallel.tensor_parallel.plan import TensorParallelPlanError

@@ -23,12 +23,12 @@ from lightning_dist.checkpoint.layout import (
     read_checkpoint_file,
     read_metadata,
     temporary_path,
-    validate_checkpoint,
 )
 from lightning_dist.checkpoint.optimizer_format import is_name_keyed, names_to_positions
 from lightning_dist.checkpoint.safe_load import RestrictedBytesLoading, dcp_reader, shard_error
 from lightning_dist.checkpoint.save_failures import save_failure
 from lightning_dist.checkpoint.state_paths import get_path, saved_state_paths, set_path
+from lightning_dist.checkpoint.validation import validate_checkpoint
 from lightning_dist.compat import load_dcp_without_process_group
 
 #: The tool recorded in the export mark of what this module writes.

@@ -64,38 +64,6 @@ def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     return Path(path).is_dir()
 
 
-def validate_checkpoint(path: str | os.PathLike, weights_only: bool = True) -> Path:
-    """Check that ``path`` is a finished, undamaged checkpoint (folder or file) as far as can be told cheaply (files
-    present with their recorded sizes, small files matching their checksums); raise :class:`CheckpointError` saying
-    what is wrong otherwise. A checkpoint whose publishing was interrupted between its two renames is recovered.
-    ``weights_only``: the DCP index is read without running code from it."""
-    # integrity builds on this module's names
-    from lightning_dist.checkpoint.integrity import check_structure
-
-    path = Path(path)
-    if not path.exists():
-        recovered = _recover_interrupted_publish(path)
-        if recovered is None:
-            raise CheckpointError(f"Checkpoint not found: {str(path)!r} does not exist.")
-    if path.is_dir():
-        for name in (COMPLETE_MARKER, METADATA_FILENAME, DCP_INDEX):  # before any of them is looked into
-            checkpoint_file(path, name)
-        if is_lightning_sharded_checkpoint(path):
-            check_structure(path, weights_only)
-            return path
-        if not (path / COMPLETE_MARKER).is_file() or not (path / METADATA_FILENAME).is_file():
-            raise CheckpointError(
-                f"{str(path)!r} is not a complete checkpoint (no {COMPLETE_MARKER!r} marker or {METADATA_FILENAME!r}):"
-                " the save that wrote it did not finish. Resume from an earlier checkpoint."
-            )
-        if not (path / DCP_INDEX).is_file():
-            raise CheckpointError(f"{str(path)!r} has no DCP index file {DCP_INDEX!r}; the folder is corrupt.")
-    elif path.stat().st_size == 0:
-        raise CheckpointError(f"{str(path)!r} is an empty file; the checkpoint is corrupt.")
-    check_structure(path, weights_only)
-    return path
-
-
 def is_lightning_sharded_checkpoint(path: Path) -> bool:
     """A complete sharded checkpoint written by Lightning's ``ModelParallelStrategy`` or ``FSDPStrategy`` (no
     ``COMPLETE`` marker; ``meta.pt``, without our provenance entry, is written after the DCP index)."""
@@ -229,19 +197,6 @@ def new_token() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def prepare_target(path: Path) -> None:
-    """Before a save of ``path`` writes anything: finish what a killed save of the same name left half-published (a
-    complete version is published, never deleted: :mod:`lightning_dist.checkpoint.recovery`), then delete that
-    save's unfinished writes, which never look complete."""
-    from lightning_dist.checkpoint.recovery import finish_publish, interrupted_publish, unfinished_writes
-
-    item = interrupted_publish(path)
-    if item is not None:
-        finish_publish(item)
-    for leftover in unfinished_writes(path):
-        discard(leftover)
-
-
 def publish(tmp: Path, path: Path) -> None:
     """Move the finished ``tmp`` (file or folder) to ``path``, replacing what was there.
 
@@ -294,12 +249,6 @@ def remove_own_checkpoint(path: Path) -> bool:
         return False
     remove(path)
     return True
-
-
-def _recover_interrupted_publish(path: Path) -> Path | None:
-    from lightning_dist.checkpoint.recovery import restore_missing
-
-    return path if restore_missing(path) else None
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -35,7 +35,6 @@ from lightning_dist.checkpoint.layout import (
     is_sharded_checkpoint,
     read_checkpoint_file,
     read_metadata,
-    validate_checkpoint,
 )
 from lightning_dist.checkpoint.model_fit import FitReport, check_fit, compare_shapes
 from lightning_dist.checkpoint.optimizer_format import (
@@ -55,6 +54,7 @@ from lightning_dist.checkpoint.state_paths import (
     set_path,
     without_model_states,
 )
+from lightning_dist.checkpoint.validation import validate_checkpoint
 from lightning_dist.compat import gather_full_state
 from lightning_dist.compat.torchao import plain_state
 

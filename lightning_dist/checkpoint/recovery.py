@@ -12,7 +12,7 @@ after the write finished leaves a complete checkpoint under a hidden name:
 newest complete version (by the time its save finished) is published under the name, and versions a publish set
 aside are deleted once a newer one is in place. A complete temporary older than what stands at the name is left
 alone; an unfinished write (a folder without its ``COMPLETE`` marker, a file that is not a complete zip) is deleted
-only by the next save of the same name (:func:`~.layout.prepare_target`). Nothing but our own hidden names, and a
+only by the next save of the same name (:func:`prepare_target`). Nothing but our own hidden names, and a
 checkpoint of ours at the name being replaced by a newer version of itself, is ever moved or deleted.
 """
 
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_dist.checkpoint.errors import CheckpointError
+from lightning_dist.checkpoint.integrity import check_structure
 from lightning_dist.checkpoint.layout import (
     COMPLETE_MARKER,
     OLD_INFIX,
@@ -73,8 +74,6 @@ def leftovers(folder: Path) -> dict[str, list[Path]]:
 def is_complete_save(path: Path) -> bool:
     """Whether ``path`` (a hidden leftover, or a checkpoint) is one of our checkpoints whose write finished: a folder
     with its ``COMPLETE`` marker, or a file, carrying our provenance entry and passing the cheap structure checks."""
-    from lightning_dist.checkpoint.integrity import check_structure
-
     try:
         if path.is_symlink() or not path.exists() or foreign_content(path) is not None:
             return False
@@ -118,6 +117,17 @@ def finish_publish(item: InterruptedPublish) -> None:
         publish(item.newest, item.target)
     for old in item.replaced:
         discard(old)
+
+
+def prepare_target(path: Path) -> None:
+    """Before a save of ``path`` writes anything: finish what a killed save of the same name left half-published (a
+    complete version is published, never deleted: see the module docstring), then delete that
+    save's unfinished writes, which never look complete."""
+    item = interrupted_publish(path)
+    if item is not None:
+        finish_publish(item)
+    for leftover in unfinished_writes(path):
+        discard(leftover)
 
 
 def restore_missing(target: Path) -> bool:

@@ -11,13 +11,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_dist.checkpoint.export_target import EXPORT_ENTRY
 from lightning_dist.checkpoint.integrity import verify_checksums
-from lightning_dist.checkpoint.layout import (
-    is_sharded_checkpoint,
-    read_checkpoint_file,
-    read_metadata,
-    validate_checkpoint,
-)
+from lightning_dist.checkpoint.layout import is_sharded_checkpoint, read_checkpoint_file, read_metadata
 from lightning_dist.checkpoint.safe_load import dcp_reader
+from lightning_dist.checkpoint.validation import validate_checkpoint
 
 
 @dataclass

@@ -3,6 +3,8 @@
 * :mod:`lightning_dist.compat.torch`: private torch names (re-exported here);
 * :mod:`lightning_dist.compat.lightning`: private Lightning, lightning_utilities and torchmetrics names (import them
   from there: importing it imports Lightning, which ``parallel/`` must not need);
+* :mod:`lightning_dist.compat.lightning_module`: what the planner reads of a LightningModule (Lightning is never
+  imported);
 * :mod:`lightning_dist.compat.hugging_face`: private transformers attributes;
 * :mod:`lightning_dist.compat.peft`: what is read of PEFT's LoRA layers (PEFT is never imported).
 

@@ -4,8 +4,9 @@ versions it was checked on.
 Public Lightning APIs are used directly everywhere else (``tests/test_compat.py`` reads the package's syntax tree to
 keep it so). When a Lightning release moves one of these names, this file is where it gets fixed.
 
-Lightning is imported where a name is used, not when this module is imported: ``planning/`` reads a LightningModule's
-attribute through it and imports no Lightning.
+Lightning is imported where a name is used, not when this module is imported. What ``planning/`` reads of a
+LightningModule is in :mod:`.lightning_module`, which never imports Lightning (``attached_trainer`` is imported here
+too, for the strategies).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+from lightning_dist.compat.lightning_module import attached_trainer  # noqa: F401  (for the strategies)
 
 #: Every private name used below: ``name -> (checked on, used for)``. tests/test_compat.py checks the list is complete.
 PRIVATE_LIGHTNING_NAMES: dict[str, tuple[str, str]] = {
@@ -134,12 +137,6 @@ def forward_redirection(strategy: Any) -> Any:
 def set_device_mesh(lightning_module: Any, mesh: Any) -> None:
     """What ``LightningModule.device_mesh`` returns (the property has no setter)."""
     lightning_module._device_mesh = mesh
-
-
-def attached_trainer(model: Any) -> Any:
-    """The Trainer a LightningModule is attached to, without the property's error (``None`` when none or when
-    ``model`` is a plain module)."""
-    return getattr(model, "_trainer", None)
 
 
 # ---------------------------------------------------------------------------------------------------- checkpoints

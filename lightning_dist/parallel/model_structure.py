@@ -12,15 +12,12 @@ from __future__ import annotations
 import inspect
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
 
 from lightning_dist.compat import buffer_registry
 from lightning_dist.compat.peft import is_adapter_layer, lora_base, why_adapter_is_whole
-
-if TYPE_CHECKING:
-    from lightning_dist.parallel.tensor_parallel.fused_layouts import FusedLayout
+from lightning_dist.parallel.fused_layouts import FusedLayout, fused_layout
 
 # Names of child projections, by role. Matched exactly against the child's attribute name.
 Q_NAMES = ("q_proj", "query", "q", "wq", "q_lin", "to_q", "query_proj")
@@ -85,7 +82,7 @@ class Attention:
         name: Qualified module name.
         query, key, value: Child names of separate projections (``None`` for a fused one).
         fused: Child name of a fused query/key/value projection, or ``"in_proj"`` for ``nn.MultiheadAttention``.
-        fused_layout: How the fused projection orders its rows (see :mod:`lightning_dist.parallel.tensor_parallel.fused_layouts`).
+        fused_layout: How the fused projection orders its rows (see :mod:`lightning_dist.parallel.fused_layouts`).
         output: Child name of the output projection.
         num_heads: Query heads (``None`` when the module keeps no count and no head_dim).
         num_kv_heads: Key/value heads (``None`` when unknown; equal to ``num_heads`` without grouped-query attention).
@@ -312,9 +309,6 @@ def _recognize_multihead(structure: ModelStructure, name: str, module: nn.Multih
         )
         structure.claimed.append(name)
         return
-    # Imported here: the tensor_parallel package imports this module (a module-level import would be a cycle).
-    from lightning_dist.parallel.tensor_parallel.fused_layouts import FusedLayout
-
     structure.attention[name] = Attention(
         name=name,
         output="out_proj",
@@ -336,8 +330,6 @@ def _recognize_attention(
     fused = _pick(children, FUSED_QKV_NAMES)
     if fused is not None and not (q and k and v):
         output = _pick({n: m for n, m in children.items() if n != fused}, O_NAMES)
-        from lightning_dist.parallel.tensor_parallel.fused_layouts import fused_layout  # see _recognize_mha
-
         layout = fused_layout(module, fused, projection_base(children[fused]))
         if isinstance(layout, str) or output is None:
             why = layout if isinstance(layout, str) else "no recognised output projection"

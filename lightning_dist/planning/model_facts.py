@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_dist.compat import storage_identity
+from lightning_dist.parallel.expert_parallel.structure import find_experts
 from lightning_dist.parallel.model_structure import recognize
 
 
@@ -126,8 +127,6 @@ def model_facts(model: nn.Module) -> ModelFacts:
 
 def _experts_by_block(model: nn.Module, blocks: list[str]) -> dict[str, tuple[int, int, int]]:
     """Block name → (its routed experts' parameters, experts per layer, top-k), for the blocks holding any."""
-    from lightning_dist.profiling.flops import find_experts  # it reads model_facts itself
-
     found: dict[str, tuple[int, int, int]] = {}
     for layer in find_experts(model):
         block = next((b for b in blocks if layer.name.startswith(f"{b}.")), None)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_dist.compat.lightning import attached_trainer
+from lightning_dist.compat.lightning_module import attached_trainer, is_lightning_default_forward
 from lightning_dist.parallel.mesh import ParallelDims
 from lightning_dist.planning.estimate import (
     COMPUTE_BYTES,
@@ -208,21 +208,13 @@ def estimate_mesh(
 def _forward_module(model: nn.Module) -> nn.Module:
     """What to call on token ids: the model, or for a module without a ``forward`` of its own (a LightningModule whose
     ``training_step`` calls ``self.model``) the child that holds every parameter."""
-    if type(model).forward is not nn.Module.forward and not _is_lightning_default_forward(model):
+    if type(model).forward is not nn.Module.forward and not is_lightning_default_forward(model):
         return model
     total = sum(p.numel() for p in model.parameters())
     for child in model.children():
         if sum(p.numel() for p in child.parameters()) == total:
             return child
     return model
-
-
-def _is_lightning_default_forward(model: nn.Module) -> bool:
-    try:
-        from lightning.pytorch import LightningModule
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(model, LightningModule) and type(model).forward is LightningModule.forward
 
 
 def _memory_label(hardware: Hardware) -> str:

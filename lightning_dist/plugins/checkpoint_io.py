@@ -35,18 +35,18 @@ from lightning_dist.checkpoint.layout import (
     check_replaceable,
     foreign_content,
     new_token,
-    prepare_target,
     publish,
     read_checkpoint_file,
     read_metadata,
     remove_own_checkpoint,
     temporary_path,
-    validate_checkpoint,
     with_provenance,
 )
+from lightning_dist.checkpoint.recovery import prepare_target
 from lightning_dist.checkpoint.safe_load import resolve_weights_only
 from lightning_dist.checkpoint.save_failures import save_failure
 from lightning_dist.checkpoint.state_paths import SAVED_STATES_KEY, model_state_paths, pop_path, set_path
+from lightning_dist.checkpoint.validation import validate_checkpoint
 from lightning_dist.compat.lightning import StrOrPath
 
 __all__ = ["CheckpointError", "DistributedCheckpointIO", "ParallelCheckpointIO"]

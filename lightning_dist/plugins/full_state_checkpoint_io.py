@@ -9,13 +9,8 @@ import torch
 from typing_extensions import override
 
 from lightning_dist.checkpoint.integrity import crc32_enabled
-from lightning_dist.checkpoint.layout import (
-    check_replaceable,
-    prepare_target,
-    publish,
-    temporary_path,
-    with_provenance,
-)
+from lightning_dist.checkpoint.layout import check_replaceable, publish, temporary_path, with_provenance
+from lightning_dist.checkpoint.recovery import prepare_target
 from lightning_dist.checkpoint.save_failures import save_failure
 from lightning_dist.compat.lightning import StrOrPath
 from lightning_dist.plugins.checkpoint_io import ParallelCheckpointIO, on_rank_zero_then_check, shared_token

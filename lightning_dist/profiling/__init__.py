@@ -1,9 +1,10 @@
 """Profiling helpers (pure PyTorch): a per-rank communication byte counter, memory accounting, and throughput
 (FLOPs per token, device peaks, tokens/s and MFU)."""
 
+from lightning_dist.parallel.expert_parallel.structure import find_experts
 from lightning_dist.profiling.comm import CommCounter
 from lightning_dist.profiling.comm_records import BYTE_FIELDS, CommRecord, NodeTopology, canonical_op_name
-from lightning_dist.profiling.flops import TokenFlops, find_experts, flops_per_token, token_flops
+from lightning_dist.profiling.flops import TokenFlops, flops_per_token, token_flops
 from lightning_dist.profiling.memory import (
     cuda_peak_memory_bytes,
     peak_process_memory_bytes,

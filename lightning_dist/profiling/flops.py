@@ -16,7 +16,7 @@ The formula is PaLM's (Chowdhery et al. 2022, appendix B), as torchtitan compute
 
 The layers and width come from the mesh planner's :func:`~lightning_dist.planning.model_facts.model_facts`, the
 embeddings and attention heads from :func:`~lightning_dist.parallel.model_structure.recognize`, the experts from
-expert parallelism's recognizer (:func:`find_experts`).
+expert parallelism's recognizer (:func:`~lightning_dist.parallel.expert_parallel.structure.find_experts`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_dist.parallel.expert_parallel import find_expert_layers
-from lightning_dist.parallel.expert_parallel.structure import TOP_K_ATTRIBUTES, experts_per_token
+from lightning_dist.parallel.expert_parallel.structure import TOP_K_ATTRIBUTES, find_experts
 from lightning_dist.parallel.model_structure import ModelStructure, recognize
 from lightning_dist.planning.model_facts import model_facts
 
@@ -35,16 +34,6 @@ def flops_per_token(params: float, layers: int, attention_width: int, seq_len: i
     """``6 · params + 12 · layers · attention_width · seq_len``: training FLOPs per token (see the module
     docstring; ``params`` are the active non-embedding parameters)."""
     return 6.0 * params + 12.0 * layers * attention_width * seq_len
-
-
-@dataclass(frozen=True)
-class RoutedExperts:
-    """One layer's routed experts: where they are, their parameters (all experts together) and the routing."""
-
-    name: str
-    params: int
-    experts: int
-    top_k: int | None  # None: not found on the model
 
 
 @dataclass(frozen=True)
@@ -124,20 +113,3 @@ def _embedding_parameters(model: nn.Module, structure: ModelStructure) -> list[n
     found = {id(p): p for n in names for p in modules[n].parameters()}
     found.update({id(p): p for p in map(model.get_parameter, structure.position_parameters)})
     return list(found.values())
-
-
-def find_experts(model: nn.Module) -> list[RoutedExperts]:
-    """The routed experts of ``model``, one entry per layer, as expert parallelism recognizes them
-    (:func:`~lightning_dist.parallel.expert_parallel.find_expert_layers`: ``transformers`` 5.x stacked experts, or an
-    ``experts`` ModuleList beside a router). ``k`` is read from :data:`TOP_K_ATTRIBUTES` on the experts module, its
-    parent (the MoE block) and the parent's other children (the router), or a ``config`` attribute of any of them or
-    of ``model``."""
-    return [
-        RoutedExperts(
-            layer.name,
-            sum(p.numel() for p in layer.experts.parameters()),
-            layer.num_experts,
-            experts_per_token(model, layer),
-        )
-        for layer in find_expert_layers(model)
-    ]

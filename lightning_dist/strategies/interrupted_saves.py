@@ -17,8 +17,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_dist.checkpoint.errors import CheckpointError
-from lightning_dist.checkpoint.layout import validate_checkpoint
 from lightning_dist.checkpoint.recovery import finish_publish, interrupted_publishes, leftovers
+from lightning_dist.checkpoint.validation import validate_checkpoint
 from lightning_dist.compat.lightning import last_checkpoints, model_checkpoint_dir
 
 if TYPE_CHECKING:

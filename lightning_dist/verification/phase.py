@@ -22,8 +22,8 @@ from jsonargparse import Namespace
 from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
-from lightning_dist.cli import CLI_CLASSES, DistCLI, import_from_cwd
 from lightning_dist.compat.hugging_face import restore_output_capture
+from lightning_dist.lightning_cli import CLI_CLASSES, DistCLI, import_from_cwd
 from lightning_dist.verification.one_process import ONE_PROCESS_STRATEGY, OneProcessStrategy
 from lightning_dist.verification.recorder import VerifyRecorder
 from lightning_dist.verification.settings import VerifySettings, is_removed_callback, trainer_overrides

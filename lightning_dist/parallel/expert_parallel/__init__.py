@@ -13,6 +13,8 @@ and back. Routing stays the model's own code. Which file holds what:
 - :mod:`.module_list` — ``ModuleList`` experts routed inside their layer's forward (litgpt ``LLaMAMoE``): record,
   exchange, replay.
 - :mod:`.load` — per-layer expert load (max / mean tokens per expert), counted in the forward.
+- :mod:`.state` — what an expert-parallel layer keeps at call time (both kinds), its token counts and the scaling
+  of its gradients.
 - :mod:`.router_loss` — the router's auxiliary loss from the routing statistics of the whole batch.
 """
 

@@ -16,20 +16,18 @@ applied here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_dist.compat.hugging_face import apply_experts_gate, has_own_experts_gate
 from lightning_dist.parallel.expert_parallel.dispatch import dispatch_compute_combine
-from lightning_dist.parallel.expert_parallel.load import count_tokens
 from lightning_dist.parallel.expert_parallel.local_experts import StackedWeights, run_local_experts
 from lightning_dist.parallel.expert_parallel.module_list import ModuleListExperts, apply_module_list
 from lightning_dist.parallel.expert_parallel.router_loss import reduce_router_statistics
+from lightning_dist.parallel.expert_parallel.state import ExpertGradient, ExpertParallelState, count_tokens
 from lightning_dist.parallel.expert_parallel.structure import (
     STACKED_BIASES,
     ExpertLayer,
@@ -191,42 +189,13 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     return out
 
 
-@dataclass
-class ExpertParallelState:
-    """What an expert-parallel experts module needs at call time."""
-
-    group: Any
-    num_experts: int
-    grad_scale: float
-    replica_group: Any = None
-    load: torch.Tensor | None = None  # tokens this rank routed to each expert since the last look (see .load)
-    chunks: int = 1  # token chunks whose all-to-alls overlap the experts' work (see dispatch_compute_combine)
-
-
-class _ExpertGradient(torch.autograd.Function):
-    """Identity in forward; in backward the gradient is scaled to a data-parallel mean and summed over the ranks
-    that hold the same experts."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: float, replica_group: Any) -> torch.Tensor:
-        ctx.scale, ctx.replica_group = scale, replica_group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grad = grad * ctx.scale
-        if ctx.replica_group is not None:
-            dist.all_reduce(grad, group=ctx.replica_group)
-        return grad, None, None
-
-
 def _local(module: nn.Module, name: str, state: ExpertParallelState, dtype: torch.dtype) -> torch.Tensor | None:
     param = getattr(module, name, None)
     if param is None:
         return None
     local = param.to_local() if isinstance(param, DTensor) else param
     # FSDP's mixed precision does not reach these parameters: compute in the activations' dtype, as it would.
-    return _ExpertGradient.apply(local, state.grad_scale, state.replica_group).to(dtype)
+    return ExpertGradient.apply(local, state.grad_scale, state.replica_group).to(dtype)
 
 
 def _expert_parallel_forward(

@@ -9,25 +9,17 @@ activation checkpointing changes nothing.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
-
-def count_tokens(state: Any, counts: torch.Tensor) -> None:
-    """Add ``counts`` (tokens per expert, this rank's, length ``num_experts``) to ``state.load``."""
-    counts = counts.detach().to(torch.int64)
-    state.load = counts if state.load is None else state.load + counts
+from lightning_dist.parallel.expert_parallel.apply import expert_parallel_state
 
 
 def take_expert_load(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[str, float]:
     """``max / mean`` tokens per expert of every MoE layer of ``model`` since the last call (counts summed over
     ``group``, the data-parallel ranks), by the experts module's name; the counts start again from zero. Layers
     that routed nothing are left out. Collective over ``group`` (every rank must call it, with the same layers)."""
-    from lightning_dist.parallel.expert_parallel.apply import expert_parallel_state
-
     loads = {}
     for name, module in model.named_modules():
         state = expert_parallel_state(module)

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.func import functional_call
 
 from lightning_dist.parallel.expert_parallel.dispatch import combine, dispatch
-from lightning_dist.parallel.expert_parallel.load import count_tokens
+from lightning_dist.parallel.expert_parallel.state import ExpertGradient, count_tokens
 from lightning_dist.parallel.expert_parallel.structure import ExpertParallelError
 from lightning_dist.parallel.grad_clip import count_in_norm_split_over
 
@@ -197,13 +197,11 @@ def _call_expert(module: nn.Module, rows: torch.Tensor, state: ModuleListExperts
     (called even on no rows, so every rank's backward joins the same collectives). An expert FSDP2 shards over
     ep_fsdp is called as a module (its hooks gather its weights and reduce their gradients, averaged over ep_fsdp):
     only the ``1/ep`` is applied here, to the gradient of its output and undone on its input's."""
-    from lightning_dist.parallel.expert_parallel.apply import _ExpertGradient
-
     if isinstance(module, FSDPModule):
-        scaled = _ExpertGradient.apply(rows, 1.0 / state.grad_scale, None)
-        return _ExpertGradient.apply(module(scaled), state.grad_scale, None)
+        scaled = ExpertGradient.apply(rows, 1.0 / state.grad_scale, None)
+        return ExpertGradient.apply(module(scaled), state.grad_scale, None)
     params = {
-        name: _ExpertGradient.apply(p, state.grad_scale, state.replica_group).to(
+        name: ExpertGradient.apply(p, state.grad_scale, state.replica_group).to(
             rows.dtype if p.is_floating_point() else p.dtype
         )
         for name, p in module.named_parameters()

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from lightning_dist.parallel.expert_parallel.apply import ExpertParallelState
 from lightning_dist.parallel.expert_parallel.module_list import ModuleListExperts
+from lightning_dist.parallel.expert_parallel.state import ExpertParallelState
 
 
 def stacked_experts_modules(model: nn.Module) -> list[nn.Module]:

@@ -157,3 +157,30 @@ def experts_per_token(model: nn.Module, layer: ExpertLayer) -> int | None:
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
     return None
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """One layer's routed experts: where they are, their parameters (all experts together) and the routing."""
+
+    name: str
+    params: int
+    experts: int
+    top_k: int | None  # None: not found on the model
+
+
+def find_experts(model: nn.Module) -> list[RoutedExperts]:
+    """The routed experts of ``model``, one entry per layer, as expert parallelism recognizes them
+    (:func:`find_expert_layers`: ``transformers`` 5.x stacked experts, or an ``experts`` ModuleList beside a router):
+    what FLOPs per token and the mesh planner count. ``k`` is read from :data:`TOP_K_ATTRIBUTES` on the experts
+    module, its parent (the MoE block) and the parent's other children (the router), or a ``config`` attribute of any
+    of them or of ``model``."""
+    return [
+        RoutedExperts(
+            layer.name,
+            sum(p.numel() for p in layer.experts.parameters()),
+            layer.num_experts,
+            experts_per_token(model, layer),
+        )
+        for layer in find_expert_layers(model)
+    ]

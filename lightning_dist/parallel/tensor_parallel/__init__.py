@@ -8,8 +8,9 @@ dimension before FSDP2. Which file holds what:
   resolution of explicit plans.
 - :mod:`.apply` — :func:`resolve_plan` (explicit or automatic, validated), :func:`apply_tensor_parallel`, and the
   gradient helpers the strategies use on tp-sharded parameters.
-- :mod:`.fused` / :mod:`.fused_layouts` — styles for Hugging Face ``Conv1D`` and fused query/key/value or
-  ``[gate | up]`` projections, and how each library orders a fused projection's rows.
+- :mod:`.fused` — styles for Hugging Face ``Conv1D`` and fused query/key/value or ``[gate | up]`` projections (how
+  each library orders a fused projection's rows: :mod:`lightning_dist.parallel.fused_layouts`, which model
+  recognition reads too).
 - :mod:`.multihead` — ``nn.MultiheadAttention`` split by heads; :mod:`.kv_heads` — fewer key/value heads than ranks.
 - :mod:`.checkpoint_layout` — checkpoints keep a fused projection's original row order.
 - :mod:`.loss_parallel` — cross-entropy over vocabulary-sharded logits.

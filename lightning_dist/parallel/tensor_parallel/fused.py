@@ -2,7 +2,7 @@
 
 - :class:`Conv1DParallel`: column- or row-wise sharding of GPT-2's ``Conv1D`` (weight stored ``(in, out)``).
 - :class:`FusedColwiseParallel`: column-wise sharding of a fused query/key/value projection (``nn.Linear`` or
-  ``Conv1D``) *by heads*: the rows are first put in rank order (:func:`~lightning_dist.parallel.tensor_parallel.fused_layouts.
+  ``Conv1D``) *by heads*: the rows are first put in rank order (:func:`~lightning_dist.parallel.fused_layouts.
   rank_grouped_order`), so each rank's contiguous shard holds its own heads of q, then k, then v, and the module's
   forward (told the per-rank head counts) splits its local output as it would the global one.
 - :class:`FusedGateUpParallel`: column-wise sharding of a fused ``[gate | up]`` MLP projection (Phi-3's
@@ -29,9 +29,9 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from lightning_dist.compat import apply_parallel_style
+from lightning_dist.parallel.fused_layouts import FusedLayout, block_rank_order, rank_grouped_order
 from lightning_dist.parallel.model_structure import is_conv1d
 from lightning_dist.parallel.tensor_parallel.checkpoint_layout import record_row_order
-from lightning_dist.parallel.tensor_parallel.fused_layouts import FusedLayout, block_rank_order, rank_grouped_order
 
 Kind = Literal["colwise", "rowwise"]
 

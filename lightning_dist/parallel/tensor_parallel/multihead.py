@@ -24,8 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_dist.parallel.fused_layouts import FusedLayout, rank_grouped_order
 from lightning_dist.parallel.tensor_parallel.checkpoint_layout import record_row_order
-from lightning_dist.parallel.tensor_parallel.fused_layouts import FusedLayout, rank_grouped_order
 
 
 class _CopyToRanks(torch.autograd.Function):

@@ -51,16 +51,16 @@ from lightning_dist.parallel.mesh import AXIS_OPTIONS, ParallelDims, ParallelMes
 from lightning_dist.parallel.module_selection import check_unit_choice
 from lightning_dist.parallel.validation import check_bool
 from lightning_dist.plugins.precision import FSDP2Precision, to_fsdp2_precision
-from lightning_dist.strategies.checkpointing import ShardedCheckpointing
-from lightning_dist.strategies.collectives import MeshCollectives
-from lightning_dist.strategies.float8_setup import Float8Setup
-from lightning_dist.strategies.model_setup import ModelSetup
-from lightning_dist.strategies.nonfinite_guard import NonFiniteMode
-from lightning_dist.strategies.parallelize_options import ParallelizeOptions
-from lightning_dist.strategies.preflight import strategy_options, unknown_options_message
-from lightning_dist.strategies.processes import ProcessSetup
-from lightning_dist.strategies.step_protocol import StepProtocol
-from lightning_dist.strategies.weight_averaging import WeightAveragingSetup
+from lightning_dist.strategies.lifecycle.checkpointing import ShardedCheckpointing
+from lightning_dist.strategies.lifecycle.collectives import MeshCollectives
+from lightning_dist.strategies.lifecycle.float8 import Float8Setup
+from lightning_dist.strategies.lifecycle.model_setup import ModelSetup
+from lightning_dist.strategies.lifecycle.nonfinite_guard import NonFiniteMode
+from lightning_dist.strategies.lifecycle.parallelize_options import ParallelizeOptions
+from lightning_dist.strategies.lifecycle.preflight import strategy_options, unknown_options_message
+from lightning_dist.strategies.lifecycle.processes import ProcessSetup
+from lightning_dist.strategies.lifecycle.step_protocol import StepProtocol
+from lightning_dist.strategies.lifecycle.weight_averaging import WeightAveragingSetup
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -193,9 +193,6 @@ class MeshParallelStrategy(
         #: The ``weights_only`` the Trainer entry point was called with: Lightning drops it on its way to a strategy
         #: that restores after setup (``restore_checkpoint_after_setup``), as every one of ours does.
         self._requested_weights_only: bool | None = None
-        self._tp_replicated: list[torch.nn.Parameter] = []
-        self._tp_partial: list[torch.nn.Parameter] = []
-        self._tp_sharded: list[torch.nn.Parameter] = []
         self._root_parameters: dict[str, torch.nn.Parameter] = {}
         self._watchdog: FailureWatchdog | None = None
         self._averaging_devices: dict[int, Any] = {}

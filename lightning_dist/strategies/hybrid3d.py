@@ -23,16 +23,16 @@ from lightning_dist.parallel.parallelize import ParallelizeConfig, parallelize
 from lightning_dist.parallel.validation import check_bool
 from lightning_dist.parallel.zeropp import QuantizedAllGather
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
-from lightning_dist.strategies.context_parallel_steps import ContextParallelSteps
-from lightning_dist.strategies.expert_parallel_option import ExpertParallelOption
+from lightning_dist.strategies.parallelisms.context_parallel.sequence_shards import ContextParallelSteps
+from lightning_dist.strategies.parallelisms.expert_parallel import ExpertParallelOption
 from lightning_dist.strategies.hybrid3d_mesh import (
     planner_sizes,
     refuse_stages_without_tensor_parallel,
     sizes_from_options,
 )
-from lightning_dist.strategies.pipeline_stages import Split
-from lightning_dist.strategies.pipeline_step import PipelineSteps
-from lightning_dist.strategies.tensor_parallel_steps import PlanSpec, TensorParallelSteps
+from lightning_dist.strategies.parallelisms.pipeline.stages import Split
+from lightning_dist.strategies.parallelisms.pipeline.step import PipelineSteps
+from lightning_dist.strategies.parallelisms.tensor_parallel import PlanSpec, TensorParallelSteps
 
 
 class Hybrid3DStrategy(

@@ -31,7 +31,7 @@ from lightning_dist.checkpoint.state_paths import StatePath
 from lightning_dist.compat.lightning import StrOrPath
 from lightning_dist.parallel.expert_parallel import holds_some_experts
 from lightning_dist.plugins.checkpoint_io import DistributedCheckpointIO, ParallelCheckpointIO
-from lightning_dist.strategies.data_position import resume_position, training_position
+from lightning_dist.strategies.lifecycle.data_position import resume_position, training_position
 
 
 class ShardedCheckpointing:

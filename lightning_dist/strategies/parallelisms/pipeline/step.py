@@ -13,12 +13,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_dist.parallel import pipeline as pp
-from lightning_dist.strategies.pipeline_logs import LogCapture, MetricSteps, captured_log, share_logs
-from lightning_dist.strategies.pipeline_stages import PipelineStages
+from lightning_dist.strategies.parallelisms.pipeline.logs import LogCapture, MetricSteps, captured_log, share_logs
+from lightning_dist.strategies.parallelisms.pipeline.part import PipelinePart
+from lightning_dist.strategies.parallelisms.pipeline.stages import PipelineStages
 
 
 class PipelineSteps(PipelineStages):
     """The step methods of a pipeline strategy (a mixin before the base); Lightning's own when ``pp == 1``."""
+
+    step_part = PipelinePart
 
     _warned_labels = False
 

@@ -20,9 +20,9 @@ from lightning_dist.parallel import pipeline as pp
 from lightning_dist.parallel.expert_parallel.router_loss import reduce_router_statistics
 from lightning_dist.parallel.pipeline.router_statistics import carry_router_statistics, plan_router_statistics
 from lightning_dist.parallel.runtime.random_state import rng_kept
-from lightning_dist.strategies.first_batch import first_batch
-from lightning_dist.strategies.pipeline_logs import captured_log
-from lightning_dist.strategies.preflight import PARALLELIZED
+from lightning_dist.strategies.lifecycle.first_batch import first_batch
+from lightning_dist.strategies.parallelisms.pipeline.logs import captured_log
+from lightning_dist.strategies.lifecycle.preflight import PARALLELIZED
 
 if TYPE_CHECKING:
     from lightning_dist.strategies.base import MeshParallelStrategy
@@ -101,7 +101,7 @@ class PipelineStages(_Base):
 
     def check_first_training_batch(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
         """Before ``fit`` launches, the first training batch when it can be read here (see
-        :func:`~lightning_dist.strategies.first_batch.first_batch`): micro-batches that must divide its size, and the
+        :func:`~lightning_dist.strategies.lifecycle.first_batch.first_batch`): micro-batches that must divide its size, and the
         stage rehearsal on its real inputs (images, say, where example token ids do not fit the forward). Only the
         launching process reads it; ranks created elsewhere (torchrun, SLURM) meet the same checks on their first
         batch, before the step's first collective."""

@@ -8,6 +8,7 @@ Every hook's default does nothing, so a part implements the few it needs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
@@ -115,3 +116,16 @@ class StepPart:
     def run_eval_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
         """Forward of an evaluation step."""
         raise NotImplementedError
+
+
+@functools.cache
+def declared_step_parts(strategy_class: type, order: tuple[str, ...]) -> tuple[type[StepPart], ...]:
+    """The parts that the mixins of ``strategy_class`` declare (``step_part``; for each axis the first in the class
+    chain), ordered by their axis in ``order``; a part of an axis not in ``order`` comes last, in class-chain order."""
+    parts: dict[str, type[StepPart]] = {}
+    for klass in strategy_class.__mro__:
+        part = vars(klass).get("step_part")
+        if part is not None:
+            parts.setdefault(part.axis, part)
+    rank = {axis: index for index, axis in enumerate(order)}
+    return tuple(sorted(parts.values(), key=lambda part: rank.get(part.axis, len(order))))

@@ -1,7 +1,7 @@
 """The step protocol of a lightning_dist strategy (a mixin of the shared base): how Lightning's training,
 evaluation and optimizer steps reach the parallelized model. This is the one place that states the order of a
 step, for every mesh. Each parallelism's mixin declares a :class:`~.step_part.StepPart`, found in the strategy's class
-chain (:func:`declared_step_parts`); the parts whose axis has more than one rank take part, in :data:`PART_ORDER`:
+chain (:func:`~.step_part.declared_step_parts`); the parts whose axis has more than one rank take part, in :data:`PART_ORDER`:
 
 A training step
     1. ``batch_to_device`` → :meth:`StepProtocol.transform_batch`: context parallel shards the sequences.
@@ -62,24 +62,11 @@ from lightning_dist.parallel.fsdp import (
 )
 from lightning_dist.parallel.gradient_sync import AccumulationSync, deferred_gradient_sync
 from lightning_dist.strategies.lifecycle.nonfinite_guard import NonFiniteGuard
-from lightning_dist.strategies.lifecycle.step_part import StepPart
+from lightning_dist.strategies.lifecycle.step_part import StepPart, declared_step_parts
 
 #: The order in which the parallelisms' parts act in a step, outermost first, by their mesh axis (see the module
 #: docstring for what each does where). A part of an axis not named here acts after these, in class-chain order.
 PART_ORDER: tuple[str, ...] = ("ep", "cp", "tp", "pp")
-
-
-@functools.cache
-def declared_step_parts(strategy_class: type) -> tuple[type[StepPart], ...]:
-    """The parts that the mixins of ``strategy_class`` declare (``step_part``; the first in the class chain for each
-    axis), in :data:`PART_ORDER`."""
-    parts: dict[str, type[StepPart]] = {}
-    for klass in strategy_class.__mro__:
-        part = vars(klass).get("step_part")
-        if part is not None:
-            parts.setdefault(part.axis, part)
-    rank = {axis: index for index, axis in enumerate(PART_ORDER)}
-    return tuple(sorted(parts.values(), key=lambda part: rank.get(part.axis, len(PART_ORDER))))
 
 
 class StepProtocol(NonFiniteGuard):
@@ -93,7 +80,7 @@ class StepProtocol(NonFiniteGuard):
 
     def step_parts(self) -> list[StepPart]:
         """The parts of this strategy's steps on its mesh, in :data:`PART_ORDER`."""
-        return [kind(self) for kind in declared_step_parts(type(self)) if kind.applies_to(self)]
+        return [kind(self) for kind in declared_step_parts(type(self), PART_ORDER) if kind.applies_to(self)]
 
     def _step_runner(self, parts: list[StepPart]) -> StepPart | None:
         """The part that runs forward and backward itself (the pipeline), if any."""

@@ -26,7 +26,7 @@ class PipelineSteps(PipelineStages):
     _warned_labels = False
 
     def _runner(self, batch_size: int, training: bool) -> pp.PipelineRunner:
-        m = self.microbatches_for(batch_size) if training else self._eval_microbatches(batch_size)
+        m = self.microbatches_for(batch_size, training)
         if m not in self._runners:
             self.log_decision(f"{m} micro-batches for a per-replica batch of {batch_size}")
             self._runners[m] = pp.PipelineRunner(
@@ -35,11 +35,6 @@ class PipelineSteps(PipelineStages):
                 device=self.root_device, scale_grads=False,
             )  # fmt: skip
         return self._runners[m]
-
-    def _eval_microbatches(self, batch_size: int) -> int:
-        if self.n_microbatches is not None:
-            return self.n_microbatches
-        return pp.default_n_microbatches("gpipe", batch_size, self.parallel_dims.pp, 1)
 
     def _pipelined_call(self, step: str, args: tuple, training: bool) -> tuple[pp.PipelineRunner, dict, int]:
         lm = self.lightning_module

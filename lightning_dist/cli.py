@@ -23,7 +23,7 @@ import lightning_dist  # noqa: F401  (registers the strategy names)
 from lightning_dist.commands import TOOLS, fail, run_tool
 from lightning_dist.plugins.precision import unsupported_precision_message
 from lightning_dist.strategies.base import MeshParallelStrategy
-from lightning_dist.strategies.preflight import FOUND_BEFORE_LAUNCH
+from lightning_dist.strategies.lifecycle.preflight import FOUND_BEFORE_LAUNCH
 from lightning_dist.strategies.registry import unknown_strategy_message
 
 

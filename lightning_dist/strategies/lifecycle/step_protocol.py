@@ -1,7 +1,8 @@
 """The step protocol of a lightning_dist strategy (a mixin of the shared base): how Lightning's training,
 evaluation and optimizer steps reach the parallelized model. This is the one place that states the order of a
 step, for every mesh. Each parallelism's mixin declares a :class:`~.step_part.StepPart`, found in the strategy's class
-chain (:func:`~.step_part.declared_step_parts`); the parts whose axis has more than one rank take part, in :data:`PART_ORDER`:
+chain (:func:`~.step_part.declared_step_parts`); the parts whose axis has more than one rank take part, in
+:data:`PART_ORDER`:
 
 A training step
     1. ``batch_to_device`` → :meth:`StepProtocol.transform_batch`: context parallel shards the sequences.

@@ -97,7 +97,7 @@ class ContextParallelSteps(_Base):
     # ------------------------------------------------------------------ the data
     def check_first_batch_before_launch(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
         """Before launch, the first batch when the entry point's data can be read here: it must hold token
-        sequences of a length the layout splits (see :func:`~lightning_dist.strategies.lifecycle.first_batch.first_batch`).
+        sequences of a length the layout splits (see :func:`~...lifecycle.first_batch.first_batch`).
         Only the process that launches the others reads it: ranks created elsewhere (torchrun, SLURM) check their
         first batch together after launch instead, so that no rank refuses alone."""
         launching = not self.cluster_environment.creates_processes_externally

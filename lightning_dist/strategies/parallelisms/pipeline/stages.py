@@ -117,7 +117,7 @@ class PipelineStages(_Base):
 
     def check_first_training_batch(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
         """Before ``fit`` launches, the first training batch when it can be read here (see
-        :func:`~lightning_dist.strategies.lifecycle.first_batch.first_batch`): micro-batches that must divide its size, and the
+        :func:`~..lifecycle.first_batch.first_batch`): micro-batches that must divide its size, and the
         stage rehearsal on its real inputs (images, say, where example token ids do not fit the forward). Only the
         launching process reads it; ranks created elsewhere (torchrun, SLURM) meet the same checks on their first
         batch, before the step's first collective."""

@@ -1,6 +1,6 @@
 """What one parallelism contributes to a strategy's steps: a :class:`StepPart`.
 
-A parallelism's mixin declares its part (``step_part = TensorParallelPart``); the step protocol finds the parts in
+A parallelism's mixin declares its part (``declared_parts = (TensorParallelPart,)``); the step protocol finds the parts in
 the strategy's class chain and states, once, the order in which they act
 (:data:`~lightning_dist.strategies.lifecycle.step_protocol.PART_ORDER`). A part only says what it does at each point.
 Every hook's default does nothing, so a part implements the few it needs.
@@ -120,12 +120,12 @@ class StepPart:
 
 @functools.cache
 def declared_step_parts(strategy_class: type, order: tuple[str, ...]) -> tuple[type[StepPart], ...]:
-    """The parts that the mixins of ``strategy_class`` declare (``step_part``; for each axis the first in the class
-    chain), ordered by their axis in ``order``; a part of an axis not in ``order`` comes last, in class-chain order."""
+    """The parts that the mixins of ``strategy_class`` declare (``declared_parts``; for each axis the first in the
+    class chain), ordered by their axis in ``order``; a part of an axis not in ``order`` comes last, in class-chain
+    order."""
     parts: dict[str, type[StepPart]] = {}
     for klass in strategy_class.__mro__:
-        part = vars(klass).get("step_part")
-        if part is not None:
+        for part in vars(klass).get("declared_parts", ()):
             parts.setdefault(part.axis, part)
     rank = {axis: index for index, axis in enumerate(order)}
     return tuple(sorted(parts.values(), key=lambda part: rank.get(part.axis, len(order))))

@@ -62,7 +62,7 @@ class ExpertParallelPart(StepPart):
 class ExpertParallelOption(_Base):
     """``expert_parallel_size``: ep ranks borrowed from ``dp_shard × cp`` that split every MoE layer's experts."""
 
-    step_part = ExpertParallelPart
+    declared_parts = (ExpertParallelPart,)
 
     def init_expert_parallel(
         self,

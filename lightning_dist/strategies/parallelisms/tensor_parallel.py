@@ -95,7 +95,7 @@ class TensorParallelPart(StepPart):
 class TensorParallelSteps(_Base):
     """The tensor-parallel plan of a strategy and loss parallel around its training step."""
 
-    step_part = TensorParallelPart
+    declared_parts = (TensorParallelPart,)
 
     def init_tensor_parallel(self, plan: PlanSpec | None, sequence_parallel: bool, loss_parallel: bool) -> None:
         """Check and keep the tensor-parallel options (called from the strategy's ``__init__``): a misspelt style

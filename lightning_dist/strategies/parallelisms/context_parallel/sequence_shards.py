@@ -50,7 +50,7 @@ else:
 class ContextParallelSteps(_Base):
     """Batches sharded on the sequence, global positions and context-parallel attention, when ``cp > 1``."""
 
-    step_part = ContextParallelPart
+    declared_parts = (ContextParallelPart,)
 
     def init_context_parallel(self, attention: str, load_balance: str, sequence_keys: list[str] | None) -> None:
         """Check and keep the context-parallel options (called from the strategy's ``__init__``)."""

@@ -21,7 +21,7 @@ from lightning_dist.strategies.parallelisms.pipeline.stages import PipelineStage
 class PipelineSteps(PipelineStages):
     """The step methods of a pipeline strategy (a mixin before the base); Lightning's own when ``pp == 1``."""
 
-    step_part = PipelinePart
+    declared_parts = (PipelinePart,)
 
     _warned_labels = False
 

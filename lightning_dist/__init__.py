@@ -28,8 +28,7 @@ from lightning_dist.strategies import (
     ZeroPPStrategy,
 )
 from lightning_dist.strategies.registry import register_strategies
-
-__version__ = "0.1.0.dev0"
+from lightning_dist.version import __version__
 
 __all__ = [
     "AsyncDistributedCheckpointIO",

@@ -17,7 +17,7 @@ import sys
 import lightning_dist  # noqa: F401  (registers the strategy names)
 from lightning_dist.commands import TOOLS, fail, run_tool
 from lightning_dist.lightning_cli import CLI_CLASSES, DistCLI, import_from_cwd
-from lightning_dist.strategies.preflight import FOUND_BEFORE_LAUNCH
+from lightning_dist.strategies.lifecycle.preflight import FOUND_BEFORE_LAUNCH
 
 
 def main(args: list[str] | None = None) -> None:

@@ -458,7 +458,7 @@ def _sharded_by_an_earlier_fit() -> GPT:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_dist.strategies.preflight import PARALLELIZED, parallel_settings
+    from lightning_dist.strategies.lifecycle.preflight import PARALLELIZED, parallel_settings
 
     model = _gpt()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -472,7 +472,7 @@ def _sharded_by_an_earlier_fit() -> GPT:
 
 def _without_torchao(attempt: Callable[[], Any]) -> Any:
     """``attempt()`` as on a machine where torchao is not installed (the package asks for its version there)."""
-    import lightning_dist.strategies.float8_setup as setup
+    import lightning_dist.strategies.lifecycle.float8 as setup
 
     found = setup.torchao_version
     setup.torchao_version = lambda: None

@@ -21,7 +21,7 @@ from lightning_dist.checkpoint.layout import COMPLETE_MARKER, CheckpointError, p
 from lightning_dist.checkpoint.model_fit import check_fit, compare_shapes
 from lightning_dist.checkpoint.optimizer_format import names_to_positions, positions_to_names
 from lightning_dist.checkpoint.validation import validate_checkpoint
-from lightning_dist.strategies.preflight import check_checkpoint_callbacks
+from lightning_dist.strategies.lifecycle.preflight import check_checkpoint_callbacks
 
 
 def _model() -> nn.Module:
@@ -271,7 +271,7 @@ def test_mid_epoch_skip_accounts_for_another_number_of_replicas():
 
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from lightning_dist.strategies.data_position import skip_trained_batches
+    from lightning_dist.strategies.lifecycle.data_position import skip_trained_batches
 
     data = list(range(64))
     position = {"epoch": 0, "batches_processed": 3, "batches_per_epoch": 8, "batch_sizes": [2], "replicas": 4}
@@ -287,7 +287,7 @@ def test_mid_epoch_skip_accounts_for_another_number_of_replicas():
 def test_mid_epoch_skip_warns_where_it_cannot_skip():
     from torch.utils.data import DataLoader, IterableDataset
 
-    from lightning_dist.strategies.data_position import skip_trained_batches
+    from lightning_dist.strategies.lifecycle.data_position import skip_trained_batches
 
     class Stream(IterableDataset):
         def __iter__(self):

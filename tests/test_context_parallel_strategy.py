@@ -40,7 +40,7 @@ from lightning_dist.parallel.context_parallel.outputs import watch_pooled_output
 from lightning_dist.parallel.context_parallel.rope_tables import global_rope_rows
 from lightning_dist.parallel.mesh import MeshConfigError
 from lightning_dist.parallel.model_structure import recognize
-from lightning_dist.strategies.first_batch import first_batch
+from lightning_dist.strategies.lifecycle.first_batch import first_batch
 
 TOL = 1e-10  # fp64: the same operations in another order across two processes
 # transformers' ForCausalLMLoss computes the loss in fp32 (it upcasts the logits with .float(), so fp64 logits are

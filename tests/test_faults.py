@@ -165,7 +165,7 @@ def test_watchdogs_still_running_at_exit_are_stopped():
     while the interpreter shuts down."""
     import torch.distributed as dist
 
-    from lightning_dist.strategies import failure_handling
+    from lightning_dist.strategies.lifecycle import failure_handling
 
     failures: list = []
     watchdogs = _watchdogs(dist.HashStore(), failures, interval=0.02)

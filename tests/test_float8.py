@@ -110,7 +110,7 @@ def test_mxfp8_emulated_converts_the_linears_without_bias_and_trains_on_cpu():
 
 
 def test_float8_without_torchao_names_the_install_line(monkeypatch):
-    import lightning_dist.strategies.float8_setup as setup
+    import lightning_dist.strategies.lifecycle.float8 as setup
 
     monkeypatch.setattr(setup, "torchao_version", lambda: None)  # as on a machine without torchao
     trainer = L.Trainer(strategy=FSDP2Strategy(float8="rowwise"), accelerator="cpu", devices=2, logger=False)

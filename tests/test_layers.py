@@ -36,16 +36,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("planning",),
     ("parallel",),
     ("checkpoint",),
-    ("compat",),
+    ("compat", "version"),  # `__version__` (also written into each checkpoint's provenance)
 )
 #: Pure PyTorch: no module these rooms import, directly or through another, may import Lightning.
 PURE_PYTORCH = ("parallel", "checkpoint", "profiling", "planning")
 LIGHTNING = {"lightning", "lightning_fabric", "pytorch_lightning", "lightning_utilities", "torchmetrics"}
-
-#: The strategies/ circle (issue 41, item 1: the rebuild of strategies/ closes it; remove this set after merging it).
-#: A circle made of these rooms only is tolerated, and so are imports of the package's ``__init__`` from strategies/
-#: (``__version__``), which close it. A circle that reaches any other module fails.
-KNOWN_STRATEGIES_CIRCLE = frozenset({"strategies", PACKAGE_ROOM})
 
 
 @dataclass(frozen=True)
@@ -214,30 +209,13 @@ def _short(module: str) -> str:
     return module.removeprefix(f"{PACKAGE}.")
 
 
-def _in_known_circle(module: str) -> bool:
-    return room(module) in KNOWN_STRATEGIES_CIRCLE
-
-
 def test_no_import_circle() -> None:
     graph, where = module_graph()
-    graph = {
-        name: {other for other in targets if not (_in_known_circle(name) and _in_known_circle(other))}
-        for name, targets in graph.items()
-    }
     message = circles_message(graph, where)
     assert not message, (
         "These modules import each other (imports in function bodies count; move what both need to the lower one):\n"
         + message
     )
-
-
-def test_the_known_strategies_circle_stays_within_strategies() -> None:
-    # The exception above must not hide a circle through any other module (one that passes through strategies/).
-    graph, _ = module_graph()
-    for members in strongly_connected(graph):
-        outside = [_short(m) for m in members if not _in_known_circle(m)]
-        if any(_in_known_circle(m) for m in members):
-            assert not outside, f"the strategies/ circle also runs through {outside}: close that part of it"
 
 
 def test_pure_pytorch_rooms_import_no_lightning() -> None:
@@ -268,9 +246,7 @@ def test_imports_go_down_the_layers() -> None:
         f"  {room(i.importer)} imports {room(i.module)}: {_short(i.importer)} → {_short(i.module)} ({i.where(modules)})"
         for found in imports.values()
         for i in found
-        if i.module in modules
-        and layer[room(i.module)] < layer[room(i.importer)]
-        and not (_in_known_circle(i.importer) and _in_known_circle(i.module))
+        if i.module in modules and layer[room(i.module)] < layer[room(i.importer)]
     ]
     order = " > ".join(" = ".join(rooms) for rooms in LAYERS)
     assert not upward, f"Imports go downwards only ({order}); these go up:\n" + "\n".join(upward)

@@ -16,7 +16,7 @@ from launch import max_abs_diff, run_scenarios
 from lightning_dist import PipelineStrategy
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
 from lightning_dist.parallel.pipeline import StageOptimization, optimizers_may_be_empty
-from lightning_dist.strategies.pipeline_step import uneven_label_counts
+from lightning_dist.strategies.parallelisms.pipeline.step import uneven_label_counts
 
 TOL = 1e-10  # fp64: the same operations in another order across processes
 # transformers' ForCausalLMLoss casts the logits to float32, so Hugging Face's own loss is a float32 value even in a

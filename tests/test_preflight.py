@@ -17,7 +17,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 
 from examples.gpt import GPT
 from lightning_dist import FSDP2Strategy
-from lightning_dist.strategies.preflight import PreflightLauncher, PreflightSubprocessLauncher
+from lightning_dist.strategies.lifecycle.preflight import PreflightLauncher, PreflightSubprocessLauncher
 
 
 @pytest.fixture(autouse=True)

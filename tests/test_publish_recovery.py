@@ -164,7 +164,7 @@ def test_other_ranks_wait_until_rank_zero_has_published(tmp_path, monkeypatch):
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_dist.strategies import interrupted_saves
+    from lightning_dist.strategies.lifecycle import interrupted_saves
 
     last = tmp_path / "last.ckpt"
     DistributedCheckpointIO().save_checkpoint(_checkpoint(1), last)

@@ -109,7 +109,7 @@ SAVED_STATES = {
 
 @pytest.mark.parametrize("state", list(SAVED_STATES))
 def test_loop_counters_settle_to_the_true_position(state):
-    from lightning_dist.strategies.loop_position import settle_fit_loop
+    from lightning_dist.strategies.lifecycle.loop_position import settle_fit_loop
 
     epoch, batch, last, expected = SAVED_STATES[state]
     loops = _loops(epoch, batch, last)
@@ -126,7 +126,7 @@ def test_loop_counters_settle_to_the_true_position(state):
 
 
 def test_a_position_recorded_before_the_fix_is_corrected_from_the_loop_counters():
-    from lightning_dist.strategies.data_position import resume_position
+    from lightning_dist.strategies.lifecycle.data_position import resume_position
 
     recorded = {"epoch": 1, "batches_processed": 3, "batches_per_epoch": 4, "batch_sizes": [4], "replicas": 2}
     checkpoint = {"loops": _loops([1, 1, 1, 1], [3, 3, 3, 3], False)}
@@ -137,7 +137,7 @@ def test_a_position_recorded_before_the_fix_is_corrected_from_the_loop_counters(
 def test_a_mid_epoch_checkpoint_without_a_recorded_position_warns():
     from torch.utils.data import DataLoader
 
-    from lightning_dist.strategies.data_position import resume_position, skip_trained_batches
+    from lightning_dist.strategies.lifecycle.data_position import resume_position, skip_trained_batches
 
     checkpoint = {"loops": _loops([1, 1, 0, 0], [3, 3, 3, 2], False)}  # saved by plain Lightning, mid-epoch
     position = resume_position(checkpoint, None)

@@ -144,7 +144,7 @@ def test_reshard_after_forward_off_under_a_pipeline_gathers_less_and_trains_the_
 
 def test_a_reused_model_is_checked_against_the_shared_options_too():
     """A second Trainer may reuse a parallelized model only with equal settings: the shared options count."""
-    from lightning_dist.strategies.preflight import parallel_settings
+    from lightning_dist.strategies.lifecycle.preflight import parallel_settings
 
     def settings(**options):
         trainer = L.Trainer(strategy=FSDP2Strategy(**options), accelerator="cpu", devices=2, logger=False)

@@ -23,41 +23,77 @@ from lightning_dist.compat.lightning_module import attached_trainer  # noqa: F40
 PRIVATE_LIGHTNING_NAMES: dict[str, tuple[str, str]] = {
     "_convert_fp_tensor": ("Lightning 2.6.6", "plugins/precision.py: cast floating-point inputs to the precision"),
     "_DtypeContextManager": ("Lightning 2.6.6", "plugins/precision.py: default dtype while the module is created"),
-    "_set_sampler_epoch": ("Lightning 2.6.6", "strategies/data_position.py: the epoch of a resumed sampler"),
-    "_get_default_process_group_backend_for_device": ("Lightning 2.6.6", "strategies/processes.py: nccl or gloo"),
-    "_init_dist_connection": ("Lightning 2.6.6", "strategies/processes.py: the default process group"),
-    "_sync_ddp_if_available": ("Lightning 2.6.6", "strategies/collectives.py: reduce a tensor over a group"),
-    "_optimizers_to_device": ("Lightning 2.6.6", "strategies/model_setup.py: optimizer state onto the device"),
-    "_PATH": ("Lightning 2.6.6", "plugins, strategies/checkpointing.py: CheckpointIO's path type"),
-    "_Stateful": ("Lightning 2.6.6", "strategies/data_position.py: a dataloader with state_dict/load_state_dict"),
-    "_Launcher": ("Lightning 2.6.6", "strategies/preflight.py: base of the launcher that checks before launch"),
-    "_SubprocessScriptLauncher": ("Lightning 2.6.6", "strategies/preflight.py: the devices=N launcher"),
-    "_SIGNUM": ("Lightning 2.6.6", "strategies/preflight.py: the signal type of Launcher.kill"),
-    "_skip_backward": ("Lightning 2.6.6", "strategies/pipeline_stages.py: the schedule runs backward, not the loop"),
-    "_reset_optimizers_and_schedulers": ("Lightning 2.6.6", "strategies/model_setup.py: fit then test on one Trainer"),
-    "_device_mesh": ("Lightning 2.6.6", "strategies/processes.py: LightningModule.device_mesh of the strategy's mesh"),
-    "_forward_redirection": ("Lightning 2.6.6", "strategies/step_protocol.py: steps run through the wrapped model"),
+    "_set_sampler_epoch": ("Lightning 2.6.6", "strategies/lifecycle/data_position.py: the epoch of a resumed sampler"),
+    "_get_default_process_group_backend_for_device": (
+        "Lightning 2.6.6",
+        "strategies/lifecycle/processes.py: nccl or gloo",
+    ),
+    "_init_dist_connection": ("Lightning 2.6.6", "strategies/lifecycle/processes.py: the default process group"),
+    "_sync_ddp_if_available": ("Lightning 2.6.6", "strategies/lifecycle/collectives.py: reduce a tensor over a group"),
+    "_optimizers_to_device": (
+        "Lightning 2.6.6",
+        "strategies/lifecycle/model_setup.py: optimizer state onto the device",
+    ),
+    "_PATH": ("Lightning 2.6.6", "plugins, strategies/lifecycle/checkpointing.py: CheckpointIO's path type"),
+    "_Stateful": (
+        "Lightning 2.6.6",
+        "strategies/lifecycle/data_position.py: a dataloader with state_dict/load_state_dict",
+    ),
+    "_Launcher": (
+        "Lightning 2.6.6",
+        "strategies/lifecycle/preflight.py: base of the launcher that checks before launch",
+    ),
+    "_SubprocessScriptLauncher": ("Lightning 2.6.6", "strategies/lifecycle/preflight.py: the devices=N launcher"),
+    "_SIGNUM": ("Lightning 2.6.6", "strategies/lifecycle/preflight.py: the signal type of Launcher.kill"),
+    "_skip_backward": (
+        "Lightning 2.6.6",
+        "strategies/parallelisms/pipeline/stages.py: the schedule runs backward, not the loop",
+    ),
+    "_reset_optimizers_and_schedulers": (
+        "Lightning 2.6.6",
+        "strategies/lifecycle/model_setup.py: fit then test on one Trainer",
+    ),
+    "_device_mesh": (
+        "Lightning 2.6.6",
+        "strategies/lifecycle/processes.py: LightningModule.device_mesh of the strategy's mesh",
+    ),
+    "_forward_redirection": (
+        "Lightning 2.6.6",
+        "strategies/lifecycle/step_protocol.py: steps run through the wrapped model",
+    ),
     "_trainer": ("Lightning 2.6.6", "planning/recommend.py: a LightningModule's Trainer, left out of a model copy"),
     "_ModelCheckpoint__resolve_ckpt_dir": (
         "Lightning 2.6.6",
-        "strategies/interrupted_saves.py: the folder a ModelCheckpoint without dirpath saves into",
+        "strategies/lifecycle/interrupted_saves.py: the folder a ModelCheckpoint without dirpath saves into",
     ),
-    "_find_last_checkpoints": ("Lightning 2.6.6", "strategies/interrupted_saves.py: what ckpt_path='last' lists"),
+    "_find_last_checkpoints": (
+        "Lightning 2.6.6",
+        "strategies/lifecycle/interrupted_saves.py: what ckpt_path='last' lists",
+    ),
     "_average_model": (
         "Lightning 2.6.6",
-        "strategies/weight_averaging.py: the averaged copy of WeightAveraging and StochasticWeightAveraging",
+        "strategies/lifecycle/weight_averaging.py: the averaged copy of WeightAveraging and StochasticWeightAveraging",
     ),
-    "_device": ("Lightning 2.6.6", "strategies/weight_averaging.py: the device of WeightAveraging(device=...)"),
+    "_device": (
+        "Lightning 2.6.6",
+        "strategies/lifecycle/weight_averaging.py: the device of WeightAveraging(device=...)",
+    ),
     "_clear_schedulers": (
         "Lightning 2.6.6",
-        "strategies/weight_averaging.py: StochasticWeightAveraging's scheduler hand-over on resume",
+        "strategies/lifecycle/weight_averaging.py: StochasticWeightAveraging's scheduler hand-over on resume",
     ),
-    "_defaults": ("torchmetrics 1.9.0", "strategies/pipeline_logs.py: the names of a Metric's states"),
-    "_update_count": ("torchmetrics 1.9.0", "strategies/pipeline_logs.py: how often a Metric was updated"),
-    "_forward_cache": ("torchmetrics 1.9.0", "strategies/pipeline_logs.py: a Metric's step value"),
-    "_computed": ("torchmetrics 1.9.0", "strategies/pipeline_logs.py: a Metric's cached compute() result"),
-    "_reduce_states": ("torchmetrics 1.9.0", "strategies/pipeline_logs.py: merge micro-batch states of a Metric"),
-    "_to_sync": ("torchmetrics 1.9.0", "strategies/pipeline_logs.py: compute a Metric without a collective"),
+    "_defaults": ("torchmetrics 1.9.0", "strategies/parallelisms/pipeline/logs.py: the names of a Metric's states"),
+    "_update_count": ("torchmetrics 1.9.0", "strategies/parallelisms/pipeline/logs.py: how often a Metric was updated"),
+    "_forward_cache": ("torchmetrics 1.9.0", "strategies/parallelisms/pipeline/logs.py: a Metric's step value"),
+    "_computed": ("torchmetrics 1.9.0", "strategies/parallelisms/pipeline/logs.py: a Metric's cached compute() result"),
+    "_reduce_states": (
+        "torchmetrics 1.9.0",
+        "strategies/parallelisms/pipeline/logs.py: merge micro-batch states of a Metric",
+    ),
+    "_to_sync": (
+        "torchmetrics 1.9.0",
+        "strategies/parallelisms/pipeline/logs.py: compute a Metric without a collective",
+    ),
 }
 
 _LAZY_TYPES = {

@@ -52,8 +52,11 @@ PRIVATE_TORCH_NAMES: dict[str, tuple[str, str]] = {
     "_StorageInfo": ("torch 2.13", "checkpoint/safe_load.py: a class a DCP .metadata file pickles"),
     "_get_layout": ("torch 2.13", "checkpoint/safe_load.py: the layout lookup a DCP .metadata file pickles"),
     "_resolve_process_group": ("torch 2.13", "profiling: the group a functional collective names"),
-    "_get_default_store": ("torch 2.13", "strategies/failure_handling.py: the rendezvous store"),
-    "_abort_process_group": ("torch 2.13", "strategies/failure_handling.py: unblock collectives on a failure"),
+    "_get_default_store": ("torch 2.13", "strategies/lifecycle/failure_handling.py: the rendezvous store"),
+    "_abort_process_group": (
+        "torch 2.13",
+        "strategies/lifecycle/failure_handling.py: unblock collectives on a failure",
+    ),
     "_functional_collectives": (
         "torch 2.13",
         "profiling: registers torch.ops._c10d_functional; expert_parallel: the all-to-all left in flight",

@@ -4,15 +4,17 @@ A concrete strategy says which mesh it wants (:meth:`MeshParallelStrategy.mesh_s
 launch (:meth:`~MeshParallelStrategy.check_model`) and how to parallelize the model on the mesh
 (:meth:`~MeshParallelStrategy.parallelize`, usually one call of :func:`lightning_dist.parallel.parallelize`). The base
 owns the rest: processes (gloo on CPU, NCCL on CUDA; none spawned when torchrun or SLURM started them), the checks of
-:mod:`.preflight` before launch, the N-D mesh, the sampler's view of data parallelism, precision-plugin conversion,
-meta-device materialization and placement after sharding, equal replicated copies, and global-norm clipping (in the
-precision plugin). Mixins hold the rest, one job each: :class:`.parallelize_options.ParallelizeOptions` (the
-options every strategy shares, as a parallelize config, and the log of what it did),
-:class:`.processes.ProcessSetup` (devices, the launcher, the process group and the mesh, teardown),
-:class:`.model_setup.ModelSetup` (checks before launch, the model's set-up), :class:`.float8_setup.Float8Setup`
-(FP8 training), :class:`.weight_averaging.WeightAveragingSetup` (Lightning's EMA and SWA callbacks on shards), :class:`.step_protocol.StepProtocol` (training, evaluation and optimizer steps, composed of each
-parallelism's part), :class:`.collectives.MeshCollectives` (reductions over the right mesh group) and
-:class:`.checkpointing.ShardedCheckpointing` (saving and loading).
+:mod:`.lifecycle.preflight` before launch, the N-D mesh, the sampler's view of data parallelism, precision-plugin
+conversion, meta-device materialization and placement after sharding, equal replicated copies, and global-norm
+clipping (in the precision plugin). Mixins of :mod:`.lifecycle` hold the rest, one job each:
+:class:`~.lifecycle.parallelize_options.ParallelizeOptions` (the options every strategy shares, as a parallelize
+config, and the log of what it did), :class:`~.lifecycle.processes.ProcessSetup` (devices, the launcher, the process
+group and the mesh, teardown), :class:`~.lifecycle.model_setup.ModelSetup` (checks before launch, the model's
+set-up), :class:`~.lifecycle.float8.Float8Setup` (FP8 training), :class:`~.lifecycle.weight_averaging.
+WeightAveragingSetup` (Lightning's EMA and SWA callbacks on shards), :class:`~.lifecycle.step_protocol.StepProtocol`
+(training, evaluation and optimizer steps, composed of the parts the parallelisms of :mod:`.parallelisms` declare),
+:class:`~.lifecycle.collectives.MeshCollectives` (reductions over the right mesh group) and
+:class:`~.lifecycle.checkpointing.ShardedCheckpointing` (saving and loading). The base imports no parallelism.
 
 Model parts: :attr:`MeshParallelStrategy.model_parts` are the modules this rank runs, one for every strategy but
 the pipeline, which has one per stage held on this rank. A pipeline cuts its stages out of the LightningModule in
@@ -51,16 +53,16 @@ from lightning_dist.parallel.mesh import AXIS_OPTIONS, ParallelDims, ParallelMes
 from lightning_dist.parallel.module_selection import check_unit_choice
 from lightning_dist.parallel.validation import check_bool
 from lightning_dist.plugins.precision import FSDP2Precision, to_fsdp2_precision
-from lightning_dist.strategies.checkpointing import ShardedCheckpointing
-from lightning_dist.strategies.collectives import MeshCollectives
-from lightning_dist.strategies.float8_setup import Float8Setup
-from lightning_dist.strategies.model_setup import ModelSetup
-from lightning_dist.strategies.nonfinite_guard import NonFiniteMode
-from lightning_dist.strategies.parallelize_options import ParallelizeOptions
-from lightning_dist.strategies.preflight import strategy_options, unknown_options_message
-from lightning_dist.strategies.processes import ProcessSetup
-from lightning_dist.strategies.step_protocol import StepProtocol
-from lightning_dist.strategies.weight_averaging import WeightAveragingSetup
+from lightning_dist.strategies.lifecycle.checkpointing import ShardedCheckpointing
+from lightning_dist.strategies.lifecycle.collectives import MeshCollectives
+from lightning_dist.strategies.lifecycle.float8 import Float8Setup
+from lightning_dist.strategies.lifecycle.model_setup import ModelSetup
+from lightning_dist.strategies.lifecycle.nonfinite_guard import NonFiniteMode
+from lightning_dist.strategies.lifecycle.parallelize_options import ParallelizeOptions
+from lightning_dist.strategies.lifecycle.preflight import strategy_options, unknown_options_message
+from lightning_dist.strategies.lifecycle.processes import ProcessSetup
+from lightning_dist.strategies.lifecycle.step_protocol import StepProtocol
+from lightning_dist.strategies.lifecycle.weight_averaging import WeightAveragingSetup
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -193,9 +195,6 @@ class MeshParallelStrategy(
         #: The ``weights_only`` the Trainer entry point was called with: Lightning drops it on its way to a strategy
         #: that restores after setup (``restore_checkpoint_after_setup``), as every one of ours does.
         self._requested_weights_only: bool | None = None
-        self._tp_replicated: list[torch.nn.Parameter] = []
-        self._tp_partial: list[torch.nn.Parameter] = []
-        self._tp_sharded: list[torch.nn.Parameter] = []
         self._root_parameters: dict[str, torch.nn.Parameter] = {}
         self._watchdog: FailureWatchdog | None = None
         self._averaging_devices: dict[int, Any] = {}
@@ -254,6 +253,10 @@ class MeshParallelStrategy(
             check_accumulation_sync_mesh(self.accumulation_sync, self._dims)
             check_reshard_after_forward_mesh(self.reshard_after_forward, self._dims)
         return self._dims
+
+    def resolve_mesh_again(self) -> None:
+        """Forget the resolved sizes: :attr:`parallel_dims` resolves :meth:`mesh_sizes` again when next read."""
+        self._dims = None
 
     @property
     def mesh(self) -> ParallelMesh:

@@ -11,7 +11,7 @@ from lightning_dist.parallel.fsdp import is_fully_sharded
 from lightning_dist.parallel.mesh import ParallelDims, require_split_axis
 from lightning_dist.parallel.parallelize import parallelize
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
-from lightning_dist.strategies.context_parallel_steps import ContextParallelSteps
+from lightning_dist.strategies.parallelisms.context_parallel.sequence_shards import ContextParallelSteps
 
 
 class ContextParallelStrategy(ContextParallelSteps, MeshParallelStrategy):

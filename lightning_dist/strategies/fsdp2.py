@@ -21,7 +21,7 @@ from lightning_dist.parallel.mesh import ParallelDims
 from lightning_dist.parallel.parallelize import ParallelizeConfig, ParallelizeRecord, parallelize
 from lightning_dist.parallel.validation import check_bool
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
-from lightning_dist.strategies.expert_parallel_option import ExpertParallelOption
+from lightning_dist.strategies.parallelisms.expert_parallel import ExpertParallelOption
 
 
 class FSDP2Strategy(ExpertParallelOption, MeshParallelStrategy):

@@ -23,16 +23,16 @@ from lightning_dist.parallel.parallelize import ParallelizeConfig, parallelize
 from lightning_dist.parallel.validation import check_bool
 from lightning_dist.parallel.zeropp import QuantizedAllGather
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
-from lightning_dist.strategies.context_parallel_steps import ContextParallelSteps
-from lightning_dist.strategies.expert_parallel_option import ExpertParallelOption
 from lightning_dist.strategies.hybrid3d_mesh import (
     planner_sizes,
     refuse_stages_without_tensor_parallel,
     sizes_from_options,
 )
-from lightning_dist.strategies.pipeline_stages import Split
-from lightning_dist.strategies.pipeline_step import PipelineSteps
-from lightning_dist.strategies.tensor_parallel_steps import PlanSpec, TensorParallelSteps
+from lightning_dist.strategies.parallelisms.context_parallel.sequence_shards import ContextParallelSteps
+from lightning_dist.strategies.parallelisms.expert_parallel import ExpertParallelOption
+from lightning_dist.strategies.parallelisms.pipeline.stages import Split
+from lightning_dist.strategies.parallelisms.pipeline.step import PipelineSteps
+from lightning_dist.strategies.parallelisms.tensor_parallel import PlanSpec, TensorParallelSteps
 
 
 class Hybrid3DStrategy(
@@ -182,7 +182,7 @@ class Hybrid3DStrategy(
                 " memory? set device_memory_gib to plan for the smallest)."
             )
             self._recommended = chosen[0]
-            self._dims = None
+            self.resolve_mesh_again()
 
     @override
     def validate_mesh(self, dims: ParallelDims) -> None:
@@ -230,8 +230,8 @@ class Hybrid3DStrategy(
             self._check_pipelined_context_parallel(model)
         else:
             stages = [(model, self.shard_units(model))]
-        last = self._plan.num_stages - 1 if self.pipelined else 0
-        for (part, blocks), stage in zip(stages, self._stage_ids if self.pipelined else [0]):
+        last = self.stage_plan.num_stages - 1 if self.pipelined else 0
+        for (part, blocks), stage in zip(stages, self.stage_ids if self.pipelined else [0]):
             plan = self.tensor_parallel_plan(part, needs_head=stage == last) if dims.tp > 1 else None
             plan = plan and self.keep_experts_whole(plan, part)
             config, root = self._parallelize_config(blocks, plan), type(part).__name__
@@ -248,10 +248,9 @@ class Hybrid3DStrategy(
         return model
 
     def _parallelize_config(self, blocks: list[tuple[str, Module]], plan: Any) -> ParallelizeConfig:
-        config = self.standard_parallelize_config(blocks, plan)
-        dims = self.parallel_dims
-        if self.zeropp and dims.fsdp > 1:
-            config.all_gather = QuantizedAllGather(dims.fsdp)
+        config, fsdp = self.standard_parallelize_config(blocks, plan), self.parallel_dims.fsdp
+        if self.zeropp and fsdp > 1:
+            config.all_gather = QuantizedAllGather(fsdp)
         return config
 
     def _check_pipelined_context_parallel(self, model: Module) -> None:
@@ -259,9 +258,10 @@ class Hybrid3DStrategy(
         LM's labels are checked per call, in :meth:`pipeline_inputs`.)"""
         if self.parallel_dims.cp == 1:
             return
-        if self._rope_tables is not None:  # litgpt: each stage slices its own copy of the tables
-            where = next(n for n, m in model.named_modules() if m is self._module)
-            name, tables = self._rope_tables
+        pipelined, positions = self.pipelined_module, self.positions_argument
+        if self.rope_tables is not None:  # litgpt: each stage slices its own copy of the tables
+            where = next(n for n, m in model.named_modules() if m is pipelined)
+            name, tables = self.rope_tables
             if not (where == "" or name == where or name.startswith(f"{where}.")):
                 raise ValueError(
                     f"hybrid3d: under pipeline × context parallelism the module whose rotary tables"
@@ -269,11 +269,11 @@ class Hybrid3DStrategy(
                     f" ({where!r}) or inside it. Use context parallelism with dp or tp, or pipeline without cp."
                 )
             self._rope_in_parts = name[len(where) :].lstrip(".") if where else name
-        if self._positions is not None and model.get_submodule(self._positions[0]) is not self._module:
+        if positions is not None and model.get_submodule(positions[0]) is not pipelined:
             raise ValueError(
                 f"hybrid3d: under pipeline × context parallelism the module that takes the positions"
-                f" ({self._positions[0]!r}.{self._positions[1]}) must be the pipelined module"
-                f" ({type(self._module).__name__}). Give the pipelined module's forward a positions argument."
+                f" ({positions[0]!r}.{positions[1]}) must be the pipelined module ({type(pipelined).__name__})."
+                " Give the pipelined module's forward a positions argument."
             )
 
     @override
@@ -285,15 +285,16 @@ class Hybrid3DStrategy(
     # ------------------------------------------------------------------ steps
     @override
     def pipeline_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        if self.context_parallel and self._causal_lm is not None and inputs.get("labels") is not None:
+        module = self.pipelined_module
+        if self.context_parallel and self.causal_lm is not None and inputs.get("labels") is not None:
             raise ValueError(
                 "hybrid3d: pipeline × context parallelism cannot pass a Hugging Face causal LM its labels (the"
                 " model's label shift crosses both the sequence shards and the micro-batches), and training_step"
-                f" passes labels= to {type(self._module).__name__}. Call the model without labels and compute the loss"
+                f" passes labels= to {type(module).__name__}. Call the model without labels and compute the loss"
                 " in training_step from the logits, with labels aligned per position in the batch (shifted by the"
                 " dataset), or drop one of pp and cp."
             )
-        if not self.context_parallel or self._positions is None or self._seq_len is None:
+        if not self.context_parallel or self.positions_argument is None or self.batch_sequence_length is None:
             return inputs
-        filled = self.positions_hook(self._module)(self._module, (), inputs)
+        filled = self.positions_hook(module)(module, (), inputs)
         return inputs if filled is None else filled[1]

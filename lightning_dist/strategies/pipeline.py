@@ -18,7 +18,7 @@ from typing_extensions import override
 from lightning_dist.parallel.mesh import ParallelDims, require_split_axis
 from lightning_dist.parallel.parallelize import parallelize
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
-from lightning_dist.strategies.pipeline_step import PipelineSteps
+from lightning_dist.strategies.parallelisms.pipeline.step import PipelineSteps
 
 
 class PipelineStrategy(PipelineSteps, MeshParallelStrategy):

@@ -13,7 +13,7 @@ from lightning_dist.parallel.fsdp import is_fully_sharded
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims, require_split_axis
 from lightning_dist.parallel.parallelize import parallelize
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
-from lightning_dist.strategies.tensor_parallel_steps import PlanSpec, TensorParallelSteps
+from lightning_dist.strategies.parallelisms.tensor_parallel import PlanSpec, TensorParallelSteps
 
 
 class TensorParallelStrategy(TensorParallelSteps, MeshParallelStrategy):

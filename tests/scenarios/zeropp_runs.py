@@ -33,7 +33,7 @@ from lightning_dist.parallel.zeropp import (
     reduce_scatter_nbytes,
 )
 from lightning_dist.profiling import CommCounter, NodeTopology
-from lightning_dist.strategies.step_protocol import StepProtocol
+from lightning_dist.strategies.lifecycle.step_protocol import StepProtocol
 
 PARITY_STEPS = 20
 ZEROPP_VARIANTS: dict[str, dict[str, Any]] = {

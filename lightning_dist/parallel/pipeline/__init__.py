@@ -19,11 +19,14 @@ from lightning_dist.parallel.pipeline.bubble import BusyTimer, bubble_fraction
 from lightning_dist.parallel.pipeline.rehearsal import rehearse_stages
 from lightning_dist.parallel.pipeline.runner import PipelineRunner
 from lightning_dist.parallel.pipeline.schedule import (
+    FORWARD_ONLY_RULE,
     SCHEDULES,
     ScheduleInfo,
     bubble_fraction_formula,
     build_schedule,
+    check_n_microbatches,
     default_n_microbatches,
+    resolve_n_microbatches,
     resolve_stages_per_rank,
     schedule_info,
     validate_microbatching,
@@ -61,6 +64,7 @@ from lightning_dist.parallel.pipeline.tied import (
 )
 
 __all__ = [
+    "FORWARD_ONLY_RULE",
     "SCHEDULES",
     "BusyTimer",
     "EmptyOptimizers",
@@ -77,6 +81,7 @@ __all__ = [
     "bubble_fraction_formula",
     "build_schedule",
     "capture_call",
+    "check_n_microbatches",
     "count_tied_copies_once",
     "cut_pipeline_stages",
     "default_n_microbatches",
@@ -88,6 +93,7 @@ __all__ = [
     "optimizers_may_be_empty",
     "plan_stages",
     "rehearse_stages",
+    "resolve_n_microbatches",
     "resolve_stages_per_rank",
     "schedule_info",
     "stage_ids_for_rank",

@@ -18,7 +18,12 @@ from torch.distributed.pipelining import PipelineStage
 
 from lightning_dist.parallel.pipeline.forward_only import forward_only
 from lightning_dist.parallel.pipeline.outputs import rebuild_output
-from lightning_dist.parallel.pipeline.schedule import build_schedule, schedule_info, validate_microbatching
+from lightning_dist.parallel.pipeline.schedule import (
+    FORWARD_ONLY_RULE,
+    build_schedule,
+    schedule_info,
+    validate_microbatching,
+)
 from lightning_dist.parallel.pipeline.split import stage_owner
 from lightning_dist.parallel.pipeline.stage import stage_runtime
 
@@ -95,7 +100,7 @@ class PipelineRunner:
         and its results go to ``losses``, in micro-batch order."""
         batched = self._batched(model_inputs)
         m = self.n_microbatches
-        validate_microbatching("gpipe", _batch_size(batched), m, self.pp_size, 1)  # only divisibility matters here
+        validate_microbatching(FORWARD_ONLY_RULE, _batch_size(batched), m, self.pp_size, 1)
         chunks = {k: torch.tensor_split(v, m) if _is_batched(v) else [v] * m for k, v in batched.items()}
         microbatches = [{k: chunks[k][i] for k in batched} for i in range(m)]
         targets = torch.tensor_split(target, m) if isinstance(target, torch.Tensor) else [target] * m

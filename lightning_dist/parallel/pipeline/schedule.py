@@ -82,6 +82,30 @@ def resolve_stages_per_rank(name: str, stages_per_rank: int | None) -> int:
     return stages_per_rank
 
 
+#: The schedule whose rule on micro-batches the forward-only pass of evaluation follows (with one stage per rank): any
+#: number that divides the batch, since it runs no schedule of torch's.
+FORWARD_ONLY_RULE = "gpipe"
+
+
+def check_n_microbatches(n_microbatches: object) -> None:
+    """Refuse a number of micro-batches that is not a positive int (the option's check at construction; the first
+    check of :func:`validate_microbatching`)."""
+    if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
+        raise ValueError(f"n_microbatches must be a positive int, got {n_microbatches!r}.")
+
+
+def resolve_n_microbatches(
+    name: str, batch_size: int, n_microbatches: int | None, pp_size: int, stages_per_rank: int
+) -> int:
+    """The number of micro-batches of a step, training or evaluation: ``n_microbatches`` when given (validated by
+    :func:`validate_microbatching`), else :func:`default_n_microbatches`. Evaluation passes
+    :data:`FORWARD_ONLY_RULE` and one stage per rank as its schedule."""
+    if n_microbatches is None:
+        return default_n_microbatches(name, batch_size, pp_size, stages_per_rank)
+    validate_microbatching(name, batch_size, n_microbatches, pp_size, stages_per_rank)
+    return n_microbatches
+
+
 def validate_microbatching(name: str, batch_size: int, n_microbatches: int, pp_size: int, stages_per_rank: int) -> None:
     """Refuse a micro-batch setting the schedule cannot run, before any process starts it.
 
@@ -94,8 +118,7 @@ def validate_microbatching(name: str, batch_size: int, n_microbatches: int, pp_s
     """
     info = schedule_info(name)
     num_stages = pp_size * stages_per_rank
-    if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
-        raise ValueError(f"n_microbatches must be a positive int, got {n_microbatches!r}.")
+    check_n_microbatches(n_microbatches)
     if batch_size % n_microbatches != 0:
         raise ValueError(
             f"The per-replica batch size {batch_size} is not divisible by n_microbatches={n_microbatches}. Choose"

@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from lightning_dist.compat.lightning import Stateful, set_sampler_epoch
-from lightning_dist.strategies.loop_position import settle_fit_loop
+from lightning_dist.strategies.lifecycle.loop_position import settle_fit_loop
 
 #: Lightning's warning for mid-epoch resumes without a stateful dataloader (the strategy restores the position).
 LIGHTNING_NOT_RESUMABLE_WARNING = r"You're resuming from a checkpoint that ended before the epoch ended"

@@ -31,7 +31,8 @@ from lightning_dist.checkpoint.state_paths import StatePath
 from lightning_dist.compat.lightning import StrOrPath
 from lightning_dist.parallel.expert_parallel import holds_some_experts
 from lightning_dist.plugins.checkpoint_io import DistributedCheckpointIO, ParallelCheckpointIO
-from lightning_dist.strategies.data_position import resume_position, training_position
+from lightning_dist.strategies.lifecycle.data_position import resume_position, training_position
+from lightning_dist.version import __version__
 
 
 class ShardedCheckpointing:
@@ -112,8 +113,6 @@ class ShardedCheckpointing:
         self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def _checkpoint_provenance(self) -> dict[str, Any]:
-        from lightning_dist import __version__
-
         return {
             "strategy": type(self).__name__,
             "world_size": self.world_size,

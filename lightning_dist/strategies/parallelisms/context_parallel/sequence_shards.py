@@ -1,6 +1,6 @@
 """The context-parallel half of a strategy (a mixin before the shared base): sequence shards, global positions,
 the attention dispatch and a Hugging Face causal LM's label shift. Used by ``context_parallel`` and ``hybrid3d``;
-everything here is inactive on a mesh whose ``cp`` axis has one rank.
+everything here is inactive on a mesh whose ``cp`` axis has one rank. Its part in a step is :mod:`.part`'s.
 
 What cannot be split over the sequence is refused: a batch without token sequences before launch when the data can
 be read there (else on its first batch), a model whose output loses the sequence dimension (pooled) on its first
@@ -34,7 +34,8 @@ from lightning_dist.parallel.context_parallel.labels import (
 from lightning_dist.parallel.context_parallel.outputs import watch_pooled_outputs
 from lightning_dist.parallel.context_parallel.rope_tables import global_rope_rows
 from lightning_dist.parallel.model_structure import ModelStructure, recognize
-from lightning_dist.strategies.first_batch import first_batch
+from lightning_dist.strategies.lifecycle.first_batch import first_batch
+from lightning_dist.strategies.parallelisms.context_parallel.part import ContextParallelPart
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -48,6 +49,8 @@ else:
 
 class ContextParallelSteps(_Base):
     """Batches sharded on the sequence, global positions and context-parallel attention, when ``cp > 1``."""
+
+    declared_parts = (ContextParallelPart,)
 
     def init_context_parallel(self, attention: str, load_balance: str, sequence_keys: list[str] | None) -> None:
         """Check and keep the context-parallel options (called from the strategy's ``__init__``)."""
@@ -71,10 +74,30 @@ class ContextParallelSteps(_Base):
     def context_parallel(self) -> bool:
         return self.parallel_dims.cp > 1
 
+    @property
+    def positions_argument(self) -> tuple[str, str] | None:
+        """The module that takes the positions and its argument's name, once found (set-up)."""
+        return self._positions
+
+    @property
+    def rope_tables(self) -> tuple[str, tuple[str, ...]] | None:
+        """The module whose rotary tables are sliced by the sequence length, and those tables' names."""
+        return self._rope_tables
+
+    @property
+    def causal_lm(self) -> str | None:
+        """The Hugging Face causal LM that shifts its labels itself (its module name), if any."""
+        return self._causal_lm
+
+    @property
+    def batch_sequence_length(self) -> int | None:
+        """The global length of the current batch's sequences, once a batch was sharded."""
+        return self._seq_len
+
     # ------------------------------------------------------------------ the data
     def check_first_batch_before_launch(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
         """Before launch, the first batch when the entry point's data can be read here: it must hold token
-        sequences of a length the layout splits (see :func:`~lightning_dist.strategies.first_batch.first_batch`).
+        sequences of a length the layout splits (see :func:`~...lifecycle.first_batch.first_batch`).
         Only the process that launches the others reads it: ranks created elsewhere (torchrun, SLURM) check their
         first batch together after launch instead, so that no rank refuses alone."""
         launching = not self.cluster_environment.creates_processes_externally

@@ -33,13 +33,11 @@ from lightning_dist.parallel.materialize import (
     uninitialized_message,
 )
 from lightning_dist.parallel.placement import place_model
-from lightning_dist.parallel.replicated_state import broadcast_replicated_state, tp_replicated_parameters
-from lightning_dist.parallel.tensor_parallel import tp_sharded_parameters
-from lightning_dist.parallel.tensor_parallel.partial_gradients import partial_over_tp_parameters
-from lightning_dist.strategies.data_position import LIGHTNING_NOT_RESUMABLE_WARNING, skip_trained_batches
-from lightning_dist.strategies.interrupted_saves import recover_checkpoint_folders
-from lightning_dist.strategies.metric_sync import gather_over_data_parallel, use_metric_group
-from lightning_dist.strategies.preflight import (
+from lightning_dist.parallel.replicated_state import broadcast_replicated_state
+from lightning_dist.strategies.lifecycle.data_position import LIGHTNING_NOT_RESUMABLE_WARNING, skip_trained_batches
+from lightning_dist.strategies.lifecycle.interrupted_saves import recover_checkpoint_folders
+from lightning_dist.strategies.lifecycle.metric_sync import gather_over_data_parallel, use_metric_group
+from lightning_dist.strategies.lifecycle.preflight import (
     PARALLELIZED,
     check_checkpoint_callbacks,
     check_ckpt_path,
@@ -83,12 +81,8 @@ class ModelSetup(_Base):
         if not is_fully_sharded(self.model):  # no FSDP2 policy to cast parameters: mixed precision is autocast
             self.precision_plugin.use_autocast(self.root_device.type)
         self._reduce_router_statistics()
-        # A per-head norm's tp copies each hold part of its gradient (summed over tp); other copies average.
-        self._tp_partial = partial_over_tp_parameters(self.model) if self.parallel_dims.tp > 1 else []
-        partial = {id(p) for p in self._tp_partial}
-        self._tp_replicated = [p for p in tp_replicated_parameters(self.model, self.mesh) if id(p) not in partial]
-        tp_alone = self.parallel_dims.tp > 1 and not is_fully_sharded(self.model)
-        self._tp_sharded = tp_sharded_parameters(self.model) if tp_alone else []
+        for part in parts:  # tensor parallel: the parameters whose gradients are made consistent over tp
+            part.after_parallelize()
         self._root_parameters = root_parameters(self.model)  # manual optimization: see run_manual_backward
         # Each pipeline stage holds different parameters: the norm to clip by sums over the stages.
         self.precision_plugin.stage_group = self.process_group("pp") if self.parallel_dims.pp > 1 else None

@@ -1,13 +1,16 @@
 """What one parallelism contributes to a strategy's steps: a :class:`StepPart`.
 
-The order in which the parts act is stated once, in :mod:`lightning_dist.strategies.step_protocol`; a part only says
-what it does at each point. Every hook's default does nothing, so a part implements the few it needs.
+A parallelism's mixin declares its part (``declared_parts = (TensorParallelPart,)``); the step protocol finds the parts in
+the strategy's class chain and states, once, the order in which they act
+(:data:`~lightning_dist.strategies.lifecycle.step_protocol.PART_ORDER`). A part only says what it does at each point.
+Every hook's default does nothing, so a part implements the few it needs.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
@@ -23,7 +26,7 @@ StepRun = Callable[..., Any]
 
 class StepPart:
     """One parallelism's part in the strategy's checks, set-up and steps, on a mesh where its axis has more than one
-    rank (see :meth:`~lightning_dist.strategies.step_protocol.StepProtocol.step_parts`).
+    rank (see :meth:`~lightning_dist.strategies.lifecycle.step_protocol.StepProtocol.step_parts`).
 
     Args:
         strategy: The strategy whose steps this part joins; the part keeps no state of its own.
@@ -35,14 +38,13 @@ class StepPart:
     def __init__(self, strategy: MeshParallelStrategy) -> None:
         self.strategy = strategy
 
-    #: The strategy mixin that does this parallelism's work, and its mesh axis.
-    mixin: type
+    #: The mesh axis of this parallelism: the part takes part where it has more than one rank.
     axis: str
 
     @classmethod
     def applies_to(cls, strategy: MeshParallelStrategy) -> bool:
-        """Whether ``strategy`` has this parallelism and its mesh axis has more than one rank."""
-        return isinstance(strategy, cls.mixin) and getattr(strategy.parallel_dims, cls.axis) > 1
+        """Whether this parallelism's mesh axis has more than one rank (the strategy's class chain declared it)."""
+        return getattr(strategy.parallel_dims, cls.axis) > 1
 
     # ------------------------------------------------------------------ before launch and at setup
     def preflight_before_model(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
@@ -57,6 +59,9 @@ class StepPart:
 
     def after_setup(self, trainer: pl.Trainer) -> None:
         """At setup, once the model, optimizers and precision are set up."""
+
+    def after_parallelize(self) -> None:
+        """At setup, once the model is parallelized, materialized and placed, before the optimizers are set up."""
 
     def make_copies_equal(self) -> None:
         """At setup, after the replicated parameters and buffers were made equal: copies this part keeps itself."""
@@ -90,6 +95,15 @@ class StepPart:
         """After a step's backward (its accumulation window's last), before the gradients are resharded and
         clipped."""
 
+    def make_gradients_consistent(self) -> None:
+        """The gradients made what one process computes: under automatic optimization once they are resharded after
+        the step's backward, before the non-finite check and clipping; under manual optimization after each
+        ``manual_backward``, inside :meth:`manual_backward_context`."""
+
+    def manual_backward_context(self) -> AbstractContextManager:
+        """Around each ``manual_backward`` (manual optimization) and the :meth:`make_gradients_consistent` after it."""
+        return nullcontext()
+
     # ------------------------------------------------------------------ a part that runs the steps (runs_steps)
     def run_training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Forward and backward of a training step."""
@@ -102,3 +116,16 @@ class StepPart:
     def run_eval_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
         """Forward of an evaluation step."""
         raise NotImplementedError
+
+
+@functools.cache
+def declared_step_parts(strategy_class: type, order: tuple[str, ...]) -> tuple[type[StepPart], ...]:
+    """The parts that the mixins of ``strategy_class`` declare (``declared_parts``; for each axis the first in the
+    class chain), ordered by their axis in ``order``; a part of an axis not in ``order`` comes last, in class-chain
+    order."""
+    parts: dict[str, type[StepPart]] = {}
+    for klass in strategy_class.__mro__:
+        for part in vars(klass).get("declared_parts", ()):
+            parts.setdefault(part.axis, part)
+    rank = {axis: index for index, axis in enumerate(order)}
+    return tuple(sorted(parts.values(), key=lambda part: rank.get(part.axis, len(order))))

@@ -49,7 +49,7 @@ from lightning_dist.parallel.averaged_copy import ShardedAveragedModel, ShardedC
 from lightning_dist.parallel.fsdp import is_fully_sharded
 from lightning_dist.parallel.materialize import has_meta_state
 from lightning_dist.profiling import state_bytes
-from lightning_dist.strategies.preflight import PARALLELIZED
+from lightning_dist.strategies.lifecycle.preflight import PARALLELIZED
 
 _META = torch.device("meta")
 

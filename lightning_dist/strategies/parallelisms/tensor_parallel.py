@@ -1,23 +1,44 @@
-"""The tensor-parallel half of a strategy (a mixin before the shared base): the plan, its log line, and loss
-parallel's cross-entropy around the step. Used by ``tensor_parallel`` and ``hybrid3d``; inactive until a plan with
-a vocabulary-sharded head has been applied."""
+"""Tensor parallelism in a strategy: :class:`TensorParallelSteps` (a mixin before the shared base: the plan, its log
+line) and its :class:`TensorParallelPart` in a step: with loss parallel, ``F.cross_entropy`` on vocabulary-sharded
+logits from forward to the end of backward, a failure inside the step explained, and the step's loss checked to be a
+local tensor; after backward, the gradients made consistent over tp; at setup, the plan of a model an earlier
+Trainer parallelized. Used by ``tensor_parallel`` and ``hybrid3d``; the part acts where ``tp > 1``."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.nn import Module
+from torch.nn import Module, Parameter
 
+from lightning_dist.parallel.fsdp import is_fully_sharded
+from lightning_dist.parallel.replicated_state import (
+    average_gradients,
+    gradients_set_aside,
+    sum_gradients,
+    tp_replicated_parameters,
+)
 from lightning_dist.parallel.tensor_parallel import (
     TensorParallelPlan,
     TensorParallelPlanError,
     build_style,
     resolve_plan,
+    shard_gradients_like_parameters,
+    tp_sharded_parameters,
 )
+from lightning_dist.parallel.tensor_parallel.loss_parallel import (
+    VocabParallelCrossEntropy,
+    check_local_loss,
+    explain_loss_parallel_failure,
+)
+from lightning_dist.parallel.tensor_parallel.partial_gradients import partial_over_tp_parameters
 from lightning_dist.parallel.validation import check_bool
+from lightning_dist.strategies.lifecycle.step_part import StepPart, StepRun
 
 if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
     from lightning_dist.strategies.base import MeshParallelStrategy
 
     _Base = MeshParallelStrategy
@@ -30,8 +51,51 @@ PlanSpec = dict[str, str | dict[str, Any]]
 _TP_PLAN = "_lightning_dist_tp_plan"
 
 
+class TensorParallelPart(StepPart):
+    """The part of a strategy with :class:`TensorParallelSteps` on a mesh with ``tp > 1``."""
+
+    strategy: TensorParallelSteps
+    axis = "tp"
+
+    def after_parallelize(self) -> None:
+        self.strategy.find_tensor_parallel_gradients()
+
+    def after_setup(self, trainer: pl.Trainer) -> None:
+        self.strategy.restore_tensor_parallel_plan()
+
+    def train_contexts(self) -> list[AbstractContextManager]:
+        return [VocabParallelCrossEntropy()] if self.strategy.loss_parallel_head is not None else []
+
+    def wrap_training_step(self, run: StepRun) -> StepRun:
+        head = self.strategy.loss_parallel_head
+        if head is None:
+            return run
+
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            with explain_loss_parallel_failure(head):
+                output = run(*args, **kwargs)
+            check_local_loss(output)
+            return output
+
+        return training_step
+
+    def manual_backward_context(self) -> AbstractContextManager:
+        return gradients_set_aside(self.strategy._tp_partial)  # summed over tp: only this backward's part may be
+
+    def make_gradients_consistent(self) -> None:
+        strategy = self.strategy
+        if strategy._tp_sharded:  # see shard_gradients_like_parameters
+            shard_gradients_like_parameters(strategy._tp_sharded)
+        if strategy._tp_partial:  # per-head norms: each tp rank holds its heads' part of the gradient
+            sum_gradients(strategy._tp_partial, strategy.process_group("tp"))
+        if strategy._tp_replicated:  # the copies must see identical gradients
+            average_gradients(strategy._tp_replicated, strategy.process_group("tp"))
+
+
 class TensorParallelSteps(_Base):
     """The tensor-parallel plan of a strategy and loss parallel around its training step."""
+
+    declared_parts = (TensorParallelPart,)
 
     def init_tensor_parallel(self, plan: PlanSpec | None, sequence_parallel: bool, loss_parallel: bool) -> None:
         """Check and keep the tensor-parallel options (called from the strategy's ``__init__``): a misspelt style
@@ -45,6 +109,9 @@ class TensorParallelSteps(_Base):
         self.sequence_parallel = check_bool("sequence_parallel", sequence_parallel)
         self.loss_parallel = check_bool("loss_parallel", loss_parallel)
         self._tp_plan: TensorParallelPlan | None = None
+        self._tp_replicated: list[Parameter] = []
+        self._tp_partial: list[Parameter] = []
+        self._tp_sharded: list[Parameter] = []
 
     def tensor_parallel_plan(self, model: Module, needs_head: bool = True) -> TensorParallelPlan:
         """The plan this strategy applies to ``model`` (explicit ``plan=`` or the automatic one); sizes are checked
@@ -89,6 +156,16 @@ class TensorParallelSteps(_Base):
             + (f"; {', '.join(extras)}" if extras else "")
             + " (full plan: `lightning-dist plan`)"
         )
+
+    def find_tensor_parallel_gradients(self) -> None:
+        """At setup: the parameters whose gradients the part makes consistent over tp after backward. A per-head
+        norm's tp copies each hold part of its gradient (summed over tp); other copies average; without FSDP2, the
+        gradients of sharded parameters are laid out as their parameters."""
+        assert self.model is not None
+        self._tp_partial = partial_over_tp_parameters(self.model)
+        partial = {id(p) for p in self._tp_partial}
+        self._tp_replicated = [p for p in tp_replicated_parameters(self.model, self.mesh) if id(p) not in partial]
+        self._tp_sharded = tp_sharded_parameters(self.model) if not is_fully_sharded(self.model) else []
 
     def restore_tensor_parallel_plan(self) -> None:
         """At setup, a model an earlier Trainer parallelized: loss parallel needs the plan kept on it."""

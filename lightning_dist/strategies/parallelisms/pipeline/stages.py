@@ -20,9 +20,9 @@ from lightning_dist.parallel import pipeline as pp
 from lightning_dist.parallel.expert_parallel.router_loss import reduce_router_statistics
 from lightning_dist.parallel.pipeline.router_statistics import carry_router_statistics, plan_router_statistics
 from lightning_dist.parallel.runtime.random_state import rng_kept
-from lightning_dist.strategies.first_batch import first_batch
-from lightning_dist.strategies.pipeline_logs import captured_log
-from lightning_dist.strategies.preflight import PARALLELIZED
+from lightning_dist.strategies.lifecycle.first_batch import first_batch
+from lightning_dist.strategies.lifecycle.preflight import PARALLELIZED
+from lightning_dist.strategies.parallelisms.pipeline.logs import captured_log
 
 if TYPE_CHECKING:
     from lightning_dist.strategies.base import MeshParallelStrategy
@@ -44,8 +44,8 @@ class PipelineStages(_Base):
         self.schedule = schedule.lower()
         self.info = pp.schedule_info(self.schedule)  # refuses an unknown name
         self.stages_per_rank = pp.resolve_stages_per_rank(self.schedule, stages_per_rank)
-        if n_microbatches is not None and (isinstance(n_microbatches, bool) or int(n_microbatches) < 1):
-            raise ValueError(f"n_microbatches must be a positive int, got {n_microbatches!r}.")
+        if n_microbatches is not None:
+            pp.check_n_microbatches(n_microbatches)
         self.n_microbatches = n_microbatches
         self.split = split
         self._runners: dict[int, pp.PipelineRunner] = {}
@@ -60,17 +60,33 @@ class PipelineStages(_Base):
         return self.parallel_dims.pp > 1
 
     @property
+    def pipelined_module(self) -> Module | None:
+        """The module whose one call the steps make, pipelined (once the stages are cut)."""
+        return self._module
+
+    @property
+    def stage_plan(self) -> pp.StagePlan:
+        """Where the stages begin and what each holds (once the stages are cut)."""
+        return self._plan
+
+    @property
+    def stage_ids(self) -> list[int]:
+        """The stages this rank holds, in order (once the stages are cut)."""
+        return self._stage_ids
+
+    @property
     @override
     def loss_stage(self) -> int:
         return 0 if self.info.placement == "v" else self.parallel_dims.pp - 1  # V: rank 0 holds the last stage
 
-    def microbatches_for(self, batch_size: int) -> int:
-        """The number of micro-batches for a per-replica batch of ``batch_size`` (refuses an invalid setting)."""
+    def microbatches_for(self, batch_size: int, training: bool = True) -> int:
+        """The number of micro-batches for a per-replica batch of ``batch_size`` (refuses an invalid setting), by one
+        rule (:func:`~lightning_dist.parallel.pipeline.resolve_n_microbatches`) for training, under the schedule,
+        and evaluation, under the forward-only pass's rule with one stage per rank."""
         p, v = self.parallel_dims.pp, self.stages_per_rank
-        if self.n_microbatches is None:
-            return pp.default_n_microbatches(self.schedule, batch_size, p, v)
-        pp.validate_microbatching(self.schedule, batch_size, self.n_microbatches, p, v)
-        return self.n_microbatches
+        if training:
+            return pp.resolve_n_microbatches(self.schedule, batch_size, self.n_microbatches, p, v)
+        return pp.resolve_n_microbatches(pp.FORWARD_ONLY_RULE, batch_size, self.n_microbatches, p, 1)
 
     def check_pipeline_model(self, model: Module, inputs: dict[str, Any] | None = None) -> pp.StagePlan:
         """Before launch: plan the stages of ``model`` (refusing too few blocks, an encoder–decoder model, a split
@@ -101,7 +117,7 @@ class PipelineStages(_Base):
 
     def check_first_training_batch(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
         """Before ``fit`` launches, the first training batch when it can be read here (see
-        :func:`~lightning_dist.strategies.first_batch.first_batch`): micro-batches that must divide its size, and the
+        :func:`~..lifecycle.first_batch.first_batch`): micro-batches that must divide its size, and the
         stage rehearsal on its real inputs (images, say, where example token ids do not fit the forward). Only the
         launching process reads it; ranks created elsewhere (torchrun, SLURM) meet the same checks on their first
         batch, before the step's first collective."""

@@ -3,7 +3,7 @@ micro-batch inside the schedule (Lightning's backward is then skipped), an evalu
 pass, and a weight tied across stages gets its copies' gradients summed before clipping. Before launch the first
 training batch is checked and manual optimization refused; at setup the tied copies are made equal, and a stage
 with nothing to optimize gets an optimizer that steps nothing. The work is done by
-:class:`~lightning_dist.strategies.pipeline_step.PipelineSteps`."""
+:class:`~.step.PipelineSteps`, which declares this part."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from lightning_dist.strategies.pipeline_step import PipelineSteps
-from lightning_dist.strategies.steps.part import StepPart
+from lightning_dist.strategies.lifecycle.step_part import StepPart
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+    from lightning_dist.strategies.parallelisms.pipeline.step import PipelineSteps
 
 
 class PipelinePart(StepPart):
@@ -25,8 +26,7 @@ class PipelinePart(StepPart):
 
     strategy: PipelineSteps
     runs_steps = True
-
-    mixin, axis = PipelineSteps, "pp"
+    axis = "pp"
 
     def preflight_before_model(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
         self.strategy.refuse_manual_optimization()

@@ -15,13 +15,13 @@ from typing_extensions import override
 from lightning_dist.compat.lightning import default_process_group_backend, init_process_group, set_device_mesh
 from lightning_dist.parallel.runtime.process_group_exit import destroy_process_groups
 from lightning_dist.parallel.runtime.random_state import share_random_state
-from lightning_dist.strategies.failure_handling import (
+from lightning_dist.strategies.lifecycle.failure_handling import (
     explain_exception,
     restart_store_kwargs,
     start_watchdog,
     stop_watchdogs,
 )
-from lightning_dist.strategies.preflight import PreflightLauncher, PreflightSubprocessLauncher
+from lightning_dist.strategies.lifecycle.preflight import PreflightLauncher, PreflightSubprocessLauncher
 
 if TYPE_CHECKING:
     from lightning_dist.strategies.base import MeshParallelStrategy

@@ -1,7 +1,8 @@
 """The step protocol of a lightning_dist strategy (a mixin of the shared base): how Lightning's training,
 evaluation and optimizer steps reach the parallelized model. This is the one place that states the order of a
-step, for every mesh. Each parallelism contributes a :class:`~.steps.part.StepPart` (see :data:`STEP_PARTS`); the
-parts whose axis has more than one rank take part, in this order:
+step, for every mesh. Each parallelism's mixin declares a :class:`~.step_part.StepPart`, found in the strategy's class
+chain (:func:`~.step_part.declared_step_parts`); the parts whose axis has more than one rank take part, in
+:data:`PART_ORDER`:
 
 A training step
     1. ``batch_to_device`` → :meth:`StepProtocol.transform_batch`: context parallel shards the sequences.
@@ -61,17 +62,12 @@ from lightning_dist.parallel.fsdp import (
     toggled_while_gathered,
 )
 from lightning_dist.parallel.gradient_sync import AccumulationSync, deferred_gradient_sync
-from lightning_dist.parallel.replicated_state import average_gradients, gradients_set_aside, sum_gradients
-from lightning_dist.parallel.tensor_parallel import shard_gradients_like_parameters
-from lightning_dist.strategies.nonfinite_guard import NonFiniteGuard
-from lightning_dist.strategies.steps.context_parallel import ContextParallelPart
-from lightning_dist.strategies.steps.expert_parallel import ExpertParallelPart
-from lightning_dist.strategies.steps.part import StepPart
-from lightning_dist.strategies.steps.pipeline import PipelinePart
-from lightning_dist.strategies.steps.tensor_parallel import TensorParallelPart
+from lightning_dist.strategies.lifecycle.nonfinite_guard import NonFiniteGuard
+from lightning_dist.strategies.lifecycle.step_part import StepPart, declared_step_parts
 
-#: The parts of a step, outermost first (see the module docstring for what each does where).
-STEP_PARTS: tuple[type[StepPart], ...] = (ExpertParallelPart, ContextParallelPart, TensorParallelPart, PipelinePart)
+#: The order in which the parallelisms' parts act in a step, outermost first, by their mesh axis (see the module
+#: docstring for what each does where). A part of an axis not named here acts after these, in class-chain order.
+PART_ORDER: tuple[str, ...] = ("ep", "cp", "tp", "pp")
 
 
 class StepProtocol(NonFiniteGuard):
@@ -84,8 +80,8 @@ class StepProtocol(NonFiniteGuard):
     _generation_caches: tuple[Any, ...] = ()
 
     def step_parts(self) -> list[StepPart]:
-        """The parts of this strategy's steps on its mesh, in :data:`STEP_PARTS`'s order."""
-        return [kind(self) for kind in STEP_PARTS if kind.applies_to(self)]
+        """The parts of this strategy's steps on its mesh, in :data:`PART_ORDER`."""
+        return [kind(self) for kind in declared_step_parts(type(self), PART_ORDER) if kind.applies_to(self)]
 
     def _step_runner(self, parts: list[StepPart]) -> StepPart | None:
         """The part that runs forward and backward itself (the pipeline), if any."""
@@ -188,9 +184,13 @@ class StepProtocol(NonFiniteGuard):
         self._check_root_parameters_untoggled()
         for part in self.model_parts:
             end_forward_before_backward(part, loss)
-        with gradients_set_aside(self._tp_partial):  # summed over tp: only this backward's part may be
+        parts = self.step_parts()
+        with ExitStack() as stack:  # tensor parallel: gradients summed over tp, only this backward's part may be
+            for step_part in parts:
+                stack.enter_context(step_part.manual_backward_context())
             output = self.run_backward(loss, optimizer, *args, **kwargs)
-            self._make_gradients_consistent()
+            for step_part in parts:
+                step_part.make_gradients_consistent()
         for part in self.model_parts:  # the backward resharded the root
             gather_root(part)
         return output
@@ -223,7 +223,7 @@ class StepProtocol(NonFiniteGuard):
     def sharded_parameters_at_validation_end(self) -> bool:
         """Whether a callback's ``on_validation_epoch_end``, which comes before the strategy's ``on_validation_end``,
         needs the parameters sharded: each validation step then reshards (see
-        :class:`~lightning_dist.strategies.weight_averaging.WeightAveragingSetup`)."""
+        :class:`~lightning_dist.strategies.lifecycle.weight_averaging.WeightAveragingSetup`)."""
         return False
 
     @override
@@ -259,7 +259,8 @@ class StepProtocol(NonFiniteGuard):
                 part.after_backward()
             reshard_all(self.model)
             if self.lightning_module.automatic_optimization:  # manual: after each manual_backward
-                self._make_gradients_consistent()
+                for part in parts:  # tensor parallel: gradients made consistent over tp
+                    part.make_gradients_consistent()
             if self.on_nonfinite != "ignore":
                 self._guard_non_finite(result, optimizer)
             return result
@@ -271,17 +272,8 @@ class StepProtocol(NonFiniteGuard):
                 gather_root(part)
         return output
 
-    def _make_gradients_consistent(self) -> None:
-        """After the backward (all of them, under accumulation), before clipping and the update."""
-        if self._tp_sharded:  # see shard_gradients_like_parameters
-            shard_gradients_like_parameters(self._tp_sharded)
-        if self._tp_partial:  # per-head norms: each tp rank holds its heads' part of the gradient
-            sum_gradients(self._tp_partial, self.process_group("tp"))
-        if self._tp_replicated:  # the copies must see identical gradients
-            average_gradients(self._tp_replicated, self.process_group("tp"))
-
     def float8_after_optimizer_step(self) -> None:
-        """After every optimizer step (see :class:`~lightning_dist.strategies.float8_setup.Float8Setup`)."""
+        """After every optimizer step (see :class:`~lightning_dist.strategies.lifecycle.float8.Float8Setup`)."""
 
     def _reshard_after_evaluation(self) -> None:
         for part in self.model_parts:

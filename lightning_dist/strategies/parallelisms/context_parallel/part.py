@@ -1,7 +1,7 @@
 """Context parallelism's part in a step: the batch's sequences sharded, attention dispatched to the cp group from
 forward to the end of backward, the shard's global positions given to the model, the first output checked for a
 sequence dimension, and predictions gathered back to whole sequences. The work is done by
-:class:`~lightning_dist.strategies.context_parallel_steps.ContextParallelSteps`."""
+:class:`~.sequence_shards.ContextParallelSteps`, which declares this part."""
 
 from __future__ import annotations
 
@@ -10,18 +10,19 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_dist.compat.hugging_face import packed_sequences_not_detected
 from lightning_dist.parallel.context_parallel.batch import gather_outputs
-from lightning_dist.strategies.context_parallel_steps import ContextParallelSteps
-from lightning_dist.strategies.steps.part import StepPart, StepRun
+from lightning_dist.strategies.lifecycle.step_part import StepPart, StepRun
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+    from lightning_dist.strategies.parallelisms.context_parallel.sequence_shards import ContextParallelSteps
 
 
 class ContextParallelPart(StepPart):
     """The part of a strategy with :class:`ContextParallelSteps` on a mesh with ``cp > 1``."""
 
     strategy: ContextParallelSteps
-    mixin, axis = ContextParallelSteps, "cp"
+    axis = "cp"
 
     def preflight_before_model(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
         self.strategy.check_first_batch_before_launch(trainer, arguments)
@@ -52,9 +53,10 @@ class ContextParallelPart(StepPart):
                 strategy.first_output_checked(step),
             ):
                 output = run(*args, **kwargs)
-            if step == "predict_step" and strategy._seq_len is not None and output is not None:
+            seq_len = strategy.batch_sequence_length
+            if step == "predict_step" and seq_len is not None and output is not None:
                 cp, group = strategy.parallel_dims.cp, strategy.process_group("cp")
-                output = gather_outputs(output, strategy._seq_len, cp, group, strategy.load_balance)
+                output = gather_outputs(output, seq_len, cp, group, strategy.load_balance)
             return output
 
         return eval_step

@@ -13,17 +13,20 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_dist.parallel import pipeline as pp
-from lightning_dist.strategies.pipeline_logs import LogCapture, MetricSteps, captured_log, share_logs
-from lightning_dist.strategies.pipeline_stages import PipelineStages
+from lightning_dist.strategies.parallelisms.pipeline.logs import LogCapture, MetricSteps, captured_log, share_logs
+from lightning_dist.strategies.parallelisms.pipeline.part import PipelinePart
+from lightning_dist.strategies.parallelisms.pipeline.stages import PipelineStages
 
 
 class PipelineSteps(PipelineStages):
     """The step methods of a pipeline strategy (a mixin before the base); Lightning's own when ``pp == 1``."""
 
+    declared_parts = (PipelinePart,)
+
     _warned_labels = False
 
     def _runner(self, batch_size: int, training: bool) -> pp.PipelineRunner:
-        m = self.microbatches_for(batch_size) if training else self._eval_microbatches(batch_size)
+        m = self.microbatches_for(batch_size, training)
         if m not in self._runners:
             self.log_decision(f"{m} micro-batches for a per-replica batch of {batch_size}")
             self._runners[m] = pp.PipelineRunner(
@@ -32,11 +35,6 @@ class PipelineSteps(PipelineStages):
                 device=self.root_device, scale_grads=False,
             )  # fmt: skip
         return self._runners[m]
-
-    def _eval_microbatches(self, batch_size: int) -> int:
-        if self.n_microbatches is not None:
-            return self.n_microbatches
-        return pp.default_n_microbatches("gpipe", batch_size, self.parallel_dims.pp, 1)
 
     def _pipelined_call(self, step: str, args: tuple, training: bool) -> tuple[pp.PipelineRunner, dict, int]:
         lm = self.lightning_module

@@ -1,16 +1,26 @@
-"""The ``expert_parallel_size`` option, shared by the strategies that carry it (fsdp2 and its ``expert_parallel``
-preset, zeropp, hybrid3d): its check at construction, the ``ep`` entry of the mesh sizes, and the model's checks
-before launch. How the experts are split is :mod:`lightning_dist.parallel.expert_parallel`; see
+"""Expert parallelism in a strategy: :class:`ExpertParallelOption`, the ``expert_parallel_size`` option shared by the
+strategies that carry it (fsdp2 and its ``expert_parallel`` preset, zeropp, hybrid3d): its check at construction,
+the ``ep`` entry of the mesh sizes, and the model's checks before launch; and its :class:`ExpertParallelPart` in a
+step: with ``log_expert_load``, each training step logs every MoE layer's expert load (``max / mean`` tokens per
+expert over the whole batch, :func:`~lightning_dist.parallel.expert_parallel.take_expert_load`) as
+``expert_load/<experts module>``. How the experts are split is :mod:`lightning_dist.parallel.expert_parallel`; see
 docs/expert_parallel.md."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
 from torch.nn import Module
 
-from lightning_dist.parallel.expert_parallel import ExpertParallelError, check_expert_parallel, find_expert_layers
+from lightning_dist.parallel.expert_parallel import (
+    ExpertParallelError,
+    check_expert_parallel,
+    find_expert_layers,
+    take_expert_load,
+)
 from lightning_dist.parallel.validation import check_bool, is_positive_int
+from lightning_dist.strategies.lifecycle.step_part import StepPart, StepRun
 
 if TYPE_CHECKING:
     from lightning_dist.parallel.tensor_parallel import TensorParallelPlan
@@ -21,8 +31,38 @@ else:
     _Base = object
 
 
+class ExpertParallelPart(StepPart):
+    """The part of a strategy with :class:`ExpertParallelOption` on a mesh with ``ep > 1``."""
+
+    strategy: ExpertParallelOption
+    axis = "ep"
+
+    def wrap_training_step(self, run: StepRun) -> StepRun:
+        if not self.strategy.log_expert_load:
+            return run
+
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            output = run(*args, **kwargs)
+            self._log_load()
+            return output
+
+        return training_step
+
+    def _log_load(self) -> None:
+        strategy = self.strategy
+        loads = take_expert_load(strategy.model, strategy.mesh["loss"].get_group())
+        if strategy.parallel_dims.pp > 1:  # each stage counted its own layers: every rank logs all of them
+            stages: list[Any] = [None] * strategy.parallel_dims.pp
+            dist.all_gather_object(stages, loads, group=strategy.process_group("pp"))
+            loads = {name: value for stage in stages for name, value in stage.items()}
+        # the same values on every rank already (summed over the data-parallel ranks): no sync_dist
+        strategy.lightning_module.log_dict({f"expert_load/{n}": v for n, v in loads.items()}, on_step=True)
+
+
 class ExpertParallelOption(_Base):
     """``expert_parallel_size``: ep ranks borrowed from ``dp_shard × cp`` that split every MoE layer's experts."""
+
+    declared_parts = (ExpertParallelPart,)
 
     def init_expert_parallel(
         self,

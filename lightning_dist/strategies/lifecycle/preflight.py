@@ -21,7 +21,7 @@ from lightning_dist.checkpoint.safe_load import resolve_weights_only
 from lightning_dist.checkpoint.validation import validate_checkpoint
 from lightning_dist.compat.lightning import LauncherBase, SignalNumber, SubprocessScriptLauncherBase
 from lightning_dist.parallel.runtime.random_state import rng_kept
-from lightning_dist.strategies.parallelize_options import PARALLELIZE_OPTIONS
+from lightning_dist.strategies.lifecycle.parallelize_options import PARALLELIZE_OPTIONS
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

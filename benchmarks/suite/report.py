@@ -1,16 +1,16 @@
 """Turn the raw results of a benchmark invocation (``results.json``) into tables (``report.md``) and a plot
 (``scaling.png``). Everything here is a pure function of the results dict, so reports can be regenerated
 (``python -m benchmarks.run --report-only results.json``) and tested on a known dict. The rows come from
-:mod:`benchmarks.analysis`, their markdown from :mod:`benchmarks.tables`; the section of ``docs/performance.md`` is
-:mod:`benchmarks.docs_section`."""
+:mod:`benchmarks.suite.analysis`, their markdown from :mod:`benchmarks.suite.tables`; the section of ``docs/performance.md`` is
+:mod:`benchmarks.suite.docs_section`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from benchmarks.analysis import TARGET_TIME_RATIO, MiB, analyze, observations
-from benchmarks.tables import (
+from benchmarks.suite.analysis import TARGET_TIME_RATIO, MiB, analyze, observations
+from benchmarks.suite.tables import (
     activation_table,
     breakdown_table,
     comm_table,

@@ -6,8 +6,8 @@ processes as given and one launch runs many cells. What ``devices=N`` does befor
 strategy's checks in the launching process, which only there read the first batch) is run first for every cell, in
 the references' process, with ``--prelaunch`` (:func:`prelaunch`); a cell that ends there is never launched::
 
-    python benchmarks/compat_worker.py --cells gpt2@fsdp2,vit@pipeline --workdir DIR
-    python benchmarks/compat_worker.py --references gpt2,vit --prelaunch gpt2@fsdp2,vit@pipeline --workdir DIR
+    python benchmarks/compatibility/worker.py --cells gpt2@fsdp2,vit@pipeline --workdir DIR
+    python benchmarks/compatibility/worker.py --references gpt2,vit --prelaunch gpt2@fsdp2,vit@pipeline --workdir DIR
 
 Every rank writes ``DIR/cells/<model>@<column>.rank<r>.json``; rank 0 names the cell in progress in
 ``DIR/current``. After a cell that failed past the pre-launch checks the worker stops (the process group may be in

@@ -47,7 +47,7 @@ class ExpertsShape:
 
 SHAPES: dict[str, ExpertsShape] = {
     "toy": ExpertsShape("toy", 4, 64, 96, 256),
-    # benchmarks/gpu_moe.py's "small" Mixtral at ep2: 8 experts / 2, batch 4 × seq 1024 × top-2
+    # benchmarks/gpu/moe.py's "small" Mixtral at ep2: 8 experts / 2, batch 4 × seq 1024 × top-2
     "mixtral_small_ep2": ExpertsShape("mixtral_small_ep2", 4, 1024, 2816, 8192),
     # Mixtral-8x7B's layer at ep8 (one expert per rank), 8192 tokens × top-2
     "mixtral_8x7b_ep8": ExpertsShape("mixtral_8x7b_ep8", 1, 4096, 14336, 16384),

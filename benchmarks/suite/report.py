@@ -114,7 +114,7 @@ def to_markdown(results: dict[str, Any], analysis: dict[str, list[dict[str, Any]
             "Measured with `lightning_dist.profiling.CommCounter` over one optimizer step after a warm-up step: `sent` ="
             " bytes this rank sends (ring/direct-exchange model: all-gather and reduce-scatter (N-1)/N of the full"
             " tensor, all-reduce 2(N-1)/N), cross-node = the part addressed to ranks on other nodes. Theory columns"
-            " (see `benchmarks/theory.py`): ZeRO-3 `3M(N-1)/N`; FSDP2 as applied (root module gathered once, not"
+            " (see `benchmarks/suite/theory.py`): ZeRO-3 `3M(N-1)/N`; FSDP2 as applied (root module gathered once, not"
             " re-gathered in backward) `(3M_blocks + 2M_root)(N-1)/N`; DDP `2M(N-1)/N`; tensor parallel"
             " `L·k·2(t-1)/t·B·S·H·b` with k = 4 all-reduces per block (Megatron) or 6 for this GPT's separate q/k/v"
             " projections (compared with the measured all-reduces on the TP group in forward/backward); ZeRO++"

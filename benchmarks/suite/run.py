@@ -117,7 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--gpu",
         action="store_true",
-        help="run the one-GPU throughput comparison instead (benchmarks/gpu.py: fsdp2 with and without compile,"
+        help="run the one-GPU throughput comparison instead (benchmarks/gpu/throughput.py: fsdp2 with and without compile,"
         " Lightning auto with and without torch.compile, ModelParallelStrategy); needs CUDA. Its own options:"
         " python -m benchmarks.gpu --help",
     )

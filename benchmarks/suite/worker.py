@@ -4,7 +4,7 @@ Started by :mod:`benchmarks.common.launch` once per rank with a torchrun-style e
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``TORCHELASTIC_RUN_ID``), so Lightning takes the processes as
 given and does not spawn its own, and the raw PyTorch loop can share them. Usage::
 
-    python benchmarks/worker.py --plan plan.json --out result.json
+    python benchmarks/suite/worker.py --plan plan.json --out result.json
 """
 
 from __future__ import annotations

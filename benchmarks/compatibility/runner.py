@@ -30,7 +30,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common.launch import child_env, run_command, start_ranks, stop_processes, wait_ranks
+from benchmarks.common.launch import (
+    child_env,
+    failed_ranks,
+    run_command,
+    start_ranks,
+    stop_processes,
+    wait_ranks,
+)
 from benchmarks.common.layout import Layout
 from benchmarks.compatibility.cells import COLUMNS
 from benchmarks.compatibility.models import MODELS
@@ -121,7 +128,7 @@ def _launch(cells: list[tuple[str, str]], workdir: Path, cell_timeout: float) ->
 
 
 def _failed_rank(procs: list[subprocess.Popen], log_paths: list[Path], starts: list[int]) -> dict[str, Any] | None:
-    failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+    failed = failed_ranks(procs)
     if not failed:
         return None
     r = failed[0]

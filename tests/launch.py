@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import scenarios as _scenarios
-from benchmarks.common.launch import free_port, run_command
+from benchmarks.common.launch import run_command, run_torchrun_nodes
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -60,20 +59,11 @@ def run_on_loopback_nodes(
     """
     world = nnodes * nproc_per_node
     out, cmd, env = _scenarios.scenario_command(SCENARIO_DIR / script, world, workdir, scenarios)
-    port = free_port()
-    torchrun = [
-        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={out.stem}", *torchrun_args,
-    ]  # fmt: skip
-    procs = [
-        subprocess.Popen([*torchrun, *cmd[1:]], cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for _ in range(nnodes)
-    ]
-    outputs = [p.communicate(timeout=timeout)[0].decode(errors="replace") for p in procs]
-    if any(p.returncode != 0 for p in procs) or not out.exists():
+    launches = run_torchrun_nodes(cmd[1:], nnodes, nproc_per_node, out.stem, workdir, env, timeout, torchrun_args)
+    if any(status != 0 for status, _ in launches) or not out.exists():
         logs = "\n".join(
-            f"--- node launch {i} exited with {p.returncode} ---\n{o[-6000:]}"
-            for i, (p, o) in enumerate(zip(procs, outputs))
+            f"--- node launch {i} exited with {status} ---\n{output[-6000:]}"
+            for i, (status, output) in enumerate(launches)
         )
         raise AssertionError(logs)
     return json.loads(out.read_text())

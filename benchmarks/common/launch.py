@@ -6,6 +6,7 @@
   writes its own result.
 * :func:`run_command`: one command whose Lightning ``Trainer(devices=N)`` starts the other ranks itself, or a
   single process; its output captured (or written to a log) and returned.
+* :func:`run_torchrun_nodes`: ``torchrun`` itself, as several nodes meeting by rendezvous on this host.
 
 Every child imports this checkout first (:func:`child_env` puts the repository on ``PYTHONPATH``).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -147,3 +149,28 @@ def run_command(
     return subprocess.run(
         cmd, cwd=str(cwd), env=child_env() if env is None else env, timeout=timeout, check=False, **output
     )
+
+
+def run_torchrun_nodes(
+    cmd: list[str],
+    nnodes: int,
+    nproc_per_node: int,
+    rdzv_id: str,
+    cwd: Path,
+    env: dict[str, str],
+    timeout: float,
+    torchrun_args: tuple[str, ...] = (),
+) -> list[tuple[int, str]]:
+    """``nnodes`` torchrun launches of ``cmd`` (a script and its arguments) with ``nproc_per_node`` ranks each, which
+    meet by c10d rendezvous on 127.0.0.1 (as separate machines would, minus the network); ``torchrun_args`` adds
+    options. Returns each launch's exit status and output."""
+    torchrun = [
+        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={rdzv_id}", *torchrun_args,
+    ]  # fmt: skip
+    procs = [
+        subprocess.Popen([*torchrun, *cmd], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for _ in range(nnodes)
+    ]
+    outputs = [p.communicate(timeout=timeout)[0].decode(errors="replace") for p in procs]
+    return [(p.returncode, output) for p, output in zip(procs, outputs)]

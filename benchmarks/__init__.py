@@ -1,20 +1,14 @@
-"""Benchmark suite: step-time overhead (as ratios), per-rank memory and communication bytes, and their scaling.
+"""Benchmarks, in families (the commands, what each measures and where its results go: ``benchmarks/README.md``).
 
-Run it with ``python -m benchmarks.run [--quick] [--out DIR]`` (see :mod:`benchmarks.run`). Modules, one job each:
+* :mod:`benchmarks.common` — the one process launcher, the scenario convention, measuring, model sizes, hardware.
+* :mod:`benchmarks.suite` — the CPU scaling suite, ``python -m benchmarks.run``.
+* :mod:`benchmarks.compatibility` — strategies × third-party models, ``python -m benchmarks.compatibility``.
+* :mod:`benchmarks.verify` — ``lightning-dist verify`` over the matrix, ``python -m benchmarks.verify_matrix`` and
+  ``python -m benchmarks.verify_moe``.
+* :mod:`benchmarks.gpu` — what needs CUDA: ``python -m benchmarks.run --gpu``, ``benchmarks.gpu_moe``,
+  ``benchmarks.gpu_local_experts``.
+* :mod:`benchmarks.studies` — one measurement per docs page: pipeline, context_parallel, float8_parity,
+  planner_accuracy, checkpoint_integrity, checkpoint_security (each ``python -m benchmarks.<name>``).
 
-* :mod:`benchmarks.models` — the example GPT at several sizes; parameter and FLOP counts.
-* :mod:`benchmarks.workloads` — the list of measured configurations (our strategies and the hand-written baselines).
-* :mod:`benchmarks.baselines` — hand-written ``configure_model`` modules for ``ModelParallelStrategy`` and the raw
-  ``fully_shard`` loop without Lightning.
-* :mod:`benchmarks.measure` — step timing statistics, activation / process memory, communication aggregation.
-* :mod:`benchmarks.theory` — the textbook communication and memory formulas the measurements are compared with.
-* :mod:`benchmarks.hardware` — tokens/s and MFU (device peak FLOP/s lookup), CUDA only.
-* :mod:`benchmarks.worker` / :mod:`benchmarks.launch` — one process per rank (torchrun-like) running a plan.
-* :mod:`benchmarks.report` — JSON results to ``report.md`` and a PNG plot; the rows are :mod:`benchmarks.analysis`,
-  their markdown :mod:`benchmarks.tables`, the measured section of ``docs/performance.md`` :mod:`benchmarks.docs_section`.
-
-The compatibility matrix (strategies × third-party models against one process, regenerating
-``docs/compatibility.md``) is ``python -m benchmarks.compatibility``: :mod:`benchmarks.compatibility` (the runner),
-:mod:`benchmarks.compat_models` (rows), :mod:`benchmarks.compat_cells` (columns, outcome rules),
-:mod:`benchmarks.compat_worker` (one rank) and :mod:`benchmarks.compat_table` (the page).
+The ``.py`` files beside this one are shims that keep those commands working.
 """

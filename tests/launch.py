@@ -1,14 +1,16 @@
-"""Running a scenario script in real processes and reading back its JSON result."""
+"""Running a scenario script in real processes and reading back its JSON result: the tests' front to the benchmarks'
+shared launcher (:mod:`benchmarks.common.launch`, :mod:`benchmarks.common.scenarios`)."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
+
+from benchmarks.common import scenarios as _scenarios
+from benchmarks.common.launch import run_command, run_torchrun_nodes
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -29,22 +31,15 @@ def run_scenarios(
 
     Returns rank 0's JSON result; fails with the processes' output when the run fails. ``env`` adds variables.
     """
-    out, cmd, env = _command(script, devices, workdir, scenarios, env)
-    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-    if proc.returncode != 0 or not out.exists():
-        raise AssertionError(
-            f"{' '.join(cmd)} exited with {proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}"
-            f"\n--- stderr ---\n{proc.stderr[-10000:]}"
-        )
-    return json.loads(out.read_text())
+    return _scenarios.run_scenarios(SCENARIO_DIR / script, devices, workdir, scenarios, timeout, env)
 
 
 def run_failing_scenario(
     script: str, devices: int, workdir: Path, scenario: str, timeout: float = 300
 ) -> subprocess.CompletedProcess:
     """Run a scenario that is meant to die (fault injection); returns the finished process, whatever its status."""
-    _, cmd, env = _command(script, devices, workdir, [scenario])
-    return subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    _, cmd, env = _scenarios.scenario_command(SCENARIO_DIR / script, devices, workdir, [scenario])
+    return run_command(cmd, cwd=workdir, env=env, timeout=timeout)
 
 
 def run_on_loopback_nodes(
@@ -63,48 +58,15 @@ def run_on_loopback_nodes(
     Returns global rank 0's JSON result; fails with every launch's output when one fails.
     """
     world = nnodes * nproc_per_node
-    out, cmd, env = _command(script, world, workdir, scenarios)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torchrun = [
-        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={out.stem}", *torchrun_args,
-    ]  # fmt: skip
-    procs = [
-        subprocess.Popen([*torchrun, *cmd[1:]], cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for _ in range(nnodes)
-    ]
-    outputs = [p.communicate(timeout=timeout)[0].decode(errors="replace") for p in procs]
-    if any(p.returncode != 0 for p in procs) or not out.exists():
+    out, cmd, env = _scenarios.scenario_command(SCENARIO_DIR / script, world, workdir, scenarios)
+    launches = run_torchrun_nodes(cmd[1:], nnodes, nproc_per_node, out.stem, workdir, env, timeout, torchrun_args)
+    if any(status != 0 for status, _ in launches) or not out.exists():
         logs = "\n".join(
-            f"--- node launch {i} exited with {p.returncode} ---\n{o[-6000:]}"
-            for i, (p, o) in enumerate(zip(procs, outputs))
+            f"--- node launch {i} exited with {status} ---\n{output[-6000:]}"
+            for i, (status, output) in enumerate(launches)
         )
         raise AssertionError(logs)
     return json.loads(out.read_text())
-
-
-def _command(
-    script: str, devices: int, workdir: Path, scenarios: list[str], extra_env: dict[str, str] | None = None
-) -> tuple[Path, list[str], dict]:
-    out = workdir / f"{Path(script).stem}_d{devices}_{abs(hash(tuple(scenarios))) % 10**8}.json"
-    cmd = [
-        sys.executable,
-        str(SCENARIO_DIR / script),
-        "--devices",
-        str(devices),
-        "--out",
-        str(out),
-        "--workdir",
-        str(workdir),
-        "--scenarios",
-        ",".join(scenarios),
-    ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.update(extra_env or {})
-    env.pop("LOCAL_RANK", None)
-    return out, cmd, env
 
 
 def run_training_command(cmd: list[str], root_dir: Path, max_steps: int, timeout: float = 300) -> str:
@@ -114,7 +76,7 @@ def run_training_command(cmd: list[str], root_dir: Path, max_steps: int, timeout
         cmd = [*cmd, f"--trainer.default_root_dir={root_dir}"]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(cmd, check=False, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_command(cmd, cwd=REPO_ROOT, env=env, timeout=timeout)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{output[-8000:]}"
     assert f"`Trainer.fit` stopped: `max_steps={max_steps}` reached." in output, output[-4000:]

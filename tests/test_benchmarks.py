@@ -20,23 +20,36 @@ import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
 
-from benchmarks import theory
-from benchmarks.analysis import analyze
-from benchmarks.hardware import flops_per_token, lookup_peak, throughput
-from benchmarks.measure import (
+from benchmarks.common import (
+    SIZES,
     ActivationCounter,
+    ModelSize,
     StepTimer,
     comm_breakdown,
     comm_totals,
+    flops_per_token,
+    gpt_parameter_count,
     group_label,
     interleaved_order,
+    lookup_peak,
     ratio_stats,
     spread,
+    throughput,
 )
-from benchmarks.models import SIZES, ModelSize, gpt_parameter_count
-from benchmarks.report import plot, to_markdown, write_report
-from benchmarks.run import choose_device
-from benchmarks.workloads import BY_NAME, TIME_COMPARISONS, WORKLOADS, Workload, availability, layout_for
+from benchmarks.suite import (
+    BY_NAME,
+    TIME_COMPARISONS,
+    WORKLOADS,
+    Workload,
+    analyze,
+    availability,
+    choose_device,
+    layout_for,
+    plot,
+    theory,
+    to_markdown,
+    write_report,
+)
 from examples.gpt import GPT
 from lightning_dist.profiling import CommRecord
 
@@ -414,7 +427,7 @@ def test_benchmark_smoke_run(tmp_path: Path) -> None:
 
 
 def test_performance_section_replaces_only_the_marked_block(tmp_path: Path) -> None:
-    from benchmarks.docs_section import SECTION_END, SECTION_START, performance_section, update_performance_doc
+    from benchmarks.suite import SECTION_END, SECTION_START, performance_section, update_performance_doc
 
     results = _known_results()
     section = performance_section(results)
@@ -450,8 +463,7 @@ def test_tensor_parallel_bytes_against_megatron() -> None:
 
 
 def test_memory_table_shows_cuda_peaks_when_measured() -> None:
-    from benchmarks.analysis import memory_rows
-    from benchmarks.tables import memory_table
+    from benchmarks.suite import memory_rows, memory_table
 
     results = _known_results()
     assert "CUDA max allocated" not in memory_table(memory_rows(results))
@@ -461,7 +473,7 @@ def test_memory_table_shows_cuda_peaks_when_measured() -> None:
 
 
 def test_checkpoint_integrity_benchmark_times_both_sides() -> None:
-    from benchmarks.checkpoint_integrity import measure
+    from benchmarks.studies import measure_checksum_cost as measure
 
     result = measure(mib=8, repeats=1)
     assert result["save_with_checksums_s"] > 0 and result["save_plain_s"] > 0 and result["load_plain_s"] > 0
@@ -477,7 +489,7 @@ def _small_gpt() -> GPT:
 
 
 def test_pipeline_benchmark_counts_each_ranks_parameters_exactly() -> None:
-    from benchmarks.pipeline import bytes_per_rank
+    from benchmarks.studies import bytes_per_rank
 
     counted = bytes_per_rank(sizes=(2, 4), schedules=(("1f1b", "auto"), ("1f1b", "even")), build=_small_gpt)
     model = _small_gpt()
@@ -509,7 +521,7 @@ def _module_bytes(model: nn.Module, name: str) -> int:
 
 
 def _bubble_worker(rank: int, port: int, out: str) -> None:
-    from benchmarks.pipeline import measure_bubble
+    from benchmarks.studies import measure_bubble
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -543,7 +555,7 @@ def test_pipeline_bubble_instrument_on_two_processes(tmp_path: Path) -> None:
 
 
 def test_pipeline_benchmark_tables_from_a_known_result() -> None:
-    from benchmarks.pipeline import to_markdown
+    from benchmarks.studies import pipeline_markdown as to_markdown
 
     bubble = {"measured": 0.25, "per_rank": [0.3, 0.2], "step_ms": 10.0, "formula": 0.2, "stages_per_rank": 1}
     times = {"pipeline": {"wall": [0.2, 0.3, 0.2], "cpu": [0.2, 0.2, 0.2]},
@@ -568,7 +580,7 @@ def test_pipeline_benchmark_tables_from_a_known_result() -> None:
 
 
 def test_context_parallel_step_time_table_from_a_known_result() -> None:
-    from benchmarks.context_parallel import TIMED, TIMED_MODEL, time_markdown
+    from benchmarks.studies import TIMED, TIMED_MODEL, time_markdown
 
     times = {name: {"wall": [0.6, 0.6], "cpu": [0.5, 0.5]} for name in TIMED}
     times["one_process"] = {"wall": [1.0, 1.2], "cpu": [1.0, 1.0]}

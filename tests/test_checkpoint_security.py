@@ -183,7 +183,7 @@ def test_a_normal_index_reads_the_same_as_torch_s_reader(tmp_path):
 
 def test_reading_the_index_costs_no_more_than_torch_s_reader(tmp_path):
     """The restricted unpickler is a pure-Python find_class over C pickle: the same speed within noise. The figures
-    of a larger index are in benchmarks/checkpoint_security.py."""
+    of a larger index are in benchmarks/studies/checkpoint_security.py."""
     path = sharded(tmp_path / "ok.ckpt")
     assert (
         pickle.loads((path / ".metadata").read_bytes()).state_dict_metadata == read_dcp_index(path).state_dict_metadata

@@ -1,4 +1,4 @@
-"""The compatibility matrix (``benchmarks/compatibility.py``): a few cells run for real, how outcomes are told
+"""The compatibility matrix (``benchmarks/compatibility/``): a few cells run for real, how outcomes are told
 apart, and ``docs/compatibility.md`` being exactly what the runner generates from its recorded results."""
 
 from __future__ import annotations
@@ -9,17 +9,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.compat_cells import (
+from benchmarks.compatibility import (
     COLUMNS,
+    DOCS,
     FP32_TOLERANCE,
     FP64_TOLERANCE,
+    MODELS,
+    RESULTS,
     ZEROPP_LOSS_REL_TOLERANCE,
     compare,
     describe_failure,
+    merge_ranks,
+    render,
+    run_matrix,
 )
-from benchmarks.compat_models import MODELS
-from benchmarks.compat_table import render
-from benchmarks.compatibility import DOCS, RESULTS, _merge, run_matrix
 from lightning_dist.parallel.context_parallel.outputs import PooledOutputError
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
 
@@ -69,10 +72,10 @@ def test_ranks_that_disagree_make_a_defect_naming_the_rank_that_failed_first():
     parity = {"outcome": "parity", "max_diff": 1e-15}
     knock_on = {"outcome": "defect", "when": "after launch", "error": "RuntimeError: Connection closed by peer"}
     own = {"outcome": "defect", "when": "after launch", "error": "ValueError: the real cause"}
-    assert _merge([parity, parity]) == parity
-    merged = _merge([knock_on, own])
+    assert merge_ranks([parity, parity]) == parity
+    merged = merge_ranks([knock_on, own])
     assert merged["outcome"] == "defect" and merged["error"] == "rank 1: ValueError: the real cause"
-    assert _merge([parity, own])["outcome"] == "defect"
+    assert merge_ranks([parity, own])["outcome"] == "defect"
 
 
 @pytest.mark.slow
@@ -100,7 +103,7 @@ def _recorded() -> dict:
 def test_the_page_is_what_the_runner_generates_from_its_recorded_results():
     assert DOCS.read_text() == render(_recorded()), (
         "docs/compatibility.md differs from the recorded results: rerun `python -m benchmarks.compatibility` (or"
-        " `--render` after editing benchmarks/compat_table.py); never edit the page by hand"
+        " `--render` after editing benchmarks/compatibility/table.py); never edit the page by hand"
     )
 
 

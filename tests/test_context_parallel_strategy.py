@@ -5,7 +5,7 @@ one process trains on the whole sequence (fp64):
 * 2 processes: the unchanged example GPT (ring, all-gather with activation checkpointing, Ulysses) and a stock
   ``transformers`` ``LlamaForCausalLM`` whose labels are shifted inside the model (every algorithm, and uneven
   ignored labels per shard), with controls; a DCP checkpoint resumed under fsdp2 and back;
-* 4 processes: cp=4 and dp2 × cp2 for both models, and the counts of benchmarks/context_parallel.py.
+* 4 processes: cp=4 and dp2 × cp2 for both models, and the counts of benchmarks/studies/context_parallel.py.
 """
 
 from __future__ import annotations
@@ -567,7 +567,7 @@ def test_hybrid3d_pp2_cp2_refuses_labels_that_reach_a_causal_lm_on_the_first_ste
 
 @pytest.mark.slow
 def test_attention_memory_falls_as_1_over_cp_and_bytes_sent_equal_the_formulas(runs4):
-    """benchmarks/context_parallel.py at a small size: per-rank activation memory at a fixed global length is
+    """benchmarks/studies/context_parallel.py at a small size: per-rank activation memory at a fixed global length is
     exactly 1/cp of one process's, the longest sequence within a fixed budget grows with cp, and every rank sends
     per layer what attention/costs.py says."""
     counts = runs4["attention_counts"]

@@ -221,7 +221,7 @@ def ep_two_ranks(tmp_path_factory) -> dict[str, Any]:
 
 
 # Qwen3-MoE without and Qwen2-MoE (its shared expert beside the routed ones) with the router's auxiliary loss; the other
-# two only under LIGHTNING_DIST_FULL_MATRIX=1 (tests/launch.py; benchmarks/verify_moe.py runs all four on every mesh).
+# two only under LIGHTNING_DIST_FULL_MATRIX=1 (tests/launch.py; benchmarks/verify/moe.py runs all four on every mesh).
 TRAINER_MODELS = [f"{kind}{aux}_fp64" for kind in ("qwen3_moe", "qwen2_moe") for aux in ("", "_aux")]
 if not FULL_MATRIX:
     TRAINER_MODELS = ["qwen3_moe_fp64", "qwen2_moe_aux_fp64"]

@@ -1,5 +1,5 @@
 """``python -m benchmarks.run --gpu``: argument parsing, the refusal without CUDA, and the model and table arithmetic.
-The GPU run itself needs a CUDA machine (see benchmarks/gpu.py); every setup is run once on the CPU, tiny."""
+The GPU run itself needs a CUDA machine (see benchmarks/gpu/throughput.py); every setup is run once on the CPU, tiny."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import gpu, run
+from benchmarks.gpu import throughput as gpu
+from benchmarks.suite import run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,7 +112,7 @@ def test_fp8_rows_say_why_they_cannot_run() -> None:
 
 SMOKE = """
 import argparse, json, sys
-from benchmarks import gpu
+from benchmarks.gpu import throughput as gpu
 size = gpu.LlamaSize("tiny", 64, 2, 4, 2, 128, vocab_size=128, batch_size=2)
 args = argparse.Namespace(batch_size=None, warmup=1, steps=2, seq_len=32, precision="32-true")
 print(json.dumps([gpu.run_one(setup, size, args, device="cpu") for setup in sys.argv[1:]]))
@@ -148,9 +149,9 @@ def test_every_setup_trains_on_the_cpu_before_it_costs_gpu_time():
     assert "| tiny | fsdp2 |" in gpu.to_markdown(rows)
 
 
-# ------------------------------------------------------------------ benchmarks/gpu_moe.py (several GPUs, MoE)
+# ------------------------------------------------------------------ benchmarks/gpu/moe.py (several GPUs, MoE)
 def test_the_moe_benchmark_needs_two_gpus_and_says_so():
-    from benchmarks import gpu_moe
+    from benchmarks.gpu import moe as gpu_moe
 
     args = gpu_moe.parse_args([])
     assert args.sizes == "small" and args.setups.split(",") == ["fsdp2", "expert_parallel", "expert_parallel_overlap"]
@@ -183,7 +184,7 @@ def test_the_moe_benchmark_runs_on_two_cpu_processes(tmp_path):
 def test_the_local_experts_benchmark_times_both_ways_and_they_agree_on_the_cpu(tmp_path):
     """``benchmarks.gpu_local_experts`` on the CPU, toy shape: both methods timed, the table written, and the
     grouped GEMM's results equal to the loop's (CPU grouped_mm)."""
-    from benchmarks import gpu_local_experts
+    from benchmarks.gpu import local_experts as gpu_local_experts
 
     assert (
         gpu_local_experts.main(

@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.verify_matrix import run_error
-from benchmarks.verify_table import END, START, render_section, update_doc
+from benchmarks.verify import END, START, render_section, run_error, update_doc
 
 DIFFERENT = "DIFFERENT: first at step 0: gradients (head.weight) differs by 1.00e-02 (tolerance 1e-04)."
 TIED = "lightning_dist.parallel.X.TensorParallelPlanError: tied weight"

@@ -211,9 +211,10 @@ def checkpointed(devices: int, workdir: str, strategy: str, resume_from: str | N
 
 
 def attention_counts(devices: int, workdir: str) -> dict[str, Any]:
-    """The context-parallel benchmark's counts (benchmarks/context_parallel.py) at a small size, in the process group
+    """The context-parallel benchmark's counts (benchmarks/studies/context_parallel.py) at a small size, in the process group
     the Trainers of this launch left initialized."""
-    from benchmarks.context_parallel import Shape, measure
+    from benchmarks.studies import Shape
+    from benchmarks.studies import measure_context_parallel as measure
 
     return measure(Shape(seq_len=256, head_dim=16), budget=1 << 18)
 

@@ -278,9 +278,9 @@ def worker(rank: int, world: int, port: int, cases: list[str], out: str) -> None
 
 
 def bubble_worker(rank: int, world: int, port: int, n_microbatches: int, out: str) -> None:
-    """The bubble instrument of ``benchmarks/pipeline.py`` (``python -m benchmarks.pipeline`` prints it with the
+    """The bubble instrument of ``benchmarks/studies/pipeline.py`` (``python -m benchmarks.pipeline`` prints it with the
     formulas); kept here as ``--bubble M`` for a quick look without Lightning."""
-    from benchmarks.pipeline import measure_bubble
+    from benchmarks.studies import measure_bubble
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -310,7 +310,7 @@ def main() -> None:
     parser.add_argument("--bubble", type=int, default=0, help="measure the bubble with this many micro-batches")
     args = parser.parse_args()
     if args.bubble:
-        from benchmarks.pipeline import GPT_BIG
+        from benchmarks.studies import GPT_BIG
 
         GPT_BIG()
         mp.start_processes(

@@ -1,10 +1,10 @@
-"""The report's markdown tables, from the rows of :mod:`benchmarks.analysis`."""
+"""The report's markdown tables, from the rows of :mod:`benchmarks.suite.analysis`."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.analysis import (
+from benchmarks.suite.analysis import (
     TARGET_STATE_TOLERANCE,
     TARGET_TIME_RATIO,
     TARGET_ZEROPP_CROSS,

@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -42,6 +41,8 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+
+from benchmarks.common.launch import run_command
 
 REFERENCE = "auto_compile"
 SETUPS: dict[str, str] = {
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         for setup in args.setups.split(","):
             cmd = [sys.executable, "-m", "benchmarks.gpu", "--one", f"{setup}:{size}", *passthrough]
             print(f"benchmarks --gpu: {setup} on {size} ...", flush=True)
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            proc = run_command(cmd)
             last = proc.stdout.strip().splitlines()[-1:] if proc.stdout.strip() else []
             try:
                 row = json.loads(last[0]) if proc.returncode == 0 and last else None
@@ -263,7 +264,7 @@ def run_one(setup: str, size: LlamaSize, args: argparse.Namespace, device: str =
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.utils.data import DataLoader, TensorDataset
 
-    from benchmarks.hardware import compute_dtype, lookup_peak
+    from benchmarks.common.hardware import compute_dtype, lookup_peak
     from lightning_dist import FSDP2Strategy, MeshThroughputMonitor
     from lightning_dist.profiling import token_flops
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.analysis import analyze, observations
-from benchmarks.tables import activation_table, comm_table, memory_table, overhead_table, targets_summary
+from benchmarks.suite.analysis import analyze, observations
+from benchmarks.suite.tables import activation_table, comm_table, memory_table, overhead_table, targets_summary
 
 SECTION_START = "<!-- benchmarks:start -->"
 SECTION_END = "<!-- benchmarks:end -->"
@@ -37,7 +37,7 @@ def performance_section(results: dict[str, Any], analysis: dict[str, list[dict[s
         (
             f"Measured {meta['started']} with `{meta['command']}` on {meta['device_name']} ({meta['cpu_count']} cores,"
             f" 1-min load average {_load_text(meta)}), `{cfg['precision']}`, {cfg['batch_size']} samples per rank. Full report:"
-            " [benchmarks/results/report.md](../benchmarks/results/report.md)."
+            " [benchmarks/results/suite/report.md](../benchmarks/results/suite/report.md)."
         ),
         "",
         "**Targets**",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.models import ModelSize
+from benchmarks.common.models import ModelSize
 from lightning_dist import profiling
 
 NOT_MEASURED_CPU = "not measured (CPU)"

@@ -1,10 +1,10 @@
 """One rank of a benchmark launch: runs every item of a plan in order; rank 0 writes the results as it goes.
 
-Started by :mod:`benchmarks.launch` once per rank with a torchrun-style environment (``RANK``, ``WORLD_SIZE``,
+Started by :mod:`benchmarks.common.launch` once per rank with a torchrun-style environment (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``TORCHELASTIC_RUN_ID``), so Lightning takes the processes as
 given and does not spawn its own, and the raw PyTorch loop can share them. Usage::
 
-    python benchmarks/worker.py --plan plan.json --out result.json
+    python benchmarks/suite/worker.py --plan plan.json --out result.json
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -30,8 +30,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 
 import lightning_dist  # noqa: F401
-from benchmarks.baselines import HandShardedGPT, HandTensorParallelGPT, raw_fsdp_loop
-from benchmarks.measure import (
+from benchmarks.common.layout import Layout
+from benchmarks.common.measure import (
     ActivationCounter,
     StepTimer,
     comm_breakdown,
@@ -39,8 +39,9 @@ from benchmarks.measure import (
     reset_peak_rss,
     rss_bytes,
 )
-from benchmarks.models import SIZES
-from benchmarks.workloads import BY_NAME, Layout, Workload
+from benchmarks.common.models import SIZES
+from benchmarks.suite.baselines import HandShardedGPT, HandTensorParallelGPT, raw_fsdp_loop
+from benchmarks.suite.workloads import BY_NAME, Workload
 from examples.data import TextDataModule
 from examples.gpt import GPT
 from lightning_dist.profiling import (

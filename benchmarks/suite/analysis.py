@@ -1,6 +1,6 @@
 """From the raw results of a benchmark invocation (``results.json``) to the rows of every report table: step-time
 ratios, state per rank, activations, communication against theory, throughput, and the observations. Pure functions
-of the results dict; :mod:`benchmarks.tables` renders the rows as markdown."""
+of the results dict; :mod:`benchmarks.suite.tables` renders the rows as markdown."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import statistics
 from collections.abc import Iterable
 from typing import Any
 
-from benchmarks import theory
-from benchmarks.hardware import NOT_MEASURED_CPU
-from benchmarks.measure import ratio_stats, spread
+from benchmarks.common.hardware import NOT_MEASURED_CPU
+from benchmarks.common.measure import ratio_stats, spread
+from benchmarks.suite import theory
 
 TARGET_TIME_RATIO = 1.05  # fsdp2 / hand-written ModelParallelStrategy, median of interleaved repeats
 TARGET_STATE_TOLERANCE = 0.10  # sharded state per rank within 10% of full / N
@@ -174,7 +174,7 @@ def _tp_allreduce_bytes(run: dict[str, Any], t: int) -> int:
 
 
 def comm_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per-rank bytes per step against the theory of each workload's family (see :mod:`benchmarks.theory`)."""
+    """Per-rank bytes per step against the theory of each workload's family (see :mod:`benchmarks.suite.theory`)."""
     dtypes = theory.comm_dtypes(results["config"]["precision"])
     element = results["config"].get("param_bytes", 4)
     runs = ok_runs(results, "measure")
@@ -250,8 +250,8 @@ def comm_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 def throughput_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Tokens/s per device and MFU of every timed workload (accelerator runs only)."""
-    from benchmarks.hardware import throughput
-    from benchmarks.models import SIZES
+    from benchmarks.common.hardware import throughput
+    from benchmarks.common.models import SIZES
 
     peak = results["meta"].get("peak_flops")
     rows = []

@@ -9,18 +9,17 @@ Usage (from the repository root)::
 
 The one-process references run first, in one process, followed there by what ``Trainer(devices=N).fit`` does in the
 launching process before it starts the ranks, for every cell (a refusal there is "before launch"). The cells that
-pass are launched, one launch per layout of processes (:mod:`benchmarks.compat_worker` on each rank,
+pass are launched, one launch per layout of processes (:mod:`benchmarks.compatibility.worker` on each rank,
 torchrun-style). A launch that dies or hangs costs only its current cell (recorded as a defect with the rank's last
 error line); the remaining cells get a new launch.
-Cell outcomes are defined in :mod:`benchmarks.compat_cells`, the models in :mod:`benchmarks.compat_models`, the
-page in :mod:`benchmarks.compat_table`.
+Cell outcomes are defined in :mod:`benchmarks.compatibility.cells`, the models in :mod:`benchmarks.compatibility.models`, the
+page in :mod:`benchmarks.compatibility.table`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import shutil
 import subprocess
@@ -31,15 +30,22 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchmarks.compat_cells import COLUMNS
-from benchmarks.compat_models import MODELS
-from benchmarks.compat_table import render
-from benchmarks.launch import free_port, rank_env, stop_processes
-from benchmarks.workloads import Layout
+from benchmarks.common.launch import (
+    child_env,
+    failed_ranks,
+    run_command,
+    start_ranks,
+    stop_processes,
+    wait_ranks,
+)
+from benchmarks.common.layout import Layout
+from benchmarks.compatibility.cells import COLUMNS
+from benchmarks.compatibility.models import MODELS
+from benchmarks.compatibility.table import render
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).with_name("compat_worker.py")
-RESULTS = ROOT / "benchmarks" / "results" / "compatibility.json"
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("worker.py")
+RESULTS = ROOT / "benchmarks" / "results" / "compatibility" / "compatibility.json"
 DOCS = ROOT / "docs" / "compatibility.md"
 CELL_TIMEOUT = 300.0  # seconds one cell may take before its launch is taken as hung (2 shared cores: ~10-60 s)
 _KEPT = ("outcome", "when", "error", "defect", "max_diff", "loss_diff", "param_diff", "mesh", "seconds")
@@ -47,10 +53,8 @@ _KEPT = ("outcome", "when", "error", "defect", "max_diff", "loss_diff", "param_d
 
 def run_references(models: list[str], cells: list[tuple[str, str]], workdir: Path, timeout: float) -> dict[str, str]:
     """Train each model in one process, then run each cell's pre-launch checks there (see
-    :func:`benchmarks.compat_worker.prelaunch`). Returns the models whose reference failed, with the reason."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED", "MASTER_PORT"):
-        env.pop(key, None)
+    :func:`benchmarks.compatibility.worker.prelaunch`). Returns the models whose reference failed, with the reason."""
+    env = child_env(drop=("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED", "MASTER_PORT"))
     log_path = workdir / "log_references.txt"
     names = ",".join(f"{model}@{column}" for model, column in cells)
     cmd = [
@@ -64,8 +68,7 @@ def run_references(models: list[str], cells: list[tuple[str, str]], workdir: Pat
         str(workdir),
     ]
     with open(log_path, "a") as log:
-        subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                       timeout=timeout * (len(models) + 1) + 10 * len(cells), check=False)  # fmt: skip
+        run_command(cmd, env=env, log=log, timeout=timeout * (len(models) + 1) + 10 * len(cells))
     missing = [m for m in models if not (workdir / "reference" / f"{m}.json").exists()]
     return dict.fromkeys(missing, f"the one-process reference failed ({_last_error(log_path)})")
 
@@ -82,7 +85,7 @@ def run_cells(cells: list[tuple[str, str]], workdir: Path, cell_timeout: float) 
             ranks = _rank_records(workdir, *key)
             if ranks is None:
                 break
-            records[key] = _merge(ranks)
+            records[key] = merge_ranks(ranks)
             remaining.remove(key)
             done += 1
         if remaining and ended is not None:  # the launch died or hung in this cell
@@ -97,7 +100,6 @@ def run_cells(cells: list[tuple[str, str]], workdir: Path, cell_timeout: float) 
 def _launch(cells: list[tuple[str, str]], workdir: Path, cell_timeout: float) -> dict[str, Any] | None:
     """One launch running ``cells`` in order. Returns the current cell's record when the launch died or hung."""
     world, nodes = COLUMNS[cells[0][1]].devices, COLUMNS[cells[0][1]].nodes
-    port = free_port()
     current = workdir / "current"
     current.unlink(missing_ok=True)
     names = ",".join(f"{model}@{column}" for model, column in cells)
@@ -105,31 +107,28 @@ def _launch(cells: list[tuple[str, str]], workdir: Path, cell_timeout: float) ->
     log_paths = [workdir / f"log_ws{world}_n{nodes}_rank{r}.txt" for r in range(world)]
     starts = [path.stat().st_size if path.exists() else 0 for path in log_paths]  # this launch's part of each log
     logs = [open(path, "a") for path in log_paths]  # noqa: SIM115  (closed below)
-    procs = [
-        subprocess.Popen(
-            cmd, cwd=ROOT, env=rank_env(Layout(world, nodes), r, port, 1), stdout=logs[r], stderr=subprocess.STDOUT
-        )
-        for r in range(world)
-    ]
-    seen, since, failure = None, time.monotonic(), None
+    procs = start_ranks(cmd, Layout(world, nodes), logs, threads=1)
+    seen, since = None, time.monotonic()
+
+    def problem() -> dict[str, Any] | None:
+        nonlocal seen, since
+        now_at = current.read_text() if current.exists() else None
+        if now_at != seen:
+            seen, since = now_at, time.monotonic()
+        if time.monotonic() - since > cell_timeout:
+            return {"outcome": "defect", "defect": f"hung: no result after {cell_timeout:.0f} s",
+                    "error": _last_error(log_paths[0], starts[0])}  # fmt: skip
+        return _failed_rank(procs, log_paths, starts)
+
     try:
-        while failure is None and any(p.poll() is None for p in procs):
-            now_at = current.read_text() if current.exists() else None
-            if now_at != seen:
-                seen, since = now_at, time.monotonic()
-            if time.monotonic() - since > cell_timeout:
-                failure = {"outcome": "defect", "defect": f"hung: no result after {cell_timeout:.0f} s",
-                           "error": _last_error(log_paths[0], starts[0])}  # fmt: skip
-            failure = failure or _failed_rank(procs, log_paths, starts)
-            time.sleep(0.5)
-        failure = failure or _failed_rank(procs, log_paths, starts)
+        failure = wait_ranks(procs, problem) or _failed_rank(procs, log_paths, starts)
     finally:
         stop_processes(procs, logs)
     return failure
 
 
 def _failed_rank(procs: list[subprocess.Popen], log_paths: list[Path], starts: list[int]) -> dict[str, Any] | None:
-    failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+    failed = failed_ranks(procs)
     if not failed:
         return None
     r = failed[0]
@@ -147,7 +146,7 @@ def _rank_records(workdir: Path, model: str, column: str) -> list[dict[str, Any]
 _KNOCK_ON = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out")
 
 
-def _merge(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+def merge_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """Rank 0's record; when the ranks disagree, a defect showing the first rank that failed for its own reason (not
     because a peer closed the connection)."""
     record = {k: v for k, v in ranks[0].items() if k in _KEPT}

@@ -1,13 +1,13 @@
 """One rank of a compatibility-matrix launch: runs its cells (a model under a column's strategy) in order and writes
 each cell's outcome as it goes; or, with ``--references``, trains the one-process references.
 
-Started by :mod:`benchmarks.compatibility` once per rank with a torchrun-style environment, so Lightning takes the
+Started by :mod:`benchmarks.compatibility.runner` once per rank with a torchrun-style environment, so Lightning takes the
 processes as given and one launch runs many cells. What ``devices=N`` does before it starts the ranks (the
 strategy's checks in the launching process, which only there read the first batch) is run first for every cell, in
 the references' process, with ``--prelaunch`` (:func:`prelaunch`); a cell that ends there is never launched::
 
-    python benchmarks/compat_worker.py --cells gpt2@fsdp2,vit@pipeline --workdir DIR
-    python benchmarks/compat_worker.py --references gpt2,vit --prelaunch gpt2@fsdp2,vit@pipeline --workdir DIR
+    python benchmarks/compatibility/worker.py --cells gpt2@fsdp2,vit@pipeline --workdir DIR
+    python benchmarks/compatibility/worker.py --references gpt2,vit --prelaunch gpt2@fsdp2,vit@pipeline --workdir DIR
 
 Every rank writes ``DIR/cells/<model>@<column>.rank<r>.json``; rank 0 names the cell in progress in
 ``DIR/current``. After a cell that failed past the pre-launch checks the worker stops (the process group may be in
@@ -29,7 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -40,8 +40,8 @@ from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 
 import lightning_dist  # noqa: F401  (registers the strategy names)
-from benchmarks.compat_cells import COLUMNS, FP32_TOLERANCE, FP64_TOLERANCE, compare, describe_failure
-from benchmarks.compat_models import MODELS, STEPS, CompatModule, dataloader
+from benchmarks.compatibility.cells import COLUMNS, FP32_TOLERANCE, FP64_TOLERANCE, compare, describe_failure
+from benchmarks.compatibility.models import MODELS, STEPS, CompatModule, dataloader
 from lightning_dist.parallel.tensor_parallel import permuted_parameters, to_checkpoint_order
 
 

@@ -1,16 +1,16 @@
 """Turn the raw results of a benchmark invocation (``results.json``) into tables (``report.md``) and a plot
 (``scaling.png``). Everything here is a pure function of the results dict, so reports can be regenerated
 (``python -m benchmarks.run --report-only results.json``) and tested on a known dict. The rows come from
-:mod:`benchmarks.analysis`, their markdown from :mod:`benchmarks.tables`; the section of ``docs/performance.md`` is
-:mod:`benchmarks.docs_section`."""
+:mod:`benchmarks.suite.analysis`, their markdown from :mod:`benchmarks.suite.tables`; the section of ``docs/performance.md`` is
+:mod:`benchmarks.suite.docs_section`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from benchmarks.analysis import TARGET_TIME_RATIO, MiB, analyze, observations
-from benchmarks.tables import (
+from benchmarks.suite.analysis import TARGET_TIME_RATIO, MiB, analyze, observations
+from benchmarks.suite.tables import (
     activation_table,
     breakdown_table,
     comm_table,
@@ -114,7 +114,7 @@ def to_markdown(results: dict[str, Any], analysis: dict[str, list[dict[str, Any]
             "Measured with `lightning_dist.profiling.CommCounter` over one optimizer step after a warm-up step: `sent` ="
             " bytes this rank sends (ring/direct-exchange model: all-gather and reduce-scatter (N-1)/N of the full"
             " tensor, all-reduce 2(N-1)/N), cross-node = the part addressed to ranks on other nodes. Theory columns"
-            " (see `benchmarks/theory.py`): ZeRO-3 `3M(N-1)/N`; FSDP2 as applied (root module gathered once, not"
+            " (see `benchmarks/suite/theory.py`): ZeRO-3 `3M(N-1)/N`; FSDP2 as applied (root module gathered once, not"
             " re-gathered in backward) `(3M_blocks + 2M_root)(N-1)/N`; DDP `2M(N-1)/N`; tensor parallel"
             " `L·k·2(t-1)/t·B·S·H·b` with k = 4 all-reduces per block (Megatron) or 6 for this GPT's separate q/k/v"
             " projections (compared with the measured all-reduces on the TP group in forward/backward); ZeRO++"

@@ -1,8 +1,8 @@
-"""The rows of the verify matrix (:mod:`benchmarks.verify_matrix`): the example GPT and the third-party models of the
+"""The rows of the verify matrix (:mod:`benchmarks.verify.matrix`): the example GPT and the third-party models of the
 compatibility matrix named in issue 27's acceptance (Llama, tied GPT-2, BERT, litgpt), each with a data module
 whose loaders give verify a ``batch_size`` per data-parallel rank (verify scales it for the one-process reference).
 
-Every model sees the same global batch under every column (:data:`~benchmarks.compat_models.GLOBAL_BATCH` samples per
+Every model sees the same global batch under every column (:data:`~benchmarks.compatibility.models.GLOBAL_BATCH` samples per
 optimizer step), so a matrix run trains each model's reference once per number of data-parallel ranks and dtype
 (verify's ``reference_cache``).
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import lightning as L
 from torch.utils.data import DataLoader
 
-from benchmarks.compat_models import DESCRIPTIONS, GLOBAL_BATCH, MODELS, SEED, TITLES, CompatModule, _Samples
+from benchmarks.compatibility.models import DESCRIPTIONS, GLOBAL_BATCH, MODELS, SEED, TITLES, CompatModule, _Samples
 
 GPT_LAYERS = 2  # the example GPT of the issue's acceptance: 2 layers
 #: The columns the issue's acceptance asks a fp64 run of (tolerance 1e-10); fp32 runs every column.
@@ -22,7 +22,7 @@ FP64_COLUMNS = ("fsdp2", "tensor_parallel", "pipeline", "context_parallel", "hyb
 
 
 class SamplesData(L.LightningDataModule):
-    """A compat task's samples (:mod:`benchmarks.compat_models`), ``batch_size`` per data-parallel rank.
+    """A compat task's samples (:mod:`benchmarks.compatibility.models`), ``batch_size`` per data-parallel rank.
 
     Args:
         task: The compat task (``causal``, ``masked``, ...).

@@ -3,7 +3,7 @@
 A workload is either one of lightning_dist's registered strategy names (looked up in Lightning's
 ``StrategyRegistry`` when the suite runs, so strategies merged later — ``tensor_parallel``, ``zeropp`` — are picked
 up by name; a name that is not registered is reported as *not available in this build*), a Lightning built-in
-(``ddp``), or a hand-written baseline (:mod:`benchmarks.baselines`).
+(``ddp``), or a hand-written baseline (:mod:`benchmarks.suite.baselines`).
 """
 
 from __future__ import annotations
@@ -12,24 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from benchmarks.common.layout import Layout
+
 Kind = Literal["registered", "model_parallel_fsdp", "model_parallel_tp", "raw_fsdp"]
 Family = Literal["zero3", "ddp", "tp", "zeropp"]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Processes of one run: ``world_size = num_nodes × ranks_per_node``. Several nodes are simulated on one host
-    (torchrun-style environment), so strategies and the comm counter see a multi-node topology."""
-
-    world_size: int
-    num_nodes: int = 1
-
-    @property
-    def ranks_per_node(self) -> int:
-        return self.world_size // self.num_nodes
-
-    def to_dict(self) -> dict[str, int]:
-        return {"world_size": self.world_size, "num_nodes": self.num_nodes, "ranks_per_node": self.ranks_per_node}
 
 
 def layout_for(world_size: int, device: str = "cpu") -> Layout:

@@ -285,3 +285,48 @@ def test_the_circle_message_shows_each_circle_as_a_path() -> None:
     assert "a → b (a.py:1) → c (b.py:1) → a (c.py:1)" in message
     assert "x → y (x.py:1) → x (y.py:1)" in message
     assert circles_message({"a": {"b"}, "b": set()}, {("a", "b"): ""}) == ""
+
+
+def strategies_room(module: str) -> str | None:
+    """The room of a module inside ``strategies/``: ``lifecycle``, ``parallelisms.<name>`` or ``presets`` (the top:
+    base.py, the presets, the registry); ``None`` outside ``strategies/``."""
+    parts = module.split(".")
+    if parts[:2] != [PACKAGE, "strategies"]:
+        return None
+    if len(parts) > 2 and parts[2] == "lifecycle":
+        return "lifecycle"
+    if len(parts) > 3 and parts[2] == "parallelisms":
+        return f"parallelisms.{parts[3]}"
+    return "parallelisms" if len(parts) > 2 and parts[2] == "parallelisms" else "presets"
+
+
+def test_the_rooms_of_strategies_import_only_down() -> None:
+    # docs/architecture.md, "The rooms of strategies/": lifecycle/ imports no parallelism and no preset; a parallelism
+    # imports the lifecycle and parallel/, never a preset or another parallelism; base.py (the shared base, built from
+    # the lifecycle's mixins) imports no parallelism.
+    modules, imports = package_imports()
+    wrong = []
+    for importer, found in imports.items():
+        source = strategies_room(importer)
+        for i in found:
+            target = strategies_room(i.module)
+            if source is None or target is None or target in (source, "parallelisms"):
+                continue
+            up = target == "presets" and source != "presets"
+            sideways = source.startswith("parallelisms.") and target.startswith("parallelisms.")
+            into_parallelism = target.startswith("parallelisms.") and (
+                source == "lifecycle" or importer == f"{PACKAGE}.strategies.base"
+            )
+            if up or sideways or into_parallelism:
+                wrong.append(
+                    f"  {_short(importer)} ({source}) imports {_short(i.module)} ({target}): {i.where(modules)}"
+                )
+    assert not wrong, "strategies/ rooms import only down (presets > parallelisms > lifecycle):\n" + "\n".join(wrong)
+
+
+def test_the_drawing_in_the_architecture_doc_lists_the_layers_in_order() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    drawing = text.split("```text\n", 1)[1].split("```", 1)[0]
+    rows = [line.split("│")[0].strip() for line in drawing.splitlines() if "│" in line]
+    drawn = [tuple(name.strip().removesuffix("/").removesuffix(".py") for name in row.split(",")) for row in rows]
+    assert drawn == [tuple(r if r != PACKAGE_ROOM else "__init__" for r in rooms) for rooms in LAYERS], drawn

@@ -47,7 +47,7 @@ FOUR_RANKS = {
 # on pp×dp×tp and dp×cp×tp (it runs pp×tp and cp×tp), and the hand-written tied model on pp2×dp2×tp2 (tied GPT-2 runs
 # it), and on pp2×cp2×dp2 (each pair of those axes runs at 4 ranks). Each 8-rank run costs about 30 s of the suite's
 # 25 minutes on 2 cores. The pp2×tp2 checkpoint is resumed under fsdp2 by default, under pipeline, tensor_parallel
-# and context_parallel too in the full matrix (hsdp2's resumes under pipeline, cp2×tp2's under fsdp2; fsdp2's under
+# and context_parallel too in the full matrix (hsdp2's resumes under pipeline; cp2×tp2's under fsdp2 and fsdp2's under
 # pp2×cp2 in the full matrix). Tied GPT-2 runs at pp2×tp2 by default, at pp2×dp2×tp2 in the full matrix.
 EIGHT_RANKS = {
     "pp2_dp2_tp2": "pp=2 × dp_shard=2 × tp=2",
@@ -75,9 +75,7 @@ CHECKPOINTS = [  # (saved by, resumed by): a mid-epoch checkpoint at step 2 of 4
     *[("pp2_tp2", single) for single in ("pipeline", "tensor_parallel", "context_parallel") if FULL_MATRIX],
     (None, "hsdp2"),
     ("hsdp2", "pipeline"),
-    (None, "cp2_tp2"),
-    ("cp2_tp2", "fsdp2"),
-    *([(None, "fsdp2"), ("fsdp2", "pp2_cp2")] if FULL_MATRIX else []),
+    *([(None, "cp2_tp2"), ("cp2_tp2", "fsdp2"), (None, "fsdp2"), ("fsdp2", "pp2_cp2")] if FULL_MATRIX else []),
 ]
 
 

@@ -96,8 +96,9 @@ def _runs(request, devices):
 
 
 # The example GPT and the Llama-like module at tp=4 only under LIGHTNING_DIST_FULL_MATRIX=1 (tests/launch.py): tp=4
-# runs with the stock Llama (hf_llama_tp4) and with 2 key/value heads (llama_kv2); both modules run at tp=2 and dp2 × tp2
-FOUR_RANK_ONLY_IN_FULL_MATRIX = ["gpt", "llama"]
+# runs with the stock Llama (hf_llama_tp4) and with 2 key/value heads (llama_kv2); both modules run at tp=2 and dp2 × tp2;
+# the encoder at dp2 × tp2 too (it runs at tp=2)
+FOUR_RANK_ONLY_IN_FULL_MATRIX = ["gpt", "llama", "encoder_2d"]
 SKIPPED = [] if FULL_MATRIX else FOUR_RANK_ONLY_IN_FULL_MATRIX
 
 PARITY_CASES = [
@@ -252,6 +253,10 @@ def test_loss_parallel_with_an_unsupported_loss_says_so(two_ranks):
     assert "Set loss_parallel=False" in result["message"]
 
 
+@pytest.mark.skipif(
+    not FULL_MATRIX,
+    reason="the full matrix (LIGHTNING_DIST_FULL_MATRIX=1): the console script trains from YAML in test_entry_points.py",
+)
 def test_tensor_parallel_config_trains_through_lightning_dist_fit(tmp_path):
     """configs/tensor_parallel.yaml (auto plan, sequence and loss parallel) through the `lightning-dist` CLI."""
     cmd = [

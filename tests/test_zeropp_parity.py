@@ -30,7 +30,7 @@ import os
 import shutil
 
 import pytest
-from launch import run_scenarios, run_training_command
+from launch import FULL_MATRIX, run_scenarios, run_training_command
 
 pytestmark = pytest.mark.slow
 
@@ -180,6 +180,10 @@ def test_checkpoints_cross_between_zeropp_and_fsdp2(runs):
     assert ck["fsdp2_saved"][0] - ck["zeropp_from_fsdp2"]["losses"][0] > 0.5  # trained weights were loaded
 
 
+@pytest.mark.skipif(
+    not FULL_MATRIX,
+    reason="the full matrix (LIGHTNING_DIST_FULL_MATRIX=1): the console script trains from YAML in test_entry_points.py",
+)
 def test_yaml_config_trains_through_the_console_script(tmp_path):
     script = shutil.which("lightning-dist")
     assert script is not None

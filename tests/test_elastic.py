@@ -6,7 +6,7 @@ where an uninterrupted one-process run ends (fp64 ≤ 1e-10). Resuming on anothe
 from __future__ import annotations
 
 import pytest
-from launch import max_abs_diff, run_on_loopback_nodes, run_scenarios
+from launch import FULL_MATRIX, max_abs_diff, run_on_loopback_nodes, run_scenarios
 
 pytestmark = pytest.mark.slow
 
@@ -23,6 +23,9 @@ def runs(tmp_path_factory):
     return reference, restarted
 
 
+@pytest.mark.skipif(
+    not FULL_MATRIX, reason="the full matrix (LIGHTNING_DIST_FULL_MATRIX=1): a torchrun restart of 2 nodes (~25 s)"
+)
 def test_the_restarted_attempt_resumes_from_the_last_checkpoint(runs):
     reference, restarted = runs
     assert restarted["attempt"] == 1 and restarted["global_step"] == reference["global_step"] == 8
@@ -30,6 +33,9 @@ def test_the_restarted_attempt_resumes_from_the_last_checkpoint(runs):
     assert max_abs_diff(restarted["losses"], reference["losses"][4:]) <= FP64_TOL
 
 
+@pytest.mark.skipif(
+    not FULL_MATRIX, reason="the full matrix (LIGHTNING_DIST_FULL_MATRIX=1): a torchrun restart of 2 nodes (~25 s)"
+)
 def test_the_restarted_run_ends_with_the_uninterrupted_parameters(runs):
     reference, restarted = runs
     worst = max(max_abs_diff(restarted["params"][k], v) for k, v in reference["params"].items())

@@ -56,7 +56,7 @@ EIGHT_RANKS = {
 }
 if not FULL_MATRIX:
     del EIGHT_RANKS["pp2_dp2_tp2"], EIGHT_RANKS["dp2_cp2_tp2"], EIGHT_RANKS["pp2_cp2_dp2"]
-HF_MESHES = ["hf_pp2_tp2", "hf_cp2_tp2"]  # a stock transformers LlamaForCausalLM, 4 ranks
+HF_MESHES = ["hf_pp2_tp2", *(["hf_cp2_tp2"] if FULL_MATRIX else [])]  # a stock transformers LlamaForCausalLM, 4 ranks
 HF_EIGHT_RANKS = ["hf_pp2_dp2_tp2", "hf_dp2_cp2_tp2"] if FULL_MATRIX else []
 # weights tied across pipeline stages under pp × tp: (scenario, reference, the first stage's name, the last stage's)
 GPT2_TIE = ("model.transformer.wte.weight", "model.lm_head.weight")

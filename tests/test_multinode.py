@@ -10,7 +10,7 @@ floating-point sums inside matmuls.
 from __future__ import annotations
 
 import pytest
-from launch import run_on_loopback_nodes, run_scenarios
+from launch import FULL_MATRIX, run_on_loopback_nodes, run_scenarios
 
 import lightning_dist  # noqa: F401  (registers the strategy names)
 
@@ -27,6 +27,10 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    not FULL_MATRIX,
+    reason="the full matrix (LIGHTNING_DIST_FULL_MATRIX=1): two torchrun launches of 2 ranks each and a 4-rank one (~45 s)",
+)
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_two_loopback_nodes_train_exactly_as_one_node(runs, name):
     single, nodes = runs
@@ -36,6 +40,10 @@ def test_two_loopback_nodes_train_exactly_as_one_node(runs, name):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    not FULL_MATRIX,
+    reason="the full matrix (LIGHTNING_DIST_FULL_MATRIX=1): two torchrun launches of 2 ranks each and a 4-rank one (~45 s)",
+)
 def test_zeropp_finds_the_nodes_from_the_environment_and_sends_the_simulated_bytes(runs):
     single, nodes = runs
     assert nodes["zeropp"]["hpz"] == single["zeropp"]["hpz"] == 2  # hpZ over the ranks of one node, not declared

@@ -51,7 +51,9 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references(workdir):
-    names = sorted(set(REFERENCE.values()) | set(FOUR_RANKS.values())) + [f"hf_{m}_reference" for m in HF_MODELS]
+    names = sorted(set(REFERENCE.values()) | set(FOUR_RANKS.values()) | {"frozen_reference"}) + [
+        f"hf_{m}_reference" for m in HF_MODELS
+    ]
     names.append("precisions")
     return run_scenarios(SCRIPT, 1, workdir, names)
 

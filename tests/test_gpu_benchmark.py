@@ -167,7 +167,10 @@ def test_the_moe_benchmark_needs_two_gpus_and_says_so():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not FULL_MATRIX, reason="the full matrix (LIGHTNING_DIST_FULL_MATRIX=1): ~18 s")
+@pytest.mark.skipif(
+    not FULL_MATRIX,
+    reason="the full matrix (LIGHTNING_DIST_FULL_MATRIX=1): expert_parallel trains on CPU processes in test_expert_parallel.py",
+)
 def test_the_moe_benchmark_runs_on_two_cpu_processes(tmp_path):
     """The GPU script end to end on the CPU (gloo), toy size, its expert_parallel setup (fsdp2's is the same code
     with expert_parallel_size=1; the all-gather ratio of the two is asserted in tests/test_expert_parallel.py): it

@@ -125,7 +125,10 @@ def test_a_strategy_that_skips_one_gradient_reduction_is_named_with_the_paramete
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not FULL_MATRIX, reason="the full matrix (LIGHTNING_DIST_FULL_MATRIX=1): ~25 s")
+@pytest.mark.skipif(
+    not FULL_MATRIX,
+    reason="the full matrix (LIGHTNING_DIST_FULL_MATRIX=1): context parallel refuses pooled outputs in test_context_parallel_strategy.py",
+)
 def test_a_model_that_pools_the_sequence_in_its_step_fails_under_context_parallel_naming_the_call(tmp_path):
     """The strategy refuses a model call that returns pooled outputs; this module pools in training_step between two
     calls, which the strategy cannot see. verify finds the difference and the place."""

@@ -1,0 +1,8 @@
+"""Pretrained weights in (pure PyTorch): safetensors files read into a model, sharded or not, each rank reading only
+its slices (:func:`load_pretrained`)."""
+
+from lightning_dist.checkpoint.pretrained.files import PretrainedFiles, read_pretrained_files
+from lightning_dist.checkpoint.pretrained.load import PretrainedLoad, load_pretrained
+from lightning_dist.checkpoint.pretrained.matching import KeyMatch, match_keys
+
+__all__ = ["KeyMatch", "PretrainedFiles", "PretrainedLoad", "load_pretrained", "match_keys", "read_pretrained_files"]

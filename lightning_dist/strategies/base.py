@@ -10,7 +10,8 @@ clipping (in the precision plugin). Mixins of :mod:`.lifecycle` hold the rest, o
 :class:`~.lifecycle.parallelize_options.ParallelizeOptions` (the options every strategy shares, as a parallelize
 config, and the log of what it did), :class:`~.lifecycle.processes.ProcessSetup` (devices, the launcher, the process
 group and the mesh, teardown), :class:`~.lifecycle.model_setup.ModelSetup` (checks before launch, the model's
-set-up), :class:`~.lifecycle.float8.Float8Setup` (FP8 training), :class:`~.lifecycle.weight_averaging.
+set-up), :class:`~.lifecycle.float8.Float8Setup` (FP8 training), :class:`~.lifecycle.initial_weights.InitialWeightsSetup` (pretrained weights
+loaded after sharding), :class:`~.lifecycle.weight_averaging.
 WeightAveragingSetup` (Lightning's EMA and SWA callbacks on shards), :class:`~.lifecycle.step_protocol.StepProtocol`
 (training, evaluation and optimizer steps, composed of the parts the parallelisms of :mod:`.parallelisms` declare),
 :class:`~.lifecycle.collectives.MeshCollectives` (reductions over the right mesh group) and
@@ -56,6 +57,7 @@ from lightning_dist.plugins.precision import FSDP2Precision, to_fsdp2_precision
 from lightning_dist.strategies.lifecycle.checkpointing import ShardedCheckpointing
 from lightning_dist.strategies.lifecycle.collectives import MeshCollectives
 from lightning_dist.strategies.lifecycle.float8 import Float8Setup
+from lightning_dist.strategies.lifecycle.initial_weights import InitialWeightsSetup, check_initial_weights
 from lightning_dist.strategies.lifecycle.model_setup import ModelSetup
 from lightning_dist.strategies.lifecycle.nonfinite_guard import NonFiniteMode
 from lightning_dist.strategies.lifecycle.parallelize_options import ParallelizeOptions
@@ -74,6 +76,7 @@ MeshSize = int | Literal["auto"]
 
 class MeshParallelStrategy(
     ParallelizeOptions,
+    InitialWeightsSetup,
     Float8Setup,
     WeightAveragingSetup,
     ShardedCheckpointing,
@@ -134,6 +137,10 @@ class MeshParallelStrategy(
             (numerics only). See docs/float8.md.
         float8_skip: Linear layers left out of ``float8``: a qualified module name or a regex matched against the
             whole name (``"blocks\\.0\\..*"``), or a list of them.
+        initial_weights: Pretrained weights to start from: a Hugging Face model folder (``*.safetensors`` shards with
+            their ``model.safetensors.index.json``) or one ``*.safetensors`` file. Read after the model is sharded,
+            each rank reading only the slices it holds; build the model under ``trainer.init_module(empty_init=True)``
+            so that no rank ever holds it whole. Not read when resuming (``ckpt_path``). See docs/pretrained.md.
     """
 
     #: Short name used in log lines ("fsdp2: ...").
@@ -157,6 +164,7 @@ class MeshParallelStrategy(
         accumulation_sync: AccumulationSync = "every",
         float8: Float8Recipe | None = None,
         float8_skip: list[str] | str | None = None,
+        initial_weights: str | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:  # a misspelt option of the concrete strategy arrives here, forwarded as a keyword
@@ -172,6 +180,7 @@ class MeshParallelStrategy(
         self.compile_set = compile is not None  # else float8 on CUDA turns it on
         self.float8 = check_float8_recipe(float8)
         self.float8_skip = check_float8_skip(float8_skip)
+        self.initial_weights = check_initial_weights(initial_weights)
         # The FSDP-family options: every strategy shards with FSDP2 wherever its mesh has data-parallel ranks.
         self.reshard_after_forward = check_reshard_after_forward(reshard_after_forward)
         self.wrap_modules, self.wrap_regex = check_unit_choice(wrap_modules, wrap_regex)

@@ -532,3 +532,27 @@ class UserMoE(nn.Module):
         for layer in self.layers:
             x = x + layer(torch.nn.functional.layer_norm(x, x.shape[-1:]))
         return self.head(x)
+
+
+# ---------------------------------------------------------------------------------- pretrained weights (issue 42)
+class PretrainedCausalLM(L.LightningModule):
+    """A causal LM of a Hugging Face folder: built from its ``config.json`` (the strategy's ``initial_weights`` then
+    loads the weights), or with ``from_pretrained`` in fp64 (the one-process reference)."""
+
+    def __init__(self, folder: str, from_pretrained: bool = False, lr: float = 1e-3) -> None:
+        super().__init__()
+        import transformers as tf
+
+        if from_pretrained:
+            self.model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+        else:
+            self.model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(folder))
+        self.lr = lr
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        # the loss in the model's dtype (transformers' own casts the logits to fp32), on the data's shifted labels
+        logits = self.model(input_ids=batch["input_ids"]).logits
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)

@@ -2,29 +2,40 @@
 ``HuggingFaceStorageReader``: each rank reads only the slices its DTensor shards hold, and each value is converted to
 the dtype of the tensor it lands in (a bf16 file into fp32 parameters).
 
-The names are matched and every problem refused before any tensor is read (:mod:`.matching`). With a process group,
-every rank of it must call :func:`load_pretrained` (DCP agrees on a plan collectively).
+The model's state is taken as a checkpoint takes it (``get_model_state_dict``: a tensor-parallel fused projection in
+its original row order, a pipeline stage's keys only, FP8 wrappers removed), loaded in place by DCP, and set back
+with ``set_model_state_dict`` (which permutes the fused rows again). Names are matched and every problem refused
+before any tensor is read (:mod:`.matching`); with a process group, the ranks join their matches (a pipeline's
+stages each hold part of the keys) and all raise the same error. Every rank of the group must call
+:func:`load_pretrained` (DCP agrees on a plan collectively).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, load
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_dist.checkpoint.pretrained.files import read_pretrained_files
-from lightning_dist.checkpoint.pretrained.matching import match_keys
+from lightning_dist.checkpoint.pretrained.files import PretrainedFiles, read_pretrained_files
+from lightning_dist.checkpoint.pretrained.matching import KeyMatch, match_keys, refuse_problems
+from lightning_dist.compat import non_persistent_buffer_names
+from lightning_dist.compat.torchao import plain_state
 
 
 @dataclass(frozen=True)
 class PretrainedLoad:
-    """What :func:`load_pretrained` did: the prefix of the pretrained submodule, how many tensors it loaded, the tied
-    names loaded through another name, and the model's state outside the prefix that it left as it was."""
+    """What :func:`load_pretrained` did: the prefix of the pretrained submodule, how many tensors this rank loaded,
+    the tied names loaded through another name, and the model's state outside the prefix that it left as it was."""
 
     path: Path
     prefix: str
@@ -33,19 +44,82 @@ class PretrainedLoad:
     outside_prefix: tuple[str, ...]
 
 
-def load_pretrained(model: nn.Module, path: str | os.PathLike, prefix: str | None = None) -> PretrainedLoad:
+def load_pretrained(
+    model: nn.Module,
+    path: str | os.PathLike,
+    prefix: str | None = None,
+    aliases: Mapping[str, Sequence[str]] | None = None,
+) -> PretrainedLoad:
     """Load the safetensors weights at ``path`` (a Hugging Face folder or one ``*.safetensors`` file) into ``model``'s
     parameters and persistent buffers in place, DTensor shards included. ``prefix``: the name of the submodule that
-    holds the pretrained model, with its dot (``"model."``); found from the names when ``None``.
+    holds the pretrained model, with its dot (``"model."``); found from the names when ``None``. ``aliases``: state key
+    → other names the file may hold the same weight under (a pipeline stage's copy of a tied weight).
 
-    Raises :class:`~lightning_dist.checkpoint.CheckpointError` before reading any tensor when the files do not fit the
-    model; the model must be materialized (no meta tensors)."""
+    Raises :class:`~lightning_dist.checkpoint.CheckpointError` on every rank before reading any tensor when the
+    files do not fit the model; the model must be materialized (no meta tensors)."""
     files = read_pretrained_files(path)
-    match = match_keys(model, files, prefix)
-    reader = _ListedFilesReader(files.path if files.path.is_dir() else files.path.parent, files.files)
-    single_process = not (dist.is_available() and dist.is_initialized())
-    load(dict(match.targets), storage_reader=reader, no_dist=single_process)
+    state = plain_state(get_model_state_dict(model))
+    match = match_keys(state, files, prefix, aliases, transient_names(model), tied_names(model))
+    distributed = dist.is_available() and dist.is_initialized()
+    refuse_problems(files, _all_ranks(match) if distributed else [match])
+    load(dict(match.targets), storage_reader=_reader(files), no_dist=not distributed)
+    for key, file_key in match.copies.items():
+        _copy_value(state[key], match.targets[file_key])
+    set_model_state_dict(model, state, options=StateDictOptions(strict=True))
     return PretrainedLoad(files.path, match.prefix, len(match.targets), match.tied, match.outside_prefix)
+
+
+def check_pretrained_fit(model: nn.Module, path: str | os.PathLike, prefix: str | None = None) -> str:
+    """Before launch, on the whole (unsharded, possibly meta-device) model: raise the
+    :class:`~lightning_dist.checkpoint.CheckpointError` that :func:`load_pretrained` would, reading headers only.
+    Returns the prefix found."""
+    files = read_pretrained_files(path)
+    match = match_keys(model.state_dict(), files, prefix, None, transient_names(model), tied_names(model), True)
+    refuse_problems(files, [match])
+    return match.prefix
+
+
+def transient_names(model: nn.Module) -> set[str]:
+    """The qualified names of the model's non-persistent buffers (in no state dict, so in no checkpoint)."""
+    return {
+        f"{path}.{name}" if path else name
+        for path, module in model.named_modules(remove_duplicate=False)
+        for name in non_persistent_buffer_names(module)
+    }
+
+
+def tied_names(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter or buffer the model registered under several (GPT-2's embedding and head)."""
+    by_tensor: dict[int, list[str]] = {}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:
+        by_tensor.setdefault(id(tensor), []).append(name)
+    return [names for names in by_tensor.values() if len(names) > 1]
+
+
+def _all_ranks(match: KeyMatch) -> list[KeyMatch]:
+    """Every rank's match (without its tensors), so that all ranks judge the same problems."""
+    mine = KeyMatch(match.prefix, {}, {}, {}, (), match.used, match.skipped, match.problems)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return gathered
+
+
+def _copy_value(target: torch.Tensor, source: torch.Tensor) -> None:
+    """``target`` ← ``source``'s value, whatever the two layouts (a tied weight's copies on one rank)."""
+    with torch.no_grad():
+        if isinstance(source, DTensor) and isinstance(target, DTensor) and source.placements == target.placements:
+            target.to_local().copy_(source.to_local())
+            return
+        full = source.full_tensor() if isinstance(source, DTensor) else source
+        if isinstance(target, DTensor):
+            full = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+            target = target.to_local()
+        target.copy_(full)
+
+
+def _reader(files: PretrainedFiles) -> HuggingFaceStorageReader:
+    return _ListedFilesReader(files.path if files.path.is_dir() else files.path.parent, files.files)
 
 
 class _ListedFiles(FileSystem):

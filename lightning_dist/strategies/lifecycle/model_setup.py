@@ -75,6 +75,7 @@ class ModelSetup(_Base):
             self._report_materialized(materialize(self.model, device, self.global_rank), device)
             self.model_to_device()
             mark_held_experts(self.model)  # materializing and moving made new parameter objects, without marks
+            self.load_initial_weights()  # each rank its own slices, into the sharded, materialized model
             self._make_replicas_equal()
         self._turn_off_generation_cache_in_training(trainer)
         self.shard_averaged_copies(trainer)  # WeightAveraging/SWA copied the model before it was parallelized
@@ -184,6 +185,12 @@ class ModelSetup(_Base):
                 if never_initialized := never_initialized_buffers(model):
                     raise RuntimeError(never_initialized_message(sorted(never_initialized), never_initialized))
                 self.check_model(model)
+        unbuilt = (
+            model is None
+            or getattr(model, PARALLELIZED, None) is not None
+            or is_overridden("configure_model", model, pl.LightningModule)
+        )
+        self.check_initial_weights_before_launch(None if unbuilt else model, arguments.get("ckpt_path"))
         for part in parts:
             part.preflight_after_model(trainer, arguments)
 

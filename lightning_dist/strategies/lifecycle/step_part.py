@@ -66,6 +66,11 @@ class StepPart:
     def make_copies_equal(self) -> None:
         """At setup, after the replicated parameters and buffers were made equal: copies this part keeps itself."""
 
+    def weight_aliases(self) -> dict[str, tuple[str, ...]]:
+        """Parameter name → the other names of the same weight, where this part keeps a copy per name (a pipeline's
+        weight tied across stages): ``initial_weights`` loads each copy from whichever name a file holds."""
+        return {}
+
     def wrap_optimizer_setup(self, setup: Callable[[], None]) -> Callable[[], None]:
         """``setup`` (Lightning's: the module's ``configure_optimizers``, when fitting) with what this part does
         around it."""

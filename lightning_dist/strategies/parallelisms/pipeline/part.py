@@ -47,6 +47,9 @@ class PipelinePart(StepPart):
         # again: StochasticWeightAveraging turns Lightning's backward back on at every epoch end
         self.strategy.let_the_schedule_run_backward(trainer)
 
+    def weight_aliases(self) -> dict[str, tuple[str, ...]]:
+        return self.strategy.tied_weight_aliases()
+
     def make_copies_equal(self) -> None:
         self.strategy.equalize_tied_copies()
 

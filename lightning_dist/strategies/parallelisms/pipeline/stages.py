@@ -140,6 +140,7 @@ class PipelineStages(_Base):
         dims, v = self.parallel_dims, self.stages_per_rank
         where = pp.find_pipelined_module(model)
         self._module = model.get_submodule(where)
+        self._module_prefix = f"{where}." if where else ""
         chosen = self.chosen_stage_units(self._module)  # before the cut replaces other stages' modules
         plan = pp.plan_stages(self._module, dims.pp * v, self.split)
         self._plan = plan
@@ -174,6 +175,16 @@ class PipelineStages(_Base):
         for tie in self._ties:
             self.log_decision(f"tied across stages, gradients summed: {tie.describe()}")
         return stages
+
+    def tied_weight_aliases(self) -> dict[str, tuple[str, ...]]:
+        """Each name (in the LightningModule) of a weight tied across stages → its other names (each stage holds a
+        copy under its own)."""
+        prefix = getattr(self, "_module_prefix", "")
+        return {
+            prefix + name: tuple(prefix + other for other in tie.names if other != name)
+            for tie in self._ties
+            for name in tie.names
+        }
 
     def equalize_tied_copies(self) -> None:
         """At setup: the copies of a weight tied across stages made equal (and counted once by clipping's norm)."""

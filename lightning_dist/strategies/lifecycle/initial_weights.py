@@ -1,0 +1,76 @@
+"""The ``initial_weights`` option of every strategy: a model starts from pretrained weights read after it was
+sharded, each rank reading only the slices it holds (:func:`lightning_dist.checkpoint.pretrained.load_pretrained`).
+
+Before launch, the files are found and, when the model exists already (no ``configure_model``), matched against it
+from their headers alone (names, shapes, dtypes), so a folder of another model, a missing shard or a wrong shape is
+refused before any process starts. At setup the weights are loaded after the model was parallelized and
+materialized (a model built under ``trainer.init_module(empty_init=True)`` never exists whole), before replicated
+copies are made equal. A run given ``ckpt_path`` resumes from it: the checkpoint holds the trained weights, so
+``initial_weights`` is not read (a log line says so), and a YAML that keeps both resumes as it should.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch.nn import Module
+
+from lightning_dist.checkpoint.pretrained import check_pretrained_fit, load_pretrained, read_pretrained_files
+
+if TYPE_CHECKING:
+    from lightning_dist.strategies.base import MeshParallelStrategy
+
+    _Base = MeshParallelStrategy
+else:
+    _Base = object
+
+
+def check_initial_weights(initial_weights: str | os.PathLike | None) -> Path | None:
+    """The option as a path (not checked for existence here: the path may only exist where the job runs)."""
+    if initial_weights is None:
+        return None
+    if not isinstance(initial_weights, (str, os.PathLike)) or not str(initial_weights):
+        raise TypeError(
+            f"initial_weights={initial_weights!r}: expected the path of a Hugging Face model folder or a"
+            " *.safetensors file."
+        )
+    return Path(initial_weights).expanduser()
+
+
+class InitialWeightsSetup(_Base):
+    """Loading ``initial_weights`` for :class:`~lightning_dist.strategies.base.MeshParallelStrategy`."""
+
+    initial_weights: Path | None
+    _resumes: bool = False
+
+    def check_initial_weights_before_launch(self, model: Module | None, ckpt_path: Any) -> None:
+        """The files found, and matched against ``model`` (whole, possibly on the meta device) when it exists."""
+        self._resumes = ckpt_path is not None
+        if self.initial_weights is None or self._resumes:
+            return
+        read_pretrained_files(self.initial_weights)
+        if model is not None:
+            check_pretrained_fit(model, self.initial_weights)
+
+    def load_initial_weights(self) -> None:
+        """At setup, after parallelizing and materializing: every rank loads its slices of ``initial_weights``."""
+        if self.initial_weights is None:
+            return
+        if self._resumes:
+            self.log_decision(f"initial_weights={str(self.initial_weights)!r} not read: resuming from ckpt_path")
+            return
+        assert self.model is not None
+        aliases: dict[str, tuple[str, ...]] = {}
+        for part in self.step_parts():  # pipeline: a weight tied across stages has a copy per stage
+            aliases.update(part.weight_aliases())
+        start = time.perf_counter()
+        report = load_pretrained(self.model, self.initial_weights, aliases=aliases)
+        where = f" into {report.prefix.rstrip('.')}" if report.prefix else ""
+        stage = " (the first stage's)" if self.parallel_dims.pp > 1 else ""
+        self.log_decision(
+            f"initial_weights: {report.loaded} tensors{stage} of {str(report.path)!r} loaded{where}, each rank reading"
+            f" only the slices it holds, in {time.perf_counter() - start:.1f} s"
+        )

@@ -1,0 +1,122 @@
+"""Every strategy started from pretrained weights with ``initial_weights`` (issue 42), 4 processes, fp64.
+
+The test writes the folders first (``<workdir>/llama``: a bf16 ``LlamaForCausalLM`` in 3 shards; ``<workdir>/gpt2``:
+a tied ``GPT2LMHeadModel``). Each scenario builds :class:`models.PretrainedCausalLM` from the folder's config under
+``trainer.init_module(empty_init=True)`` (the meta device: no rank ever holds the model whole), fits 3 AdamW steps with
+the strategy given ``initial_weights``, and records: which tensors differ from the file's right after the load
+(every rank's, whole, in checkpoint row order), each step's loss averaged over the ranks, and the log line. The test
+compares the losses with one process that called ``from_pretrained`` on the same global batch of 4.
+
+- ``fsdp2_llama`` (dp_shard 4), ``tp_llama`` (tp 2 × dp 2), ``pp_llama`` (pp 2 × dp 2), ``cp_llama`` (cp 2 × dp 2),
+  ``hybrid_llama`` (hybrid3d pp 2 × tp 2);
+- ``pp_gpt2``: GPT-2's embedding tied to its head across the two stages: the last stage's copy (``lm_head.weight``,
+  not in the file) is loaded from ``transformer.wte.weight``;
+- ``resume_llama``: ``ckpt_path`` given: the weights come from the checkpoint and ``initial_weights`` is not read.
+
+python tests/scenarios/pretrained_strategy_runs.py --devices 4 --out r.json --workdir DIR --scenarios fsdp2_llama,...
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from common import SEQ_LEN, LogLines, StepRecorder, run_scenario_script, trainer_kwargs  # type: ignore[import-not-found]
+from models import PretrainedCausalLM  # type: ignore[import-not-found]
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from examples.data import TextDataModule
+from lightning_dist import (
+    ContextParallelStrategy,
+    FSDP2Strategy,
+    Hybrid3DStrategy,
+    PipelineStrategy,
+    TensorParallelStrategy,
+)
+
+GLOBAL_BATCH, STEPS = 4, 3
+
+
+class LoadedValues(L.Callback):
+    """At fit start, before any step: the names of the tensors that differ from the file's values, over all ranks."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.differ: list[str] = []
+        self.compared = 0
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from safetensors.torch import load_file
+
+        files = {k: v for f in sorted(self.folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+        state = get_model_state_dict(pl_module.model)  # checkpoint form: tensor-parallel rows in the file's order
+        mine = []
+        for name in sorted(state):
+            value = state[name]
+            full = (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()  # collective
+            key = name if name in files else "transformer.wte.weight" if name == "lm_head.weight" else name
+            if key not in files or not torch.equal(full, files[key].to(full.dtype)):
+                mine.append(name)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (mine, len(state)))
+        self.differ = sorted({name for names, _ in gathered for name in names})
+        self.compared = sum(count for _, count in gathered)
+
+
+def _fit(devices: int, workdir: str, kind: str, strategy: Any, dp: int, ckpt_path: str | None = None) -> dict:
+    folder = Path(workdir) / kind
+    L.seed_everything(1234, verbose=False)
+    data = TextDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, train_samples=64, val_samples=4)
+    values, steps = LoadedValues(folder), StepRecorder()
+    log = LogLines("initial_weights")
+    trainer = L.Trainer(**trainer_kwargs(devices, strategy=strategy, precision="64-true", limit_val_batches=0),
+                        max_steps=STEPS, callbacks=[values, steps])  # fmt: skip
+    with trainer.init_module(empty_init=True):
+        module = PretrainedCausalLM(str(folder))
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    log.close()
+    return {"differ": values.differ, "compared": values.compared, "losses": steps.losses, "log": log.lines}
+
+
+def _resume(devices: int, workdir: str) -> dict:
+    """A checkpoint of 3 steps, then a fit resumed from it with initial_weights still set: not read."""
+    folder = Path(workdir) / "llama"
+    L.seed_everything(1234, verbose=False)
+    data = TextDataModule(seq_len=SEQ_LEN, batch_size=1, train_samples=64, val_samples=4)
+    trainer = L.Trainer(**trainer_kwargs(devices, strategy=FSDP2Strategy(initial_weights=str(folder)),
+                                         precision="64-true", limit_val_batches=0, enable_checkpointing=True),
+                        max_steps=STEPS, default_root_dir=workdir)  # fmt: skip
+    with trainer.init_module(empty_init=True):
+        module = PretrainedCausalLM(str(folder))
+    trainer.fit(module, data)
+    ckpt = str(Path(workdir) / "resume.ckpt")
+    trainer.save_checkpoint(ckpt)
+    run = _fit(devices, workdir, "llama", FSDP2Strategy(initial_weights=str(folder)), 4, ckpt_path=ckpt)
+    return {**run, "saved_step": trainer.global_step}
+
+
+def _weights(kind: str, workdir: str) -> str:
+    return str(Path(workdir) / kind)
+
+
+SCENARIOS = {
+    "fsdp2_llama": lambda d, w: _fit(d, w, "llama", FSDP2Strategy(initial_weights=_weights("llama", w)), 4),
+    "tp_llama": lambda d, w: _fit(d, w, "llama", TensorParallelStrategy(
+        tensor_parallel_size=2, data_parallel_shard_size=2, initial_weights=_weights("llama", w)), 2),
+    "pp_llama": lambda d, w: _fit(d, w, "llama", PipelineStrategy(
+        pipeline_parallel_size=2, data_parallel_shard_size=2, initial_weights=_weights("llama", w)), 2),
+    "cp_llama": lambda d, w: _fit(d, w, "llama", ContextParallelStrategy(
+        context_parallel_size=2, data_parallel_shard_size=2, initial_weights=_weights("llama", w)), 2),
+    "hybrid_llama": lambda d, w: _fit(d, w, "llama", Hybrid3DStrategy(
+        pipeline_parallel_size=2, tensor_parallel_size=2, initial_weights=_weights("llama", w)), 1),
+    "pp_gpt2": lambda d, w: _fit(d, w, "gpt2", PipelineStrategy(
+        pipeline_parallel_size=2, data_parallel_shard_size=2, initial_weights=_weights("gpt2", w)), 2),
+    "resume_llama": _resume,
+}  # fmt: skip
+
+if __name__ == "__main__":
+    run_scenario_script(SCENARIOS)

@@ -1,0 +1,132 @@
+"""``initial_weights`` under every strategy (issue 42): a stock ``LlamaForCausalLM`` saved in bf16 into 3 shards, built
+from its config under ``trainer.init_module(empty_init=True)``, loads each rank's slices after sharding and trains as
+one process that called ``from_pretrained`` (fp64, ≤ 1e-10), its tensors right after the load equal to the file's
+exactly; GPT-2's embedding tied to its head across pipeline stages; ``ckpt_path`` wins over ``initial_weights``; bad
+input refused before launch. One launch of 4 processes runs every strategy (``tests/scenarios/
+pretrained_strategy_runs.py``); the reference runs here, in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from launch import run_scenarios
+
+from lightning_dist import FSDP2Strategy
+from lightning_dist.checkpoint import CheckpointError
+
+FP64_TOL = 1e-10
+STEPS, GLOBAL_BATCH = 3, 4
+STRATEGY_RUNS = ["fsdp2_llama", "tp_llama", "pp_llama", "cp_llama", "hybrid_llama", "pp_gpt2", "resume_llama"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from scenarios.models import tiny_hf_causal_lm
+
+    root = tmp_path_factory.mktemp("pretrained_strategies")
+    torch.manual_seed(0)
+    tiny_hf_causal_lm("llama").to(torch.bfloat16).save_pretrained(root / "llama", max_shard_size="20KB")
+    tiny_hf_causal_lm("gpt2").save_pretrained(root / "gpt2", max_shard_size="20KB")
+    return root
+
+
+def _one_process_losses(folder: Path) -> list[float]:
+    """One process that called ``from_pretrained`` in fp64, on the global batch of every step."""
+    from scenarios.common import SEQ_LEN, OneProcessData, StepRecorder, trainer_kwargs
+    from scenarios.models import PretrainedCausalLM
+
+    L.seed_everything(1234, verbose=False)
+    data = OneProcessData(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH, train_samples=64, val_samples=4)
+    steps = StepRecorder()
+    trainer = L.Trainer(**trainer_kwargs(1, strategy="auto", precision="64-true", limit_val_batches=0),
+                        max_steps=STEPS, callbacks=[steps])  # fmt: skip
+    trainer.fit(PretrainedCausalLM(str(folder), from_pretrained=True), data)
+    os.environ.pop("PL_GLOBAL_SEED", None)
+    return steps.losses
+
+
+@pytest.fixture(scope="module")
+def runs(folders: Path) -> dict:
+    return run_scenarios("pretrained_strategy_runs.py", 4, folders, STRATEGY_RUNS, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def references(folders: Path) -> dict[str, list[float]]:
+    return {kind: _one_process_losses(folders / kind) for kind in ("llama", "gpt2")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["fsdp2_llama", "tp_llama", "pp_llama", "cp_llama", "hybrid_llama", "pp_gpt2"])
+def test_every_strategy_starts_from_the_files_values_and_trains_as_from_pretrained(runs, references, scenario):
+    run = runs[scenario]
+    assert run["differ"] == [] and run["compared"] > 0, run["differ"]
+    assert len(run["log"]) == 1 and "initial_weights:" in run["log"][0] and "loaded into model" in run["log"][0]
+    reference = references[scenario.split("_")[1]]
+    assert len(run["losses"]) == len(reference) == STEPS
+    gap = max(abs(a - b) for a, b in zip(run["losses"], reference))
+    assert gap <= FP64_TOL, (run["losses"], reference)
+
+
+@pytest.mark.slow
+def test_a_resumed_fit_takes_the_checkpoint_not_initial_weights(runs):
+    run = runs["resume_llama"]
+    assert len(run["log"]) == 1 and run["log"][0].endswith("/llama' not read: resuming from ckpt_path"), run["log"]
+    assert run["differ"], "the fit started from the file's values, not from the checkpoint"
+    assert run["saved_step"] == STEPS and run["losses"] == []  # resumed at its step: nothing left to train
+
+
+# ------------------------------------------------------------------------------------------ before launch, one process
+def _refused_before_launch(folder: Path, module: L.LightningModule, tmp_path: Path) -> str:
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(initial_weights=str(folder)),
+                        max_steps=1, logger=False, enable_checkpointing=False, default_root_dir=tmp_path)  # fmt: skip
+    with pytest.raises(CheckpointError) as info:
+        trainer.fit(module)
+    assert not tmp_path.exists(), "a refused run wrote something"
+    return str(info.value)
+
+
+def test_another_models_folder_is_refused_before_launch(folders, tmp_path):
+    from scenarios.models import PretrainedCausalLM
+
+    with torch.device("meta"):
+        module = PretrainedCausalLM(str(folders / "llama"))
+    message = _refused_before_launch(folders / "gpt2", module, tmp_path / "run")
+    assert "none of the file's keys is a parameter name of the model" in message
+
+
+def test_a_missing_shard_is_refused_before_launch(folders, tmp_path):
+    from scenarios.models import PretrainedCausalLM
+
+    folder = tmp_path / "llama"
+    shutil.copytree(folders / "llama", folder)
+    (folder / "model-00003-of-00003.safetensors").unlink()
+    with torch.device("meta"):
+        module = PretrainedCausalLM(str(folder))
+    message = _refused_before_launch(folder, module, tmp_path / "run")
+    assert "model-00003-of-00003.safetensors" in message and "Was the download interrupted?" in message
+
+
+def test_a_wrong_dtype_or_shape_is_refused_before_launch(folders, tmp_path):
+    from safetensors.torch import load_file, save_file
+    from scenarios.models import PretrainedCausalLM
+
+    tensors = {k: v for f in sorted((folders / "llama").glob("*.safetensors")) for k, v in load_file(f).items()}
+    tensors["lm_head.weight"] = tensors["lm_head.weight"].to(torch.int16)
+    tensors["model.norm.weight"] = torch.ones(31, dtype=torch.bfloat16)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        module = PretrainedCausalLM(str(folders / "llama"))
+    message = _refused_before_launch(tmp_path / "model.safetensors", module, tmp_path / "run")
+    assert "model.norm.weight (file [31], model [32])" in message
+    assert "lm_head.weight (file torch.int16, model torch.bfloat16)" in message
+
+
+def test_initial_weights_must_be_a_path():
+    with pytest.raises(TypeError, match="initial_weights=3: expected the path"):
+        FSDP2Strategy(initial_weights=3)  # type: ignore[arg-type]

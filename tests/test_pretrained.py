@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from launch import run_scenarios
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lightning_dist.checkpoint import CheckpointError
@@ -241,3 +242,29 @@ def test_fsdp2_tied_gpt2_weights_stay_tied(fsdp2_runs):
     assert run["same_tensor"] and not run["head_in_file"]
     assert run["tied"] == {"transformer.wte.weight": ["lm_head.weight"]}
     assert run["differ"] == []
+
+
+# --------------------------------------------------------------------------- stacked experts (transformers 5 MoE), one process
+def test_a_mixtrals_per_expert_file_loads_into_its_stacked_experts(tmp_path):
+    import transformers as tf
+    from scenarios.models import tiny_hf_causal_lm
+
+    torch.manual_seed(0)
+    tiny_hf_causal_lm("mixtral").to(torch.bfloat16).save_pretrained(tmp_path / "mixtral", max_shard_size="30KB")
+    keys = set(read_pretrained_files(tmp_path / "mixtral").tensors)
+    assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in keys  # what save_pretrained writes
+    reference = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "mixtral", dtype=torch.float32).state_dict()
+    model = tf.AutoModelForCausalLM.from_config(
+        tf.AutoConfig.from_pretrained(tmp_path / "mixtral"), dtype=torch.float32
+    )
+    load_pretrained(model, tmp_path / "mixtral")
+    state = model.state_dict()
+    assert state["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 128, 32)
+    assert [k for k in reference if not torch.equal(state[k], reference[k])] == []
+
+    files = {k: v for f in sorted((tmp_path / "mixtral").glob("*.safetensors")) for k, v in load_file(f).items()}
+    del files["model.layers.1.block_sparse_moe.experts.2.w1.weight"]
+    save_file(files, tmp_path / "one_expert_short.safetensors")
+    message = _refusal(model, tmp_path / "one_expert_short.safetensors")
+    assert "not in the file: model.layers.1.mlp.experts.gate_up_proj" in message
+    assert "keys of the file are not in the model: model.layers.1.block_sparse_moe.experts.0.w1.weight" in message

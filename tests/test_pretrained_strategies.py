@@ -1,7 +1,8 @@
 """``initial_weights`` under every strategy (issue 42): a stock ``LlamaForCausalLM`` saved in bf16 into 3 shards, built
 from its config under ``trainer.init_module(empty_init=True)``, loads each rank's slices after sharding and trains as
 one process that called ``from_pretrained`` (fp64, ≤ 1e-10), its tensors right after the load equal to the file's
-exactly; GPT-2's embedding tied to its head across pipeline stages; ``ckpt_path`` wins over ``initial_weights``; bad
+exactly; a stock Mixtral under expert parallelism (its file's per-expert tensors into stacked experts); GPT-2's
+embedding tied to its head across pipeline stages; ``ckpt_path`` wins over ``initial_weights``; bad
 input refused before launch. One launch of 4 processes runs every strategy (``tests/scenarios/
 pretrained_strategy_runs.py``); the reference runs here, in this process.
 """
@@ -22,7 +23,8 @@ from lightning_dist.checkpoint import CheckpointError
 
 FP64_TOL = 1e-10
 STEPS, GLOBAL_BATCH = 3, 4
-STRATEGY_RUNS = ["fsdp2_llama", "tp_llama", "pp_llama", "cp_llama", "hybrid_llama", "pp_gpt2", "resume_llama"]
+TRAINING_RUNS = ["fsdp2_llama", "tp_llama", "pp_llama", "cp_llama", "hybrid_llama", "ep_mixtral", "pp_gpt2"]
+STRATEGY_RUNS = [*TRAINING_RUNS, "resume_llama"]
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +35,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
     tiny_hf_causal_lm("llama").to(torch.bfloat16).save_pretrained(root / "llama", max_shard_size="20KB")
     tiny_hf_causal_lm("gpt2").save_pretrained(root / "gpt2", max_shard_size="20KB")
+    tiny_hf_causal_lm("mixtral").to(torch.bfloat16).save_pretrained(root / "mixtral", max_shard_size="30KB")
     return root
 
 
@@ -58,11 +61,11 @@ def runs(folders: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def references(folders: Path) -> dict[str, list[float]]:
-    return {kind: _one_process_losses(folders / kind) for kind in ("llama", "gpt2")}
+    return {kind: _one_process_losses(folders / kind) for kind in ("llama", "gpt2", "mixtral")}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", ["fsdp2_llama", "tp_llama", "pp_llama", "cp_llama", "hybrid_llama", "pp_gpt2"])
+@pytest.mark.parametrize("scenario", TRAINING_RUNS)
 def test_every_strategy_starts_from_the_files_values_and_trains_as_from_pretrained(runs, references, scenario):
     run = runs[scenario]
     assert run["differ"] == [] and run["compared"] > 0, run["differ"]

@@ -173,3 +173,43 @@ def packed_sequences_not_detected() -> Iterator[None]:
 
 def _no_packed_sequences(position_ids: Any) -> None:
     return None
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoint names
+def checkpoint_conversions(module: Any) -> tuple[list[tuple[str, str]], list[tuple[tuple[str, ...], str, bool]]]:
+    """How the ``PreTrainedModel``s in ``module`` name their weights on disk where that differs from their parameters
+    (transformers 5 converts at ``from_pretrained`` and back at ``save_pretrained``): ``(renamings, stackings)``.
+
+    - a renaming ``(on_disk, in_model)``: a substring of the names (Mixtral's ``.block_sparse_moe.`` is ``.mlp.``);
+    - a stacking ``(sources, target, concatenated)``: a stacked experts parameter (``mlp.experts.gate_up_proj``)
+      made of one tensor per expert and source (``mlp.experts.*.gate_proj.weight``, ``*`` the expert index), stacked
+      on a new dim 0 and, when ``concatenated``, the sources concatenated on dim 1.
+
+    Other conversions (quantization, permutations for rotary, splits) are not reported: a name they change stays
+    unmatched and is refused by name."""
+    renamings: list[tuple[str, str]] = []
+    stackings: list[tuple[tuple[str, ...], str, bool]] = []
+    models = pretrained_models(module)
+    if not models:
+        return renamings, stackings
+    from transformers.conversion_mapping import (
+        Concatenate,
+        MergeModulelist,
+        WeightConverter,
+        WeightRenaming,
+        get_model_conversion_mapping,
+    )
+
+    for model in models:
+        for transform in get_model_conversion_mapping(model, add_legacy=False):
+            sources = [p for p in transform.source_patterns if isinstance(p, str)]
+            targets = [p for p in transform.target_patterns if isinstance(p, str)]
+            if isinstance(transform, WeightRenaming) and len(sources) == len(targets) == 1:
+                renamings.append((sources[0], targets[0]))
+            elif isinstance(transform, WeightConverter) and len(targets) == 1:
+                kinds = [(type(op), getattr(op, "dim", None)) for op in transform.operations]
+                if kinds == [(MergeModulelist, 0)] and len(sources) == 1:
+                    stackings.append((tuple(sources), targets[0], False))
+                elif kinds == [(MergeModulelist, 0), (Concatenate, 1)]:
+                    stackings.append((tuple(sources), targets[0], True))
+    return renamings, stackings

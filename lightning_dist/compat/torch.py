@@ -166,6 +166,20 @@ def storage_identity(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
+def local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The global offsets and the shape of the block of ``tensor`` this rank holds (the whole of a plain tensor).
+    A ``ValueError`` for placements whose local part is not one block (``_StridedShard``)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(tensor, DTensor):
+        return (0,) * tensor.dim(), tuple(tensor.shape)
+    if any(placement.is_shard() and type(placement) is not Shard for placement in tensor.placements):
+        raise ValueError(f"a DTensor placed {tensor.placements} holds more than one block on a rank")
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(offset), tuple(shape)
+
+
 def foreach_norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The 2-norm of each tensor, fused into few kernels (``torch._foreach_norm``); the tensors share a device."""
     return list(torch._foreach_norm(list(tensors)))

@@ -1,7 +1,7 @@
 """Every strategy started from pretrained weights with ``initial_weights`` (issue 42), 4 processes, fp64.
 
 The test writes the folders first (``<workdir>/llama``: a bf16 ``LlamaForCausalLM`` in 3 shards; ``<workdir>/gpt2``:
-a tied ``GPT2LMHeadModel``). Each scenario builds :class:`models.PretrainedCausalLM` from the folder's config under
+a tied ``GPT2LMHeadModel``; ``<workdir>/mixtral``: a ``MixtralForCausalLM``). Each scenario builds :class:`models.PretrainedCausalLM` from the folder's config under
 ``trainer.init_module(empty_init=True)`` (the meta device: no rank ever holds the model whole), fits 3 AdamW steps with
 the strategy given ``initial_weights``, and records: which tensors differ from the file's right after the load
 (every rank's, whole, in checkpoint row order), each step's loss averaged over the ranks, and the log line. The test
@@ -9,6 +9,9 @@ compares the losses with one process that called ``from_pretrained`` on the same
 
 - ``fsdp2_llama`` (dp_shard 4), ``tp_llama`` (tp 2 × dp 2), ``pp_llama`` (pp 2 × dp 2), ``cp_llama`` (cp 2 × dp 2),
   ``hybrid_llama`` (hybrid3d pp 2 × tp 2);
+- ``ep_mixtral``: a stock Mixtral under fsdp2 with expert_parallel_size 2: its file holds one tensor per expert and
+  projection (``block_sparse_moe.experts.3.w1.weight``), the model stacked experts (``mlp.experts.gate_up_proj``),
+  and each rank reads only its experts' pieces;
 - ``pp_gpt2``: GPT-2's embedding tied to its head across the two stages: the last stage's copy (``lm_head.weight``,
   not in the file) is loaded from ``transformer.wte.weight``;
 - ``resume_llama``: ``ckpt_path`` given: the weights come from the checkpoint and ``initial_weights`` is not read.
@@ -42,7 +45,8 @@ GLOBAL_BATCH, STEPS = 4, 3
 
 
 class LoadedValues(L.Callback):
-    """At fit start, before any step: the names of the tensors that differ from the file's values, over all ranks."""
+    """At fit start, before any step: the names of the tensors that differ from the file's values (as
+    ``from_pretrained`` reads them: Mixtral's per-expert tensors stacked), over all ranks."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
@@ -50,16 +54,15 @@ class LoadedValues(L.Callback):
         self.compared = 0
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from safetensors.torch import load_file
+        import transformers
 
-        files = {k: v for f in sorted(self.folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+        files = transformers.AutoModelForCausalLM.from_pretrained(self.folder, dtype=torch.float64).state_dict()
         state = get_model_state_dict(pl_module.model)  # checkpoint form: tensor-parallel rows in the file's order
         mine = []
         for name in sorted(state):
             value = state[name]
             full = (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()  # collective
-            key = name if name in files else "transformer.wte.weight" if name == "lm_head.weight" else name
-            if key not in files or not torch.equal(full, files[key].to(full.dtype)):
+            if not torch.equal(full, files[name]):
                 mine.append(name)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (mine, len(state)))
@@ -113,6 +116,8 @@ SCENARIOS = {
         context_parallel_size=2, data_parallel_shard_size=2, initial_weights=_weights("llama", w)), 2),
     "hybrid_llama": lambda d, w: _fit(d, w, "llama", Hybrid3DStrategy(
         pipeline_parallel_size=2, tensor_parallel_size=2, initial_weights=_weights("llama", w)), 1),
+    "ep_mixtral": lambda d, w: _fit(d, w, "mixtral", FSDP2Strategy(
+        expert_parallel_size=2, initial_weights=_weights("mixtral", w)), 4),
     "pp_gpt2": lambda d, w: _fit(d, w, "gpt2", PipelineStrategy(
         pipeline_parallel_size=2, data_parallel_shard_size=2, initial_weights=_weights("gpt2", w)), 2),
     "resume_llama": _resume,

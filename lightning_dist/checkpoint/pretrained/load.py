@@ -28,7 +28,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_dist.checkpoint.pretrained.files import PretrainedFiles, read_pretrained_files
 from lightning_dist.checkpoint.pretrained.matching import KeyMatch, match_keys, refuse_problems
+from lightning_dist.checkpoint.pretrained.stacked import read_stacked
 from lightning_dist.compat import non_persistent_buffer_names
+from lightning_dist.compat.hugging_face import checkpoint_conversions
 from lightning_dist.compat.torchao import plain_state
 
 
@@ -59,14 +61,20 @@ def load_pretrained(
     files do not fit the model; the model must be materialized (no meta tensors)."""
     files = read_pretrained_files(path)
     state = plain_state(get_model_state_dict(model))
-    match = match_keys(state, files, prefix, aliases, transient_names(model), tied_names(model))
+    renamings, stackings = checkpoint_conversions(model)
+    match = match_keys(
+        state, files, prefix, aliases, transient_names(model), tied_names(model), False, renamings, stackings
+    )
     distributed = dist.is_available() and dist.is_initialized()
     refuse_problems(files, _all_ranks(match) if distributed else [match])
     load(dict(match.targets), storage_reader=_reader(files), no_dist=not distributed)
+    for key, source in match.stacked.items():  # stacked experts: each rank reads its experts' pieces itself
+        read_stacked(state[key], source, files)
     for key, file_key in match.copies.items():
         _copy_value(state[key], match.targets[file_key])
     set_model_state_dict(model, state, options=StateDictOptions(strict=True))
-    return PretrainedLoad(files.path, match.prefix, len(match.targets), match.tied, match.outside_prefix)
+    loaded = len(match.targets) + len(match.stacked)
+    return PretrainedLoad(files.path, match.prefix, loaded, match.tied, match.outside_prefix)
 
 
 def check_pretrained_fit(model: nn.Module, path: str | os.PathLike, prefix: str | None = None) -> str:
@@ -74,7 +82,11 @@ def check_pretrained_fit(model: nn.Module, path: str | os.PathLike, prefix: str 
     :class:`~lightning_dist.checkpoint.CheckpointError` that :func:`load_pretrained` would, reading headers only.
     Returns the prefix found."""
     files = read_pretrained_files(path)
-    match = match_keys(model.state_dict(), files, prefix, None, transient_names(model), tied_names(model), True)
+    renamings, stackings = checkpoint_conversions(model)
+    state = model.state_dict()
+    match = match_keys(
+        state, files, prefix, None, transient_names(model), tied_names(model), True, renamings, stackings
+    )
     refuse_problems(files, [match])
     return match.prefix
 
@@ -99,7 +111,7 @@ def tied_names(model: nn.Module) -> list[list[str]]:
 
 def _all_ranks(match: KeyMatch) -> list[KeyMatch]:
     """Every rank's match (without its tensors), so that all ranks judge the same problems."""
-    mine = KeyMatch(match.prefix, {}, {}, {}, (), match.used, match.skipped, match.problems)
+    mine = KeyMatch(match.prefix, {}, {}, {}, (), match.used, match.skipped, {}, match.problems)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     return gathered

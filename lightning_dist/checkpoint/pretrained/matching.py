@@ -24,6 +24,7 @@ import torch
 
 from lightning_dist.checkpoint.errors import CheckpointError
 from lightning_dist.checkpoint.pretrained.files import PretrainedFiles
+from lightning_dist.checkpoint.pretrained.stacked import Renaming, StackedSource, Stacking, find_stacked, renamed_names
 
 SHOWN = 5  # how many names each refusal lists
 _COMPILED = "_orig_mod."
@@ -43,6 +44,7 @@ class KeyMatch:
         outside_prefix: The state outside the prefix (a new head), left as it is.
         used: The file keys this rank loads (targets' and copies').
         skipped: File keys loaded nowhere by design (non-persistent buffers).
+        stacked: State keys of stacked experts parameters → the file's per-expert tensors they are made of.
         problems: What does not fit on this rank: ``"unloaded"``, ``"shapes"``, ``"dtypes"``, ``"meta"`` → lines.
     """
 
@@ -53,6 +55,7 @@ class KeyMatch:
     outside_prefix: tuple[str, ...]
     used: frozenset[str]
     skipped: frozenset[str]
+    stacked: dict[str, StackedSource] = field(default_factory=dict)
     problems: dict[str, list[str]] = field(default_factory=dict)
 
 
@@ -64,11 +67,14 @@ def match_keys(
     transient: Iterable[str] = (),
     ties: Iterable[Sequence[str]] = (),
     allow_meta: bool = False,
+    renamings: Sequence[Renaming] = (),
+    stackings: Sequence[Stacking] = (),
 ) -> KeyMatch:
     """Match ``files`` to the tensors of ``state`` (``prefix`` found when ``None``). ``aliases``: state key → other
     names of the same weight the file may hold it under, as another tensor; ``transient``: the model's
     non-persistent buffer names; ``ties``: the names of each tensor registered under several (one tensor, loaded
-    once). The problems found are returned, not raised: see :func:`refuse_problems`."""
+    once); ``renamings`` and ``stackings``: how the model's own conversion table names weights on disk
+    (:mod:`.stacked`). The problems found are returned, not raised: see :func:`refuse_problems`."""
     by_name = _file_keys_by_name(files)
     if prefix is None:
         prefix = find_prefix(list(state), set(by_name), files)
@@ -78,6 +84,7 @@ def match_keys(
     targets: dict[str, torch.Tensor] = {}
     tied: dict[str, list[str]] = {}
     copies: dict[str, str] = {}
+    stacked: dict[str, StackedSource] = {}
     unloaded, outside = [], []
     for names, tensor in _groups(state, ties):
         relative = [name[len(prefix) :] for name in names if name.startswith(prefix)]
@@ -85,9 +92,15 @@ def match_keys(
             outside.append(names[0])
             continue
         candidates = [*relative, *(alias[len(prefix) :] for name in names for alias in aliases.get(name, ()))]
+        candidates = [renamed for name in candidates for renamed in renamed_names(name, renamings)]
         held = [by_name[name] for name in candidates if name in by_name]
         if not held:
-            unloaded.append(prefix + relative[0])
+            source = find_stacked(relative[0], tensor.shape[0], by_name, renamings, stackings) if tensor.dim() else None
+            if source is None:
+                unloaded.append(prefix + relative[0])
+            else:
+                rows = tuple(tuple(by_name[key] for key in row) for row in source.keys)
+                stacked[names[0]] = StackedSource(rows, source.concatenated)
             continue
         key = held[0]
         if key in targets:  # another tensor of the state loads from this key too: copied after the load
@@ -106,10 +119,13 @@ def match_keys(
         {key: tuple(names) for key, names in tied.items()},
         copies,
         tuple(outside),
-        frozenset(targets) | frozenset(copies.values()),
+        frozenset(targets)
+        | frozenset(copies.values())
+        | {key for src in stacked.values() for row in src.keys for key in row},
         frozenset(skipped),
+        stacked,
     )
-    match.problems.update(_problems(files, match, unloaded, allow_meta))
+    match.problems.update(_problems(files, match, state, unloaded, allow_meta))
     return match
 
 
@@ -194,7 +210,13 @@ def _groups(state: Mapping[str, torch.Tensor], ties: Iterable[Sequence[str]]) ->
     return list(groups.values())
 
 
-def _problems(files: PretrainedFiles, match: KeyMatch, unloaded: list[str], allow_meta: bool) -> dict[str, list[str]]:
+def _problems(
+    files: PretrainedFiles,
+    match: KeyMatch,
+    state: Mapping[str, torch.Tensor],
+    unloaded: list[str],
+    allow_meta: bool,
+) -> dict[str, list[str]]:
     problems: dict[str, list[str]] = {}
     if unloaded:
         problems["unloaded"] = unloaded
@@ -203,6 +225,11 @@ def _problems(files: PretrainedFiles, match: KeyMatch, unloaded: list[str], allo
         for key, tensor in match.targets.items()
         if tuple(tensor.shape) != files.tensors[key].shape
     ]
+    shapes += [
+        f"{name} (file {list(source.shape(files))} from {len(source.keys)} experts, model {list(state[name].shape)})"
+        for name, source in match.stacked.items()
+        if source.shape(files) != tuple(state[name].shape)
+    ]
     if shapes:
         problems["shapes"] = shapes
     kinds = [
@@ -210,9 +237,15 @@ def _problems(files: PretrainedFiles, match: KeyMatch, unloaded: list[str], allo
         for key, tensor in match.targets.items()
         if _kind(files.tensors[key].dtype) != _kind(tensor.dtype)
     ]
+    kinds += [
+        f"{name} (file {sorted(map(str, source.dtypes(files)))}, model {state[name].dtype})"
+        for name, source in match.stacked.items()
+        if any(_kind(dtype) != _kind(state[name].dtype) for dtype in source.dtypes(files))
+    ]
     if kinds:
         problems["dtypes"] = kinds
     meta = [key for key, tensor in match.targets.items() if tensor.device.type == "meta"]
+    meta += [name for name in match.stacked if state[name].device.type == "meta"]
     if meta and not allow_meta:
         problems["meta"] = meta
     return problems

@@ -31,7 +31,6 @@ class CheckpointTensors:
         self.weights_only = weights_only
         verify_checksums(self.path, weights_only)
         self.sharded = is_sharded_checkpoint(self.path)
-        self._file_state: dict[str, torch.Tensor] = {}
         if self.sharded:
             self.metadata = read_metadata(self.path, weights_only)
             index = read_dcp_index(self.path) if weights_only else None
@@ -42,10 +41,9 @@ class CheckpointTensors:
                 if fqn.startswith(f"{_STATE}.") and isinstance(meta, TensorStorageMetadata)
             }
         else:
-            checkpoint = read_checkpoint_file(self.path, weights_only, mmap=True)  # tensors stay on disk until read
-            self._file_state = {k: v for k, v in checkpoint[_STATE].items() if torch.is_tensor(v)}
+            checkpoint = self._mapped_file()
             self.metadata = {k: v for k, v in checkpoint.items() if k not in (_STATE, "optimizer_states")}
-            self.specs = {k: (v.shape, v.dtype) for k, v in self._file_state.items()}
+            self.specs = {k: (v.shape, v.dtype) for k, v in checkpoint[_STATE].items() if torch.is_tensor(v)}
         if not self.specs:
             raise CheckpointError(f"The checkpoint {str(self.path)!r} holds no model tensors in its 'state_dict'.")
 
@@ -60,8 +58,9 @@ class CheckpointTensors:
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The full values of ``names``, in memory (a copy of the file's bytes), and nothing else."""
-        if not self.sharded:
-            return {name: self._file_state[name].clone() for name in names}
+        if not self.sharded:  # mapped again for each read: the pages read before leave this process with the mapping
+            state = self._mapped_file()[_STATE]
+            return {name: state[name].clone() for name in names}
         state = {name: torch.empty(self.specs[name][0], dtype=self.specs[name][1]) for name in names}
         try:
             with warnings.catch_warnings():
@@ -75,6 +74,10 @@ class CheckpointTensors:
         except (Exception, dcp.CheckpointException) as err:  # DCP's CheckpointException is a BaseException
             raise shard_error(err, f"Could not read the shards of {str(self.path)!r}") from err
         return state
+
+    def _mapped_file(self) -> dict[str, Any]:
+        """The single-file checkpoint, its tensors memory-mapped (on disk until read)."""
+        return read_checkpoint_file(self.path, self.weights_only, mmap=True)
 
 
 def _trusted_index(path: Path) -> Any:

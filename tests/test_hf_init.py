@@ -178,3 +178,32 @@ def test_a_non_finite_first_loss_is_reported_on_every_setting(runs):
         assert len(first) == 1 and first[0].startswith(f"The first training loss is not finite, {FIRST_STEP}.")
         assert ("Its optimizer step is skipped" if mode == "skip" else "Training goes on") in first[0]
         assert run["error"] is None and run["global_step"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["empty_init_llama", "tp_llama", "pp_llama"])
+def test_two_process_checkpoints_export_to_a_hugging_face_folder(runs, name, tmp_path):
+    """Issue 42: the sharded folders of 2-rank fsdp2, tensor_parallel and pipeline runs export as ≥ 3 shards that
+    ``from_pretrained`` loads strictly, with the logits of the trained weights (fp64)."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_dist.checkpoint.consolidate import load_full_checkpoint
+    from lightning_dist.checkpoint.export import export_checkpoint
+
+    checkpoint = runs[name]["checkpoint"]
+    report = export_checkpoint(checkpoint, tmp_path / "hf", max_shard_size="40KB")
+    shards = [f for f in report.files if f.endswith(".safetensors")]
+    assert len(shards) >= 3 and "model.safetensors.index.json" in report.files
+    assert report.peak_tensor_bytes <= 40_000 < report.total_bytes
+    exported, info = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf",
+        output_loading_info=True,
+        attn_implementation="eager",  # the trained model's (fp32 softmax)
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert exported.dtype == torch.float64  # config.json's dtype is the trained weights'
+    trained = _tiny("llama").double()
+    trained.load_state_dict({k[len("model.") :]: v for k, v in load_full_checkpoint(checkpoint)["state_dict"].items()})
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(exported(tokens).logits, trained(tokens).logits, atol=1e-12, rtol=0)

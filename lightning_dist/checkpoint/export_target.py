@@ -2,14 +2,17 @@
 
 An export writes only to a path that does not exist, or over an earlier export: a file that an export marked as one
 when it wrote it (:func:`mark_export` for a ``torch.save`` checkpoint, :data:`SAFETENSORS_MARKER` in a safetensors
-header). Everything else is refused by :func:`check_export_target` before anything is read or written, with the
+header), or a folder an export wrote (:data:`EXPORT_FOLDER_MARKER` listing every file in it, each safetensors file
+carrying the header mark). Everything else is refused by :func:`check_export_target` before anything is read or written, with the
 reason:
 
 * the checkpoint being read, a link to it, or a path inside it;
 * a training checkpoint: a folder with DCP shards, a DCP index, a ``COMPLETE`` manifest or ``meta.pt`` (ours,
   Lightning's, or an unfinished save), or a single file holding Lightning's loop state or our provenance without the
   export mark. Its contents may be identical to an export's; only the mark says a tool may replace it;
-* anything else: a symbolic link, a directory, a file of any other kind.
+* a folder holding anything an export did not write (a file of the user's beside an export's), or without the
+  folder mark;
+* anything else: a symbolic link, a file of any other kind.
 
 A training run never carries the mark: a strategy writes a fresh provenance entry into every checkpoint it saves.
 """
@@ -29,6 +32,8 @@ from lightning_dist.checkpoint.safe_load import probe_entries
 EXPORT_ENTRY = "export"
 #: Key of the safetensors header metadata that marks our exports (value ``"consolidated"``).
 SAFETENSORS_MARKER = "lightning_dist"
+#: The file in an exported folder that lists the files the export wrote there (itself excepted).
+EXPORT_FOLDER_MARKER = "lightning_dist_export.json"
 
 _RULE = (
     "An export writes only to a path that does not exist or over an earlier export of lightning_dist (a file it marked"
@@ -70,9 +75,16 @@ def what_is_there(path: Path) -> str | None:
         signs = _training_folder_signs(path)
         if signs:
             return f"it is a sharded training checkpoint (a folder with {signs})"
+        if is_own_export_folder(path):
+            return None
         entries = sorted(p.name for p in path.iterdir())
         if not entries:
             return "it is an empty directory"
+        if EXPORT_FOLDER_MARKER in entries:
+            ours = set(_listed_files(path / EXPORT_FOLDER_MARKER) or ())
+            others = [name for name in entries if name not in ours and name != EXPORT_FOLDER_MARKER]
+            if others:
+                return f"it is an export folder holding files an export did not write ({', '.join(others[:5])})"
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
         return f"it is a directory ({len(entries)} entr{'y' if len(entries) == 1 else 'ies'}: {shown})"
     if not path.is_file():
@@ -92,6 +104,40 @@ def what_is_there(path: Path) -> str | None:
     return f"it is a file that is not an export of lightning_dist ({file_size(path)})"
 
 
+def mark_export_folder(folder: Path, files: list[str], fmt: str) -> None:
+    """Write :data:`EXPORT_FOLDER_MARKER` into ``folder``, listing ``files`` (names inside it) as the export's."""
+    marker = {"tool": "export", "format": fmt, "files": sorted(files)}
+    (folder / EXPORT_FOLDER_MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
+
+
+def is_own_export_folder(path: Path) -> bool:
+    """Whether ``path`` is a folder an export wrote: its marker lists every other entry, each a plain file, and every
+    safetensors file carries the header mark."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    listed = _listed_files(path / EXPORT_FOLDER_MARKER)
+    if listed is None:
+        return False
+    entries = {p.name: p for p in path.iterdir() if p.name != EXPORT_FOLDER_MARKER}
+    if not set(entries) <= set(listed):
+        return False
+    return all(
+        p.is_file() and not p.is_symlink() and (not p.name.endswith(".safetensors") or is_own_safetensors(p))
+        for p in entries.values()
+    )
+
+
+def _listed_files(marker: Path) -> list[str] | None:
+    if marker.is_symlink() or not marker.is_file():
+        return None
+    try:
+        content = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    files = content.get("files") if isinstance(content, dict) else None
+    return [f for f in files if isinstance(f, str)] if isinstance(files, list) else None
+
+
 def is_own_safetensors(path: Path) -> bool:
     """Whether ``path`` is a safetensors file an export of ours wrote (its header metadata carries our marker)."""
     if path.is_symlink() or not path.is_file():
@@ -105,7 +151,11 @@ def is_own_safetensors(path: Path) -> bool:
     except (OSError, ValueError):
         return False
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
-    return isinstance(metadata, dict) and metadata.get(SAFETENSORS_MARKER) == "consolidated"
+    return isinstance(metadata, dict) and metadata.get(SAFETENSORS_MARKER) in _SAFETENSORS_MARKS
+
+
+#: The values of :data:`SAFETENSORS_MARKER`: a consolidated file, a shard of an exported folder.
+_SAFETENSORS_MARKS = ("consolidated", "exported")
 
 
 def _reading(out: Path, source: Path) -> str | None:

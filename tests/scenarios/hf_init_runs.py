@@ -140,7 +140,7 @@ def _data(samples_per_rank: int = 2 * BATCH) -> TextDataModule:
     return TextDataModule(seq_len=SEQ_LEN, batch_size=BATCH, train_samples=2 * samples_per_rank, val_samples=BATCH)
 
 
-def _empty_init_run(devices: int, kind: str, strategy: Any) -> dict[str, Any]:
+def _empty_init_run(devices: int, kind: str, strategy: Any, save_to: str | None = None) -> dict[str, Any]:
     L.seed_everything(1234, verbose=False)
     torch.manual_seed(WEIGHTS_SEED)
     reference = tiny(kind)  # the same weights on every rank: a normal build
@@ -155,7 +155,10 @@ def _empty_init_run(devices: int, kind: str, strategy: Any) -> dict[str, Any]:
         warnings.simplefilter("always")
         trainer.fit(module, _data())
     log.close()
+    if save_to is not None:  # exported by tests/test_hf_init.py (issue 42)
+        trainer.save_checkpoint(save_to)
     return {
+        "checkpoint": save_to,
         **load.facts,
         "losses": first.losses,
         "reference_losses": first.reference_losses,
@@ -241,7 +244,12 @@ def _first_loss_run(devices: int, mode: str) -> dict[str, Any]:
 
 
 def _fsdp2_run(kind: str) -> Any:
-    return lambda devices, workdir: _empty_init_run(devices, kind, FSDP2Strategy())
+    return lambda devices, workdir: _empty_init_run(devices, kind, FSDP2Strategy(), _saved(kind, workdir))
+
+
+def _saved(kind: str, workdir: str, strategy: str = "fsdp2") -> str | None:
+    """Where a Llama run saves its checkpoint, for the export test."""
+    return f"{workdir}/{kind}_{strategy}" if kind == "llama" else None
 
 
 def _first_loss(mode: str) -> Any:
@@ -251,9 +259,11 @@ def _first_loss(mode: str) -> Any:
 SCENARIOS = {
     **{f"empty_init_{kind}": _fsdp2_run(kind) for kind in ("llama", "gpt2", "qwen3", "mixtral")},
     "tp_llama": lambda devices, workdir: _empty_init_run(
-        devices, "llama", TensorParallelStrategy(tensor_parallel_size=devices)
+        devices, "llama", TensorParallelStrategy(tensor_parallel_size=devices), _saved("llama", workdir, "tp")
     ),
-    "pp_llama": lambda devices, workdir: _empty_init_run(devices, "llama", PipelineStrategy()),
+    "pp_llama": lambda devices, workdir: _empty_init_run(
+        devices, "llama", PipelineStrategy(), _saved("llama", workdir, "pp")
+    ),
     "compile_default": lambda devices, workdir: _compiled_run(devices),
     "compile_no_cache": lambda devices, workdir: _compiled_run(devices, use_cache=False),
     **{f"first_loss_{mode}": _first_loss(mode) for mode in ("ignore", "skip", "stop")},

@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dist.checkpoint import model_state as states
+from lightning_dist.checkpoint.export.model_configs import PRETRAINED_CONFIGS_KEY, pretrained_configs
 from lightning_dist.checkpoint.layout import PROVENANCE_KEY
 from lightning_dist.checkpoint.safe_load import resolve_weights_only
 from lightning_dist.checkpoint.state_paths import StatePath
@@ -113,13 +114,17 @@ class ShardedCheckpointing:
         self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def _checkpoint_provenance(self) -> dict[str, Any]:
-        return {
+        provenance = {
             "strategy": type(self).__name__,
             "world_size": self.world_size,
             "mesh": self.parallel_dims.as_dict(),
             "format": "full" if self.checkpoint_io.full_state else "sharded",
             "version": __version__,
         }
+        configs = pretrained_configs(self.lightning_module) if self.lightning_module is not None else []
+        if configs:  # what `lightning-dist export` writes config.json / model_config.yaml from
+            provenance[PRETRAINED_CONFIGS_KEY] = configs
+        return provenance
 
     @override
     def load_checkpoint(self, checkpoint_path: StrOrPath, weights_only: bool | None = None) -> dict[str, Any]:

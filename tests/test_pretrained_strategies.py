@@ -23,35 +23,58 @@ from lightning_dist.checkpoint import CheckpointError
 
 FP64_TOL = 1e-10
 STEPS, GLOBAL_BATCH = 3, 4
-TRAINING_RUNS = ["fsdp2_llama", "tp_llama", "pp_llama", "cp_llama", "hybrid_llama", "ep_mixtral", "pp_gpt2"]
+TRAINING_RUNS = ["fsdp2_llama", "tp_llama", "pp_llama", "cp_llama", "hybrid_llama", "ep_mixtral", "pp_gpt2",
+                 "fsdp2_litgpt", "tp_litgpt"]  # fmt: skip
 STRATEGY_RUNS = [*TRAINING_RUNS, "resume_llama"]
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from scenarios.models import tiny_hf_causal_lm
+    from scenarios.models import save_litgpt_folder, tiny_hf_causal_lm
 
     root = tmp_path_factory.mktemp("pretrained_strategies")
     torch.manual_seed(0)
     tiny_hf_causal_lm("llama").to(torch.bfloat16).save_pretrained(root / "llama", max_shard_size="20KB")
     tiny_hf_causal_lm("gpt2").save_pretrained(root / "gpt2", max_shard_size="20KB")
     tiny_hf_causal_lm("mixtral").to(torch.bfloat16).save_pretrained(root / "mixtral", max_shard_size="30KB")
+    save_litgpt_folder(root / "litgpt")
     return root
 
 
-def _one_process_losses(folder: Path) -> list[float]:
-    """One process that called ``from_pretrained`` in fp64, on the global batch of every step."""
+def _one_process_run(folder: Path) -> tuple[list[float], torch.Tensor]:
+    """One process that loaded the weights as their library does (``from_pretrained`` in fp64; litgpt's
+    ``load_state_dict``), on the global batch of every step: its losses, and its logits on :data:`PROBE` after
+    training."""
     from scenarios.common import SEQ_LEN, OneProcessData, StepRecorder, trainer_kwargs
-    from scenarios.models import PretrainedCausalLM
+    from scenarios.models import PretrainedCausalLM, PretrainedLitGPT
 
     L.seed_everything(1234, verbose=False)
     data = OneProcessData(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH, train_samples=64, val_samples=4)
     steps = StepRecorder()
     trainer = L.Trainer(**trainer_kwargs(1, strategy="auto", precision="64-true", limit_val_batches=0),
                         max_steps=STEPS, callbacks=[steps])  # fmt: skip
-    trainer.fit(PretrainedCausalLM(str(folder), from_pretrained=True), data)
+    module = (PretrainedLitGPT if folder.name == "litgpt" else PretrainedCausalLM)(str(folder), from_pretrained=True)
+    trainer.fit(module, data)
     os.environ.pop("PL_GLOBAL_SEED", None)
-    return steps.losses
+    with torch.no_grad():
+        return steps.losses, _logits(module.model)
+
+
+def _implementations(kind: str) -> dict[str, str]:
+    """The experts as a loop, as the reference runs them (grouped_mm, transformers' CPU default, takes no fp64)."""
+    return {"experts_implementation": "eager"} if kind == "mixtral" else {}
+
+
+PROBE = torch.arange(16).reshape(2, 8) % 64
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    out = (
+        model(PROBE)
+        if not hasattr(model, "config") or not hasattr(model.config, "model_type")
+        else model(input_ids=PROBE).logits
+    )
+    return out.detach().to(torch.float64)
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +83,8 @@ def runs(folders: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def references(folders: Path) -> dict[str, list[float]]:
-    return {kind: _one_process_losses(folders / kind) for kind in ("llama", "gpt2", "mixtral")}
+def references(folders: Path) -> dict[str, tuple[list[float], torch.Tensor]]:
+    return {kind: _one_process_run(folders / kind) for kind in ("llama", "gpt2", "mixtral", "litgpt")}
 
 
 @pytest.mark.slow
@@ -70,10 +93,40 @@ def test_every_strategy_starts_from_the_files_values_and_trains_as_from_pretrain
     run = runs[scenario]
     assert run["differ"] == [] and run["compared"] > 0, run["differ"]
     assert len(run["log"]) == 1 and "initial_weights:" in run["log"][0] and "loaded into model" in run["log"][0]
-    reference = references[scenario.split("_")[1]]
+    reference, _ = references[scenario.split("_")[1]]
     assert len(run["losses"]) == len(reference) == STEPS
     gap = max(abs(a - b) for a, b in zip(run["losses"], reference))
     assert gap <= FP64_TOL, (run["losses"], reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", TRAINING_RUNS)
+def test_the_trained_checkpoint_exports_to_what_its_library_loads_strictly(runs, references, scenario, tmp_path):
+    """``export`` of each run's (sharded) checkpoint: Hugging Face models load strictly with ``from_pretrained``,
+    litgpt's with ``load_state_dict(strict=True)``, and give the logits of the one-process model trained alike."""
+    import transformers
+
+    from lightning_dist.checkpoint.export import export_checkpoint
+
+    kind = scenario.split("_")[1]
+    if kind == "litgpt":
+        from litgpt.config import Config
+        from litgpt.model import GPT
+
+        export_checkpoint(runs[scenario]["checkpoint"], tmp_path / "out", format="litgpt")
+        model = GPT(Config.from_file(tmp_path / "out" / "model_config.yaml")).to(torch.float64)
+        model.load_state_dict(torch.load(tmp_path / "out" / "lit_model.pth", weights_only=True), strict=True)
+    else:
+        export_checkpoint(runs[scenario]["checkpoint"], tmp_path / "out", format="hf", max_shard_size="40KB")
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "out", dtype=torch.float64, output_loading_info=True, **_implementations(kind)
+        )
+        assert not any(info.values()), info  # no missing, unexpected or mismatched key
+    with torch.no_grad():
+        logits = _logits(model.eval())
+    # the issue's bar is 1e-5 (fp32); measured in fp64 against the one-process model: HF ≤ 1e-9, litgpt 4.1e-8
+    gap = float((logits - references[kind][1]).abs().max())
+    assert gap <= 1e-6, gap
 
 
 @pytest.mark.slow

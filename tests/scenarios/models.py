@@ -32,6 +32,7 @@ from the scenario scripts, so both the scripts (``from models import ...``) and 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -543,8 +544,9 @@ class PretrainedCausalLM(L.LightningModule):
         super().__init__()
         import transformers as tf
 
-        if from_pretrained:
-            self.model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+        if from_pretrained:  # the experts as a loop: grouped_mm, transformers' CPU default, takes no fp64
+            moe = {"experts_implementation": "eager"} if "mixtral" in Path(folder).name else {}
+            self.model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64, **moe)
         else:
             self.model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(folder))
         self.lr = lr
@@ -556,3 +558,36 @@ class PretrainedCausalLM(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class PretrainedLitGPT(PretrainedCausalLM):
+    """A litgpt ``GPT`` of a litgpt folder (``model_config.yaml``, ``lit_model.pth``): built from the config, or with
+    the weights loaded in fp64 (the one-process reference)."""
+
+    def __init__(self, folder: str, from_pretrained: bool = False, lr: float = 1e-3) -> None:
+        L.LightningModule.__init__(self)
+        from litgpt.config import Config
+        from litgpt.model import GPT
+
+        self.model = GPT(Config.from_file(Path(folder) / "model_config.yaml"))
+        if from_pretrained:
+            self.model.to(torch.float64).load_state_dict(torch.load(Path(folder) / "lit_model.pth", weights_only=True))
+        self.lr = lr
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        logits = self.model(batch["input_ids"])
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+
+def save_litgpt_folder(folder: Path) -> None:
+    """A tiny litgpt ``GPT`` in bf16 as litgpt stores one: ``lit_model.pth`` and ``model_config.yaml``."""
+    from litgpt.config import Config
+    from litgpt.model import GPT
+    from litgpt.utils import save_config
+
+    config = Config(block_size=SEQ_LEN, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32,
+                    n_query_groups=2, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=64,
+                    bias=False)  # fmt: skip
+    folder.mkdir(parents=True)
+    torch.save(GPT(config).to(torch.bfloat16).state_dict(), folder / "lit_model.pth")
+    save_config(config, folder)

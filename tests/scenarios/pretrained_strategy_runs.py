@@ -1,7 +1,8 @@
 """Every strategy started from pretrained weights with ``initial_weights`` (issue 42), 4 processes, fp64.
 
 The test writes the folders first (``<workdir>/llama``: a bf16 ``LlamaForCausalLM`` in 3 shards; ``<workdir>/gpt2``:
-a tied ``GPT2LMHeadModel``; ``<workdir>/mixtral``: a ``MixtralForCausalLM``). Each scenario builds :class:`models.PretrainedCausalLM` from the folder's config under
+a tied ``GPT2LMHeadModel``; ``<workdir>/mixtral``: a ``MixtralForCausalLM``; ``<workdir>/litgpt``: a litgpt folder). After each fit a checkpoint is saved for the
+test to export. Each scenario builds :class:`models.PretrainedCausalLM` from the folder's config under
 ``trainer.init_module(empty_init=True)`` (the meta device: no rank ever holds the model whole), fits 3 AdamW steps with
 the strategy given ``initial_weights``, and records: which tensors differ from the file's right after the load
 (every rank's, whole, in checkpoint row order), each step's loss averaged over the ranks, and the log line. The test
@@ -12,6 +13,9 @@ compares the losses with one process that called ``from_pretrained`` on the same
 - ``ep_mixtral``: a stock Mixtral under fsdp2 with expert_parallel_size 2: its file holds one tensor per expert and
   projection (``block_sparse_moe.experts.3.w1.weight``), the model stacked experts (``mlp.experts.gate_up_proj``),
   and each rank reads only its experts' pieces;
+- ``fsdp2_litgpt``, ``tp_litgpt``: a litgpt ``GPT`` (fused ``qkv``) from its ``lit_model.pth`` (litgpt under a
+  pipeline cannot be built on the meta device yet: its rotary cache stays on the meta device, with or without
+  initial_weights);
 - ``pp_gpt2``: GPT-2's embedding tied to its head across the two stages: the last stage's copy (``lm_head.weight``,
   not in the file) is loaded from ``transformer.wte.weight``;
 - ``resume_llama``: ``ckpt_path`` given: the weights come from the checkpoint and ``initial_weights`` is not read.
@@ -28,7 +32,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from common import SEQ_LEN, LogLines, StepRecorder, run_scenario_script, trainer_kwargs  # type: ignore[import-not-found]
-from models import PretrainedCausalLM  # type: ignore[import-not-found]
+from models import PretrainedCausalLM, PretrainedLitGPT  # type: ignore[import-not-found]
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -54,9 +58,7 @@ class LoadedValues(L.Callback):
         self.compared = 0
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        import transformers
-
-        files = transformers.AutoModelForCausalLM.from_pretrained(self.folder, dtype=torch.float64).state_dict()
+        files = type(pl_module)(str(self.folder), from_pretrained=True).model.state_dict()
         state = get_model_state_dict(pl_module.model)  # checkpoint form: tensor-parallel rows in the file's order
         mine = []
         for name in sorted(state):
@@ -71,6 +73,7 @@ class LoadedValues(L.Callback):
 
 
 def _fit(devices: int, workdir: str, kind: str, strategy: Any, dp: int, ckpt_path: str | None = None) -> dict:
+    """Fit, then save a checkpoint (``<workdir>/<kind>_<strategy>.ckpt``: the test exports it)."""
     folder = Path(workdir) / kind
     L.seed_everything(1234, verbose=False)
     data = TextDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, train_samples=64, val_samples=4)
@@ -79,10 +82,14 @@ def _fit(devices: int, workdir: str, kind: str, strategy: Any, dp: int, ckpt_pat
     trainer = L.Trainer(**trainer_kwargs(devices, strategy=strategy, precision="64-true", limit_val_batches=0),
                         max_steps=STEPS, callbacks=[values, steps])  # fmt: skip
     with trainer.init_module(empty_init=True):
-        module = PretrainedCausalLM(str(folder))
+        module = (PretrainedLitGPT if kind == "litgpt" else PretrainedCausalLM)(str(folder))
     trainer.fit(module, data, ckpt_path=ckpt_path)
     log.close()
-    return {"differ": values.differ, "compared": values.compared, "losses": steps.losses, "log": log.lines}
+    checkpoint = Path(workdir) / f"{kind}_{type(strategy).__name__}.ckpt"
+    if ckpt_path is None:
+        trainer.save_checkpoint(checkpoint)
+    return {"differ": values.differ, "compared": values.compared, "losses": steps.losses, "log": log.lines,
+            "checkpoint": str(checkpoint)}  # fmt: skip
 
 
 def _resume(devices: int, workdir: str) -> dict:
@@ -118,6 +125,9 @@ SCENARIOS = {
         pipeline_parallel_size=2, tensor_parallel_size=2, initial_weights=_weights("llama", w)), 1),
     "ep_mixtral": lambda d, w: _fit(d, w, "mixtral", FSDP2Strategy(
         expert_parallel_size=2, initial_weights=_weights("mixtral", w)), 4),
+    "fsdp2_litgpt": lambda d, w: _fit(d, w, "litgpt", FSDP2Strategy(initial_weights=_weights("litgpt", w)), 4),
+    "tp_litgpt": lambda d, w: _fit(d, w, "litgpt", TensorParallelStrategy(
+        tensor_parallel_size=2, data_parallel_shard_size=2, initial_weights=_weights("litgpt", w)), 2),
     "pp_gpt2": lambda d, w: _fit(d, w, "gpt2", PipelineStrategy(
         pipeline_parallel_size=2, data_parallel_shard_size=2, initial_weights=_weights("gpt2", w)), 2),
     "resume_llama": _resume,

@@ -1,6 +1,8 @@
 """Pretrained weights as they lie on disk: a Hugging Face folder (``model.safetensors.index.json`` and its shards, or
-one ``model.safetensors``) or a single ``*.safetensors`` file. Each key's shape and dtype come from the files'
-headers; no tensor is read.
+one ``model.safetensors``), a single ``*.safetensors`` file, or a ``torch.save`` state dict (a litgpt folder's
+``lit_model.pth``, or a ``*.pth``/``*.pt``/``*.bin`` file). Each safetensors key's shape and dtype come from the
+files' headers; a ``torch.save`` file is memory-mapped with weights-only unpickling (nothing but tensors and plain
+data is unpickled), so its tensors are read only where a rank copies its slices.
 
 A folder's index is the truth about which files hold the weights: a shard it names that is not there is refused
 before anything loads, and other ``*.safetensors`` files beside it (Mistral's ``consolidated.safetensors``) are not
@@ -23,6 +25,8 @@ from lightning_dist.checkpoint.errors import CheckpointError
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
 SUFFIX = ".safetensors"
+LIT_MODEL_NAME = "lit_model.pth"
+TORCH_SUFFIXES = (".pth", ".pt", ".bin")
 _HEADER_LIMIT = 100_000_000  # bytes; safetensors refuses larger headers too
 # the safetensors format's dtype names (https://huggingface.co/docs/safetensors/index#format)
 _DTYPES = {
@@ -48,6 +52,8 @@ class PretrainedFiles:
     path: Path
     files: tuple[Path, ...]
     tensors: dict[str, FileTensor]
+    #: A ``torch.save`` file's tensors, memory-mapped (``None`` for safetensors, which DCP reads).
+    mapped: dict[str, torch.Tensor] | None = None
 
 
 def read_pretrained_files(path: str | os.PathLike) -> PretrainedFiles:
@@ -55,6 +61,10 @@ def read_pretrained_files(path: str | os.PathLike) -> PretrainedFiles:
     the headers. A :class:`CheckpointError` for a path that holds no weights, a missing shard, or an index that names
     keys its shards lack."""
     path = Path(path)
+    if path.is_file() and path.suffix in TORCH_SUFFIXES:
+        return _torch_file(path)
+    if path.is_dir() and not (path / INDEX_NAME).is_file() and (path / LIT_MODEL_NAME).is_file():
+        return _torch_file(path / LIT_MODEL_NAME)
     if path.is_file():
         if path.suffix != SUFFIX:
             raise CheckpointError(f"Pretrained weights {str(path)!r}: not a {SUFFIX} file.")
@@ -73,6 +83,24 @@ def read_pretrained_files(path: str | os.PathLike) -> PretrainedFiles:
         f"Pretrained weights {str(path)!r}: a folder needs {INDEX_NAME} (with its shards) or one {SUFFIX} file; it"
         f" holds {found}."
     )
+
+
+def _torch_file(file: Path) -> PretrainedFiles:
+    """A ``torch.save`` state dict (litgpt's ``lit_model.pth``; a ``{"model": state}`` checkpoint too),
+    memory-mapped, unpickled weights-only."""
+    try:
+        state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unpickling or format error: the file is not what it claims
+        raise CheckpointError(
+            f"Pretrained weights {str(file)!r}: not a state dict that loads with weights-only unpickling ({err})."
+        ) from None
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)} if isinstance(state, dict) else {}
+    if not tensors:
+        raise CheckpointError(f"Pretrained weights {str(file)!r}: holds no state dict of tensors.")
+    described = {key: FileTensor(tuple(value.shape), value.dtype, file) for key, value in tensors.items()}
+    return PretrainedFiles(file, (file,), described, tensors)
 
 
 def _indexed_folder(folder: Path) -> PretrainedFiles:

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from lightning_dist.checkpoint.pretrained.files import PretrainedFiles, read_pretrained_files
 from lightning_dist.checkpoint.pretrained.matching import KeyMatch, match_keys, refuse_problems
 from lightning_dist.checkpoint.pretrained.stacked import read_stacked
-from lightning_dist.compat import non_persistent_buffer_names
+from lightning_dist.compat import local_region, non_persistent_buffer_names
 from lightning_dist.compat.hugging_face import checkpoint_conversions
 from lightning_dist.compat.torchao import plain_state
 
@@ -52,7 +52,8 @@ def load_pretrained(
     prefix: str | None = None,
     aliases: Mapping[str, Sequence[str]] | None = None,
 ) -> PretrainedLoad:
-    """Load the safetensors weights at ``path`` (a Hugging Face folder or one ``*.safetensors`` file) into ``model``'s
+    """Load the weights at ``path`` (a Hugging Face folder, one ``*.safetensors`` file, a litgpt folder's
+    ``lit_model.pth`` or another ``torch.save`` state dict) into ``model``'s
     parameters and persistent buffers in place, DTensor shards included. ``prefix``: the name of the submodule that
     holds the pretrained model, with its dot (``"model."``); found from the names when ``None``. ``aliases``: state key
     → other names the file may hold the same weight under (a pipeline stage's copy of a tied weight).
@@ -67,7 +68,11 @@ def load_pretrained(
     )
     distributed = dist.is_available() and dist.is_initialized()
     refuse_problems(files, _all_ranks(match) if distributed else [match])
-    load(dict(match.targets), storage_reader=_reader(files), no_dist=not distributed)
+    if files.mapped is None:
+        load(dict(match.targets), storage_reader=_reader(files), no_dist=not distributed)
+    else:  # a torch.save file, memory-mapped: each rank copies its slices, touching only their pages
+        for key, target in match.targets.items():
+            _copy_value(target, files.mapped[key])
     for key, source in match.stacked.items():  # stacked experts: each rank reads its experts' pieces itself
         read_stacked(state[key], source, files)
     for key, file_key in match.copies.items():
@@ -118,16 +123,23 @@ def _all_ranks(match: KeyMatch) -> list[KeyMatch]:
 
 
 def _copy_value(target: torch.Tensor, source: torch.Tensor) -> None:
-    """``target`` ← ``source``'s value, whatever the two layouts (a tied weight's copies on one rank)."""
+    """``target`` ← ``source``'s value, whatever the two layouts (a tied weight's copies on one rank; a whole,
+    memory-mapped tensor into this rank's block: only that block is read, on the CPU)."""
     with torch.no_grad():
         if isinstance(source, DTensor) and isinstance(target, DTensor) and source.placements == target.placements:
             target.to_local().copy_(source.to_local())
             return
         full = source.full_tensor() if isinstance(source, DTensor) else source
-        if isinstance(target, DTensor):
-            full = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
-            target = target.to_local()
-        target.copy_(full)
+        if not isinstance(target, DTensor):
+            target.copy_(full)
+            return
+        try:
+            offsets, shape = local_region(target)
+            block = full[tuple(slice(offset, offset + size) for offset, size in zip(offsets, shape))]
+        except ValueError:  # not one block (a strided shard): cut it as DTensor does
+            full = full.to(target.device)
+            block = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        target.to_local().copy_(block)
 
 
 def _reader(files: PretrainedFiles) -> HuggingFaceStorageReader:

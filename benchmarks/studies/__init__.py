@@ -3,8 +3,9 @@
 :mod:`~benchmarks.studies.context_parallel` (activation memory, bytes sent and step time;
 docs/strategies/context_parallel.md), :mod:`~benchmarks.studies.float8_parity` (FP8 against no float8;
 docs/float8.md), :mod:`~benchmarks.studies.planner_accuracy` (the planner's estimates against real runs;
-docs/choosing_a_mesh.md), :mod:`~benchmarks.studies.checkpoint_integrity` (docs/checkpoints.md) and
-:mod:`~benchmarks.studies.checkpoint_security` (docs/security.md).
+docs/choosing_a_mesh.md), :mod:`~benchmarks.studies.checkpoint_integrity` (docs/checkpoints.md),
+:mod:`~benchmarks.studies.checkpoint_security` (docs/security.md) and :mod:`~benchmarks.studies.pretrained_load`
+(host memory of pretrained loads; docs/pretrained.md).
 
 Below, what the tests use of them, under names that say which study each comes from.
 """

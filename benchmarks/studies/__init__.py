@@ -4,8 +4,8 @@
 docs/strategies/context_parallel.md), :mod:`~benchmarks.studies.float8_parity` (FP8 against no float8;
 docs/float8.md), :mod:`~benchmarks.studies.planner_accuracy` (the planner's estimates against real runs;
 docs/choosing_a_mesh.md), :mod:`~benchmarks.studies.checkpoint_integrity` (docs/checkpoints.md),
-:mod:`~benchmarks.studies.checkpoint_security` (docs/security.md) and :mod:`~benchmarks.studies.export_memory`
-(docs/export.md).
+:mod:`~benchmarks.studies.checkpoint_security` (docs/security.md), :mod:`~benchmarks.studies.export_memory`
+(docs/export.md) and :mod:`~benchmarks.studies.pretrained_load` (host memory of pretrained loads; docs/pretrained.md).
 
 Below, what the tests use of them, under names that say which study each comes from.
 """

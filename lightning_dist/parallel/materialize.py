@@ -216,6 +216,18 @@ def _zero_padding_rows(model: nn.Module) -> None:
         weight.masked_fill_(mask, 0.0)
 
 
+_NAN_CHECK_CHUNK = 1 << 22  # elements: the check's boolean temporary stays this small, whatever the shard's size
+
+
+def _has_nan(tensor: Tensor) -> Tensor:
+    """Whether ``tensor`` holds a NaN, as a device boolean (no sync), checked chunk by chunk: ``isnan`` of a whole
+    shard is a temporary the shard's size that the allocator keeps (0.02-0.08 GiB per rank measured on a 2 GB model
+    at 4 ranks)."""
+    if tensor.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=tensor.device)
+    return torch.stack([chunk.isnan().any() for chunk in tensor.reshape(-1).split(_NAN_CHECK_CHUNK)]).any()
+
+
 def _still_nan(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...], dict[str, str]]:
     """The floating-point parameters and persistent buffers, then the non-persistent buffers, holding NaN on this
     rank (a rank checks its own shard), with the class of the module holding each."""
@@ -234,7 +246,7 @@ def _still_nan(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...], dict
     if not entries:
         return (), (), {}
     local = [t.to_local() if isinstance(t, DTensor) else t for _, t, _, _ in entries]
-    flags = torch.stack([torch.isnan(t).any() for t in local]).tolist()
+    flags = torch.stack([_has_nan(t) for t in local]).tolist()
     found = [(name, persistent, cls) for (name, _, persistent, cls), nan in zip(entries, flags) if nan]
     uninitialized = tuple(name for name, persistent, _ in found if persistent)
     lost = tuple(name for name, persistent, _ in found if not persistent)

@@ -23,9 +23,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, load
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.futures import Future
 
+from lightning_dist.checkpoint.errors import CheckpointError
 from lightning_dist.checkpoint.pretrained.files import PretrainedFiles, read_pretrained_files
 from lightning_dist.checkpoint.pretrained.matching import KeyMatch, match_keys, refuse_problems
 from lightning_dist.checkpoint.pretrained.stacked import read_stacked
@@ -159,8 +162,29 @@ class _ListedFiles(FileSystem):
 
 class _ListedFilesReader(HuggingFaceStorageReader):
     """``HuggingFaceStorageReader`` reading only the files of the index (or the one file given), not every
-    ``*.safetensors`` file beside them."""
+    ``*.safetensors`` file beside them, and mapping a file for one tensor at a time: torch's keeps a file mapped
+    while it serves all of a rank's reads from it, and every page touched stays resident until then (0.15 GiB of a
+    4-rank load of a 2 GB model; up to the rank's share of a whole 5 GB shard)."""
 
     def __init__(self, folder: Path, files: tuple[Path, ...]) -> None:
         super().__init__(str(folder))
         self.fs = _ListedFiles(files)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        from safetensors import safe_open
+
+        for item in plan.items:
+            with safe_open(self.storage_data[item.storage_index].relative_path, framework="pt") as file:
+                values = file.get_slice(item.storage_index.fqn)[
+                    tuple(slice(offset, offset + size) for offset, size in zip(item.storage_offsets, item.lengths))
+                ]
+                target = planner.resolve_tensor(item).detach()
+                if target.size() != values.size():
+                    raise CheckpointError(
+                        f"{item.storage_index.fqn}: read {list(values.size())} for a slot of {list(target.size())}"
+                    )
+                target.copy_(values)
+                planner.commit_tensor(item, target)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done

@@ -1,5 +1,6 @@
 """The LightningCLI of ``lightning-dist fit`` (validate, test, predict) and of verify's runs: :class:`DistCLI`, which
-checks the strategy name and the precision before building anything, and the arguments it is built with.
+checks the strategy name and the precision before building anything, builds the model on the meta device when the
+strategy loads ``initial_weights``, and the arguments it is built with.
 
 Importing the package registers the strategy names, so ``trainer.strategy: fsdp2`` (a registered name) works in the
 YAML as well as ``class_path: lightning_dist.FSDP2Strategy``. The console entry is :mod:`lightning_dist.cli`.
@@ -9,12 +10,16 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import nullcontext
+from typing import Any
 
+import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
 
+from lightning_dist.compat import lightning as lightning_compat
 from lightning_dist.plugins.precision import unsupported_precision_message
 from lightning_dist.strategies.base import MeshParallelStrategy
 from lightning_dist.strategies.registry import unknown_strategy_message
@@ -27,7 +32,29 @@ class DistCLI(LightningCLI):
     An unknown strategy name gets the list of registered names (Lightning's message shows a few of its own). Lightning
     builds a Transformer Engine plugin (and fails asking to install transformer_engine) before a strategy
     sees the flag; here the user is told that the strategies do not support it at all.
+
+    When the strategy's ``initial_weights`` is set, the model is built on the meta device (what
+    ``trainer.init_module(empty_init=True)`` does in Python): the strategy materializes each rank's shards and loads
+    their slices, so no rank holds the model whole. Lightning's own instantiator still builds it (the
+    hyperparameters are saved as usual).
     """
+
+    @override
+    def _add_instantiators(self) -> None:
+        super()._add_instantiators()
+        self.parser.add_instantiator(
+            _MetaDeviceModel(self, lightning_compat.ModelInstantiator(cli=self, key="model")),
+            LightningModule,
+            subclasses=True,
+            prepend=True,
+        )
+
+    def builds_model_on_meta_device(self) -> bool:
+        """Whether the strategy of the parsed config sets ``initial_weights``."""
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        strategy = ((config or {}).get("trainer") or {}).get("strategy")
+        init_args = strategy.get("init_args") if hasattr(strategy, "get") else None
+        return bool(init_args is not None and hasattr(init_args, "get") and init_args.get("initial_weights"))
 
     @override
     def before_instantiate_classes(self) -> None:
@@ -38,6 +65,21 @@ class DistCLI(LightningCLI):
             raise SystemExit(f"trainer.strategy: {unknown_strategy_message(strategy)}")
         if str(precision).startswith("transformer-engine") and _is_ours(strategy):
             raise SystemExit(f"trainer.precision: {unsupported_precision_message(precision)}")
+
+
+class _MetaDeviceModel:
+    """The model's instantiator: Lightning's, on the meta device when the strategy loads ``initial_weights``."""
+
+    def __init__(self, cli: DistCLI, lightning_instantiator: Any) -> None:
+        self.cli = cli
+        self.lightning_instantiator = lightning_instantiator
+
+    def __call__(self, class_type: type, *args: Any, applied_instantiation_links: dict, **kwargs: Any) -> Any:
+        context = torch.device("meta") if self.cli.builds_model_on_meta_device() else nullcontext()
+        with context:
+            return self.lightning_instantiator(
+                class_type, *args, applied_instantiation_links=applied_instantiation_links, **kwargs
+            )
 
 
 def _is_ours(strategy: object) -> bool:

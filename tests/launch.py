@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import scenarios as _scenarios
-from benchmarks.common.launch import run_command, run_torchrun_nodes
+from benchmarks.common.launch import LAUNCHER_VARIABLES, run_command, run_torchrun_nodes
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -74,8 +74,8 @@ def run_training_command(cmd: list[str], root_dir: Path, max_steps: int, timeout
     with its output unless it exits cleanly after ``max_steps``. Returns the output."""
     if "fit" in cmd:  # LightningCLI writes its config.yaml into the root dir: keep it out of the repo
         cmd = [*cmd, f"--trainer.default_root_dir={root_dir}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    env.pop("LOCAL_RANK", None)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}  # see LAUNCHER_VARIABLES
+    env["PYTHONPATH"] = str(REPO_ROOT)
     proc = run_command(cmd, cwd=REPO_ROOT, env=env, timeout=timeout)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{output[-8000:]}"

@@ -80,10 +80,12 @@ def test_ranks_that_disagree_make_a_defect_naming_the_rank_that_failed_first():
 
 @pytest.mark.slow
 def test_cells_run_for_real(tmp_path: Path):
-    """Tied GPT-2 under pipeline matches one process; T5 under pipeline is refused before launch; a table of the two
-    names both."""
-    cells = run_matrix(["gpt2", "t5"], ["pipeline"], tmp_path)
+    """Tied GPT-2 under pipeline matches one process; T5 under pipeline is refused before launch; the Llama started
+    from initial_weights (built on the meta device) matches the Llama's one process; a table of the three names all."""
+    cells = run_matrix(["gpt2", "t5", "llama_initial_weights"], ["pipeline"], tmp_path)
     gpt2, t5 = cells["gpt2"]["pipeline"], cells["t5"]["pipeline"]
+    pretrained = cells["llama_initial_weights"]["pipeline"]
+    assert pretrained["outcome"] == "parity" and pretrained["max_diff"] <= FP64_TOLERANCE, pretrained
     assert gpt2["outcome"] == "parity" and gpt2["max_diff"] <= FP64_TOLERANCE, gpt2
     assert gpt2["param_diff"] is not None and gpt2["param_diff"] <= FP64_TOLERANCE
     assert (t5["outcome"], t5["when"]) == ("refused", "before launch"), t5

@@ -26,8 +26,9 @@ STEPS, GLOBAL_BATCH = 3, 4
 # LIGHTNING_DIST_FULL_MATRIX=1 adds pp_llama (hybrid_llama and pp_gpt2 load pipeline stages) and fsdp2_litgpt
 # (tp_litgpt runs FSDP2 over dp 2 too): docs/testing.md
 TRAINING_RUNS = ["fsdp2_llama", "tp_llama", "cp_llama", "hybrid_llama", "ep_mixtral", "pp_gpt2", "tp_litgpt",
+                 "hybrid_litgpt",
                  *(["pp_llama", "fsdp2_litgpt"] if FULL_MATRIX else [])]  # fmt: skip
-STRATEGY_RUNS = [*TRAINING_RUNS, "resume_llama"]
+STRATEGY_RUNS = [*TRAINING_RUNS, "resume_llama", "ours_llama"]
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +140,14 @@ def test_a_resumed_fit_takes_the_checkpoint_not_initial_weights(runs):
     assert run["saved_step"] == STEPS and run["losses"] == []  # resumed at its step: nothing left to train
 
 
+@pytest.mark.slow
+def test_one_of_our_checkpoints_gives_its_weights_under_another_strategy(runs):
+    run = runs["ours_llama"]
+    assert run["differ"] == [] and run["compared"] > 0, run["differ"]
+    assert len(run["log"]) == 1 and "the model weights of the checkpoint" in run["log"][0], run["log"]
+    assert "no optimizer or loop state" in run["log"][0] and len(run["losses"]) == STEPS
+
+
 # ------------------------------------------------------------------------------------------ before launch, one process
 def _refused_before_launch(folder: Path, module: L.LightningModule, tmp_path: Path) -> str:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(initial_weights=str(folder)),
@@ -188,3 +197,27 @@ def test_a_wrong_dtype_or_shape_is_refused_before_launch(folders, tmp_path):
 def test_initial_weights_must_be_a_path():
     with pytest.raises(TypeError, match="initial_weights=3: expected the path"):
         FSDP2Strategy(initial_weights=3)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------ LightningCLI, one process
+@pytest.mark.parametrize("initial_weights", [True, False])
+def test_lightning_dist_fit_builds_the_model_on_the_meta_device_when_initial_weights_is_set(
+    folders, tmp_path, initial_weights
+):
+    """The YAML of ``lightning-dist fit``: with ``initial_weights`` the model is built on the meta device (the user
+    writes nothing); without it, as before."""
+    import yaml
+
+    from lightning_dist.lightning_cli import CLI_CLASSES, DistCLI
+
+    init_args = {"initial_weights": str(folders / "llama")} if initial_weights else {}
+    config = {
+        "trainer": {"accelerator": "cpu", "devices": 1, "logger": False, "default_root_dir": str(tmp_path),
+                    "strategy": {"class_path": "lightning_dist.FSDP2Strategy", "init_args": init_args}},
+        "model": {"class_path": "scenarios.models.PretrainedCausalLM", "init_args": {"folder": str(folders / "llama")}},
+    }  # fmt: skip
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    cli = DistCLI(**CLI_CLASSES, args=["--config", str(tmp_path / "config.yaml")], run=False)
+    devices = {p.device.type for p in cli.model.parameters()}
+    assert devices == ({"meta"} if initial_weights else {"cpu"})
+    assert (cli.trainer.strategy.initial_weights is not None) == initial_weights

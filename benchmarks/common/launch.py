@@ -28,13 +28,19 @@ ROOT = Path(__file__).resolve().parents[2]
 Problem = TypeVar("Problem")
 
 
-def child_env(extra: dict[str, str] | None = None, drop: Sequence[str] = ("LOCAL_RANK",)) -> dict[str, str]:
-    """This process's environment with the repository first on ``PYTHONPATH``, ``extra`` added and ``drop`` removed
-    (a ``LOCAL_RANK`` left over from a launcher would make Lightning take the child for a rank it did not start)."""
+#: What a Lightning fit in this process leaves in its environment: a ``LOCAL_RANK`` would make Lightning take the child
+#: for a rank it did not start, and ``MASTER_PORT`` is still held by this process's store (a one-device fit keeps its
+#: process group), so a child that reused it would wait for a rendezvous that never comes.
+LAUNCHER_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "MASTER_PORT", "MASTER_ADDR")
+
+
+def child_env(extra: dict[str, str] | None = None, drop: Sequence[str] = LAUNCHER_VARIABLES) -> dict[str, str]:
+    """This process's environment with the repository first on ``PYTHONPATH``, ``drop`` removed (see
+    :data:`LAUNCHER_VARIABLES`) and ``extra`` added."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.update(extra or {})
     for key in drop:
         env.pop(key, None)
+    env.update(extra or {})
     return env
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -189,6 +190,20 @@ class ModelSpec:
     build: Callable[[], torch.nn.Module]
     task: str
     why_fp32: str = ""
+    pretrained_from: str = ""  # a row started from ``initial_weights``: the seeded weights of that row's model
+
+
+def pretrained_folder(workdir: Path, spec: ModelSpec) -> Path | None:
+    """Where a row started from ``initial_weights`` reads its weights: the Hugging Face folder of its base row's
+    seeded model (``save_pretrained``, fp32, which the fp64 runs convert exactly); ``None`` for other rows."""
+    return workdir / "pretrained" / spec.pretrained_from if spec.pretrained_from else None
+
+
+def save_pretrained_folder(workdir: Path, spec: ModelSpec) -> None:
+    """Write the folder :func:`pretrained_folder` names, once."""
+    folder = pretrained_folder(workdir, spec)
+    if folder is not None and not (folder / "config.json").exists():
+        CompatModule(spec.pretrained_from).model.save_pretrained(folder)
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -213,13 +228,14 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("vit", _vit, "image"),
         ModelSpec("litgpt", _litgpt, "causal"),
         ModelSpec("lightning_demo", _demo, "demo"),
+        ModelSpec("llama_initial_weights", _llama, "causal", pretrained_from="llama"),
     )
 }
 
 TITLES = {  # the table's column titles in docs/compatibility.md
     "llama": "Llama", "gpt2": "GPT-2", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gemma": "Gemma",
     "gpt_neox": "GPT-NeoX", "phi3": "Phi-3", "bert": "BERT", "t5": "T5", "vit": "ViT", "litgpt": "litgpt",
-    "lightning_demo": "Lightning demo",
+    "lightning_demo": "Lightning demo", "llama_initial_weights": "Llama from initial_weights",
 }  # fmt: skip
 DESCRIPTIONS = {  # what docs/compatibility.md says of each model
     "llama": "transformers `LlamaForCausalLM` (GQA 4/2, untied head)",
@@ -235,6 +251,8 @@ DESCRIPTIONS = {  # what docs/compatibility.md says of each model
     "vit": "transformers `ViTForImageClassification` (pooled output)",
     "litgpt": "litgpt `GPT`",
     "lightning_demo": "`lightning.pytorch.demos.Transformer` (`nn.Transformer`)",
+    "llama_initial_weights": "the Llama row's weights saved with `save_pretrained`, loaded by the strategy's"
+    " `initial_weights` into the model built under `trainer.init_module(empty_init=True)`",
 }
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common.launch import (
+    LAUNCHER_VARIABLES,
     child_env,
     failed_ranks,
     run_command,
@@ -54,7 +55,7 @@ _KEPT = ("outcome", "when", "error", "defect", "max_diff", "loss_diff", "param_d
 def run_references(models: list[str], cells: list[tuple[str, str]], workdir: Path, timeout: float) -> dict[str, str]:
     """Train each model in one process, then run each cell's pre-launch checks there (see
     :func:`benchmarks.compatibility.worker.prelaunch`). Returns the models whose reference failed, with the reason."""
-    env = child_env(drop=("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED", "MASTER_PORT"))
+    env = child_env(drop=(*LAUNCHER_VARIABLES, "RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED"))
     log_path = workdir / "log_references.txt"
     names = ",".join(f"{model}@{column}" for model, column in cells)
     cmd = [

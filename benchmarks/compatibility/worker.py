@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -41,7 +42,14 @@ from torch.distributed.tensor import DTensor
 
 import lightning_dist  # noqa: F401  (registers the strategy names)
 from benchmarks.compatibility.cells import COLUMNS, FP32_TOLERANCE, FP64_TOLERANCE, compare, describe_failure
-from benchmarks.compatibility.models import MODELS, STEPS, CompatModule, dataloader
+from benchmarks.compatibility.models import (
+    MODELS,
+    STEPS,
+    CompatModule,
+    dataloader,
+    pretrained_folder,
+    save_pretrained_folder,
+)
 from lightning_dist.parallel.tensor_parallel import permuted_parameters, to_checkpoint_order
 
 
@@ -68,6 +76,29 @@ def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+def _strategy(column_label: str, model: str, workdir: Path) -> Any:
+    """The column's ``strategy=`` argument; for a row started from ``initial_weights``, the strategy with it set."""
+    strategy = COLUMNS[column_label].make()
+    folder = pretrained_folder(workdir, MODELS[model])
+    if folder is None:
+        return strategy
+    if isinstance(strategy, str):
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        strategy = StrategyRegistry.get(strategy)
+    strategy.initial_weights = folder
+    return strategy
+
+
+def _module(model: str, trainer: L.Trainer) -> CompatModule:
+    """The row's module; built on the meta device (``init_module(empty_init=True)``) when it starts from
+    ``initial_weights``, as a user of that option builds it."""
+    if not MODELS[model].pretrained_from:
+        return CompatModule(model)
+    with trainer.init_module(empty_init=True):
+        return CompatModule(model)
+
+
 def _trainer(devices: int, strategy: Any, root: Path, recorder: LossRecorder, nodes: int = 1) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu",
@@ -87,7 +118,16 @@ def _trainer(devices: int, strategy: Any, root: Path, recorder: LossRecorder, no
 
 
 def reference(model: str, workdir: Path) -> dict[str, Any]:
-    """Train ``model`` in this one process (Lightning's single-device strategy); save its losses and parameters."""
+    """Train ``model`` in this one process (Lightning's single-device strategy); save its losses and parameters. A row
+    started from ``initial_weights`` has its base row's reference, and its folder of weights is written here."""
+    spec, folder = MODELS[model], workdir / "reference"
+    if spec.pretrained_from:
+        save_pretrained_folder(workdir, spec)
+        if not (folder / f"{spec.pretrained_from}.json").exists():
+            reference(spec.pretrained_from, workdir)
+        for suffix in (".pt", ".json"):
+            shutil.copyfile(folder / f"{spec.pretrained_from}{suffix}", folder / f"{model}{suffix}")
+        return json.loads((folder / f"{model}.json").read_text())
     module, recorder = CompatModule(model), LossRecorder()
     trainer = _trainer(1, "auto", workdir / "roots" / f"{model}@one_process", recorder)
     trainer.fit(module, dataloader(MODELS[model].task, 1, one_process=True))
@@ -119,8 +159,8 @@ def prelaunch(model: str, column_label: str, workdir: Path) -> dict[str, Any] | 
     root = workdir / "roots" / f"{model}@{column_label}"
     trainer = None
     try:
-        module = CompatModule(model)
-        trainer = _trainer(column.devices, column.make(), root, LossRecorder(), column.nodes)
+        trainer = _trainer(column.devices, _strategy(column_label, model, workdir), root, LossRecorder(), column.nodes)
+        module = _module(model, trainer)
         trainer.strategy.launcher._call_children_scripts = _stop_at_launch
         trainer.fit(module, dataloader(MODELS[model].task, column.batch_replicas, one_process=False))
     except _Launching:
@@ -145,10 +185,10 @@ def cell(model: str, column_label: str, workdir: Path) -> tuple[dict[str, Any], 
     column = COLUMNS[column_label]
     root = workdir / "roots" / f"{model}@{column_label}"
     recorder = LossRecorder()
-    module = CompatModule(model)
     trainer = None
     try:
-        trainer = _trainer(column.devices, column.make(), root, recorder, column.nodes)
+        trainer = _trainer(column.devices, _strategy(column_label, model, workdir), root, recorder, column.nodes)
+        module = _module(model, trainer)
         trainer.fit(module, dataloader(MODELS[model].task, column.batch_replicas, one_process=False))
     except Exception as error:  # noqa: BLE001  (every failure is a cell outcome)
         record = describe_failure(error, trainer.global_step if trainer else 0, constructing=trainer is None)

@@ -82,6 +82,14 @@ PRIVATE_LIGHTNING_NAMES: dict[str, tuple[str, str]] = {
         "Lightning 2.6.6",
         "strategies/lifecycle/weight_averaging.py: StochasticWeightAveraging's scheduler hand-over on resume",
     ),
+    "_add_instantiators": (
+        "Lightning 2.6.6",
+        "lightning_cli.py: where LightningCLI registers its model instantiator, wrapped for the meta device",
+    ),
+    "_InstantiatorFn": (
+        "Lightning 2.6.6",
+        "lightning_cli.py: LightningCLI's model instantiator (it saves the hyperparameters), run on the meta device",
+    ),
     "_defaults": ("torchmetrics 1.9.0", "strategies/parallelisms/pipeline/logs.py: the names of a Metric's states"),
     "_update_count": ("torchmetrics 1.9.0", "strategies/parallelisms/pipeline/logs.py: how often a Metric was updated"),
     "_forward_cache": ("torchmetrics 1.9.0", "strategies/parallelisms/pipeline/logs.py: a Metric's step value"),
@@ -108,6 +116,7 @@ _LAZY_TYPES = {
     ),
     "SignalNumber": ("lightning.pytorch.trainer.connectors.signal_connector", "_SIGNUM", "a launcher's kill signal"),
     "DefaultDtype": ("lightning.fabric.plugins.precision.utils", "_DtypeContextManager", "a default dtype within it"),
+    "ModelInstantiator": ("lightning.pytorch.cli", "_InstantiatorFn", "LightningCLI's instantiator of model and data"),
 }
 
 

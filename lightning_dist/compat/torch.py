@@ -29,6 +29,10 @@ PRIVATE_TORCH_NAMES: dict[str, tuple[str, str]] = {
     "_flatten": ("torch 2.13", "parallel/mesh.py: the flattened data-parallel and loss meshes"),
     "_unflatten": ("torch 2.13", "parallel/mesh.py: hybrid shard's replicate x shard split"),
     "_world": ("torch 2.13", "runtime: destroy every registered process group at exit"),
+    "_utils": (
+        "torch 2.13",
+        "checkpoint/pretrained: compute_local_shape_and_global_offset, the block of a DTensor a rank holds",
+    ),
     "_current_frames": ("CPython 3.11", "runtime/activity.py: the main thread's frame (sys, not torch)"),
     "_fsdp_api": ("torch 2.13", "parallel/zeropp.py: FSDP2's AllGather/ReduceScatter protocols"),
     "_fully_shard": ("torch 2.13", "torch.distributed.fsdp._fully_shard(._fully_shard): FSDP2's implementation"),

@@ -13,11 +13,11 @@ compares the losses with one process that called ``from_pretrained`` on the same
 - ``ep_mixtral``: a stock Mixtral under fsdp2 with expert_parallel_size 2: its file holds one tensor per expert and
   projection (``block_sparse_moe.experts.3.w1.weight``), the model stacked experts (``mlp.experts.gate_up_proj``),
   and each rank reads only its experts' pieces;
-- ``fsdp2_litgpt``, ``tp_litgpt``: a litgpt ``GPT`` (fused ``qkv``) from its ``lit_model.pth`` (litgpt under a
-  pipeline cannot be built on the meta device yet: its rotary cache stays on the meta device, with or without
-  initial_weights);
+- ``fsdp2_litgpt``, ``tp_litgpt``, ``hybrid_litgpt``: a litgpt ``GPT`` (fused ``qkv``) from its ``lit_model.pth``;
 - ``pp_gpt2``: GPT-2's embedding tied to its head across the two stages: the last stage's copy (``lm_head.weight``,
   not in the file) is loaded from ``transformer.wte.weight``;
+- ``ours_llama``: ``initial_weights`` is fsdp2_llama's (sharded) checkpoint, loaded under tensor_parallel dp2 × tp2:
+  its model weights, exactly;
 - ``resume_llama``: ``ckpt_path`` given: the weights come from the checkpoint and ``initial_weights`` is not read.
 
 python tests/scenarios/pretrained_strategy_runs.py --devices 4 --out r.json --workdir DIR --scenarios fsdp2_llama,...
@@ -52,13 +52,22 @@ class LoadedValues(L.Callback):
     """At fit start, before any step: the names of the tensors that differ from the file's values (as
     ``from_pretrained`` reads them: Mixtral's per-expert tensors stacked), over all ranks."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, checkpoint: str | None = None) -> None:
         self.folder = folder
+        self.checkpoint = checkpoint  # initial_weights is one of our checkpoints: its model weights are expected
         self.differ: list[str] = []
         self.compared = 0
 
+    def _expected(self, pl_module: L.LightningModule) -> dict[str, torch.Tensor]:
+        if self.checkpoint is None:
+            return type(pl_module)(str(self.folder), from_pretrained=True).model.state_dict()
+        from lightning_dist.checkpoint.consolidate import load_full_checkpoint
+
+        state = load_full_checkpoint(self.checkpoint)["state_dict"]
+        return {key.removeprefix("model."): value for key, value in state.items()}
+
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        files = type(pl_module)(str(self.folder), from_pretrained=True).model.state_dict()
+        files = self._expected(pl_module)
         state = get_model_state_dict(pl_module.model)  # checkpoint form: tensor-parallel rows in the file's order
         mine = []
         for name in sorted(state):
@@ -77,7 +86,8 @@ def _fit(devices: int, workdir: str, kind: str, strategy: Any, dp: int, ckpt_pat
     folder = Path(workdir) / kind
     L.seed_everything(1234, verbose=False)
     data = TextDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, train_samples=64, val_samples=4)
-    values, steps = LoadedValues(folder), StepRecorder()
+    ours = str(strategy.initial_weights) if str(strategy.initial_weights).endswith(".ckpt") else None
+    values, steps = LoadedValues(folder, ours), StepRecorder()
     log = LogLines("initial_weights")
     trainer = L.Trainer(**trainer_kwargs(devices, strategy=strategy, precision="64-true", limit_val_batches=0),
                         max_steps=STEPS, callbacks=[values, steps])  # fmt: skip
@@ -86,7 +96,7 @@ def _fit(devices: int, workdir: str, kind: str, strategy: Any, dp: int, ckpt_pat
     trainer.fit(module, data, ckpt_path=ckpt_path)
     log.close()
     checkpoint = Path(workdir) / f"{kind}_{type(strategy).__name__}.ckpt"
-    if ckpt_path is None:
+    if ckpt_path is None and ours is None:
         trainer.save_checkpoint(checkpoint)
     return {"differ": values.differ, "compared": values.compared, "losses": steps.losses, "log": log.lines,
             "checkpoint": str(checkpoint)}  # fmt: skip
@@ -128,9 +138,14 @@ SCENARIOS = {
     "fsdp2_litgpt": lambda d, w: _fit(d, w, "litgpt", FSDP2Strategy(initial_weights=_weights("litgpt", w)), 4),
     "tp_litgpt": lambda d, w: _fit(d, w, "litgpt", TensorParallelStrategy(
         tensor_parallel_size=2, data_parallel_shard_size=2, initial_weights=_weights("litgpt", w)), 2),
+    "hybrid_litgpt": lambda d, w: _fit(d, w, "litgpt", Hybrid3DStrategy(
+        pipeline_parallel_size=2, tensor_parallel_size=2, initial_weights=_weights("litgpt", w)), 1),
     "pp_gpt2": lambda d, w: _fit(d, w, "gpt2", PipelineStrategy(
         pipeline_parallel_size=2, data_parallel_shard_size=2, initial_weights=_weights("gpt2", w)), 2),
     "resume_llama": _resume,
+    "ours_llama": lambda d, w: _fit(d, w, "llama", TensorParallelStrategy(  # fsdp2_llama's checkpoint, another mesh
+        tensor_parallel_size=2, data_parallel_shard_size=2,
+        initial_weights=str(Path(w) / "llama_FSDP2Strategy.ckpt")), 2),
 }  # fmt: skip
 
 if __name__ == "__main__":

@@ -356,13 +356,21 @@ def _joined(flat: Any, side: torch.Tensor | None) -> Any:
     return flat
 
 
+_SHARED_REGISTRIES = ("_buffers", "_non_persistent_buffers_set")
+
+
 def _shell(root: nn.Module, roles: dict[str, nn.Module]) -> nn.Module:
     """A copy of ``root`` sharing every module except the containers on the way to ``roles``' names."""
 
     def clone(module: nn.Module, prefix: str) -> nn.Module:
         copied = module.__class__.__new__(module.__class__)
-        # Registries (_modules, _parameters, hooks, ...) are copied so the shell's changes stay its own.
-        copied.__dict__ = {k: (copy.copy(v) if isinstance(v, (dict, set)) else v) for k, v in module.__dict__.items()}
+        # Registries (_modules, _parameters, hooks, ...) are copied so the shell's changes stay its own; buffers are
+        # shared: materializing a meta-device model replaces them in the original's registry (litgpt keeps its
+        # rotary cache on the root), and the shell must see the real ones.
+        copied.__dict__ = {
+            k: (copy.copy(v) if isinstance(v, (dict, set)) and k not in _SHARED_REGISTRIES else v)
+            for k, v in module.__dict__.items()
+        }
         children = child_module_registry(copied)
         for name, child in child_module_registry(module).items():
             qualified = f"{prefix}{name}"

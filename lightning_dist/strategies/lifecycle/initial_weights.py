@@ -3,8 +3,9 @@ sharded, each rank reading only the slices it holds (:func:`lightning_dist.check
 
 Before launch, the files are found and, when the model exists already (no ``configure_model``), matched against it
 from their headers alone (names, shapes, dtypes), so a folder of another model, a missing shard or a wrong shape is
-refused before any process starts. At setup the weights are loaded after the model was parallelized and
-materialized (a model built under ``trainer.init_module(empty_init=True)`` never exists whole), before replicated
+refused before any process starts. One of our own checkpoints (a sharded folder or a ``.ckpt`` file, from any
+strategy and mesh) gives its model weights only, as a resume would load them, without optimizer or loop state. At
+setup the weights are loaded after the model was parallelized and materialized (a model built under ``trainer.init_module(empty_init=True)`` never exists whole), before replicated
 copies are made equal. A run given ``ckpt_path`` resumes from it: the checkpoint holds the trained weights, so
 ``initial_weights`` is not read (a log line says so), and a YAML that keeps both resumes as it should.
 """
@@ -18,7 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 from torch.nn import Module
 
+from lightning_dist.checkpoint.layout import DCP_INDEX, METADATA_FILENAME
+from lightning_dist.checkpoint.model_state import load_checkpoint_into
 from lightning_dist.checkpoint.pretrained import check_pretrained_fit, load_pretrained, read_pretrained_files
+from lightning_dist.checkpoint.validation import validate_checkpoint
 
 if TYPE_CHECKING:
     from lightning_dist.strategies.base import MeshParallelStrategy
@@ -40,6 +44,13 @@ def check_initial_weights(initial_weights: str | os.PathLike | None) -> Path | N
     return Path(initial_weights).expanduser()
 
 
+def is_training_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is one of our (or Lightning's) training checkpoints: a sharded folder or a ``.ckpt`` file."""
+    if path.is_dir():
+        return (path / DCP_INDEX).exists() or (path / METADATA_FILENAME).exists()
+    return path.is_file() and path.suffix == ".ckpt"
+
+
 class InitialWeightsSetup(_Base):
     """Loading ``initial_weights`` for :class:`~lightning_dist.strategies.base.MeshParallelStrategy`."""
 
@@ -50,6 +61,9 @@ class InitialWeightsSetup(_Base):
         """The files found, and matched against ``model`` (whole, possibly on the meta device) when it exists."""
         self._resumes = ckpt_path is not None
         if self.initial_weights is None or self._resumes:
+            return
+        if is_training_checkpoint(self.initial_weights):
+            validate_checkpoint(self.initial_weights, True)  # finished and undamaged; its keys are checked at load
             return
         read_pretrained_files(self.initial_weights)
         if model is not None:
@@ -63,6 +77,14 @@ class InitialWeightsSetup(_Base):
             self.log_decision(f"initial_weights={str(self.initial_weights)!r} not read: resuming from ckpt_path")
             return
         assert self.model is not None
+        if is_training_checkpoint(self.initial_weights):
+            start = time.perf_counter()
+            load_checkpoint_into(self.initial_weights, self.model, [], True, self.stage_layout, weights_only=True)
+            self.log_decision(
+                f"initial_weights: the model weights of the checkpoint {str(self.initial_weights)!r} (no optimizer or"
+                f" loop state), each rank reading its own slices, in {time.perf_counter() - start:.1f} s"
+            )
+            return
         aliases: dict[str, tuple[str, ...]] = {}
         for part in self.step_parts():  # pipeline: a weight tied across stages has a copy per stage
             aliases.update(part.weight_aliases())

@@ -2,6 +2,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 # Every process the tests launch inherits it: a C++ std::terminate (an abort at exit, say) prints its stack
 # ("Unhandled exception caught in c10/util/AbortHandler.h" and the frames) instead of one line.
 os.environ.setdefault("TORCH_CUSTOM_TERMINATE", "1")
@@ -10,3 +12,19 @@ ROOT = Path(__file__).resolve().parents[1]
 for path in (ROOT, ROOT / "tests"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_launcher_state_left_behind():
+    """A fit in the test process itself (``devices=1`` under one of our strategies) keeps its process group and leaves
+    ``MASTER_PORT``, ``LOCAL_RANK``, ``OMP_NUM_THREADS``... in ``os.environ``: a later module's Trainer would take them
+    for a launcher's, and its launched ranks would inherit them (a port still held here, two threads per rank on two
+    cores). Each test module ends with the environment it started with and no process group."""
+    saved = dict(os.environ)
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)

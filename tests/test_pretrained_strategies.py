@@ -23,11 +23,10 @@ from lightning_dist.checkpoint import CheckpointError
 
 FP64_TOL = 1e-10
 STEPS, GLOBAL_BATCH = 3, 4
-# LIGHTNING_DIST_FULL_MATRIX=1 adds pp_llama (hybrid_llama and pp_gpt2 load pipeline stages) and fsdp2_litgpt
-# (tp_litgpt runs FSDP2 over dp 2 too): docs/testing.md
-TRAINING_RUNS = ["fsdp2_llama", "tp_llama", "cp_llama", "hybrid_llama", "ep_mixtral", "pp_gpt2", "tp_litgpt",
-                 "hybrid_litgpt",
-                 *(["pp_llama", "fsdp2_litgpt"] if FULL_MATRIX else [])]  # fmt: skip
+# LIGHTNING_DIST_FULL_MATRIX=1 adds pp_llama and tp_llama (hybrid_llama loads pipeline stages and tensor-parallel
+# slices of the same model, pp_gpt2 a tied pipeline) and fsdp2_litgpt (tp_litgpt runs FSDP2 over dp 2 too)
+TRAINING_RUNS = ["fsdp2_llama", "cp_llama", "hybrid_llama", "ep_mixtral", "pp_gpt2", "tp_litgpt", "hybrid_litgpt",
+                 *(["pp_llama", "tp_llama", "fsdp2_litgpt"] if FULL_MATRIX else [])]  # fmt: skip
 STRATEGY_RUNS = [*TRAINING_RUNS, "resume_llama", "ours_llama"]
 
 

@@ -194,16 +194,23 @@ class ModelSpec:
 
 
 def pretrained_folder(workdir: Path, spec: ModelSpec) -> Path | None:
-    """Where a row started from ``initial_weights`` reads its weights: the Hugging Face folder of its base row's
-    seeded model (``save_pretrained``, fp32, which the fp64 runs convert exactly); ``None`` for other rows."""
+    """Where a row started from ``initial_weights`` reads its weights: the folder of its base row's seeded model as
+    its library saves it (fp32, which the fp64 runs convert exactly): ``save_pretrained`` for transformers, a
+    ``lit_model.pth`` for litgpt; ``None`` for other rows."""
     return workdir / "pretrained" / spec.pretrained_from if spec.pretrained_from else None
 
 
 def save_pretrained_folder(workdir: Path, spec: ModelSpec) -> None:
     """Write the folder :func:`pretrained_folder` names, once."""
     folder = pretrained_folder(workdir, spec)
-    if folder is not None and not (folder / "config.json").exists():
-        CompatModule(spec.pretrained_from).model.save_pretrained(folder)
+    if folder is None or folder.exists():
+        return
+    model = CompatModule(spec.pretrained_from).model
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(folder)
+    else:  # litgpt
+        folder.mkdir(parents=True)
+        torch.save(model.state_dict(), folder / "lit_model.pth")
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -229,6 +236,8 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("litgpt", _litgpt, "causal"),
         ModelSpec("lightning_demo", _demo, "demo"),
         ModelSpec("llama_initial_weights", _llama, "causal", pretrained_from="llama"),
+        ModelSpec("gpt2_initial_weights", _gpt2, "causal", pretrained_from="gpt2"),
+        ModelSpec("litgpt_initial_weights", _litgpt, "causal", pretrained_from="litgpt"),
     )
 }
 
@@ -236,6 +245,7 @@ TITLES = {  # the table's column titles in docs/compatibility.md
     "llama": "Llama", "gpt2": "GPT-2", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gemma": "Gemma",
     "gpt_neox": "GPT-NeoX", "phi3": "Phi-3", "bert": "BERT", "t5": "T5", "vit": "ViT", "litgpt": "litgpt",
     "lightning_demo": "Lightning demo", "llama_initial_weights": "Llama from initial_weights",
+    "gpt2_initial_weights": "GPT-2 from initial_weights", "litgpt_initial_weights": "litgpt from initial_weights",
 }  # fmt: skip
 DESCRIPTIONS = {  # what docs/compatibility.md says of each model
     "llama": "transformers `LlamaForCausalLM` (GQA 4/2, untied head)",
@@ -253,6 +263,10 @@ DESCRIPTIONS = {  # what docs/compatibility.md says of each model
     "lightning_demo": "`lightning.pytorch.demos.Transformer` (`nn.Transformer`)",
     "llama_initial_weights": "the Llama row's weights saved with `save_pretrained`, loaded by the strategy's"
     " `initial_weights` into the model built under `trainer.init_module(empty_init=True)`",
+    "gpt2_initial_weights": "the GPT-2 row's weights (`save_pretrained`: the tied head written once) from"
+    " `initial_weights`, the model built on the meta device",
+    "litgpt_initial_weights": "the litgpt row's weights as a `lit_model.pth` from `initial_weights`, the model built"
+    " on the meta device",
 }
 
 
@@ -320,7 +334,7 @@ class CompatModule(L.LightningModule):
             return F.nll_loss(self.model(batch["input_ids"], labels), labels.reshape(-1))
         if task == "seq2seq":
             out = self.model(input_ids=batch["input_ids"], decoder_input_ids=batch["decoder_input_ids"])
-        elif self.spec.label == "litgpt":  # takes the token ids only and returns the logits
+        elif self.spec.build is _litgpt:  # takes the token ids only and returns the logits
             out = self.model(batch["input_ids"])
         else:
             out = self.model(input_ids=batch["input_ids"])

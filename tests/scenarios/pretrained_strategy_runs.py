@@ -18,7 +18,8 @@ compares the losses with one process that called ``from_pretrained`` on the same
   not in the file) is loaded from ``transformer.wte.weight``;
 - ``ours_llama``: ``initial_weights`` is fsdp2_llama's (sharded) checkpoint, loaded under tensor_parallel dp2 × tp2:
   its model weights, exactly;
-- ``resume_llama``: ``ckpt_path`` given: the weights come from the checkpoint and ``initial_weights`` is not read.
+- ``resume_llama``: ``ckpt_path`` (fsdp2_llama's checkpoint) given: the weights come from the checkpoint and
+  ``initial_weights`` is not read.
 
 python tests/scenarios/pretrained_strategy_runs.py --devices 4 --out r.json --workdir DIR --scenarios fsdp2_llama,...
 """
@@ -103,20 +104,12 @@ def _fit(devices: int, workdir: str, kind: str, strategy: Any, dp: int, ckpt_pat
 
 
 def _resume(devices: int, workdir: str) -> dict:
-    """A checkpoint of 3 steps, then a fit resumed from it with initial_weights still set: not read."""
-    folder = Path(workdir) / "llama"
-    L.seed_everything(1234, verbose=False)
-    data = TextDataModule(seq_len=SEQ_LEN, batch_size=1, train_samples=64, val_samples=4)
-    trainer = L.Trainer(**trainer_kwargs(devices, strategy=FSDP2Strategy(initial_weights=str(folder)),
-                                         precision="64-true", limit_val_batches=0, enable_checkpointing=True),
-                        max_steps=STEPS, default_root_dir=workdir)  # fmt: skip
-    with trainer.init_module(empty_init=True):
-        module = PretrainedCausalLM(str(folder))
-    trainer.fit(module, data)
-    ckpt = str(Path(workdir) / "resume.ckpt")
-    trainer.save_checkpoint(ckpt)
-    run = _fit(devices, workdir, "llama", FSDP2Strategy(initial_weights=str(folder)), 4, ckpt_path=ckpt)
-    return {**run, "saved_step": trainer.global_step}
+    """fsdp2_llama's checkpoint (3 steps) resumed with initial_weights still set: not read."""
+    ckpt = str(Path(workdir) / "llama_FSDP2Strategy.ckpt")
+    run = _fit(devices, workdir, "llama", FSDP2Strategy(initial_weights=_weights("llama", workdir)), 4, ckpt_path=ckpt)
+    from lightning_dist.checkpoint.consolidate import load_full_checkpoint
+
+    return {**run, "saved_step": load_full_checkpoint(ckpt)["global_step"]}
 
 
 def _weights(kind: str, workdir: str) -> str:

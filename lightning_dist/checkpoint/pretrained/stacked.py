@@ -13,7 +13,6 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 
 from lightning_dist.checkpoint.pretrained.files import PretrainedFiles
 from lightning_dist.compat import local_region
@@ -78,6 +77,8 @@ def find_stacked(
 def read_stacked(target: torch.Tensor, source: StackedSource, files: PretrainedFiles) -> int:
     """Fill this rank's block of ``target`` (a DTensor or a plain tensor) from the file pieces it covers, converted to
     its dtype. Returns how many elements were read."""
+    from safetensors import safe_open  # a dependency of transformers, whose models this reads
+
     offsets, shape = local_region(target)
     local = target.to_local() if hasattr(target, "to_local") else target
     read = 0

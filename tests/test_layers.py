@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),  # the console entry: `lightning-dist`
     ("commands",),  # its tools
     (PACKAGE_ROOM,),  # the package itself: registers the strategy names, exports the public classes and verify()
-    ("verification",),
+    ("verification", "dryrun"),  # verify's runs; the dry run (one rank's Trainer at a time, on fake collectives)
     ("lightning_cli", "callbacks"),  # the LightningCLI class (fit and verify's runs), the throughput callback
     ("strategies",),
     ("plugins",),

@@ -19,6 +19,7 @@ from lightning_dist.commands.errors import CommandError
 #: name -> (module under lightning_dist.commands, one-line description)
 TOOLS: dict[str, tuple[str, str]] = {
     "consolidate": ("consolidate", "merge a sharded checkpoint into one file"),
+    "dryrun": ("dryrun", "rehearse a run of any world size on this machine: memory per rank, collectives agree"),
     "export": ("export", "write a checkpoint's model as a Hugging Face or litgpt folder"),
     "inspect": ("inspect_checkpoint", "summarize a checkpoint"),
     "plan": ("plan", "print the tensor-parallel plan (as YAML) or the pipeline stage split of a model"),

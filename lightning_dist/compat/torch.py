@@ -86,6 +86,18 @@ PRIVATE_TORCH_NAMES: dict[str, tuple[str, str]] = {
     "_foreach_norm": ("torch 2.13", "runtime/nonfinite.py: one fused norm per device for the non-finite check"),
     "_apply": ("torch 2.13", "tensor parallel: ParallelStyle's apply hook, run by our fused styles"),
     "_grouped_mm": ("torch 2.13", "expert parallel: grouped GEMM of the local experts on CUDA (older torch)"),
+    "_pytree": (
+        "torch 2.13",
+        "dryrun, profiling/live_memory.py: tree_leaves, the tensors of an op's arguments",
+    ),
+    "_op_dispatcher": ("torch 2.13", "dryrun: DTensor's sharding cache, emptied between dry-run ranks"),
+    "_propagate_tensor_meta_cached": ("torch 2.13", "dryrun: a DTensor cache emptied between ranks"),
+    "_collective_utils": ("torch 2.13", "dryrun: MeshTopoInfo's cache, emptied between dry-run ranks"),
+    "_redistribute": ("torch 2.13", "dryrun: the redistribution planner's cache, emptied between ranks"),
+    "_gen_transform_infos": ("torch 2.13", "dryrun: the redistribution planner's cache"),
+    "_subclasses": ("torch 2.13", "dryrun: FakeTensorMode, is_fake, unset_fake_temporarily"),
+    "_local_scalar_dense": ("torch 2.13", "dryrun: the op behind .item(), answered without data"),
+    "_internal": ("torch 2.13", "dryrun: importing torch.testing._internal...fake_pg registers 'fake'"),
 }
 
 # Minor versions of torch the whole suite has passed on (CPU/gloo; CUDA where docs/testing.md or the GPU benchmark says so).
@@ -167,7 +179,12 @@ def foreach_kernel_device_types() -> list[str]:
 def storage_identity(tensor: torch.Tensor) -> int:
     """A number identifying the storage ``tensor`` views (``UntypedStorage._cdata``): equal for views of one
     storage."""
-    return tensor.untyped_storage()._cdata
+    return untyped_storage_identity(tensor.untyped_storage())
+
+
+def untyped_storage_identity(storage: torch.UntypedStorage) -> int:
+    """:func:`storage_identity` of a storage itself."""
+    return storage._cdata
 
 
 def local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -401,6 +418,66 @@ def op_schema_arguments(func: Any) -> Sequence[Any]:
     """The declared arguments of a dispatched op (``OpOverload._schema.arguments``): ``name``,
     ``has_default_value()``, ``default_value``."""
     return func._schema.arguments
+
+
+# ---------------------------------------------------------------------------------------------------- dry run
+def fake_tensor_mode_class() -> type:
+    """``FakeTensorMode``: tensors with shapes, dtypes and devices but no data (``torch._subclasses``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode
+
+
+def is_fake_tensor(tensor: Any) -> bool:
+    """Whether ``tensor`` (or, for a DTensor, its local tensor) is a fake tensor: it has no values to read."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return isinstance(tensor, torch.Tensor) and is_fake(tensor)
+
+
+def real_tensors_temporarily() -> Any:
+    """A context in which the active fake tensor mode steps aside (new tensors are real)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def item_op() -> Any:
+    """``aten._local_scalar_dense``: what ``Tensor.item()`` (and ``bool()``, ``tolist()``) dispatch to."""
+    return torch.ops.aten._local_scalar_dense.default
+
+
+def lift_ops() -> tuple[Any, ...]:
+    """The ops ``torch.tensor(data)`` ends with (``aten.lift_fresh``, ``aten.lift_fresh_copy``): where a fake tensor
+    mode turns a tensor made from Python data into a fake one."""
+    return torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default
+
+
+def tensor_leaves(value: Any) -> list[torch.Tensor]:
+    """The tensors in a nest of tuples, lists and dicts (an op's arguments or outputs): ``torch.utils._pytree``."""
+    from torch.utils._pytree import tree_leaves
+
+    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+def forget_dtensor_shardings() -> None:
+    """Empty DTensor's cache of sharding decisions. Its entries hold the device meshes they were computed on (meshes
+    compare by their ranks, not their process groups): after the process group is destroyed and made again, as
+    between two ranks of a dry run, a cached entry would name groups that no longer exist."""
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cached in (propagator.propagate_op_sharding, propagator._propagate_tensor_meta_cached,
+                   _redistribute._gen_transform_infos, _collective_utils.MeshTopoInfo.build_from_mesh):  # fmt: skip
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+
+
+def register_fake_backend() -> None:
+    """Register torch's ``fake`` process-group backend (every collective returns at once; an all-gather copies the
+    rank's input into every slot). torch registers it when ``torch.testing._internal.distributed.fake_pg`` is
+    imported."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
 
 
 # ---------------------------------------------------------------------------------------------------- attention kernels

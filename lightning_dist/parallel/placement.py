@@ -33,7 +33,8 @@ def place_model(model: nn.Module, device: torch.device, offload_parameters: bool
     with ``model.to(device)`` is what made it refuse to start.
     """
     if not offload_parameters:
-        model.to(device)
+        if any(t.device != device for t in (*model.parameters(), *model.buffers())):
+            model.to(device)
         return
     for module in _parameter_free_subtrees(model):
         module.to(device)

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from lightning_dist.compat import is_fake_tensor
 from lightning_dist.compat.hugging_face import apply_experts_gate, has_own_experts_gate
 from lightning_dist.parallel.expert_parallel.dispatch import dispatch_compute_combine
 from lightning_dist.parallel.expert_parallel.local_experts import StackedWeights, run_local_experts
@@ -214,7 +215,8 @@ def _expert_parallel_forward(
             " (expected hidden states, the top-k expert indices and their weights)."
         )
     state: ExpertParallelState = self.expert_parallel
-    count_tokens(state, torch.bincount(top_k_index.reshape(-1), minlength=state.num_experts))
+    if not is_fake_tensor(top_k_index):  # a dry run's routing has no values to count
+        count_tokens(state, torch.bincount(top_k_index.reshape(-1), minlength=state.num_experts))
     dtype = hidden_states.dtype
     weights = StackedWeights(
         gate_up=_local(self, "gate_up_proj", state, dtype),

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_dist.compat import all_to_all_in_flight
+from lightning_dist.compat import all_to_all_in_flight, is_fake_tensor
 
 
 class _AllToAll(torch.autograd.Function):
@@ -69,6 +69,8 @@ def plan_dispatch(top_k_index: torch.Tensor, num_experts: int, group: Any) -> Di
     local = num_experts // ep
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
+    if is_fake_tensor(flat):
+        return _balanced_dispatch(order, num_experts, group)
     counts = torch.bincount(flat, minlength=num_experts)
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)
@@ -80,6 +82,20 @@ def plan_dispatch(top_k_index: torch.Tensor, num_experts: int, group: Any) -> Di
     )
     local_order = torch.argsort(expert_of_row, stable=True)
     return Dispatch(order, send, recv, local_order, per_source.sum(0).tolist())
+
+
+def _balanced_dispatch(order: torch.Tensor, num_experts: int, group: Any) -> Dispatch:
+    """A dry run's routing, whose expert ids have no values: every expert gets an equal share of every rank's rows
+    (the remainder to the first experts). The counts' all-to-all is issued as a real one is."""
+    ep, me = dist.get_world_size(group), dist.get_rank(group)
+    local, rows = num_experts // ep, order.numel()
+    counts = [rows // num_experts + (1 if e < rows % num_experts else 0) for e in range(num_experts)]
+    sent = torch.zeros(num_experts, dtype=torch.long, device=order.device)
+    dist.all_to_all_single(torch.empty_like(sent), sent, group=group)
+    send = [sum(counts[r * local : (r + 1) * local]) for r in range(ep)]
+    mine = counts[me * local : (me + 1) * local]
+    local_order = torch.arange(sum(mine) * ep, device=order.device)
+    return Dispatch(order, send, [sum(mine)] * ep, local_order, [c * ep for c in mine])
 
 
 def dispatch(

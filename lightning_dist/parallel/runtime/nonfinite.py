@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_dist.compat import foreach_norms
+from lightning_dist.compat import foreach_norms, is_fake_tensor
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,8 @@ def gradients_are_finite(parameters: Iterable[Tensor]) -> bool:
     by_device: dict[torch.device, list[Tensor]] = {}
     for grad in grads:
         by_device.setdefault(grad.device, []).append(grad)
+    if any(is_fake_tensor(g) for g in grads):  # a dry run: no values
+        return True
     return all(bool(torch.isfinite(torch.stack(foreach_norms(g)).sum())) for g in by_device.values())
 
 
@@ -61,6 +63,8 @@ def gather_non_finite(loss_finite: bool, grads_finite: bool, device: torch.devic
         dist.all_gather(gathered, flags)
     else:
         gathered = [flags]
+    if is_fake_tensor(gathered[0]):  # a dry run: the collective is issued, no value is read
+        return NonFiniteReport((), ())
     rows = [row.cpu().tolist() for row in gathered]
     return NonFiniteReport(
         loss_ranks=tuple(r for r, (loss, _) in enumerate(rows) if loss),

@@ -38,14 +38,15 @@ def share_random_state(device: torch.device, group: Any = None) -> None:
     """Set every rank's Python, NumPy and torch generators (CPU, and the current accelerator device's) to rank 0's.
     Collective over ``group`` (default: the world)."""
     numpy = _numpy()
-    states: list[Any] = [None]
-    if dist.get_rank() == 0:
-        states[0] = {
+    # Every rank builds its own (rank 0's wins): a dry run's rank then broadcasts what rank 0 would, byte for byte
+    states: list[Any] = [
+        {
             "python": random.getstate(),
             "numpy": numpy.random.get_state() if numpy is not None else None,
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None,
         }
+    ]
     dist.broadcast_object_list(states, src=0, group=group, device=device if device.type == "cuda" else None)
     shared = states[0]
     random.setstate(shared["python"])

@@ -1,0 +1,119 @@
+"""Rehearse a run of any size on one CPU: every role's real setup and one training step, on fake collectives.
+
+    report = dry_run(["--config", "cfg.yaml"], world_size=1024, num_nodes=128, device_memory=80 * 2**30)
+    print(report.table())          # per rank: peak memory by category, collectives issued
+    report.agree, report.passed    # do ranks sharing a group issue the same collectives? does each fit?
+
+How it goes:
+
+1. **The mesh** (:func:`mesh_of`): the configuration is built as ``lightning-dist fit`` builds it, for rank 0 of
+   ``world_size``; the strategy resolves its mesh (a size that does not fit fails here, as it would at launch).
+2. **The roles** (:mod:`.roles`): each pipeline stage's first rank and, per axis, the last rank on it; plus any rank
+   asked for.
+3. **Each rank** (:mod:`.rank_run`), in a process of its own (:mod:`.rank_process`, as many at a time as there are
+   CPU cores): torch's ``fake`` process group makes the process that rank of the world (:mod:`.fake_world`); the module is built on the meta device; ``trainer.fit`` runs the strategy's own setup and
+   one optimizer step on fake tensors (:mod:`.fake_values`, :mod:`.scope`), recording every collective
+   (:class:`~lightning_dist.profiling.CommCounter`) and the live memory of the step
+   (:class:`~lightning_dist.profiling.live_memory.LiveMemory`). No weight is read or written.
+4. **Agreement** (:mod:`.agreement`): per shared group, the same kinds and sizes in the same order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from lightning_dist.parallel.mesh import ParallelDims
+from lightning_dist.dryrun.agreement import Disagreement, disagreements
+from lightning_dist.dryrun.fake_world import fake_rank
+from lightning_dist.dryrun.rank_process import MARK
+from lightning_dist.dryrun.rank_run import Collective, RankRecord, build_trainer, quiet
+from lightning_dist.dryrun.report import DryRunReport
+from lightning_dist.dryrun.roles import choose_ranks
+
+__all__ = ["Collective", "Disagreement", "DryRunError", "DryRunReport", "RankRecord", "dry_run", "mesh_of"]
+
+
+class DryRunError(ValueError):
+    """The configuration cannot be dry-run at all (its mesh does not fit the world size, the strategy is not one of
+    lightning_dist's)."""
+
+
+def mesh_of(cli_args: list[str], world_size: int, num_nodes: int = 1) -> ParallelDims:
+    """The mesh the configuration's strategy makes of ``world_size`` ranks."""
+    if world_size < 1 or num_nodes < 1 or world_size % num_nodes:
+        raise DryRunError(f"--world-size {world_size} must be a positive multiple of --num-nodes {num_nodes}.")
+    with quiet(), fake_rank(0, world_size, world_size // num_nodes):
+        try:
+            strategy = build_trainer(cli_args, world_size, num_nodes).trainer.strategy
+        except SystemExit as exit_:  # the CLI's own parse errors
+            raise DryRunError(f"the configuration cannot be parsed (exit status {exit_.code}).") from None
+        except Exception as error:  # noqa: BLE001 (whatever the Trainer refuses is the user's message)
+            raise DryRunError(str(error)) from None
+        dims = getattr(strategy, "parallel_dims", None)
+        if not isinstance(dims, ParallelDims):
+            raise DryRunError(
+                f"trainer.strategy is {type(strategy).__name__}: a dry run rehearses lightning_dist's strategies"
+                " (fsdp2, zeropp, tensor_parallel, context_parallel, hybrid3d)."
+            )
+        if dims.pp > 1:
+            raise DryRunError(
+                f"the mesh {dims} has pipeline stages: the dry run does not rehearse them yet (before the first step"
+                " the stages exchange their activations' shapes in both directions, which one rank at a time in one"
+                " process cannot follow). Dry-run the same model without pp (its memory per stage is `lightning-dist"
+                " plan`'s), or check it for real on a few processes with `lightning-dist verify`."
+            )
+        return dims
+
+
+def dry_run(
+    cli_args: list[str],
+    world_size: int,
+    num_nodes: int = 1,
+    ranks: Iterable[int] = (),
+    device_memory: int | None = None,
+    all_ranks: bool = False,
+) -> DryRunReport:
+    """Dry-run the configuration of ``cli_args`` (``lightning-dist fit``'s arguments) on ``world_size`` ranks.
+
+    Args:
+        cli_args: ``--config cfg.yaml`` and any ``--model.*``/``--trainer.*`` overrides.
+        world_size: Ranks of the real run (``devices × num_nodes``).
+        num_nodes: Nodes of the real run (ranks per node = ``world_size / num_nodes``).
+        ranks: Ranks to run besides the default roles.
+        device_memory: Bytes each rank may use; a rank whose step peaks above fails the report.
+        all_ranks: Run every rank (small worlds: what the truth checks compare with a real run).
+    """
+    start = time.perf_counter()
+    dims = mesh_of(cli_args, world_size, num_nodes)
+    roles = choose_ranks(dims, range(world_size) if all_ranks else ranks)
+    tasks = [{"cli_args": cli_args, "rank": rank, "role": role, "world_size": world_size, "num_nodes": num_nodes}
+             for rank, role in roles.items()]  # fmt: skip
+    with ThreadPoolExecutor(max_workers=max(1, min(len(tasks), os.cpu_count() or 1))) as pool:
+        ranked = list(pool.map(_run_in_process, tasks))
+    return DryRunReport(world_size, num_nodes, str(dims), ranked, disagreements(ranked), device_memory,
+                        time.perf_counter() - start)  # fmt: skip
+
+
+def _run_in_process(task: dict[str, Any]) -> RankRecord:
+    done = subprocess.run([sys.executable, "-m", "lightning_dist.dryrun.rank_process", json.dumps(task)],
+                          check=False, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": _python_path()})  # fmt: skip
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith(MARK):
+            return RankRecord.from_json(json.loads(line[len(MARK) :]))
+    tail = " | ".join(done.stderr.strip().splitlines()[-3:])
+    return RankRecord(
+        task["rank"], task["role"], error=f"the rank's process ended with status {done.returncode}: {tail}"
+    )
+
+
+def _python_path() -> str:
+    """The caller's import path first (the configuration's ``class_path`` modules may live in the current folder)."""
+    return os.pathsep.join([os.getcwd(), *sys.path[1:], os.environ.get("PYTHONPATH", "")])

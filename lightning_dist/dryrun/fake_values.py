@@ -1,0 +1,68 @@
+"""Tensors without data: torch's ``FakeTensorMode``, answering the questions code asks of values.
+
+A dry run computes every shape, dtype and collective of a step but no value. Two exceptions keep code that reads
+values working:
+
+* Small tensors (at most :data:`SMALL` elements) and integer ones that no fake tensor went into stay real (a device
+  mesh's table of ranks, token ids, positions; a tensor made from Python data or a small factory (``torch.tensor([0 if ok else 1])``, the flags ranks exchange to refuse a step together;
+  ``torch.zeros(1)``, the vote pipeline stages pass on; Adam's step count), and what ops make of them. A collective on
+  the fake backend leaves such a tensor as it was, as if every rank sent the same, and reading it gives what this
+  rank put in.
+* Reading a fake tensor (``loss.item()`` for the progress bar, Adam's step count, ``bool(torch.isfinite(x).all())``)
+  gets a neutral answer: ``True`` for a boolean, ``1`` for a number (Adam's bias correction divides by
+  ``1 - beta**step``).
+
+The package's own checks of computed values (the NaN check after materializing, the non-finite guard, loss-parallel's
+target check) see fake tensors and skip themselves (:func:`~lightning_dist.compat.is_fake_tensor`); expert routing,
+whose token counts are values, assumes a balanced router.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_dist.compat import (
+    fake_tensor_mode_class,
+    is_fake_tensor,
+    item_op,
+    lift_ops,
+    real_tensors_temporarily,
+    tensor_leaves,
+)
+
+#: Tensors of at most this many elements, made without a fake input, are real.
+SMALL = 16
+
+
+class DryRunTensorMode(fake_tensor_mode_class()):  # type: ignore[misc]
+    """``FakeTensorMode`` that accepts real inputs (a batch from the user's loader) and answers ``.item()``."""
+
+    def __init__(self) -> None:
+        super().__init__(allow_non_fake_inputs=True)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in lift_ops():
+            return args[0]
+        tensors = tensor_leaves((args, kwargs))
+        real = not any(is_fake_tensor(t) for t in tensors) and all(_stays_real(t) for t in tensors)
+        if real and (tensors or _makes_small(self, func, types, args, kwargs)):
+            with real_tensors_temporarily():
+                return func(*args, **kwargs)
+        if func is item_op():
+            return True if args[0].dtype == torch.bool else 1
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _makes_small(mode: DryRunTensorMode, func: Any, types: Any, args: Any, kwargs: Any) -> bool:
+    """Whether a factory op (no tensor input) makes only small tensors: asked of the fake mode first (no memory)."""
+    out = fake_tensor_mode_class().__torch_dispatch__(mode, func, types, args, kwargs)
+    leaves = tensor_leaves(out)
+    return bool(leaves) and all(_stays_real(t) for t in leaves)
+
+
+def _stays_real(tensor: torch.Tensor) -> bool:
+    """Small, or integer (a device mesh's rank table, token ids, positions): such tensors are computed for real."""
+    return tensor.numel() <= SMALL or not (tensor.is_floating_point() or tensor.is_complex())

@@ -1,0 +1,102 @@
+"""A dry run's result: every recorded rank, the agreement check, the memory check, as a table and as JSON."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_dist.dryrun.agreement import Disagreement
+from lightning_dist.dryrun.rank_run import RankRecord
+
+GIB = 1024**3
+
+
+@dataclass
+class DryRunReport:
+    world_size: int
+    num_nodes: int
+    mesh: str
+    ranks: list[RankRecord]
+    disagreements: list[Disagreement] = field(default_factory=list)
+    device_memory: int | None = None
+    seconds: float = 0.0
+
+    @property
+    def agree(self) -> bool:
+        return not self.disagreements
+
+    @property
+    def failed(self) -> list[RankRecord]:
+        return [r for r in self.ranks if r.error is not None]
+
+    @property
+    def over_memory(self) -> list[RankRecord]:
+        if self.device_memory is None:
+            return []
+        return [r for r in self.ranks if r.error is None and r.peak_bytes > self.device_memory]
+
+    @property
+    def passed(self) -> bool:
+        return self.agree and not self.failed and not self.over_memory
+
+    def to_json(self) -> dict[str, Any]:
+        groups: dict[tuple[int, ...], int] = {}
+
+        def group_id(group: tuple[int, ...]) -> int:
+            return groups.setdefault(group, len(groups))
+
+        ranks = []
+        for r in self.ranks:
+            collectives = []
+            for c in r.collectives:
+                entry = c.to_json()
+                entry["group"] = group_id(c.group)
+                collectives.append(entry)
+            ranks.append({"rank": r.rank, "role": r.role, "peak_bytes": r.peak_bytes,
+                          "memory": {k: v for k, v in r.memory.items() if k != "total"},
+                          "collectives": collectives, "seconds": round(r.seconds, 3), "error": r.error})  # fmt: skip
+        first = self.disagreements[0].to_json() if self.disagreements else None
+        return {
+            "world_size": self.world_size,
+            "num_nodes": self.num_nodes,
+            "mesh": self.mesh,
+            "device_memory": self.device_memory,
+            "ranks": ranks,
+            "groups": {str(i): list(g) for g, i in groups.items()},
+            "agree": self.agree,
+            "first_disagreement": first,
+            "passed": self.passed,
+            "seconds": round(self.seconds, 3),
+        }
+
+    def table(self) -> str:
+        head = (f"dry run: {self.world_size} ranks ({self.num_nodes} node(s)), mesh {self.mesh};"
+                f" {len(self.ranks)} ranks run in {self.seconds:.1f} s")  # fmt: skip
+        columns = (f"{'rank':>6}  {'role':<28} {'peak GiB':>9} {'params':>8} {'grads':>8} {'optim':>8}"
+                   f" {'activ.':>8} {'colls':>6}")  # fmt: skip
+        lines = [head, "", columns]
+        for r in self.ranks:
+            if r.error is not None:
+                lines.append(f"{r.rank:>6}  {r.role:<28} failed: {r.error}")
+                continue
+            m = r.memory
+            lines.append(
+                f"{r.rank:>6}  {r.role:<28} {r.peak_bytes / GIB:>9.3f} {m.get('parameters', 0) / GIB:>8.3f}"
+                f" {m.get('gradients', 0) / GIB:>8.3f} {m.get('optimizer', 0) / GIB:>8.3f}"
+                f" {m.get('activations', 0) / GIB:>8.3f} {len(r.collectives):>6}"
+            )
+        lines.append("")
+        if self.device_memory is not None:
+            over = self.over_memory
+            lines.append(
+                f"memory: every rank within {self.device_memory / GIB:.1f} GiB"
+                if not over
+                else f"memory: {len(over)} rank(s) over {self.device_memory / GIB:.1f} GiB: "
+                + ", ".join(f"rank {r.rank} ({r.role}) needs {r.peak_bytes / GIB:.2f} GiB" for r in over)
+            )
+        if self.agree:
+            lines.append("collectives: the ranks agree on every group they share")
+        else:
+            lines.append(f"collectives: {len(self.disagreements)} disagreement(s); the first: "
+                         + self.disagreements[0].describe())  # fmt: skip
+        return "\n".join(lines)

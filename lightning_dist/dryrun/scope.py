@@ -1,0 +1,89 @@
+"""Where a dry-run rank's work runs on fake tensors, and what is recorded of it.
+
+Only the strategy's model work is fake: its ``setup`` (parallelize, materialize, optimizers) and the step
+(``optimizer_step``, which runs the closure, ``training_step`` and ``backward``). Lightning's own work around them
+(the data loader, logging, callbacks) runs on real tensors, and what it does with a fake loss goes through the
+tensor's fake mode. The collective counter is always the innermost dispatch mode, so it sees every collective,
+fake or real; during the step a memory tracker sits beside it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from lightning_dist.compat import real_tensors_temporarily
+from lightning_dist.dryrun.fake_values import DryRunTensorMode
+from lightning_dist.profiling import CommCounter, CommRecord
+from lightning_dist.profiling.live_memory import LiveMemory
+
+#: Strategy methods that run in the fake mode; those marked True are the step, whose memory is tracked.
+FAKE_STRATEGY_METHODS: dict[str, bool] = {"setup": False, "optimizer_step": True, "training_step": True,
+                                          "backward": True}  # fmt: skip
+#: LightningModule methods that run on real tensors (Lightning's logging copies real defaults).
+REAL_MODULE_METHODS = ("log", "log_dict")
+
+
+class RankScope:
+    """Install on a Trainer's strategy and module, then ``with scope.recording(): trainer.fit(...)``."""
+
+    def __init__(self) -> None:
+        self.mode = DryRunTensorMode()
+        self.counter = CommCounter()
+        self.memory_peak: dict[str, int] = {}
+        self._strategy: Any = None
+        self._depth = 0
+
+    def install(self, strategy: Any, module: Any) -> None:
+        self._strategy = strategy
+        for name, is_step in FAKE_STRATEGY_METHODS.items():
+            setattr(strategy, name, self._in_fake_mode(getattr(strategy, name), is_step, name))
+        for name in REAL_MODULE_METHODS:
+            setattr(module, name, _on_real_tensors(getattr(module, name)))
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        with self.counter, self.counter.phase("fit"):
+            yield
+
+    @property
+    def collectives(self) -> list[CommRecord]:
+        return self.counter.records
+
+    def _in_fake_mode(self, method: Callable[..., Any], is_step: bool, name: str) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:
+                return method(*args, **kwargs)
+            self._depth += 1
+            self.counter.__exit__(None, None, None)  # back on top of the stack, above the fake mode
+            tracker = None
+            try:
+                with self.mode, self.counter, self.counter.phase("step" if is_step else name):
+                    if is_step:
+                        tracker = LiveMemory(self._strategy.model_parts, self._strategy.optimizers)
+                        with tracker:
+                            return method(*args, **kwargs)
+                    return method(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                self.counter.__enter__()
+                if tracker is not None:
+                    self._keep_peak(tracker.peak_split())
+
+        return call
+
+    def _keep_peak(self, split: dict[str, int]) -> None:
+        if split.get("total", 0) >= self.memory_peak.get("total", 0):
+            self.memory_peak = split
+
+
+def _on_real_tensors(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with real_tensors_temporarily():
+            return method(*args, **kwargs)
+
+    return call

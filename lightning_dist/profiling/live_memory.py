@@ -1,0 +1,147 @@
+"""The live bytes of a rank's tensors through a step, and their peak split by what the memory holds.
+
+:class:`LiveMemory` is a dispatch mode: every tensor an op returns is followed by its storage (a view or an in-place
+result adds nothing) until the storage is freed, and ``UntypedStorage.resize_`` (how FSDP2 frees and re-allocates
+the unsharded parameters between forward and backward) is counted. It works on real and on fake tensors: a dry run
+measures a step that allocates nothing. The state a step starts with (parameters, buffers, gradients, optimizer
+states) is counted from the start.
+
+At the peak it remembers which storages were alive; :meth:`LiveMemory.peak_split` names them afterwards from the
+modules and optimizers it was given: ``parameters`` (shards, and the unsharded copies FSDP2 gathers and frees by
+resizing), ``buffers``, ``gradients``, ``optimizer`` (states), and ``activations`` (everything else: activations
+saved for backward and temporaries). Storage sizes are what tensors hold; an allocator's rounding and caching (CUDA's
+``max_memory_reserved``) come on top.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from typing_extensions import Self
+
+from lightning_dist.compat import TorchDispatchMode, storage_identity, tensor_leaves, untyped_storage_identity
+
+CATEGORIES = ("parameters", "buffers", "gradients", "optimizer", "activations")
+
+
+class LiveMemory(TorchDispatchMode):
+    """``with LiveMemory(modules, optimizers) as memory: step()``, then ``memory.peak`` and ``memory.peak_split()``."""
+
+    def __init__(self, modules: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
+        super().__init__()
+        self.modules = list(modules)
+        self.optimizers = list(optimizers)
+        self.current = 0
+        self.peak = 0
+        self._bytes: dict[int, int] = {}
+        self._at_peak: dict[int, int] = {}
+        self._resized: set[int] = set()
+        self._original_resize: Any = None
+
+    def __enter__(self) -> Self:
+        for tensor in self._state_tensors():
+            self._follow(tensor)
+        self._note_peak()
+        self._original_resize = torch.UntypedStorage.resize_
+        memory, original = self, self._original_resize
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            result = original(storage, size)
+            memory._resize(storage, size)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        super().__exit__(*exc_info)
+        torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        if any(_is_wrapper(t) for t in types):
+            return NotImplemented  # a DTensor desugars into ops on its local tensors, which come back here
+        out = func(*args, **(kwargs or {}))
+        for leaf in tensor_leaves(out):
+            self._follow(leaf)
+        return out
+
+    def peak_split(self) -> dict[str, int]:
+        """Bytes alive at the peak by category (see the module docstring), and ``"total"``."""
+        kinds: dict[int, str] = {key: "parameters" for key in self._resized}
+        for kind, tensors in self._state_by_kind():
+            for tensor in tensors:
+                for inner in _storage_tensors(tensor):
+                    kinds.setdefault(storage_identity(inner), kind)
+        split = dict.fromkeys(CATEGORIES, 0)
+        for key, size in self._at_peak.items():
+            split[kinds.get(key, "activations")] += size
+        split["total"] = self.peak
+        return split
+
+    # -------------------------------------------------------------------------------------------------- bookkeeping
+    def _follow(self, tensor: torch.Tensor) -> None:
+        for inner in _storage_tensors(tensor):
+            storage = inner.untyped_storage()
+            key = storage_identity(inner)
+            if key in self._bytes:
+                continue
+            self._bytes[key] = storage.nbytes()
+            self.current += self._bytes[key]
+            weakref.finalize(storage, self._free, key)
+            self._note_peak()
+
+    def _resize(self, storage: torch.UntypedStorage, size: int) -> None:
+        key = untyped_storage_identity(storage)
+        if key not in self._bytes:
+            weakref.finalize(storage, self._free, key)
+        self.current += size - self._bytes.get(key, 0)
+        self._bytes[key] = size
+        self._resized.add(key)
+        self._note_peak()
+
+    def _free(self, key: int) -> None:
+        self.current -= self._bytes.pop(key, 0)
+
+    def _note_peak(self) -> None:
+        if self.current > self.peak or not self._at_peak:
+            self.peak = max(self.peak, self.current)
+            self._at_peak = dict(self._bytes)
+
+    def _state_by_kind(self) -> Iterator[tuple[str, Iterable[torch.Tensor]]]:
+        yield "parameters", (p for m in self.modules for p in m.parameters())
+        yield "buffers", (b for m in self.modules for b in m.buffers())
+        yield "gradients", (p.grad for m in self.modules for p in m.parameters() if p.grad is not None)
+        yield (
+            "optimizer",
+            (
+                value
+                for optimizer in self.optimizers
+                for state in optimizer.state.values()
+                for value in state.values()
+                if isinstance(value, torch.Tensor)
+            ),
+        )
+
+    def _state_tensors(self) -> Iterator[torch.Tensor]:
+        for _, tensors in self._state_by_kind():
+            yield from tensors
+
+
+def _is_wrapper(cls: type) -> bool:
+    return hasattr(cls, "__tensor_flatten__")
+
+
+def _storage_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The tensors that own storage behind ``tensor`` (a DTensor's local tensor; the tensor itself otherwise)."""
+    if _is_wrapper(type(tensor)):
+        names, _ = tensor.__tensor_flatten__()
+        for name in names:
+            inner = getattr(tensor, name)
+            if isinstance(inner, torch.Tensor):
+                yield from _storage_tensors(inner)
+    else:
+        yield tensor

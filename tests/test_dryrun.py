@@ -1,0 +1,100 @@
+"""``lightning-dist dryrun``: roles, the agreement check, the JSON, and a planted rank-dependent branch found before
+launch. (The comparison with real runs at 2–8 processes, bytes and memory, is ``benchmarks/dryrun_truth.py``.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_dist.commands.dryrun import memory_size
+from lightning_dist.parallel.mesh import ParallelDims
+from lightning_dist.dryrun import Collective, RankRecord
+from lightning_dist.dryrun.agreement import disagreements
+from lightning_dist.dryrun.roles import choose_ranks, coordinates, rank_at
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = Path(__file__).resolve().parent / "dryrun_configs"
+
+
+def test_roles_cover_every_stage_and_the_last_rank_of_each_axis():
+    dims = ParallelDims(pp=16, dp_shard=16, tp=8)
+    roles = choose_ranks(dims, [713])
+    assert len(roles) == 16 * 3 + 1
+    assert roles[713] == "pp5·dp_shard9·tp1"
+    assert coordinates(dims, 713) == {"pp": 5, "dp_replicate": 0, "dp_shard": 9, "cp": 0, "tp": 1}
+    assert rank_at(dims, coordinates(dims, 713)) == 713
+    # stage 3: its first rank, the last on dp_shard, the last on tp
+    stage3 = [r for r in roles if coordinates(dims, r)["pp"] == 3]
+    assert [coordinates(dims, r) for r in stage3][1:] == [
+        {"pp": 3, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 7},
+        {"pp": 3, "dp_replicate": 0, "dp_shard": 15, "cp": 0, "tp": 0},
+    ]
+    ep = choose_ranks(ParallelDims(dp_shard=8, cp=2, ep=4))
+    assert any(name.endswith("ep3") for name in ep.values())
+    with pytest.raises(ValueError, match="not a rank of a world of 2048"):
+        choose_ranks(dims, [2048])
+
+
+def _c(kind: str, group: tuple[int, ...], size: int, peer: int | None = None) -> Collective:
+    return Collective(kind, group, size, "step", peer)
+
+
+def test_agreement_names_the_group_position_and_rank_of_the_first_difference():
+    tp, dp = (0, 1), (0, 2)
+    a = RankRecord(0, "a", collectives=[_c("all_gather_into_tensor", dp, 64), _c("all_reduce", tp, 8),
+                                        _c("send", (0, 1), 16, peer=1)])  # fmt: skip
+    b = RankRecord(1, "b", collectives=[_c("all_reduce", tp, 8), _c("recv", (0, 1), 16, peer=0)])
+    c = RankRecord(2, "c", collectives=[_c("all_gather_into_tensor", dp, 128)])
+    assert not disagreements([a, b])  # tp agrees; the send meets its receive
+    found = disagreements([a, b, c])
+    assert len(found) == 1
+    d = found[0]
+    assert (d.group, d.position, d.rank, d.reference_rank) == (dp, 0, 2, 0)
+    assert "ranks 0 and 2 disagree on the group of 2 ranks [0, 2] at its collective #0" in d.describe()
+    b_short = RankRecord(1, "b", collectives=[_c("all_reduce", tp, 8), _c("recv", (0, 1), 32, peer=0)])
+    link = disagreements([a, b_short])[0]
+    assert link.point_to_point and "point-to-point link 0 → 1" in link.describe()
+
+
+def test_memory_sizes():
+    assert memory_size("80GiB") == 80 * 2**30
+    assert memory_size("80 GB") == 80 * 10**9
+    assert memory_size("1e9") == 10**9
+    with pytest.raises(Exception, match="not a memory size"):
+        memory_size("80 parsecs")
+
+
+def _dryrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CONFIGS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "lightning_dist.cli", "dryrun", *args, "--json", str(tmp_path / "dry.json")]
+    return subprocess.run(command, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_a_rank_dependent_branch_is_found_before_launch_with_its_rank_and_group(tmp_path):
+    done = _dryrun(tmp_path, "--config", str(CONFIGS / "divergent.yaml"), "--world-size", "2", "--all-ranks")
+    assert done.returncode == 1, done.stdout + done.stderr
+    report = json.loads((tmp_path / "dry.json").read_text())
+    assert report["world_size"] == 2 and not report["agree"] and not report["passed"]
+    first = report["first_disagreement"]
+    assert first["group"] == [0, 1] and first["reference_rank"] == 0 and first["rank"] == 1
+    assert (
+        first["expected"]["kind"] != first["issued"]["kind"] or first["expected"]["bytes"] != first["issued"]["bytes"]
+    )
+    # every rank ran its setup and step, and its memory is split by category
+    for rank in report["ranks"]:
+        assert rank["error"] is None, rank["error"]
+        assert set(rank["memory"]) == {"parameters", "buffers", "gradients", "optimizer", "activations"}
+        assert rank["peak_bytes"] == sum(rank["memory"].values()) > 0
+        assert rank["collectives"] and all(str(c["group"]) in report["groups"] for c in rank["collectives"])
+    assert "ranks 0 and 1 disagree on the group of 2 ranks [0, 1]" in done.stdout
+
+
+def test_a_pipeline_mesh_is_refused_with_what_to_do_instead(tmp_path):
+    done = _dryrun(tmp_path, "--config", str(ROOT / "configs" / "pipeline.yaml"), "--world-size", "64")
+    assert done.returncode == 2
+    assert "does not rehearse them yet" in done.stderr and "lightning-dist verify" in done.stderr

@@ -24,18 +24,19 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from lightning_dist.parallel.mesh import ParallelDims
 from lightning_dist.dryrun.agreement import Disagreement, disagreements
 from lightning_dist.dryrun.fake_world import fake_rank
 from lightning_dist.dryrun.rank_process import MARK
 from lightning_dist.dryrun.rank_run import Collective, RankRecord, build_trainer, quiet
 from lightning_dist.dryrun.report import DryRunReport
-from lightning_dist.dryrun.roles import choose_ranks
+from lightning_dist.dryrun.roles import chains, choose_ranks
+from lightning_dist.parallel.mesh import ParallelDims
 
 __all__ = ["Collective", "Disagreement", "DryRunError", "DryRunReport", "RankRecord", "dry_run", "mesh_of"]
 
@@ -62,13 +63,6 @@ def mesh_of(cli_args: list[str], world_size: int, num_nodes: int = 1) -> Paralle
                 f"trainer.strategy is {type(strategy).__name__}: a dry run rehearses lightning_dist's strategies"
                 " (fsdp2, zeropp, tensor_parallel, context_parallel, hybrid3d)."
             )
-        if dims.pp > 1:
-            raise DryRunError(
-                f"the mesh {dims} has pipeline stages: the dry run does not rehearse them yet (before the first step"
-                " the stages exchange their activations' shapes in both directions, which one rank at a time in one"
-                " process cannot follow). Dry-run the same model without pp (its memory per stage is `lightning-dist"
-                " plan`'s), or check it for real on a few processes with `lightning-dist verify`."
-            )
         return dims
 
 
@@ -93,10 +87,19 @@ def dry_run(
     start = time.perf_counter()
     dims = mesh_of(cli_args, world_size, num_nodes)
     roles = choose_ranks(dims, range(world_size) if all_ranks else ranks)
-    tasks = [{"cli_args": cli_args, "rank": rank, "role": role, "world_size": world_size, "num_nodes": num_nodes}
-             for rank, role in roles.items()]  # fmt: skip
-    with ThreadPoolExecutor(max_workers=max(1, min(len(tasks), os.cpu_count() or 1))) as pool:
-        ranked = list(pool.map(_run_in_process, tasks))
+    ranked: list[RankRecord] = []
+    with tempfile.TemporaryDirectory(prefix="lightning-dist-dryrun-") as mailbox:
+        tasks = [{"cli_args": cli_args, "rank": rank, "role": role, "world_size": world_size, "num_nodes": num_nodes,
+                  "mailbox": mailbox} for rank, role in roles.items()]  # fmt: skip
+        # a pipeline's stages wait on each other's shapes: the ranks of one chain run at once, chain after chain
+        batches = chains(dims, list(roles)) if dims.pp > 1 else [list(roles)]
+        by_rank = {task["rank"]: task for task in tasks}
+        for batch in batches:
+            workers = len(batch) if dims.pp > 1 else max(1, min(len(batch), os.cpu_count() or 1))
+            batch_tasks = [{**by_rank[rank], "peers": batch if dims.pp > 1 else []} for rank in batch]
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                ranked += pool.map(_run_in_process, batch_tasks)
+    ranked.sort(key=lambda record: record.rank)
     return DryRunReport(world_size, num_nodes, str(dims), ranked, disagreements(ranked), device_memory,
                         time.perf_counter() - start)  # fmt: skip
 

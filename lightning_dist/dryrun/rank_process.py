@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from lightning_dist.dryrun.rank_run import RankRecord, run_rank
 
@@ -18,7 +19,9 @@ MARK = "lightning-dist-dryrun-record:"
 def main(argv: list[str]) -> None:
     task = json.loads(argv[0])
     try:
-        record = run_rank(task["cli_args"], task["rank"], task["role"], task["world_size"], task["num_nodes"])
+        mailbox = Path(task["mailbox"]) if task.get("mailbox") else None
+        record = run_rank(task["cli_args"], task["rank"], task["role"], task["world_size"], task["num_nodes"], mailbox,
+                          task.get("peers", ()))  # fmt: skip
     except Exception as error:  # noqa: BLE001 (reported for this rank: its message)
         record = RankRecord(task["rank"], task["role"], error=f"{type(error).__name__}: {error}")
     print(MARK + json.dumps(record.to_json()), flush=True)

@@ -6,16 +6,17 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.callbacks import Checkpoint
 
-from lightning_dist.lightning_cli import CLI_CLASSES, DistCLI, import_from_cwd
 from lightning_dist.dryrun.fake_world import fake_rank
 from lightning_dist.dryrun.scope import RankScope
+from lightning_dist.lightning_cli import CLI_CLASSES, DistCLI, import_from_cwd
 
 #: What a dry run sets on top of the user's Trainer arguments: one optimizer step on the CPU code path, nothing
 #: written (no logger, no checkpoint), no validation.
@@ -88,11 +89,19 @@ def build_trainer(cli_args: list[str], world_size: int, num_nodes: int) -> DryRu
     return cli
 
 
-def run_rank(cli_args: list[str], rank: int, role: str, world_size: int, num_nodes: int) -> RankRecord:
+def run_rank(
+    cli_args: list[str],
+    rank: int,
+    role: str,
+    world_size: int,
+    num_nodes: int,
+    mailbox: Path | None = None,
+    peers: Sequence[int] = (),
+) -> RankRecord:
     """Dry-run global rank ``rank``: its setup and one optimizer step, recorded."""
     start = time.perf_counter()
     record = RankRecord(rank, role)
-    with quiet(), fake_rank(rank, world_size, world_size // num_nodes):
+    with quiet(), fake_rank(rank, world_size, world_size // num_nodes, mailbox, peers):
         cli = build_trainer(cli_args, world_size, num_nodes)
         strategy = cli.trainer.strategy
         if getattr(strategy, "initial_weights", None) is not None:

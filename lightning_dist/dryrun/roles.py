@@ -57,5 +57,15 @@ def choose_ranks(dims: ParallelDims, named: Iterable[int] = ()) -> dict[int, str
     for rank in named:
         if not 0 <= rank < dims.world_size:
             raise ValueError(f"--ranks {rank}: not a rank of a world of {dims.world_size} (0 … {dims.world_size - 1}).")
-        chosen.add(rank)
+        coords = coordinates(dims, rank)  # and the other stages of its pipeline, which it exchanges shapes with
+        chosen.update(rank_at(dims, {**coords, "pp": stage}) for stage in range(dims.pp))
     return {rank: role_name(dims, rank) for rank in sorted(chosen)}
+
+
+def chains(dims: ParallelDims, ranks: list[int]) -> list[list[int]]:
+    """``ranks`` grouped by pipeline: the ranks that differ only in their stage, in stage order."""
+    by_chain: dict[tuple[int, ...], list[int]] = {}
+    for rank in sorted(ranks, key=lambda r: coordinates(dims, r)["pp"]):
+        coords = coordinates(dims, rank)
+        by_chain.setdefault(tuple(v for axis, v in coords.items() if axis != "pp"), []).append(rank)
+    return list(by_chain.values())

@@ -326,7 +326,8 @@ class RealCollectiveLog:
     entries), ``unrecognized`` (collective-namespace ops not understood, dropped).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, memory: bool = True) -> None:
+        self.memory = memory  # False: no allocator events (memory profiling keeps weak references to tensors)
         self._prof: profile | None = None
         self._fr_start = 0
         self._groups: dict[str, list[int]] = {}
@@ -347,7 +348,7 @@ class RealCollectiveLog:
         os.environ.setdefault(FR_BUFFER_VARIABLE, FR_BUFFER_SIZE)  # read by torch on the recorder's first use
         self._fr_start = max((int(e["record_id"]) for e in _fr_entries()), default=-1) + 1
         self._groups = _group_ranks_by_name()
-        self._prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=True)
+        self._prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=self.memory)
         self._prof.__enter__()
         return self
 

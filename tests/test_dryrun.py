@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from lightning_dist.commands.dryrun import memory_size
-from lightning_dist.parallel.mesh import ParallelDims
 from lightning_dist.dryrun import Collective, RankRecord
 from lightning_dist.dryrun.agreement import disagreements
 from lightning_dist.dryrun.roles import choose_ranks, coordinates, rank_at
+from lightning_dist.parallel.mesh import ParallelDims
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = Path(__file__).resolve().parent / "dryrun_configs"

@@ -28,7 +28,8 @@ DRY_RUN_TRAINER = {"accelerator": "cpu", "max_steps": 1, "limit_val_batches": 0,
 class Collective:
     """One collective a rank issued: its kind, the global ranks of its group (``peer``: the other end of a send or
     receive), the bytes of its payload (the tensor this rank contributes or receives, as CommCounter's
-    ``tensor_bytes``), and the phase (``setup``, ``step``, ``fit`` for Lightning's own)."""
+    ``tensor_bytes``), and the phase (``launch``, ``setup``, ``prepare``, ``step``, ``train``: see
+    ``scope.RankScope.recording``)."""
 
     kind: str
     group: tuple[int, ...]
@@ -107,7 +108,7 @@ def run_rank(
         if getattr(strategy, "initial_weights", None) is not None:
             strategy.initial_weights = None  # a dry run reads no weights
         scope = RankScope()
-        scope.install(strategy, cli.model)
+        scope.install(cli.trainer, cli.model)
         with scope.recording():
             cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     record.memory = scope.memory_peak

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from lightning.pytorch import Callback
+
 from lightning_dist.compat import real_tensors_temporarily
 from lightning_dist.dryrun.fake_values import DryRunTensorMode
 from lightning_dist.profiling import CommCounter, CommRecord
@@ -36,8 +38,9 @@ class RankScope:
         self._strategy: Any = None
         self._depth = 0
 
-    def install(self, strategy: Any, module: Any) -> None:
-        self._strategy = strategy
+    def install(self, trainer: Any, module: Any) -> None:
+        strategy = self._strategy = trainer.strategy
+        trainer.callbacks.append(_TrainStart(self.counter))
         for name, is_step in FAKE_STRATEGY_METHODS.items():
             setattr(strategy, name, self._in_fake_mode(getattr(strategy, name), is_step, name))
         for name in REAL_MODULE_METHODS:
@@ -45,7 +48,10 @@ class RankScope:
 
     @contextmanager
     def recording(self) -> Iterator[None]:
-        with self.counter, self.counter.phase("fit"):
+        """Collectives are labelled ``launch`` (the process group and mesh), ``setup`` (the strategy's), ``prepare``
+        (Lightning's data and loops after setup), ``step`` (the optimizer step, its forward and backward) and
+        ``train`` (Lightning's own from ``on_train_start`` on)."""
+        with self.counter, self.counter.phase("launch"):
             yield
 
     @property
@@ -70,6 +76,8 @@ class RankScope:
             finally:
                 self._depth -= 1
                 self.counter.__enter__()
+                if name == "setup":
+                    self.counter.set_phase("prepare")
                 if tracker is not None:
                     self._keep_peak(tracker.peak_split())
 
@@ -87,3 +95,13 @@ def _on_real_tensors(method: Callable[..., Any]) -> Callable[..., Any]:
             return method(*args, **kwargs)
 
     return call
+
+
+class _TrainStart(Callback):
+    """From ``on_train_start`` on, Lightning's own collectives are labelled ``train``."""
+
+    def __init__(self, counter: CommCounter) -> None:
+        self.counter = counter
+
+    def on_train_start(self, *args: Any) -> None:
+        self.counter.set_phase("train")

@@ -36,9 +36,12 @@ class LiveMemory(TorchDispatchMode):
         self.optimizers = list(optimizers)
         self.current = 0
         self.peak = 0
+        # by storage (its address, which a later storage may reuse): bytes, and a serial number unique to it
         self._bytes: dict[int, int] = {}
-        self._at_peak: dict[int, int] = {}
-        self._resized: set[int] = set()
+        self._serial: dict[int, int] = {}
+        self._serials = 0
+        self._at_peak: dict[int, int] = {}  # serial -> bytes
+        self._resized: set[int] = set()  # serials
         self._original_resize: Any = None
 
     def __enter__(self) -> Self:
@@ -71,14 +74,16 @@ class LiveMemory(TorchDispatchMode):
 
     def peak_split(self) -> dict[str, int]:
         """Bytes alive at the peak by category (see the module docstring), and ``"total"``."""
-        kinds: dict[int, str] = {key: "parameters" for key in self._resized}
+        kinds: dict[int, str] = {serial: "parameters" for serial in self._resized}
         for kind, tensors in self._state_by_kind():
             for tensor in tensors:
                 for inner in _storage_tensors(tensor):
-                    kinds.setdefault(storage_identity(inner), kind)
+                    serial = self._serial.get(storage_identity(inner))
+                    if serial is not None:
+                        kinds.setdefault(serial, kind)
         split = dict.fromkeys(CATEGORIES, 0)
-        for key, size in self._at_peak.items():
-            split[kinds.get(key, "activations")] += size
+        for serial, size in self._at_peak.items():
+            split[kinds.get(serial, "activations")] += size
         split["total"] = self.peak
         return split
 
@@ -89,27 +94,34 @@ class LiveMemory(TorchDispatchMode):
             key = storage_identity(inner)
             if key in self._bytes:
                 continue
-            self._bytes[key] = storage.nbytes()
-            self.current += self._bytes[key]
+            self._track(key, storage.nbytes())
             weakref.finalize(storage, self._free, key)
             self._note_peak()
 
     def _resize(self, storage: torch.UntypedStorage, size: int) -> None:
         key = untyped_storage_identity(storage)
         if key not in self._bytes:
+            self._track(key, 0)
             weakref.finalize(storage, self._free, key)
-        self.current += size - self._bytes.get(key, 0)
+        self.current += size - self._bytes[key]
         self._bytes[key] = size
-        self._resized.add(key)
+        self._resized.add(self._serial[key])
         self._note_peak()
+
+    def _track(self, key: int, size: int) -> None:
+        self._bytes[key] = size
+        self._serials += 1
+        self._serial[key] = self._serials
+        self.current += size
 
     def _free(self, key: int) -> None:
         self.current -= self._bytes.pop(key, 0)
+        self._serial.pop(key, None)
 
     def _note_peak(self) -> None:
         if self.current > self.peak or not self._at_peak:
             self.peak = max(self.peak, self.current)
-            self._at_peak = dict(self._bytes)
+            self._at_peak = {self._serial[key]: size for key, size in self._bytes.items()}
 
     def _state_by_kind(self) -> Iterator[tuple[str, Iterable[torch.Tensor]]]:
         yield "parameters", (p for m in self.modules for p in m.parameters())

@@ -1,5 +1,5 @@
 """One rank of a dry run: the user's configuration built as ``lightning-dist fit`` builds it, on the meta device,
-then ``trainer.fit`` for one optimizer step on fake tensors and fake collectives, recorded."""
+then ``trainer.fit`` for two optimizer steps on fake tensors and fake collectives, recorded."""
 
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ from lightning_dist.dryrun.fake_world import fake_rank
 from lightning_dist.dryrun.scope import RankScope
 from lightning_dist.lightning_cli import CLI_CLASSES, DistCLI, import_from_cwd
 
-#: What a dry run sets on top of the user's Trainer arguments: one optimizer step on the CPU code path, nothing
-#: written (no logger, no checkpoint), no validation.
-DRY_RUN_TRAINER = {"accelerator": "cpu", "max_steps": 1, "limit_val_batches": 0, "num_sanity_val_steps": 0,
+#: What a dry run sets on top of the user's Trainer arguments: two optimizer steps (the second starts with the
+#: optimizer's states: a step's peak in a long run) on the CPU code path, nothing written (no logger, no checkpoint),
+#: no validation.
+DRY_RUN_TRAINER = {"accelerator": "cpu", "max_steps": 2, "limit_val_batches": 0, "num_sanity_val_steps": 0,
                    "logger": False, "enable_progress_bar": False, "enable_model_summary": False}  # fmt: skip
 
 
@@ -46,7 +47,8 @@ class Collective:
 
 @dataclass
 class RankRecord:
-    """What one rank did: its collectives in order and its peak memory during the step, by category."""
+    """What one rank did: its collectives in order and its peak memory during the steps, by category (at the peak of
+    the larger)."""
 
     rank: int
     role: str
@@ -99,7 +101,7 @@ def run_rank(
     mailbox: Path | None = None,
     peers: Sequence[int] = (),
 ) -> RankRecord:
-    """Dry-run global rank ``rank``: its setup and one optimizer step, recorded."""
+    """Dry-run global rank ``rank``: its setup and two optimizer steps, recorded."""
     start = time.perf_counter()
     record = RankRecord(rank, role)
     with quiet(), fake_rank(rank, world_size, world_size // num_nodes, mailbox, peers):

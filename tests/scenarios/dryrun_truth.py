@@ -5,7 +5,7 @@ bookkeeping: run under ``torch.distributed.run``; each rank writes ``<out>/rank<
 
 * collectives: torch's profiler and flight recorder (tests/real_collectives.py), from ``on_train_start`` (after the
   strategy's setup) to the end of ``fit``: the dry run's ``step`` and ``train`` phases;
-* the step's memory: :class:`~lightning_dist.profiling.live_memory.LiveMemory` over the real tensors of the training
+* the steps' memory: :class:`~lightning_dist.profiling.live_memory.LiveMemory` over the real tensors of the training
   step (what the dry run measures over fake ones), and the process's resident high-water mark during the step
   (``VmHWM`` after resetting it, Linux), the operating system's figure.
 
@@ -51,29 +51,32 @@ class AfterSetup(L.Callback):
 
 
 class StepMemory(L.Callback):
-    """LiveMemory and the resident high-water mark over the first training batch."""
+    """LiveMemory over each training batch (the larger peak is kept, as the dry run keeps it), and the resident
+    high-water mark's growth over the batches."""
 
     def __init__(self) -> None:
         self.memory: LiveMemory | None = None
         self.result: dict[str, Any] = {}
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
-        if self.memory is None:
-            strategy = trainer.strategy
-            self.memory = LiveMemory(strategy.model_parts, strategy.optimizers)
+        strategy = trainer.strategy
+        self.memory = LiveMemory(strategy.model_parts, strategy.optimizers)
+        if "rss_start" not in self.result:
             try:
                 Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
                 self.result["rss_start"] = _status("VmRSS")
             except OSError:
                 pass
-            self.memory.__enter__()
+        self.memory.__enter__()
 
     def on_train_batch_end(self, *args: object) -> None:
-        if self.memory is not None and "split" not in self.result:
-            self.memory.__exit__(None, None, None)
-            self.result["split"] = self.memory.peak_split()
-            if "rss_start" in self.result:
-                self.result["rss_growth"] = _status("VmHWM") - self.result["rss_start"]
+        assert self.memory is not None
+        self.memory.__exit__(None, None, None)
+        split = self.memory.peak_split()
+        if split["total"] >= self.result.get("split", {}).get("total", 0):
+            self.result["split"] = split
+        if "rss_start" in self.result:
+            self.result["rss_growth"] = _status("VmHWM") - self.result["rss_start"]
 
 
 def main() -> None:

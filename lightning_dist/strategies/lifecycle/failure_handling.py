@@ -40,9 +40,10 @@ _started: weakref.WeakSet[FailureWatchdog] = weakref.WeakSet()  # a running thre
 
 
 def start_watchdog(strategy: MeshParallelStrategy) -> FailureWatchdog | None:
-    """Start watching for other ranks' failures (a no-op without a process group or with a single rank)."""
+    """Start watching for other ranks' failures (a no-op without a process group, with a single rank, or on the fake
+    backend of a dry run, whose peers do not exist)."""
     store = default_store()
-    if store is None or strategy.world_size < 2:
+    if store is None or strategy.world_size < 2 or dist.get_backend() == "fake":
         return None
     rank = strategy.global_rank
     watchdog = FailureWatchdog(

@@ -90,6 +90,8 @@ PRIVATE_TORCH_NAMES: dict[str, tuple[str, str]] = {
         "torch 2.13",
         "dryrun, profiling/live_memory.py: tree_leaves, the tensors of an op's arguments",
     ),
+    "_sharding_prop": ("torch 2.13", "profiling/live_memory.py: DTensor's shape propagation, not counted"),
+    "_propagate_tensor_meta_non_cached": ("torch 2.13", "profiling/live_memory.py: DTensor's shape propagation"),
     "_op_dispatcher": ("torch 2.13", "dryrun: DTensor's sharding cache, emptied between dry-run ranks"),
     "_propagate_tensor_meta_cached": ("torch 2.13", "dryrun: a DTensor cache emptied between ranks"),
     "_collective_utils": ("torch 2.13", "dryrun: MeshTopoInfo's cache, emptied between dry-run ranks"),
@@ -458,6 +460,14 @@ def tensor_leaves(value: Any) -> list[torch.Tensor]:
     from torch.utils._pytree import tree_leaves
 
     return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+def dtensor_shape_propagation() -> tuple[type, str]:
+    """Where DTensor computes an op's output metadata on fake tensors of the global shape (``ShardingPropagator.
+    _propagate_tensor_meta_non_cached``): those tensors are no memory of the rank."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    return ShardingPropagator, "_propagate_tensor_meta_non_cached"
 
 
 def forget_dtensor_shardings() -> None:

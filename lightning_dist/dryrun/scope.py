@@ -17,6 +17,7 @@ from typing import Any
 from lightning.pytorch import Callback
 
 from lightning_dist.compat import real_tensors_temporarily
+from lightning_dist.dryrun.attention import fused_attention
 from lightning_dist.dryrun.fake_values import DryRunTensorMode
 from lightning_dist.profiling import CommCounter, CommRecord
 from lightning_dist.profiling.live_memory import LiveMemory
@@ -67,7 +68,7 @@ class RankScope:
             self.counter.__exit__(None, None, None)  # back on top of the stack, above the fake mode
             tracker = None
             try:
-                with self.mode, self.counter, self.counter.phase("step" if is_step else name):
+                with fused_attention(), self.mode, self.counter, self.counter.phase("step" if is_step else name):
                     if is_step:
                         tracker = LiveMemory(self._strategy.model_parts, self._strategy.optimizers)
                         with tracker:

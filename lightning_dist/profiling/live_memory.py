@@ -4,7 +4,8 @@
 result adds nothing) until the storage is freed, and ``UntypedStorage.resize_`` (how FSDP2 frees and re-allocates
 the unsharded parameters between forward and backward) is counted. It works on real and on fake tensors: a dry run
 measures a step that allocates nothing. The state a step starts with (parameters, buffers, gradients, optimizer
-states) is counted from the start.
+states) is counted from the start. Tensors on the meta device hold no memory and are not counted, nor are the fake
+tensors of the global shape DTensor makes to find an op's output shape (its sharding propagation).
 
 At the peak it remembers which storages were alive; :meth:`LiveMemory.peak_split` names them afterwards from the
 modules and optimizers it was given: ``parameters`` (shards, and the unsharded copies FSDP2 gathers and frees by
@@ -22,7 +23,13 @@ from typing import Any
 import torch
 from typing_extensions import Self
 
-from lightning_dist.compat import TorchDispatchMode, storage_identity, tensor_leaves, untyped_storage_identity
+from lightning_dist.compat import (
+    TorchDispatchMode,
+    dtensor_shape_propagation,
+    storage_identity,
+    tensor_leaves,
+    untyped_storage_identity,
+)
 
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer", "activations")
 
@@ -43,6 +50,8 @@ class LiveMemory(TorchDispatchMode):
         self._at_peak: dict[int, int] = {}  # serial -> bytes
         self._resized: set[int] = set()  # serials
         self._original_resize: Any = None
+        self._original_propagation: Any = None
+        self._propagating = 0
 
     def __enter__(self) -> Self:
         for tensor in self._state_tensors():
@@ -57,17 +66,32 @@ class LiveMemory(TorchDispatchMode):
             return result
 
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        owner, name = dtensor_shape_propagation()
+        self._original_propagation = propagate = getattr(owner, name)
+
+        def propagation(*args: Any, **kwargs: Any) -> Any:
+            memory._propagating += 1
+            try:
+                return propagate(*args, **kwargs)
+            finally:
+                memory._propagating -= 1
+
+        setattr(owner, name, propagation)
         super().__enter__()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         super().__exit__(*exc_info)
         torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
+        owner, name = dtensor_shape_propagation()
+        setattr(owner, name, self._original_propagation)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         if any(_is_wrapper(t) for t in types):
             return NotImplemented  # a DTensor desugars into ops on its local tensors, which come back here
         out = func(*args, **(kwargs or {}))
+        if self._propagating:
+            return out
         for leaf in tensor_leaves(out):
             self._follow(leaf)
         return out
@@ -90,6 +114,8 @@ class LiveMemory(TorchDispatchMode):
     # -------------------------------------------------------------------------------------------------- bookkeeping
     def _follow(self, tensor: torch.Tensor) -> None:
         for inner in _storage_tensors(tensor):
+            if inner.device.type == "meta":  # shapes only: DTensor's sharding propagation works on these
+                continue
             storage = inner.untyped_storage()
             key = storage_identity(inner)
             if key in self._bytes:

@@ -1,5 +1,5 @@
-"""``lightning-dist dryrun``: roles, the agreement check, the JSON, and a planted rank-dependent branch found before
-launch. (The comparison with real runs at 2–8 processes, bytes and memory, is ``benchmarks/dryrun_truth.py``.)"""
+"""``lightning-dist dryrun``: roles, the agreement check, the JSON, a planted rank-dependent branch and broken
+configurations found before launch. (The comparison with real runs: tests/test_dryrun_truth.py.)"""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from launch import FULL_MATRIX
 
 from lightning_dist.commands.dryrun import memory_size
 from lightning_dist.dryrun import Collective, RankRecord
@@ -18,22 +19,27 @@ from lightning_dist.dryrun.roles import choose_ranks, coordinates, rank_at
 from lightning_dist.parallel.mesh import ParallelDims
 
 ROOT = Path(__file__).resolve().parents[1]
+FULL_MATRIX_ONLY = pytest.mark.skipif(not FULL_MATRIX, reason="the full matrix (LIGHTNING_DIST_FULL_MATRIX=1)")
 CONFIGS = Path(__file__).resolve().parent / "dryrun_configs"
 
 
-def test_roles_cover_every_stage_and_the_last_rank_of_each_axis():
+def test_roles_cover_every_stage_and_the_first_and_last_coordinate_of_tp_cp_and_ep():
     dims = ParallelDims(pp=16, dp_shard=16, tp=8)
+    roles = choose_ranks(dims)
+    assert len(roles) == 16 * 2
+    assert [coordinates(dims, r) for r in roles if coordinates(dims, r)["pp"] == 3] == [
+        {"pp": 3, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 0},
+        {"pp": 3, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 7},
+    ]
+    # a rank asked for comes with its pipeline (the stages exchange shapes)
     roles = choose_ranks(dims, [713])
-    assert len(roles) == 16 * 3 + 1
     assert roles[713] == "pp5·dp_shard9·tp1"
+    assert {r for r in roles if coordinates(dims, r)["dp_shard"] == 9} == {
+        rank_at(dims, {"pp": s, "dp_shard": 9, "tp": 1}) for s in range(16)
+    }
     assert coordinates(dims, 713) == {"pp": 5, "dp_replicate": 0, "dp_shard": 9, "cp": 0, "tp": 1}
     assert rank_at(dims, coordinates(dims, 713)) == 713
-    # stage 3: its first rank, the last on dp_shard, the last on tp
-    stage3 = [r for r in roles if coordinates(dims, r)["pp"] == 3]
-    assert [coordinates(dims, r) for r in stage3][1:] == [
-        {"pp": 3, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 7},
-        {"pp": 3, "dp_replicate": 0, "dp_shard": 15, "cp": 0, "tp": 0},
-    ]
+    assert len(choose_ranks(ParallelDims(dp_shard=32, cp=4, tp=8))) == 3
     ep = choose_ranks(ParallelDims(dp_shard=8, cp=2, ep=4))
     assert any(name.endswith("ep3") for name in ep.values())
     with pytest.raises(ValueError, match="not a rank of a world of 2048"):
@@ -94,7 +100,36 @@ def test_a_rank_dependent_branch_is_found_before_launch_with_its_rank_and_group(
     assert "ranks 0 and 1 disagree on the group of 2 ranks [0, 1]" in done.stdout
 
 
-def test_a_pipeline_mesh_is_refused_with_what_to_do_instead(tmp_path):
-    done = _dryrun(tmp_path, "--config", str(ROOT / "configs" / "pipeline.yaml"), "--world-size", "64")
-    assert done.returncode == 2
-    assert "does not rehearse them yet" in done.stderr and "lightning-dist verify" in done.stderr
+BAD_CONFIGURATIONS = {
+    # a tensor-parallel plan the shapes cannot satisfy at that size: 4 heads over tp=8
+    "tp_heads": (["--config", str(ROOT / "configs" / "tensor_parallel.yaml"), "--world-size", "1024",
+                  "--trainer.strategy.init_args.tensor_parallel_size=8"], ["8"]),
+    # experts not divisible: 4 experts over ep=8
+    "ep_experts": (["--config", str(CONFIGS / "expert_parallel.yaml"), "--world-size", "1024",
+                    "--trainer.strategy.init_args.expert_parallel_size=8"], ["expert_parallel_size"]),
+    # a stage that reads another stage's module (the head reads the token embedding) under pp=2
+    "cross_stage": (["--config", str(ROOT / "configs" / "pipeline.yaml"), "--world-size", "1024",
+                     "--trainer.strategy.init_args.pipeline_parallel_size=2",
+                     "--trainer.strategy.init_args.data_parallel_shard_size=auto",
+                     "--model.class_path=divergent_model.CrossStageGPT"], ["tok_emb"]),
+}  # fmt: skip
+DEFAULT_BAD = ["tp_heads"]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [c if c in DEFAULT_BAD or FULL_MATRIX else pytest.param(c, marks=FULL_MATRIX_ONLY) for c in BAD_CONFIGURATIONS],
+)
+def test_a_broken_configuration_at_scale_is_reported_before_launch_with_the_rank_and_the_fix(tmp_path, case):
+    args, named = BAD_CONFIGURATIONS[case]
+    done = _dryrun(tmp_path, *args)
+    text = done.stdout + done.stderr
+    assert done.returncode in (1, 2), text
+    if done.returncode == 1:  # found on the ranks: each failed rank is named with its error
+        report = json.loads((tmp_path / "dry.json").read_text())
+        failed = [r for r in report["ranks"] if r["error"]]
+        assert failed and not report["passed"]
+        assert all(f"{r['rank']:>6}  {r['role']}" in text for r in failed)
+    else:  # found while the mesh is resolved, before any rank runs
+        assert "lightning-dist dryrun: error:" in done.stderr
+    assert all(word in text for word in named), text

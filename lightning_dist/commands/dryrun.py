@@ -3,8 +3,8 @@ Takes what ``lightning-dist fit`` takes, plus the size of the real run::
 
     lightning-dist dryrun --config cfg.yaml --world-size 1024 --num-nodes 128 --device-memory 80GiB --json dry.json
 
-Each role of the mesh runs the strategy's real setup and two training steps (the second as in a long run, with the
-optimizer's states) on torch's fake process group and fake tensors: its peak memory by category and every collective
+Each role of the mesh runs the strategy's real setup and a training step on torch's fake process group and fake
+tensors (the memory reported is a later step's, with the optimizer's states): its peak memory by category and every collective
 it issues are recorded, and ranks that share a group must issue the same collectives. Exit status: 0 when they agree and each fits ``--device-memory``, 1
 when not (or a rank failed), 2 when the configuration cannot be dry-run. See docs/dryrun.md.
 """

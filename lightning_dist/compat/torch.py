@@ -432,9 +432,13 @@ def fake_tensor_mode_class() -> type:
 
 def is_fake_tensor(tensor: Any) -> bool:
     """Whether ``tensor`` (or, for a DTensor, its local tensor) is a fake tensor: it has no values to read."""
-    from torch._subclasses.fake_tensor import is_fake
+    from torch._subclasses.fake_tensor import FakeTensor, is_fake
 
-    return isinstance(tensor, torch.Tensor) and is_fake(tensor)
+    if isinstance(tensor, FakeTensor):
+        return True
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter) or not isinstance(tensor, torch.Tensor):
+        return False  # a plain tensor (the common case, answered without is_fake's walk)
+    return is_fake(tensor)
 
 
 def real_tensors_temporarily() -> Any:
@@ -453,13 +457,6 @@ def lift_ops() -> tuple[Any, ...]:
     """The ops ``torch.tensor(data)`` ends with (``aten.lift_fresh``, ``aten.lift_fresh_copy``): where a fake tensor
     mode turns a tensor made from Python data into a fake one."""
     return torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default
-
-
-def tensor_leaves(value: Any) -> list[torch.Tensor]:
-    """The tensors in a nest of tuples, lists and dicts (an op's arguments or outputs): ``torch.utils._pytree``."""
-    from torch.utils._pytree import tree_leaves
-
-    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
 def dtensor_shape_propagation() -> tuple[type, str]:

@@ -1,4 +1,4 @@
-"""Rehearse a run of any size on one CPU: every role's real setup and two training steps, on fake collectives.
+"""Rehearse a run of any size on one CPU: every role's real setup and a training step, on fake collectives.
 
     report = dry_run(["--config", "cfg.yaml"], world_size=1024, num_nodes=128, device_memory=80 * 2**30)
     print(report.table())          # per rank: peak memory by category, collectives issued
@@ -12,7 +12,7 @@ How it goes:
    asked for.
 3. **Each rank** (:mod:`.rank_run`), in a process of its own (:mod:`.rank_process`, as many at a time as there are
    CPU cores): torch's ``fake`` process group makes the process that rank of the world (:mod:`.fake_world`); the module is built on the meta device; ``trainer.fit`` runs the strategy's own setup and
-   two optimizer steps on fake tensors (:mod:`.fake_values`, :mod:`.scope`), recording every collective
+   one optimizer step on fake tensors (the memory of the steps after it) (:mod:`.fake_values`, :mod:`.scope`), recording every collective
    (:class:`~lightning_dist.profiling.CommCounter`) and the live memory of the step
    (:class:`~lightning_dist.profiling.live_memory.LiveMemory`). No weight is read or written.
 4. **Agreement** (:mod:`.agreement`): per shared group, the same kinds and sizes in the same order.

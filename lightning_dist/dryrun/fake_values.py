@@ -29,8 +29,8 @@ from lightning_dist.compat import (
     item_op,
     lift_ops,
     real_tensors_temporarily,
-    tensor_leaves,
 )
+from lightning_dist.profiling.live_memory import tensors_in
 
 #: Tensors of at most this many elements, made without a fake input, are real.
 SMALL = 16
@@ -46,7 +46,7 @@ class DryRunTensorMode(fake_tensor_mode_class()):  # type: ignore[misc]
         kwargs = kwargs or {}
         if func in lift_ops():
             return args[0]
-        tensors = tensor_leaves((args, kwargs))
+        tensors = tensors_in((args, kwargs))
         real = not any(is_fake_tensor(t) for t in tensors) and all(_stays_real(t) for t in tensors)
         if real and (tensors or _makes_small(self, func, types, args, kwargs)):
             with real_tensors_temporarily():
@@ -59,7 +59,7 @@ class DryRunTensorMode(fake_tensor_mode_class()):  # type: ignore[misc]
 def _makes_small(mode: DryRunTensorMode, func: Any, types: Any, args: Any, kwargs: Any) -> bool:
     """Whether a factory op (no tensor input) makes only small tensors: asked of the fake mode first (no memory)."""
     out = fake_tensor_mode_class().__torch_dispatch__(mode, func, types, args, kwargs)
-    leaves = tensor_leaves(out)
+    leaves = tensors_in(out)
     return bool(leaves) and all(_stays_real(t) for t in leaves)
 
 

@@ -1,5 +1,5 @@
 """One rank of a dry run: the user's configuration built as ``lightning-dist fit`` builds it, on the meta device,
-then ``trainer.fit`` for two optimizer steps on fake tensors and fake collectives, recorded."""
+then ``trainer.fit`` for one optimizer step on fake tensors and fake collectives, recorded."""
 
 from __future__ import annotations
 
@@ -18,10 +18,9 @@ from lightning_dist.dryrun.fake_world import fake_rank
 from lightning_dist.dryrun.scope import RankScope
 from lightning_dist.lightning_cli import CLI_CLASSES, DistCLI, import_from_cwd
 
-#: What a dry run sets on top of the user's Trainer arguments: two optimizer steps (the second starts with the
-#: optimizer's states: a step's peak in a long run) on the CPU code path, nothing written (no logger, no checkpoint),
-#: no validation.
-DRY_RUN_TRAINER = {"accelerator": "cpu", "max_steps": 2, "limit_val_batches": 0, "num_sanity_val_steps": 0,
+#: What a dry run sets on top of the user's Trainer arguments: one optimizer step on the CPU code path, nothing
+#: written (no logger, no checkpoint), no validation.
+DRY_RUN_TRAINER = {"accelerator": "cpu", "max_steps": 1, "limit_val_batches": 0, "num_sanity_val_steps": 0,
                    "logger": False, "enable_progress_bar": False, "enable_model_summary": False}  # fmt: skip
 
 
@@ -29,7 +28,7 @@ DRY_RUN_TRAINER = {"accelerator": "cpu", "max_steps": 2, "limit_val_batches": 0,
 class Collective:
     """One collective a rank issued: its kind, the global ranks of its group (``peer``: the other end of a send or
     receive), the bytes of its payload (the tensor this rank contributes or receives, as CommCounter's
-    ``tensor_bytes``), and the phase (``launch``, ``setup``, ``prepare``, ``step``, ``train``: see
+    ``tensor_bytes``), and the phase (``launch``, ``setup``, ``prepare``, ``train``, ``step``, ``end``: see
     ``scope.RankScope.recording``)."""
 
     kind: str
@@ -47,8 +46,8 @@ class Collective:
 
 @dataclass
 class RankRecord:
-    """What one rank did: its collectives in order and its peak memory during the steps, by category (at the peak of
-    the larger)."""
+    """What one rank did: its collectives in order, and the peak memory of a training step after the first (with the
+    optimizer's states), by category."""
 
     rank: int
     role: str
@@ -80,11 +79,12 @@ class DryRunCLI(DistCLI):
         return True
 
 
-def build_trainer(cli_args: list[str], world_size: int, num_nodes: int) -> DryRunCLI:
-    """The configuration of ``cli_args`` (``fit``'s arguments) for one rank of ``world_size``, not yet fitted."""
+def build_trainer(cli_args: list[str], world_size: int, num_nodes: int, steps: int = 1) -> DryRunCLI:
+    """The configuration of ``cli_args`` (``fit``'s arguments) for one rank of ``world_size``, not yet fitted, to
+    train ``steps`` optimizer steps."""
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
     import_from_cwd()
-    overrides = {**DRY_RUN_TRAINER, "devices": world_size // num_nodes, "num_nodes": num_nodes}
+    overrides = {**DRY_RUN_TRAINER, "max_steps": steps, "devices": world_size // num_nodes, "num_nodes": num_nodes}
     args = [*cli_args, *(f"--trainer.{key}={_yaml(value)}" for key, value in overrides.items())]
     cli = DryRunCLI(**CLI_CLASSES, args=args, run=False, save_config_callback=None)
     trainer = cli.trainer
@@ -101,7 +101,7 @@ def run_rank(
     mailbox: Path | None = None,
     peers: Sequence[int] = (),
 ) -> RankRecord:
-    """Dry-run global rank ``rank``: its setup and two optimizer steps, recorded."""
+    """Dry-run global rank ``rank``: its setup and one optimizer step, recorded."""
     start = time.perf_counter()
     record = RankRecord(rank, role)
     with quiet(), fake_rank(rank, world_size, world_size // num_nodes, mailbox, peers):

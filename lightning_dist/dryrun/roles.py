@@ -1,10 +1,11 @@
 """Which ranks a dry run runs: one of every role in the mesh.
 
 Ranks that differ only in their data-parallel coordinate do the same work; what changes a rank's work is its
-pipeline stage and where it sits on each axis. For each stage the dry run takes the rank that is first on every other
-axis, and for each axis of size > 1 the rank that is last on that axis and first on the others (so every pair shares
-the group of that axis, and the agreement check compares them on it); with expert parallelism also the last rank of
-the ``ep`` group.
+pipeline stage and where it sits on the axes that split the model: tp and cp (its slices, its sequence shard), and
+ep (its experts). For each stage the dry run takes the rank that is first on every other axis and, for each of tp,
+cp and ep larger than 1, the rank that is last on that axis and first on the others (each pair shares the group of
+that axis, and the agreement check compares them on it). Data-parallel ranks are covered by the first ones: the
+first rank's data-parallel groups are recorded with the rest, and ``--ranks`` adds any other.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from lightning_dist.parallel.mesh import MESH_AXES, ParallelDims
+
+#: The axes along which ranks hold different parts of the model or the sequence (ep is handled apart).
+MODEL_SPLITTING_AXES = ("cp", "tp")
 
 
 def coordinates(dims: ParallelDims, rank: int) -> dict[str, int]:
@@ -48,7 +52,7 @@ def choose_ranks(dims: ParallelDims, named: Iterable[int] = ()) -> dict[int, str
     for stage in range(dims.pp):
         base = {"pp": stage}
         chosen.add(rank_at(dims, base))
-        for axis in MESH_AXES[1:]:
+        for axis in MODEL_SPLITTING_AXES:
             if sizes[axis] > 1:
                 chosen.add(rank_at(dims, {**base, axis: sizes[axis] - 1}))
         if dims.ep > 1:  # the last rank of the ep group: the inner ep ranks of dp_shard × cp

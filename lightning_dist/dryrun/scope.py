@@ -3,7 +3,8 @@
 Only the strategy's model work is fake: its ``setup`` (parallelize, materialize, optimizers) and the step
 (``optimizer_step``, which runs the closure, ``training_step`` and ``backward``). Lightning's own work around them
 (the data loader, logging, callbacks) runs on real tensors, and what it does with a fake loss goes through the
-tensor's fake mode. The collective counter is always the innermost dispatch mode, so it sees every collective,
+tensor's fake mode. One optimizer step runs; the memory reported is a later step's (the first one's peak before the
+optimizer update, plus the optimizer states it made, when that is higher: see ``LiveMemory.mark_update``). The collective counter is always the innermost dispatch mode, so it sees every collective,
 fake or real; during the step a memory tracker sits beside it.
 """
 
@@ -38,10 +39,11 @@ class RankScope:
         self.memory_peak: dict[str, int] = {}
         self._strategy: Any = None
         self._depth = 0
+        self._tracker: LiveMemory | None = None
 
     def install(self, trainer: Any, module: Any) -> None:
         strategy = self._strategy = trainer.strategy
-        trainer.callbacks.append(_TrainStart(self.counter))
+        trainer.callbacks.append(_Hooks(self))
         for name, is_step in FAKE_STRATEGY_METHODS.items():
             setattr(strategy, name, self._in_fake_mode(getattr(strategy, name), is_step, name))
         for name in REAL_MODULE_METHODS:
@@ -50,8 +52,8 @@ class RankScope:
     @contextmanager
     def recording(self) -> Iterator[None]:
         """Collectives are labelled ``launch`` (the process group and mesh), ``setup`` (the strategy's), ``prepare``
-        (Lightning's data and loops after setup), ``step`` (the optimizer step, its forward and backward) and
-        ``train`` (Lightning's own from ``on_train_start`` on)."""
+        (Lightning's data and loops after setup), ``train`` (Lightning's own from ``on_train_start`` to the end of the
+        batch), ``step`` (the optimizer step, its forward and backward) and ``end`` (after ``on_train_batch_end``)."""
         with self.counter, self.counter.phase("launch"):
             yield
 
@@ -70,7 +72,7 @@ class RankScope:
             try:
                 with fused_attention(), self.mode, self.counter, self.counter.phase("step" if is_step else name):
                     if is_step:
-                        tracker = LiveMemory(self._strategy.model_parts, self._strategy.optimizers)
+                        tracker = self._tracker = LiveMemory(self._strategy.model_parts, self._strategy.optimizers)
                         with tracker:
                             return method(*args, **kwargs)
                     return method(*args, **kwargs)
@@ -79,8 +81,11 @@ class RankScope:
                 self.counter.__enter__()
                 if name == "setup":
                     self.counter.set_phase("prepare")
+                else:  # Lightning's own after the optimizer step, until the batch ends
+                    self.counter.set_phase("train")
                 if tracker is not None:
-                    self._keep_peak(tracker.peak_split())
+                    self._keep_peak(tracker.peak_split(later_step=True))
+                    self._tracker = None
 
         return call
 
@@ -98,11 +103,19 @@ def _on_real_tensors(method: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-class _TrainStart(Callback):
-    """From ``on_train_start`` on, Lightning's own collectives are labelled ``train``."""
+class _Hooks(Callback):
+    """Lightning's own collectives are labelled ``train`` from ``on_train_start`` and ``end`` after
+    ``on_train_batch_end``; the optimizer update's start is marked for the memory of the steps after the first."""
 
-    def __init__(self, counter: CommCounter) -> None:
-        self.counter = counter
+    def __init__(self, scope: RankScope) -> None:
+        self.scope = scope
 
     def on_train_start(self, *args: Any) -> None:
-        self.counter.set_phase("train")
+        self.scope.counter.set_phase("train")
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.scope.counter.set_phase("end")
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        if self.scope._tracker is not None:
+            self.scope._tracker.mark_update()

@@ -7,6 +7,11 @@ measures a step that allocates nothing. The state a step starts with (parameters
 states) is counted from the start. Tensors on the meta device hold no memory and are not counted, nor are the fake
 tensors of the global shape DTensor makes to find an op's output shape (its sharding propagation).
 
+A step that creates the optimizer's states (a run's first) peaks lower than the steps after it, whose forward and
+backward run with those states alive: :meth:`LiveMemory.mark_update` (called where the optimizer update begins)
+lets :meth:`LiveMemory.peak_split` answer for a later step from the first: the peak before the update, plus the
+optimizer states, when that is higher.
+
 At the peak it remembers which storages were alive; :meth:`LiveMemory.peak_split` names them afterwards from the
 modules and optimizers it was given: ``parameters`` (shards, and the unsharded copies FSDP2 gathers and frees by
 resizing), ``buffers``, ``gradients``, ``optimizer`` (states), and ``activations`` (everything else: activations
@@ -27,7 +32,6 @@ from lightning_dist.compat import (
     TorchDispatchMode,
     dtensor_shape_propagation,
     storage_identity,
-    tensor_leaves,
     untyped_storage_identity,
 )
 
@@ -52,6 +56,7 @@ class LiveMemory(TorchDispatchMode):
         self._original_resize: Any = None
         self._original_propagation: Any = None
         self._propagating = 0
+        self._before_update: tuple[int, dict[int, int]] | None = None
 
     def __enter__(self) -> Self:
         for tensor in self._state_tensors():
@@ -92,12 +97,43 @@ class LiveMemory(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self._propagating:
             return out
-        for leaf in tensor_leaves(out):
+        for leaf in tensors_in(out):
             self._follow(leaf)
         return out
 
-    def peak_split(self) -> dict[str, int]:
-        """Bytes alive at the peak by category (see the module docstring), and ``"total"``."""
+    def mark_update(self) -> None:
+        """The optimizer update begins (forward and backward are done): remember the peak so far."""
+        if self._before_update is None:
+            self._before_update = (self.peak, dict(self._at_peak))
+
+    def peak_split(self, later_step: bool = False) -> dict[str, int]:
+        """Bytes alive at the peak by category (see the module docstring), and ``"total"``. ``later_step``: the peak
+        of a step after this one, whose forward and backward run with the optimizer states this one made (needs
+        :meth:`mark_update`)."""
+        kinds = self._kinds()
+        split = self._split(self._at_peak, kinds, self.peak)
+        if later_step and self._before_update is not None:
+            peak, alive = self._before_update
+            states = sum(size for serial, size in self._current_serials() if kinds.get(serial) == "optimizer")
+            before = self._split(alive, kinds, peak)
+            if before["total"] + states - before["optimizer"] > split["total"]:
+                before["total"] += states - before["optimizer"]
+                before["optimizer"] = states
+                return before
+        return split
+
+    def _current_serials(self) -> Iterator[tuple[int, int]]:
+        for key, size in self._bytes.items():
+            yield self._serial[key], size
+
+    def _split(self, alive: dict[int, int], kinds: dict[int, str], total: int) -> dict[str, int]:
+        split = dict.fromkeys(CATEGORIES, 0)
+        for serial, size in alive.items():
+            split[kinds.get(serial, "activations")] += size
+        split["total"] = total
+        return split
+
+    def _kinds(self) -> dict[int, str]:
         kinds: dict[int, str] = {serial: "parameters" for serial in self._resized}
         for kind, tensors in self._state_by_kind():
             for tensor in tensors:
@@ -105,11 +141,7 @@ class LiveMemory(TorchDispatchMode):
                     serial = self._serial.get(storage_identity(inner))
                     if serial is not None:
                         kinds.setdefault(serial, kind)
-        split = dict.fromkeys(CATEGORIES, 0)
-        for serial, size in self._at_peak.items():
-            split[kinds.get(serial, "activations")] += size
-        split["total"] = self.peak
-        return split
+        return kinds
 
     # -------------------------------------------------------------------------------------------------- bookkeeping
     def _follow(self, tensor: torch.Tensor) -> None:
@@ -167,6 +199,17 @@ class LiveMemory(TorchDispatchMode):
     def _state_tensors(self) -> Iterator[torch.Tensor]:
         for _, tensors in self._state_by_kind():
             yield from tensors
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or outputs (tuples, lists and dicts of them, nested)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensors_in(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors_in(v)]
+    return []
 
 
 def _is_wrapper(cls: type) -> bool:

@@ -1,4 +1,4 @@
-"""A planted hang for the dry run to find: the example GPT, except that odd ranks run the first block twice."""
+"""Modules with planted mistakes for the dry run to find: a rank-dependent branch, a read across pipeline stages."""
 
 from __future__ import annotations
 
@@ -18,3 +18,11 @@ class RankBranchGPT(GPT):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+class CrossStageGPT(GPT):
+    """The example GPT whose head also reads the token embedding's weight (another stage's module under pp)."""
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        logits = super().forward(input_ids, position_ids)
+        return logits + self.ln_f(self.tok_emb.weight).sum()

@@ -4,8 +4,8 @@ bookkeeping: run under ``torch.distributed.run``; each rank writes ``<out>/rank<
     python -m torch.distributed.run --nproc-per-node 4 tests/scenarios/dryrun_truth.py OUT --config cfg.yaml
 
 * collectives: torch's profiler and flight recorder (tests/real_collectives.py), from ``on_train_start`` (after the
-  strategy's setup) to the end of ``fit``: the dry run's ``step`` and ``train`` phases;
-* the steps' memory: :class:`~lightning_dist.profiling.live_memory.LiveMemory` over the real tensors of the training
+  strategy's setup) to the end of the first batch: the dry run's ``train`` and ``step`` phases;
+* the memory of the two steps (the larger peak, the second's with the optimizer states): :class:`~lightning_dist.profiling.live_memory.LiveMemory` over the real tensors of the training
   step (what the dry run measures over fake ones), and the process's resident high-water mark during the step
   (``VmHWM`` after resetting it, Linux), the operating system's figure.
 
@@ -45,6 +45,11 @@ class AfterSetup(L.Callback):
 
     def on_train_start(self, *args: object) -> None:
         self.recorder.__enter__()
+        self.recorder.mark("begin")
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == 1:
+            self.recorder.mark("first_batch_end")
 
     def on_fit_end(self, *args: object) -> None:
         self.recorder.__exit__(None, None, None)
@@ -82,13 +87,15 @@ class StepMemory(L.Callback):
 def main() -> None:
     out, cli_args = Path(sys.argv[1]), sys.argv[2:]
     world_size = int(os.environ["WORLD_SIZE"])
-    cli = build_trainer(cli_args, world_size, 1)  # the dry run's configuration: one step, meta-device build
+    # the dry run's configuration (meta-device build) for two steps: the second one's memory is what the dry run reports
+    cli = build_trainer(cli_args, world_size, 1, steps=2)
     step, window = StepMemory(), AfterSetup()
     cli.trainer.callbacks += [window, step]
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     log = window.recorder
     rank = int(os.environ["RANK"])
-    result = {"collectives": log.collectives, "groups_aligned": log.groups_aligned, **step.result}
+    first_step = log.collectives_between("begin", "first_batch_end")  # the dry run runs one step
+    result = {"collectives": first_step, "groups_aligned": log.groups_aligned, **step.result}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 
 

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_dist.compat import sdpa_builtin_home
+
 
 class _FusedKernel(torch.autograd.Function):
     @staticmethod
@@ -47,7 +49,9 @@ def fused_attention() -> Iterator[None]:
     def attention(query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         if query.shape[-1] != value.shape[-1]:
             return _FusedKernel.apply(query, key, value)
-        return original(query, key, value, *args, **kwargs)
+        # the builtin's home, looked up now: context parallelism replaces it there while it runs (also for
+        # activation checkpointing's recomputation, where its function mode is off)
+        return sdpa_builtin_home().scaled_dot_product_attention(query, key, value, *args, **kwargs)
 
     F.scaled_dot_product_attention = attention
     try:

@@ -78,6 +78,10 @@ def compare(case: str, workdir: Path) -> dict[str, Any]:
             "dry_memory": record.memory,
             "real_memory": real["split"],
             "memory_ratio": record.peak_bytes / real_peak if real_peak else None,
+            "dry_later_step": record.later_step,
+            "real_second_step": real.get("second_split"),
+            "later_step_ratio": record.later_step_bytes / real["second_split"]["total"]
+            if real.get("second_split") else None,
             "real_resident_growth": real.get("rss_growth"),
         })  # fmt: skip
     passed = all(
@@ -90,7 +94,7 @@ def compare(case: str, workdir: Path) -> dict[str, Any]:
 
 def table(results: list[dict[str, Any]]) -> str:
     lines = [("| case | mesh | ranks | collectives per rank | sequences equal (bytes included) | dry / real peak memory |"
-             " passed |"), "|---|---|---|---|---|---|---|"]  # fmt: skip
+              " later step: projected / real second step | passed |"), "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for result in results:
         ranks = result["ranks"]
         counts = sorted({r["collectives"] for r in ranks})
@@ -102,9 +106,11 @@ def table(results: list[dict[str, Any]]) -> str:
             deviation = max(r["routed_bytes_deviation"] for r in routed)
             equal += (f"; the other {len(routed)} differ only in the bytes of {routed[0]['routed_all_to_alls']} routed"
                       f" all-to-alls (real within {deviation:.1%} of the balanced routing assumed)")  # fmt: skip
+        later = [r["later_step_ratio"] for r in ranks if r["later_step_ratio"] is not None]
+        later_text = f"{min(later):.4f} – {max(later):.4f}" if later else "—"
         lines.append(
             f"| {result['case']} | {result['mesh']} | {len(ranks)} | {', '.join(map(str, counts))} | {equal} |"
-            f" {ratio} | {'yes' if result['passed'] else 'NO'} |"
+            f" {ratio} | {later_text} | {'yes' if result['passed'] else 'NO'} |"
         )
     return "\n".join(lines)
 

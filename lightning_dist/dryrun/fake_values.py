@@ -19,6 +19,8 @@ whose token counts are values, assumes a balanced router.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,3 +68,14 @@ def _makes_small(mode: DryRunTensorMode, func: Any, types: Any, args: Any, kwarg
 def _stays_real(tensor: torch.Tensor) -> bool:
     """Small, or integer (a device mesh's rank table, token ids, positions): such tensors are computed for real."""
     return tensor.numel() <= SMALL or not (tensor.is_floating_point() or tensor.is_complex())
+
+
+def on_real_tensors(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` run with the fake tensor mode set aside (what it makes is real)."""
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with real_tensors_temporarily():
+            return function(*args, **kwargs)
+
+    return call

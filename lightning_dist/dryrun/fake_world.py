@@ -35,6 +35,7 @@ from lightning_dist.compat import (
     real_tensors_temporarily,
     register_fake_backend,
 )
+from lightning_dist.dryrun.fake_values import on_real_tensors
 
 #: The variables torchrun sets for each process; Lightning reads them (TorchElasticEnvironment).
 RANK_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
@@ -73,7 +74,7 @@ def fake_rank(
         replaced["send_object_list"] = _posted(originals["send_object_list"], box)
         replaced["recv_object_list"] = _delivered(box)
     for name, function in replaced.items():
-        setattr(dist, name, _with_real_tensors(function))
+        setattr(dist, name, on_real_tensors(function))
     try:
         yield
     finally:
@@ -86,15 +87,6 @@ def fake_rank(
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-def _with_real_tensors(function: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(function)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        with real_tensors_temporarily():
-            return function(*args, **kwargs)
-
-    return call
 
 
 class _Mailbox:

@@ -46,12 +46,13 @@ class Collective:
 
 @dataclass
 class RankRecord:
-    """What one rank did: its collectives in order, and the peak memory of a training step after the first (with the
-    optimizer's states), by category."""
+    """What one rank did: its collectives in order, the peak memory of its training step by category (``memory``,
+    measured) and of a later step, which runs with the optimizer's states (``later_step``, projected)."""
 
     rank: int
     role: str
     memory: dict[str, int] = field(default_factory=dict)
+    later_step: dict[str, int] = field(default_factory=dict)
     collectives: list[Collective] = field(default_factory=list)
     seconds: float = 0.0
     error: str | None = None
@@ -60,16 +61,22 @@ class RankRecord:
     def peak_bytes(self) -> int:
         return self.memory.get("total", 0)
 
+    @property
+    def later_step_bytes(self) -> int:
+        return self.later_step.get("total", 0)
+
     def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "role": self.role, "memory": self.memory, "seconds": self.seconds,
-                "error": self.error, "collectives": [c.to_json() for c in self.collectives]}  # fmt: skip
+        return {"rank": self.rank, "role": self.role, "memory": self.memory, "later_step": self.later_step,
+                "seconds": self.seconds, "error": self.error,
+                "collectives": [c.to_json() for c in self.collectives]}  # fmt: skip
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RankRecord:
         collectives = [
             Collective(c["kind"], tuple(c["group"]), c["bytes"], c["phase"], c.get("peer")) for c in data["collectives"]
         ]
-        return cls(data["rank"], data["role"], data["memory"], collectives, data["seconds"], data["error"])
+        return cls(data["rank"], data["role"], data["memory"], data.get("later_step", {}), collectives, data["seconds"],
+                   data["error"])  # fmt: skip
 
 
 class DryRunCLI(DistCLI):
@@ -113,7 +120,7 @@ def run_rank(
         scope.install(cli.trainer, cli.model)
         with scope.recording():
             cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    record.memory = scope.memory_peak
+    record.memory, record.later_step = scope.memory_peak, scope.later_peak
     # the root of a broadcast is left out: a dry-run rank sends its own (see fake_world)
     record.collectives = [
         Collective(r.op, tuple(r.group_ranks), r.tensor_bytes, r.phase, r.peer if r.op in ("send", "recv") else None)

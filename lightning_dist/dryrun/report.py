@@ -33,7 +33,7 @@ class DryRunReport:
     def over_memory(self) -> list[RankRecord]:
         if self.device_memory is None:
             return []
-        return [r for r in self.ranks if r.error is None and r.peak_bytes > self.device_memory]
+        return [r for r in self.ranks if r.error is None and max(r.peak_bytes, r.later_step_bytes) > self.device_memory]
 
     @property
     def passed(self) -> bool:
@@ -54,6 +54,8 @@ class DryRunReport:
                 collectives.append(entry)
             ranks.append({"rank": r.rank, "role": r.role, "peak_bytes": r.peak_bytes,
                           "memory": {k: v for k, v in r.memory.items() if k != "total"},
+                          "later_step_bytes": r.later_step_bytes,
+                          "later_step": {k: v for k, v in r.later_step.items() if k != "total"},
                           "collectives": collectives, "seconds": round(r.seconds, 3), "error": r.error})  # fmt: skip
         first = self.disagreements[0].to_json() if self.disagreements else None
         return {
@@ -73,7 +75,7 @@ class DryRunReport:
         head = (f"dry run: {self.world_size} ranks ({self.num_nodes} node(s)), mesh {self.mesh};"
                 f" {len(self.ranks)} ranks run in {self.seconds:.1f} s")  # fmt: skip
         columns = (f"{'rank':>6}  {'role':<28} {'peak GiB':>9} {'params':>8} {'grads':>8} {'optim':>8}"
-                   f" {'activ.':>8} {'colls':>6}")  # fmt: skip
+                   f" {'activ.':>8} {'later':>8} {'colls':>6}")  # fmt: skip
         lines = [head, "", columns]
         for r in self.ranks:
             if r.error is not None:
@@ -83,16 +85,22 @@ class DryRunReport:
             lines.append(
                 f"{r.rank:>6}  {r.role:<28} {r.peak_bytes / GIB:>9.3f} {m.get('parameters', 0) / GIB:>8.3f}"
                 f" {m.get('gradients', 0) / GIB:>8.3f} {m.get('optimizer', 0) / GIB:>8.3f}"
-                f" {m.get('activations', 0) / GIB:>8.3f} {len(r.collectives):>6}"
+                f" {m.get('activations', 0) / GIB:>8.3f} {r.later_step_bytes / GIB:>8.3f} {len(r.collectives):>6}"
             )
         lines.append("")
+        lines.append(
+            "peak: the step run (by category); later: a later step's peak, with the optimizer states (projected)"
+        )
         if self.device_memory is not None:
             over = self.over_memory
             lines.append(
                 f"memory: every rank within {self.device_memory / GIB:.1f} GiB"
                 if not over
                 else f"memory: {len(over)} rank(s) over {self.device_memory / GIB:.1f} GiB: "
-                + ", ".join(f"rank {r.rank} ({r.role}) needs {r.peak_bytes / GIB:.2f} GiB" for r in over)
+                + ", ".join(
+                    f"rank {r.rank} ({r.role}) needs {max(r.peak_bytes, r.later_step_bytes) / GIB:.2f} GiB"
+                    for r in over
+                )
             )
         if self.agree:
             lines.append("collectives: the ranks agree on every group they share")

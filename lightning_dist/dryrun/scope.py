@@ -3,8 +3,8 @@
 Only the strategy's model work is fake: its ``setup`` (parallelize, materialize, optimizers) and the step
 (``optimizer_step``, which runs the closure, ``training_step`` and ``backward``). Lightning's own work around them
 (the data loader, logging, callbacks) runs on real tensors, and what it does with a fake loss goes through the
-tensor's fake mode. One optimizer step runs; the memory reported is a later step's (the first one's peak before the
-optimizer update, plus the optimizer states it made, when that is higher: see ``LiveMemory.mark_update``). The collective counter is always the innermost dispatch mode, so it sees every collective,
+tensor's fake mode. One optimizer step runs; its memory is measured, and a later step's is projected from it (the
+first one's peak before the optimizer update plus the optimizer states it made: see ``LiveMemory.mark_update``). The collective counter is always the innermost dispatch mode, so it sees every collective,
 fake or real; during the step a memory tracker sits beside it.
 """
 
@@ -17,9 +17,8 @@ from typing import Any
 
 from lightning.pytorch import Callback
 
-from lightning_dist.compat import real_tensors_temporarily
 from lightning_dist.dryrun.attention import fused_attention
-from lightning_dist.dryrun.fake_values import DryRunTensorMode
+from lightning_dist.dryrun.fake_values import DryRunTensorMode, on_real_tensors
 from lightning_dist.profiling import CommCounter, CommRecord
 from lightning_dist.profiling.live_memory import LiveMemory
 
@@ -36,7 +35,8 @@ class RankScope:
     def __init__(self) -> None:
         self.mode = DryRunTensorMode()
         self.counter = CommCounter()
-        self.memory_peak: dict[str, int] = {}
+        self.memory_peak: dict[str, int] = {}  # the step run
+        self.later_peak: dict[str, int] = {}  # a later step's, projected (see LiveMemory.mark_update)
         self._strategy: Any = None
         self._depth = 0
         self._tracker: LiveMemory | None = None
@@ -47,7 +47,7 @@ class RankScope:
         for name, is_step in FAKE_STRATEGY_METHODS.items():
             setattr(strategy, name, self._in_fake_mode(getattr(strategy, name), is_step, name))
         for name in REAL_MODULE_METHODS:
-            setattr(module, name, _on_real_tensors(getattr(module, name)))
+            setattr(module, name, on_real_tensors(getattr(module, name)))
 
     @contextmanager
     def recording(self) -> Iterator[None]:
@@ -84,23 +84,15 @@ class RankScope:
                 else:  # Lightning's own after the optimizer step, until the batch ends
                     self.counter.set_phase("train")
                 if tracker is not None:
-                    self._keep_peak(tracker.peak_split(later_step=True))
+                    self.memory_peak = _larger(self.memory_peak, tracker.peak_split())
+                    self.later_peak = _larger(self.later_peak, tracker.peak_split(later_step=True))
                     self._tracker = None
 
         return call
 
-    def _keep_peak(self, split: dict[str, int]) -> None:
-        if split.get("total", 0) >= self.memory_peak.get("total", 0):
-            self.memory_peak = split
 
-
-def _on_real_tensors(method: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(method)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        with real_tensors_temporarily():
-            return method(*args, **kwargs)
-
-    return call
+def _larger(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return b if b.get("total", 0) >= a.get("total", 0) else a
 
 
 class _Hooks(Callback):

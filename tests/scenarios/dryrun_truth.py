@@ -5,7 +5,7 @@ bookkeeping: run under ``torch.distributed.run``; each rank writes ``<out>/rank<
 
 * collectives: torch's profiler and flight recorder (tests/real_collectives.py), from ``on_train_start`` (after the
   strategy's setup) to the end of the first batch: the dry run's ``train`` and ``step`` phases;
-* the memory of the two steps (the larger peak, the second's with the optimizer states): :class:`~lightning_dist.profiling.live_memory.LiveMemory` over the real tensors of the training
+* the memory of each of the two steps (the second runs with the optimizer states): :class:`~lightning_dist.profiling.live_memory.LiveMemory` over the real tensors of the training
   step (what the dry run measures over fake ones), and the process's resident high-water mark during the step
   (``VmHWM`` after resetting it, Linux), the operating system's figure.
 
@@ -56,8 +56,8 @@ class AfterSetup(L.Callback):
 
 
 class StepMemory(L.Callback):
-    """LiveMemory over each training batch (the larger peak is kept, as the dry run keeps it), and the resident
-    high-water mark's growth over the batches."""
+    """LiveMemory over each training batch (``split``: the first, ``second_split``: the second, with the optimizer
+    states), and the resident high-water mark's growth over the batches."""
 
     def __init__(self) -> None:
         self.memory: LiveMemory | None = None
@@ -77,9 +77,7 @@ class StepMemory(L.Callback):
     def on_train_batch_end(self, *args: object) -> None:
         assert self.memory is not None
         self.memory.__exit__(None, None, None)
-        split = self.memory.peak_split()
-        if split["total"] >= self.result.get("split", {}).get("total", 0):
-            self.result["split"] = split
+        self.result["split" if "split" not in self.result else "second_split"] = self.memory.peak_split()
         if "rss_start" in self.result:
             self.result["rss_growth"] = _status("VmHWM") - self.result["rss_start"]
 

@@ -103,15 +103,17 @@ def test_a_rank_dependent_branch_is_found_before_launch_with_its_rank_and_group(
 BAD_CONFIGURATIONS = {
     # a tensor-parallel plan the shapes cannot satisfy at that size: 4 heads over tp=8
     "tp_heads": (["--config", str(ROOT / "configs" / "tensor_parallel.yaml"), "--world-size", "1024",
-                  "--trainer.strategy.init_args.tensor_parallel_size=8"], ["8"]),
+                  "--trainer.strategy.init_args.tensor_parallel_size=8",
+                  "--trainer.strategy.init_args.data_parallel_shard_size=128"],
+                 ["attention heads = 4 is not divisible by tensor_parallel_size=8", "Choose a tensor_parallel_size"]),
     # experts not divisible: 4 experts over ep=8
     "ep_experts": (["--config", str(CONFIGS / "expert_parallel.yaml"), "--world-size", "1024",
-                    "--trainer.strategy.init_args.expert_parallel_size=8"], ["expert_parallel_size"]),
+                    "--trainer.strategy.init_args.expert_parallel_size=8"], ["expert_parallel_size=8"]),
     # a stage that reads another stage's module (the head reads the token embedding) under pp=2
     "cross_stage": (["--config", str(ROOT / "configs" / "pipeline.yaml"), "--world-size", "1024",
                      "--trainer.strategy.init_args.pipeline_parallel_size=2",
-                     "--trainer.strategy.init_args.data_parallel_shard_size=auto",
-                     "--model.class_path=divergent_model.CrossStageGPT"], ["tok_emb"]),
+                     "--trainer.strategy.init_args.data_parallel_shard_size=512",
+                     "--model.class_path=divergent_model.CrossStageGPT"], ["reads tok_emb.weight, which lives on pipeline stage 0", "Pass split="]),
 }  # fmt: skip
 DEFAULT_BAD = ["tp_heads"]
 

@@ -59,9 +59,8 @@ def _runs(request, devices):
     return request.getfixturevalue("two_ranks" if devices == 2 else "four_ranks")
 
 
-# grad_op and full run at 2 ranks always, at 4 only under LIGHTNING_DIST_FULL_MATRIX=1 (tests/launch.py): the 4-rank
-# launch keeps no_shard, hybrid, int_reshard and activation checkpointing
-FOUR_RANK_ONLY_IN_FULL_MATRIX = ["grad_op", "full"]
+# grad_op runs at 2 ranks always, at 4 only under LIGHTNING_DIST_FULL_MATRIX=1 (tests/launch.py)
+FOUR_RANK_ONLY_IN_FULL_MATRIX = ["grad_op"]
 SKIPPED = [] if FULL_MATRIX else FOUR_RANK_ONLY_IN_FULL_MATRIX
 
 PARITY_CASES = [

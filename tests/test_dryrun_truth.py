@@ -11,16 +11,16 @@ from launch import FULL_MATRIX
 from benchmarks.studies.dryrun_truth import CASES, MEMORY_TOLERANCE, compare
 
 DEFAULT = ["pipeline_zbv"]
+FULL_MATRIX_ONLY = pytest.mark.skip(
+    reason="the full matrix (LIGHTNING_DIST_FULL_MATRIX=1); python -m benchmarks.dryrun_truth"
+)
 #: Expert parallelism's token all-to-alls carry the router's choices; the dry run assumes them balanced.
 ROUTED = {"expert_parallel"}
 
 
 @pytest.mark.parametrize(
     "case",
-    [
-        c if c in DEFAULT or FULL_MATRIX else pytest.param(c, marks=pytest.mark.skipif(True, reason="the full matrix"))
-        for c in CASES
-    ],
+    [c if c in DEFAULT or FULL_MATRIX else pytest.param(c, marks=FULL_MATRIX_ONLY) for c in CASES],
 )
 def test_the_dry_run_issues_what_the_real_run_issues_and_needs_its_memory(tmp_path, case):
     result = compare(case, tmp_path)

@@ -55,10 +55,7 @@ def run_case(case: str) -> dict[str, Any]:
     start = time.perf_counter()
     report = dry_run(["--config", str(CONFIGS / f"{case}.yaml")], world, nodes, device_memory=80 * GIB)
     seconds = time.perf_counter() - start
-    from lightning_dist.dryrun import mesh_of
-
-    dims = mesh_of(["--config", str(CONFIGS / f"{case}.yaml")], world, nodes)
-    planned = planner_estimate(case, dims)
+    planned = planner_estimate(case, report.dims)
     # the planner estimates a step of a long run: the dry run's later step (with the optimizer states), or its own
     worst = max((r for r in report.ranks if r.error is None), key=_steady_bytes, default=None)
     return {

@@ -92,11 +92,6 @@ PRIVATE_TORCH_NAMES: dict[str, tuple[str, str]] = {
     ),
     "_sharding_prop": ("torch 2.13", "profiling/live_memory.py: DTensor's shape propagation, not counted"),
     "_propagate_tensor_meta_non_cached": ("torch 2.13", "profiling/live_memory.py: DTensor's shape propagation"),
-    "_op_dispatcher": ("torch 2.13", "dryrun: DTensor's sharding cache, emptied between dry-run ranks"),
-    "_propagate_tensor_meta_cached": ("torch 2.13", "dryrun: a DTensor cache emptied between ranks"),
-    "_collective_utils": ("torch 2.13", "dryrun: MeshTopoInfo's cache, emptied between dry-run ranks"),
-    "_redistribute": ("torch 2.13", "dryrun: the redistribution planner's cache, emptied between ranks"),
-    "_gen_transform_infos": ("torch 2.13", "dryrun: the redistribution planner's cache"),
     "_subclasses": ("torch 2.13", "dryrun: FakeTensorMode, is_fake, unset_fake_temporarily"),
     "_local_scalar_dense": ("torch 2.13", "dryrun: the op behind .item(), answered without data"),
     "_internal": ("torch 2.13", "dryrun: importing torch.testing._internal...fake_pg registers 'fake'"),
@@ -465,19 +460,6 @@ def dtensor_shape_propagation() -> tuple[type, str]:
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
     return ShardingPropagator, "_propagate_tensor_meta_non_cached"
-
-
-def forget_dtensor_shardings() -> None:
-    """Empty DTensor's cache of sharding decisions. Its entries hold the device meshes they were computed on (meshes
-    compare by their ranks, not their process groups): after the process group is destroyed and made again, as
-    between two ranks of a dry run, a cached entry would name groups that no longer exist."""
-    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
-
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    for cached in (propagator.propagate_op_sharding, propagator._propagate_tensor_meta_cached,
-                   _redistribute._gen_transform_infos, _collective_utils.MeshTopoInfo.build_from_mesh):  # fmt: skip
-        if hasattr(cached, "cache_clear"):
-            cached.cache_clear()
 
 
 def register_fake_backend() -> None:

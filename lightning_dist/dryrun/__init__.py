@@ -88,20 +88,20 @@ def dry_run(
     dims = mesh_of(cli_args, world_size, num_nodes)
     roles = choose_ranks(dims, range(world_size) if all_ranks else ranks)
     ranked: list[RankRecord] = []
+    # a pipeline's stages wait on each other's shapes: the ranks of one chain run at once, chain after chain
+    pipelined = dims.pp > 1
+    batches = chains(dims, list(roles)) if pipelined else [list(roles)]
     with tempfile.TemporaryDirectory(prefix="lightning-dist-dryrun-") as mailbox:
-        tasks = [{"cli_args": cli_args, "rank": rank, "role": role, "world_size": world_size, "num_nodes": num_nodes,
-                  "mailbox": mailbox} for rank, role in roles.items()]  # fmt: skip
-        # a pipeline's stages wait on each other's shapes: the ranks of one chain run at once, chain after chain
-        batches = chains(dims, list(roles)) if dims.pp > 1 else [list(roles)]
-        by_rank = {task["rank"]: task for task in tasks}
         for batch in batches:
-            workers = len(batch) if dims.pp > 1 else max(1, min(len(batch), os.cpu_count() or 1))
-            batch_tasks = [{**by_rank[rank], "peers": batch if dims.pp > 1 else []} for rank in batch]
+            tasks = [{"cli_args": cli_args, "rank": rank, "role": roles[rank], "world_size": world_size,
+                      "num_nodes": num_nodes, "mailbox": mailbox, "peers": batch if pipelined else []}
+                     for rank in batch]  # fmt: skip
+            workers = len(batch) if pipelined else max(1, min(len(batch), os.cpu_count() or 1))
             with ThreadPoolExecutor(max_workers=workers) as pool:
-                ranked += pool.map(_run_in_process, batch_tasks)
+                ranked += pool.map(_run_in_process, tasks)
     ranked.sort(key=lambda record: record.rank)
     return DryRunReport(world_size, num_nodes, str(dims), ranked, disagreements(ranked), device_memory,
-                        time.perf_counter() - start)  # fmt: skip
+                        time.perf_counter() - start, dims)  # fmt: skip
 
 
 def _run_in_process(task: dict[str, Any]) -> RankRecord:

@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 
 from lightning_dist.compat import (
-    forget_dtensor_shardings,
     is_fake_tensor,
     real_tensors_temporarily,
     register_fake_backend,
@@ -81,7 +80,6 @@ def fake_rank(
         for name, function in originals.items():
             setattr(dist, name, function)
         dist.destroy_process_group()
-        forget_dtensor_shardings()
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)

@@ -7,6 +7,7 @@ from typing import Any
 
 from lightning_dist.dryrun.agreement import Disagreement
 from lightning_dist.dryrun.rank_run import RankRecord
+from lightning_dist.parallel.mesh import ParallelDims
 
 GIB = 1024**3
 
@@ -20,6 +21,7 @@ class DryRunReport:
     disagreements: list[Disagreement] = field(default_factory=list)
     device_memory: int | None = None
     seconds: float = 0.0
+    dims: ParallelDims | None = None
 
     @property
     def agree(self) -> bool:

@@ -135,3 +135,21 @@ def test_a_broken_configuration_at_scale_is_reported_before_launch_with_the_rank
     else:  # found while the mesh is resolved, before any rank runs
         assert "lightning-dist dryrun: error:" in done.stderr
     assert all(word in text for word in named), text
+
+
+def test_pipeline_stages_send_bf16_activations_under_bf16_mixed_and_later_stages_hold_no_copy_of_earlier_blocks():
+    """pp=4 × dp_shard=2, bf16-mixed: FSDP2 casts a stage's input to bf16 on arrival, so the stages before the last
+    send bf16 (their roots keep the compute dtype; only the last one's output, the logits, is cast to fp32), and their
+    gradients come back in bf16. A later stage's stand-ins for the blocks of earlier stages return one shared zero
+    tensor per micro-batch, so the last stage holds no more activation memory than the first."""
+    from lightning_dist.dryrun import dry_run
+
+    args = ["--config", str(CONFIGS / "pipeline_1f1b.yaml"), "--trainer.precision=bf16-mixed",
+            "--trainer.strategy.init_args.data_parallel_shard_size=2"]
+    report = dry_run(args, world_size=8)
+    assert report.agree and all(r.error is None for r in report.ranks), [r.error for r in report.ranks]
+    activation = 2 * 128 * 256  # a micro-batch of 2 (8 samples in 4), sequence 128, d_model 256
+    p2p = {c.bytes for r in report.ranks for c in r.collectives if c.kind in ("send", "recv") and c.phase == "step"}
+    assert {b for b in p2p if b >= activation} == {activation * 2}, p2p  # bf16, not fp32 (the rest: a few scalars)
+    by_stage = {r.role.split("·")[0]: r.memory["activations"] for r in report.ranks}
+    assert by_stage["pp3"] < 2 * by_stage["pp0"], by_stage

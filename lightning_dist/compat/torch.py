@@ -448,6 +448,21 @@ def item_op() -> Any:
     return torch.ops.aten._local_scalar_dense.default
 
 
+def metadata_ops() -> frozenset[Any]:
+    """Ops that read a tensor's metadata (``prim.device``, ``aten.size``, ``aten.stride``, ``aten.storage_offset``):
+    they make no tensor and send nothing. The autograd engine and DTensor ask a fake tensor's device through the
+    dispatcher thousands of times per step, so dispatch modes that only watch tensors and collectives pass these
+    straight on."""
+    return frozenset(
+        (
+            torch.ops.prim.device.default,
+            torch.ops.aten.size.default,
+            torch.ops.aten.stride.default,
+            torch.ops.aten.storage_offset.default,
+        )
+    )
+
+
 def lift_ops() -> tuple[Any, ...]:
     """The ops ``torch.tensor(data)`` ends with (``aten.lift_fresh``, ``aten.lift_fresh_copy``): where a fake tensor
     mode turns a tensor made from Python data into a fake one."""

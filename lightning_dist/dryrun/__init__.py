@@ -10,8 +10,8 @@ How it goes:
    ``world_size``; the strategy resolves its mesh (a size that does not fit fails here, as it would at launch).
 2. **The roles** (:mod:`.roles`): each pipeline stage's first rank and, per axis, the last rank on it; plus any rank
    asked for.
-3. **Each rank** (:mod:`.rank_run`), in a process of its own (:mod:`.rank_process`, as many at a time as there are
-   CPU cores): torch's ``fake`` process group makes the process that rank of the world (:mod:`.fake_world`); the module is built on the meta device; ``trainer.fit`` runs the strategy's own setup and
+3. **Each rank** (:mod:`.rank_run`), in a process of its own (:mod:`.rank_process`: forked from a server that imported
+   torch once; as many at a time as there are CPU cores, a pipeline's ranks all at once): torch's ``fake`` process group makes the process that rank of the world (:mod:`.fake_world`); the module is built on the meta device; ``trainer.fit`` runs the strategy's own setup and
    one optimizer step on fake tensors (the memory of the steps after it) (:mod:`.fake_values`, :mod:`.scope`), recording every collective
    (:class:`~lightning_dist.profiling.CommCounter`) and the live memory of the step
    (:class:`~lightning_dist.profiling.live_memory.LiveMemory`). No weight is read or written.
@@ -20,19 +20,15 @@ How it goes:
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from lightning_dist.dryrun.agreement import Disagreement, disagreements
 from lightning_dist.dryrun.fake_world import fake_rank
-from lightning_dist.dryrun.rank_process import MARK
+from lightning_dist.dryrun.rank_process import run_ranks
 from lightning_dist.dryrun.rank_run import Collective, RankRecord, build_trainer, quiet
 from lightning_dist.dryrun.report import DryRunReport
 from lightning_dist.dryrun.roles import chains, choose_ranks
@@ -87,34 +83,19 @@ def dry_run(
     start = time.perf_counter()
     dims = mesh_of(cli_args, world_size, num_nodes)
     roles = choose_ranks(dims, range(world_size) if all_ranks else ranks)
-    ranked: list[RankRecord] = []
     # a pipeline's stages wait on each other's shapes: the ranks of one chain run at once, chain after chain
     pipelined = dims.pp > 1
     batches = chains(dims, list(roles)) if pipelined else [list(roles)]
     with tempfile.TemporaryDirectory(prefix="lightning-dist-dryrun-") as mailbox:
-        for batch in batches:
-            tasks = [{"cli_args": cli_args, "rank": rank, "role": roles[rank], "world_size": world_size,
-                      "num_nodes": num_nodes, "mailbox": mailbox, "peers": batch if pipelined else []}
-                     for rank in batch]  # fmt: skip
-            workers = len(batch) if pipelined else max(1, min(len(batch), os.cpu_count() or 1))
-            with ThreadPoolExecutor(max_workers=workers) as pool:
-                ranked += pool.map(_run_in_process, tasks)
+        tasks = [[{"cli_args": cli_args, "rank": rank, "role": roles[rank], "world_size": world_size,
+                   "num_nodes": num_nodes, "mailbox": mailbox, "peers": batch if pipelined else [],
+                   "log": os.path.join(mailbox, f"rank{rank}.log"), "result": os.path.join(mailbox, f"rank{rank}.json")}
+                  for rank in batch] for batch in batches]  # fmt: skip
+        workers = [len(batch) if pipelined else max(1, min(len(batch), os.cpu_count() or 1)) for batch in batches]
+        ranked = run_ranks(tasks, workers, _python_path())
     ranked.sort(key=lambda record: record.rank)
     return DryRunReport(world_size, num_nodes, str(dims), ranked, disagreements(ranked), device_memory,
                         time.perf_counter() - start, dims)  # fmt: skip
-
-
-def _run_in_process(task: dict[str, Any]) -> RankRecord:
-    done = subprocess.run([sys.executable, "-m", "lightning_dist.dryrun.rank_process", json.dumps(task)],
-                          check=False, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": _python_path()})  # fmt: skip
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith(MARK):
-            return RankRecord.from_json(json.loads(line[len(MARK) :]))
-    tail = " | ".join(done.stderr.strip().splitlines()[-3:])
-    return RankRecord(
-        task["rank"], task["role"], error=f"the rank's process ended with status {done.returncode}: {tail}"
-    )
 
 
 def _python_path() -> str:

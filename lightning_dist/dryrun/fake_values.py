@@ -30,12 +30,15 @@ from lightning_dist.compat import (
     is_fake_tensor,
     item_op,
     lift_ops,
+    metadata_ops,
     real_tensors_temporarily,
 )
 from lightning_dist.profiling.live_memory import tensors_in
 
 #: Tensors of at most this many elements, made without a fake input, are real.
 SMALL = 16
+_METADATA_OPS = metadata_ops()
+_LIFT_OPS = lift_ops()
 
 
 class DryRunTensorMode(fake_tensor_mode_class()):  # type: ignore[misc]
@@ -46,7 +49,9 @@ class DryRunTensorMode(fake_tensor_mode_class()):  # type: ignore[misc]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func in lift_ops():
+        if func in _METADATA_OPS and is_fake_tensor(args[0]):
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        if func in _LIFT_OPS:
             return args[0]
         tensors = tensors_in((args, kwargs))
         real = not any(is_fake_tensor(t) for t in tensors) and all(_stays_real(t) for t in tensors)

@@ -144,13 +144,19 @@ def estimate(
     est.params = (per_rank / fsdp + experts / _ep_fsdp(mesh)) * param_bytes
     est.grads = est.params
     est.optimizer = est.params * OPTIMIZER_STATES[workload.optimizer]
-    if fsdp > 1:  # one unit gathered, the next prefetched, and the gradient unit being reduced
+    if fsdp > 1 and mesh.pp > 1:
+        # under a pipeline FSDP2 keeps every unit of the stage gathered through the step (reshard_after_forward is
+        # off: one all-gather, not one per micro-batch) and accumulates the unsharded gradients in the reduce dtype
+        # until the last micro-batch's backward reduce-scatters them
+        est.buffers = (per_rank + experts) * (compute_bytes + param_bytes)
+    elif fsdp > 1:  # one unit gathered, the next prefetched, and the gradient unit being reduced
         est.buffers = block * (2 * compute_bytes + 4)
-    if _ep_fsdp(mesh) > 1:  # and one block's experts, gathered over ep_fsdp
+    if _ep_fsdp(mesh) > 1 and mesh.pp == 1:  # and one block's experts, gathered over ep_fsdp
         est.buffers += facts.block_expert_params / mesh.ep * (2 * compute_bytes + 4)
     microbatches = max(1, workload.global_batch // (mesh.batch * workload.micro_batch))
     if activations is not None:
-        est.activations = _activation_bytes(facts, activations, mesh, workload, microbatches)
+        saved, held = _activation_bytes(facts, activations, mesh, workload, microbatches)
+        est.activations, est.buffers = saved, est.buffers + held
     est.comm = _communication(facts, mesh, workload, hardware, per_rank, experts, microbatches)
     est.messages = _messages(facts, mesh, hardware, microbatches)
     return est
@@ -158,10 +164,13 @@ def estimate(
 
 def _activation_bytes(
     facts: ModelFacts, act: ActivationFacts, mesh: ParallelDims, workload: Workload, microbatches: int
-) -> float:
-    """The fuller pipeline stage: the first keeps the embeddings' and its blocks' activations of every micro-batch in
-    flight (1F1B: ``pp``), the last those of the head and loss too, but of one micro-batch (1F1B runs its backward
-    right after its forward); GPipe keeps every micro-batch on every stage."""
+) -> tuple[float, float]:
+    """The fullest pipeline stage's saved activations, and the buffers it holds beside them. Stage ``s`` of 1F1B keeps
+    the activations of ``pp − s`` micro-batches in flight (GPipe: all of them), the first the embeddings' too, the last
+    the head's and the loss's. Beside them: the loss's backward holds two more logits-sized gradients at once (on the
+    last stage), and every stage holds torch's receive buffers, made at setup for every micro-batch: the activations
+    it receives (all but the first stage) and their gradients (all but the last), each one ``[micro_batch, seq/cp,
+    hidden]`` tensor in the compute dtype."""
     blocks = math.ceil(facts.blocks / mesh.pp)
     per_block = act.per_block_residual + act.per_block_inner / mesh.tp
 
@@ -173,10 +182,16 @@ def _activation_bytes(
         return kept + outside * in_flight
 
     if mesh.pp == 1:
-        return stage(1, act.outside_blocks)
-    first = microbatches if workload.schedule == "gpipe" else min(mesh.pp, microbatches)
-    last = microbatches if workload.schedule == "gpipe" else 1
-    return max(stage(first, act.before_blocks), stage(last, act.after_blocks))
+        return stage(1, act.outside_blocks), act.loss_backward
+    fullest = (0.0, 0.0)
+    for s in range(mesh.pp):
+        in_flight = microbatches if workload.schedule == "gpipe" else min(mesh.pp - s, microbatches)
+        first, last = s == 0, s == mesh.pp - 1
+        outside = (act.before_blocks if first else 0.0) + (act.after_blocks if last else 0.0)
+        received = microbatches * act.block_input * ((not first) + (not last))
+        this = (stage(in_flight, outside), received + (act.loss_backward if last else 0.0))
+        fullest = max(fullest, this, key=sum)
+    return fullest
 
 
 def _communication(

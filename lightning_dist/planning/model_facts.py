@@ -33,6 +33,7 @@ class ActivationFacts:
     block_input: float  # what activation checkpointing keeps per block: its input
     before_blocks: float  # embeddings: on the first pipeline stage
     after_blocks: float  # final norm, head and the loss's log-probabilities: on the last pipeline stage
+    loss_backward: float = 0.0  # while the loss's backward runs: the gradients of the log-probabilities and logits
 
     @property
     def outside_blocks(self) -> float:
@@ -140,7 +141,8 @@ def activation_facts(model: nn.Module, micro_batch: int, seq_len: int) -> Activa
     """Saved-activation bytes of one training forward of ``model`` on token ids ``[micro_batch, seq_len]``.
 
     The model is run as it is (put it on the meta device first: nothing is allocated) and called with the token ids
-    as its only argument, as causal LMs are; the loss's own saved tensor (log-probabilities, fp32) is added.
+    as its only argument, as causal LMs are; the loss's own saved tensor (log-probabilities, fp32) is added, and the
+    two gradients of the logits' size its backward holds at once (``loss_backward``).
     """
     structure = recognize(model)
     modules = dict(model.named_modules())
@@ -150,7 +152,7 @@ def activation_facts(model: nn.Module, micro_batch: int, seq_len: int) -> Activa
         device = next(model.parameters()).device
         output = model(torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device))
     logits = getattr(output, "logits", output)
-    loss_bytes = logits.numel() * 4 if isinstance(logits, torch.Tensor) else 0
+    loss_bytes = logits.numel() * 4 if isinstance(logits, torch.Tensor) else 0  # fp32, as the loss computes them
     per_block = max(counter.blocks, key=lambda b: b[0] + b[1], default=(0.0, 0.0))
     element = next(model.parameters()).element_size()
     return ActivationFacts(
@@ -159,6 +161,7 @@ def activation_facts(model: nn.Module, micro_batch: int, seq_len: int) -> Activa
         block_input=micro_batch * seq_len * hidden * element,
         before_blocks=counter.before,
         after_blocks=counter.after + loss_bytes,
+        loss_backward=2 * loss_bytes,
     )
 
 

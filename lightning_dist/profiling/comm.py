@@ -65,6 +65,7 @@ from lightning_dist.compat import (
     current_dispatch_mode,
     in_autograd_backward,
     is_higher_order_operator,
+    metadata_ops,
     op_overload_packet,
 )
 from lightning_dist.profiling.comm_records import (
@@ -95,10 +96,11 @@ class _CommDispatchMode(TorchDispatchMode):
     def __init__(self, counter: CommCounter) -> None:
         super().__init__()
         self._counter = counter
+        self._passed_on = metadata_ops()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if is_higher_order_operator(func):
+        if func in self._passed_on or is_higher_order_operator(func):
             return func(*args, **kwargs)
         entry = handler_table().get(op_overload_packet(func))
         if entry is not None:

@@ -31,10 +31,12 @@ from typing_extensions import Self
 from lightning_dist.compat import (
     TorchDispatchMode,
     dtensor_shape_propagation,
+    metadata_ops,
     storage_identity,
     untyped_storage_identity,
 )
 
+_METADATA_OPS = metadata_ops()
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer", "activations")
 
 
@@ -92,6 +94,8 @@ class LiveMemory(TorchDispatchMode):
         setattr(owner, name, self._original_propagation)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        if func in _METADATA_OPS:
+            return func(*args, **(kwargs or {}))
         if any(_is_wrapper(t) for t in types):
             return NotImplemented  # a DTensor desugars into ops on its local tensors, which come back here
         out = func(*args, **(kwargs or {}))

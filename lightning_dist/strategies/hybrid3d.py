@@ -234,7 +234,7 @@ class Hybrid3DStrategy(
         for (part, blocks), stage in zip(stages, self.stage_ids if self.pipelined else [0]):
             plan = self.tensor_parallel_plan(part, needs_head=stage == last) if dims.tp > 1 else None
             plan = plan and self.keep_experts_whole(plan, part)
-            config, root = self._parallelize_config(blocks, plan), type(part).__name__
+            config, root = self._parallelize_config(blocks, plan, feeds_loss=stage == last), type(part).__name__
             config.expert_parallel, config.expert_modules = self.expert_parallel_on(part), self.expert_modules
             config.expert_dispatch_chunks = self.expert_dispatch_chunks
             record = parallelize(part, self.mesh, config)
@@ -247,8 +247,8 @@ class Hybrid3DStrategy(
         self.log_layout(config, record, root, per_stage=self.pipelined, extras=extras)
         return model
 
-    def _parallelize_config(self, blocks: list[tuple[str, Module]], plan: Any) -> ParallelizeConfig:
-        config, fsdp = self.standard_parallelize_config(blocks, plan), self.parallel_dims.fsdp
+    def _parallelize_config(self, blocks: list[tuple[str, Module]], plan: Any, feeds_loss: bool) -> ParallelizeConfig:
+        config, fsdp = self.standard_parallelize_config(blocks, plan, feeds_loss), self.parallel_dims.fsdp
         if self.zeropp and fsdp > 1:
             config.all_gather = QuantizedAllGather(fsdp)
         return config

@@ -77,9 +77,9 @@ class PipelineStrategy(PipelineSteps, MeshParallelStrategy):
 
     @override
     def parallelize(self, model: Module) -> Module:
-        stages = self.cut_stages(model)
-        for part, blocks in stages:
-            config, root = self.standard_parallelize_config(blocks), type(part).__name__
+        stages, last = self.cut_stages(model), self.stage_plan.num_stages - 1
+        for (part, blocks), stage in zip(stages, self.stage_ids):
+            config, root = self.standard_parallelize_config(blocks, feeds_loss=stage == last), type(part).__name__
             record = parallelize(part, self.mesh, config)
         self.model_parts = [part for part, _ in stages]
         self.log_layout(config, record, root, per_stage=True)

@@ -16,7 +16,7 @@ whole model and an exportable forward, and leaves tied weights to the user. Inst
 * **Every stage runs the user's forward from the start** with the micro-batch's model inputs (all stages receive
   them as keyword arguments; only the activation travels between ranks). Units of earlier stages return
   zero placeholders shaped like their real output (found by running a parameter-free meta-device copy, cached per
-  input shape), so the glue code between modules (masks, rotary tables, position ids) is recomputed on each stage
+  input shape; one tensor per shape and micro-batch, shared by all of them), so the glue code between modules (masks, rotary tables, position ids) is recomputed on each stage
   instead of being sent. The first local unit's first tensor argument is replaced by the activation received from
   the previous stage. The first unit of a later stage ends the forward and its first tensor argument is the stage's
   output. The last stage's return value is flattened to its tensors (and rebuilt for the loss function).
@@ -77,6 +77,9 @@ class _Run:
     substituted: bool = False
     started: bool = False
     placeholders: list[torch.Tensor] = field(default_factory=list)
+    #: one zero tensor per shape and dtype, returned by every stand-in of an earlier unit with that output: the last
+    #: stage of a deep pipeline calls a hundred earlier blocks, and a tensor each would hold them all at once
+    zeros: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = field(default_factory=dict)
 
 
 class StageRuntime:
@@ -161,10 +164,12 @@ class EarlierStageModule(_StandIn):
         grad = torch.is_grad_enabled()
 
         def placeholder(meta: torch.Tensor) -> torch.Tensor:
-            value = torch.zeros(meta.shape, dtype=meta.dtype, device=runtime.device)
-            if grad and (value.is_floating_point() or value.is_complex()):
-                value.requires_grad_(True)
-                run.placeholders.append(value)
+            key = (tuple(meta.shape), meta.dtype)
+            if (value := run.zeros.get(key)) is None:
+                value = run.zeros[key] = torch.zeros(meta.shape, dtype=meta.dtype, device=runtime.device)
+                if grad and (value.is_floating_point() or value.is_complex()):
+                    value.requires_grad_(True)
+                    run.placeholders.append(value)
             return value
 
         return map_tensors(self._shapes[key], placeholder)

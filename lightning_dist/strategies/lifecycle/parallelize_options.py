@@ -43,11 +43,15 @@ class ParallelizeOptions(_Base):
     """The shared options as a parallelize config, the units they choose, and the log of what was applied."""
 
     def standard_parallelize_config(
-        self, units: list[tuple[str, Module]], tp_plan: TensorParallelPlan | None = None
+        self, units: list[tuple[str, Module]], tp_plan: TensorParallelPlan | None = None, feeds_loss: bool = True
     ) -> ParallelizeConfig:
         """The :class:`~lightning_dist.parallel.parallelize.ParallelizeConfig` most strategies apply: ``units`` as
         the blocks, FSDP2 (HSDP with ``dp_replicate``) wherever the mesh has data-parallel ranks, this strategy's
-        precision policies and its ``activation_checkpointing``, ``reshard_after_forward`` and ``compile``."""
+        precision policies and its ``activation_checkpointing``, ``reshard_after_forward`` and ``compile``.
+
+        ``feeds_loss=False`` for a pipeline stage before the last: its output goes to the next stage, which casts it
+        to the compute dtype on arrival, so it is sent in that dtype (half the bytes and receive buffers of fp32 under
+        ``bf16-mixed``, the same values) instead of the fp32 a loss gets."""
         dims = self.parallel_dims
         sharded = dims.fsdp > 1 or dims.dp_replicate > 1
         fsdp = FSDPConfig(
@@ -59,7 +63,9 @@ class ParallelizeOptions(_Base):
             activation_checkpointing=self.activation_checkpointing,
             keep_generation_cache=True,  # off in training steps only (StepProtocol.train_context)
             fsdp=fsdp if sharded else None,
-            root_mp_policy=self.precision_plugin.root_mp_policy if sharded else None,
+            root_mp_policy=(self.precision_plugin.root_mp_policy if feeds_loss else self.precision_plugin.mp_policy)
+            if sharded
+            else None,
             compile=self.compile_options,
         )
 

@@ -21,7 +21,9 @@ class CausalLM(L.LightningModule):
         lr: AdamW's learning rate.
     """
 
-    def __init__(self, config_class: str = "LlamaConfig", config: dict[str, Any] | None = None, lr: float = 3e-4) -> None:
+    def __init__(
+        self, config_class: str = "LlamaConfig", config: dict[str, Any] | None = None, lr: float = 3e-4
+    ) -> None:
         super().__init__()
         import transformers
 

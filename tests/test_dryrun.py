@@ -144,8 +144,12 @@ def test_pipeline_stages_send_bf16_activations_under_bf16_mixed_and_later_stages
     tensor per micro-batch, so the last stage holds no more activation memory than the first."""
     from lightning_dist.dryrun import dry_run
 
-    args = ["--config", str(CONFIGS / "pipeline_1f1b.yaml"), "--trainer.precision=bf16-mixed",
-            "--trainer.strategy.init_args.data_parallel_shard_size=2"]
+    args = [
+        "--config",
+        str(CONFIGS / "pipeline_1f1b.yaml"),
+        "--trainer.precision=bf16-mixed",
+        "--trainer.strategy.init_args.data_parallel_shard_size=2",
+    ]
     report = dry_run(args, world_size=8)
     assert report.agree and all(r.error is None for r in report.ranks), [r.error for r in report.ranks]
     activation = 2 * 128 * 256  # a micro-batch of 2 (8 samples in 4), sequence 128, d_model 256

@@ -97,8 +97,8 @@ def _runs(request, devices):
 
 # The example GPT and the Llama-like module at tp=4 only under LIGHTNING_DIST_FULL_MATRIX=1 (tests/launch.py): tp=4
 # runs with the stock Llama (hf_llama_tp4) and with 2 key/value heads (llama_kv2); both modules run at tp=2 and dp2 × tp2;
-# the encoder at dp2 × tp2 too (it runs at tp=2)
-FOUR_RANK_ONLY_IN_FULL_MATRIX = ["gpt", "llama", "encoder_2d"]
+# the encoder at dp2 × tp2 too (it runs at tp=2); the example GPT at dp2 × tp2 trains in test_hybrid3d.py (dp2_tp2)
+FOUR_RANK_ONLY_IN_FULL_MATRIX = ["gpt", "llama", "encoder_2d", "gpt_2d"]
 SKIPPED = [] if FULL_MATRIX else FOUR_RANK_ONLY_IN_FULL_MATRIX
 
 PARITY_CASES = [

@@ -11,8 +11,10 @@ How it goes:
 2. **The roles** (:mod:`.roles`): each pipeline stage's first rank and, per axis, the last rank on it; plus any rank
    asked for.
 3. **Each rank** (:mod:`.rank_run`), in a process of its own (:mod:`.rank_process`: forked from a server that imported
-   torch once; as many at a time as there are CPU cores, a pipeline's ranks all at once): torch's ``fake`` process group makes the process that rank of the world (:mod:`.fake_world`); the module is built on the meta device; ``trainer.fit`` runs the strategy's own setup and
-   one optimizer step on fake tensors (the memory of the steps after it) (:mod:`.fake_values`, :mod:`.scope`), recording every collective
+   torch once; as many at a time as there are CPU cores, a pipeline's ranks all at once): torch's ``fake`` process
+   group makes the process that rank of the world (:mod:`.fake_world`); the module is built on the meta device;
+   ``trainer.fit`` runs the strategy's own setup and one optimizer step on fake tensors (the memory of the steps
+   after it) (:mod:`.fake_values`, :mod:`.scope`), recording every collective
    (:class:`~lightning_dist.profiling.CommCounter`) and the live memory of the step
    (:class:`~lightning_dist.profiling.live_memory.LiveMemory`). No weight is read or written.
 4. **Agreement** (:mod:`.agreement`): per shared group, the same kinds and sizes in the same order.

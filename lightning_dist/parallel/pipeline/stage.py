@@ -16,8 +16,8 @@ whole model and an exportable forward, and leaves tied weights to the user. Inst
 * **Every stage runs the user's forward from the start** with the micro-batch's model inputs (all stages receive
   them as keyword arguments; only the activation travels between ranks). Units of earlier stages return
   zero placeholders shaped like their real output (found by running a parameter-free meta-device copy, cached per
-  input shape; one tensor per shape and micro-batch, shared by all of them), so the glue code between modules (masks, rotary tables, position ids) is recomputed on each stage
-  instead of being sent. The first local unit's first tensor argument is replaced by the activation received from
+  input shape; one tensor per shape and micro-batch, shared by all of them), so the glue code between modules
+  (masks, rotary tables, position ids) is recomputed on each stage instead of being sent. The first local unit's first tensor argument is replaced by the activation received from
   the previous stage. The first unit of a later stage ends the forward and its first tensor argument is the stage's
   output. The last stage's return value is flattened to its tensors (and rebuilt for the loss function).
 

@@ -157,3 +157,23 @@ def test_pipeline_stages_send_bf16_activations_under_bf16_mixed_and_later_stages
     assert {b for b in p2p if b >= activation} == {activation * 2}, p2p  # bf16, not fp32 (the rest: a few scalars)
     by_stage = {r.role.split("·")[0]: r.memory["activations"] for r in report.ranks}
     assert by_stage["pp3"] < 2 * by_stage["pp0"], by_stage
+
+
+def test_each_collective_is_recorded_once_also_from_functions_run_on_real_tensors_with_fake_inputs():
+    """Within the strategy's work the fake tensor mode records collectives for the counter (no counter mode of its
+    own); a function run on real tensors (Lightning's ``self.log(..., sync_dist=True)``) gets the counter's mode back,
+    and its collective on a fake tensor, which re-enters the fake mode, is still recorded once."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_dist.dryrun.fake_values import DryRunTensorMode, on_real_tensors
+    from lightning_dist.dryrun.fake_world import fake_rank
+    from lightning_dist.profiling import CommCounter
+
+    counter, mode = CommCounter(), DryRunTensorMode()
+    with fake_rank(0, 2, 2), mode.counting(counter):
+        loss = torch.ones(64, 64).sum(0)  # fake: 64 elements
+        dist.all_reduce(loss)
+        on_real_tensors(dist.all_reduce)(loss)
+        on_real_tensors(dist.all_reduce)(torch.ones(3))
+    assert [(r.op, r.tensor_bytes) for r in counter.records] == [("all_reduce", 256)] * 2 + [("all_reduce", 12)]

@@ -19,9 +19,10 @@ whose token counts are values, assumes a balanced router.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +36,9 @@ from lightning_dist.compat import (
 )
 from lightning_dist.profiling.live_memory import tensors_in
 
+if TYPE_CHECKING:
+    from lightning_dist.profiling import CommCounter
+
 #: Tensors of at most this many elements, made without a fake input, are real.
 SMALL = 16
 _METADATA_OPS = metadata_ops()
@@ -42,15 +46,30 @@ _LIFT_OPS = lift_ops()
 
 
 class DryRunTensorMode(fake_tensor_mode_class()):  # type: ignore[misc]
-    """``FakeTensorMode`` that accepts real inputs (a batch from the user's loader) and answers ``.item()``."""
+    """``FakeTensorMode`` that accepts real inputs (a batch from the user's loader) and answers ``.item()``; while
+    :meth:`counting`, it records the collectives it sees."""
 
     def __init__(self) -> None:
         super().__init__(allow_non_fake_inputs=True)
+        self.counter: CommCounter | None = None
+
+    @contextlib.contextmanager
+    def counting(self, counter: CommCounter) -> Iterator[None]:
+        """Be the active mode and record collectives in ``counter`` (whose own mode is not active): one Python
+        dispatch layer less than the counter's mode on top of this one, a fifth of a large dry run's time."""
+        self.counter = counter
+        try:
+            with self:
+                yield
+        finally:
+            self.counter = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func in _METADATA_OPS and is_fake_tensor(args[0]):
             return super().__torch_dispatch__(func, types, args, kwargs)
+        if self.counter is not None and not self.counter.active:  # active: its own mode saw this op first
+            self.counter.observe(func, args, kwargs)
         if func in _LIFT_OPS:
             return args[0]
         tensors = tensors_in((args, kwargs))
@@ -80,7 +99,13 @@ def on_real_tensors(function: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(function)
     def call(*args: Any, **kwargs: Any) -> Any:
-        with real_tensors_temporarily():
+        with real_tensors_temporarily() as fake_mode, _counted_without(fake_mode):
             return function(*args, **kwargs)
 
     return call
+
+
+def _counted_without(fake_mode: Any) -> contextlib.AbstractContextManager[Any]:
+    """The collectives of a function run with ``fake_mode`` set aside still reach the counter it recorded them in."""
+    counter = getattr(fake_mode, "counter", None)
+    return counter if counter is not None and not counter.active else contextlib.nullcontext()

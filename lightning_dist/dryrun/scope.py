@@ -4,8 +4,10 @@ Only the strategy's model work is fake: its ``setup`` (parallelize, materialize,
 (``optimizer_step``, which runs the closure, ``training_step`` and ``backward``). Lightning's own work around them
 (the data loader, logging, callbacks) runs on real tensors, and what it does with a fake loss goes through the
 tensor's fake mode. One optimizer step runs; its memory is measured, and a later step's is projected from it (the
-first one's peak before the optimizer update plus the optimizer states it made: see ``LiveMemory.mark_update``). The collective counter is always the innermost dispatch mode, so it sees every collective,
-fake or real; during the step a memory tracker sits beside it.
+first one's peak before the optimizer update plus the optimizer states it made: see ``LiveMemory.mark_update``).
+Outside the strategy's work, the collective counter's own dispatch mode records Lightning's collectives; inside it,
+the fake tensor mode records them for the counter (one dispatch layer, not two), also those of functions run on real
+tensors; during the step a memory tracker sits on top.
 """
 
 from __future__ import annotations
@@ -67,10 +69,11 @@ class RankScope:
             if self._depth:
                 return method(*args, **kwargs)
             self._depth += 1
-            self.counter.__exit__(None, None, None)  # back on top of the stack, above the fake mode
+            self.counter.__exit__(None, None, None)  # the fake mode records for it until the method returns
             tracker = None
             try:
-                with fused_attention(), self.mode, self.counter, self.counter.phase("step" if is_step else name):
+                phase = self.counter.phase("step" if is_step else name)
+                with fused_attention(), self.mode.counting(self.counter), phase:
                     if is_step:
                         tracker = self._tracker = LiveMemory(self._strategy.model_parts, self._strategy.optimizers)
                         with tracker:

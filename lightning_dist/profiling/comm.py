@@ -102,10 +102,7 @@ class _CommDispatchMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in self._passed_on or is_higher_order_operator(func):
             return func(*args, **kwargs)
-        entry = handler_table().get(op_overload_packet(func))
-        if entry is not None:
-            self._counter._observe(entry[0], entry[1], func, args, kwargs)
-        elif any(issubclass(t, DTensor) for t in types):
+        if not self._counter.observe(func, args, kwargs) and any(issubclass(t, DTensor) for t in types):
             # Let DTensor run first: the collectives it issues while dispatching come back through this mode. Other
             # subclasses run as usual: sending back FakeTensor (DTensor's sharding propagation) fails the dispatch.
             return NotImplemented
@@ -193,6 +190,17 @@ class CommCounter:
             self._phase = previous
 
     # -- recording --------------------------------------------------------------------------------------------------
+
+    def observe(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+        """Record ``func`` if it is a collective; whether it was. For a dispatch mode of the caller's that sees every
+        op (the dry run's fake tensor mode) and would otherwise need this counter's own mode beside it."""
+        if is_higher_order_operator(func):
+            return False
+        entry = handler_table().get(op_overload_packet(func))
+        if entry is None:
+            return False
+        self._observe(entry[0], entry[1], func, args, kwargs)
+        return True
 
     def _observe(self, api: str, handler: Handler, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         try:

@@ -54,6 +54,7 @@ class LiveMemory(TorchDispatchMode):
         self._serial: dict[int, int] = {}
         self._serials = 0
         self._at_peak: dict[int, int] = {}  # serial -> bytes
+        self._peak_unrecorded = False  # the peak was reached and nothing freed since: `_at_peak` is still to copy
         self._resized: set[int] = set()  # serials
         self._original_resize: Any = None
         self._original_propagation: Any = None
@@ -107,6 +108,7 @@ class LiveMemory(TorchDispatchMode):
 
     def mark_update(self) -> None:
         """The optimizer update begins (forward and backward are done): remember the peak so far."""
+        self._record_peak()
         if self._before_update is None:
             self._before_update = (self.peak, dict(self._at_peak))
 
@@ -114,6 +116,7 @@ class LiveMemory(TorchDispatchMode):
         """Bytes alive at the peak by category (see the module docstring), and ``"total"``. ``later_step``: the peak
         of a step after this one, whose forward and backward run with the optimizer states this one made (needs
         :meth:`mark_update`)."""
+        self._record_peak()
         kinds = self._kinds()
         split = self._split(self._at_peak, kinds, self.peak)
         if later_step and self._before_update is not None:
@@ -165,6 +168,8 @@ class LiveMemory(TorchDispatchMode):
         if key not in self._bytes:
             self._track(key, 0)
             weakref.finalize(storage, self._free, key)
+        if size < self._bytes[key]:
+            self._record_peak()
         self.current += size - self._bytes[key]
         self._bytes[key] = size
         self._resized.add(self._serial[key])
@@ -177,12 +182,20 @@ class LiveMemory(TorchDispatchMode):
         self.current += size
 
     def _free(self, key: int) -> None:
+        self._record_peak()
         self.current -= self._bytes.pop(key, 0)
         self._serial.pop(key, None)
 
     def _note_peak(self) -> None:
         if self.current > self.peak or not self._at_peak:
             self.peak = max(self.peak, self.current)
+            self._peak_unrecorded = True
+
+    def _record_peak(self) -> None:
+        # copied when the memory first goes down after a peak, not at each allocation that raises it: a step's
+        # rising forward would copy thousands of entries per op
+        if self._peak_unrecorded:
+            self._peak_unrecorded = False
             self._at_peak = {self._serial[key]: size for key, size in self._bytes.items()}
 
     def _state_by_kind(self) -> Iterator[tuple[str, Iterable[torch.Tensor]]]:

@@ -6,6 +6,9 @@ begins, which copy of a tied weight comes first) therefore asks :func:`forward_o
 once on a deep copy whose parameters and buffers are on the meta device (no memory, no compute) with an example
 batch of token ids, and records each unit's first call with forward pre-hooks. A forward that cannot run that way
 (it takes float features, or branches on tensor values) keeps registration order.
+
+Meta copies run outside any fake tensor mode (:func:`on_meta`): a dry run's would turn every meta tensor into a fake
+one at each op, which took three times as long as the forward itself (3.1 s against 0.8 s for 126 Llama blocks).
 """
 
 from __future__ import annotations
@@ -13,12 +16,15 @@ from __future__ import annotations
 import copy
 import inspect
 import itertools
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_dist.compat import real_tensors_temporarily
 from lightning_dist.parallel.expert_parallel.apply import expert_parallel_state
 from lightning_dist.parallel.expert_parallel.structure import find_expert_layers
 
@@ -51,6 +57,14 @@ def meta_twin(module: nn.Module) -> nn.Module:
     return twin
 
 
+@contextmanager
+def on_meta(grad: bool = False) -> Iterator[None]:
+    """Where a meta copy runs: outside any fake tensor mode (meta tensors need none), without autograd unless
+    ``grad``."""
+    with real_tensors_temporarily(), torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+        yield
+
+
 def _shaped_like_input(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """A mixture-of-experts computation's output on meta: shaped like its input (a stacked experts module's
     ``(tokens, hidden)``, a ``ModuleList`` MoE layer's ``(batch, sequence, hidden)``)."""
@@ -73,6 +87,22 @@ def forward_order(
     Returns:
         The names in forward order, or ``None`` when no example forward ran on the meta copy.
     """
+    if example is not None:
+        return _forward_order(model, names, example)
+    # asked again of the same unchanged model (the checks before launch, then the cut): answered from the first run
+    structure = (tuple(names), tuple(map(id, model.modules())))
+    known = _ORDERS.get(model)
+    if known is None or known[0] != structure:
+        known = _ORDERS[model] = (structure, _forward_order(model, names, None))
+    return None if known[1] is None else list(known[1])
+
+
+_ORDERS: weakref.WeakKeyDictionary[nn.Module, tuple[Any, list[str] | None]] = weakref.WeakKeyDictionary()
+
+
+def _forward_order(
+    model: nn.Module, names: Sequence[str], example: tuple[tuple, dict[str, Any]] | None
+) -> list[str] | None:
     try:
         twin = meta_twin(model)
     except Exception:  # noqa: BLE001 (a model that cannot be deep-copied keeps registration order)
@@ -91,7 +121,7 @@ def forward_order(
         for args, kwargs in [example] if example is not None else _token_examples(model):
             seen.clear()
             try:
-                with torch.no_grad():
+                with on_meta():
                     twin(*_to_meta(args), **_to_meta(kwargs))
             except Exception:  # noqa: BLE001, S112 (this example does not fit the forward: try the next)
                 continue

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_dist.parallel.pipeline.order import _to_meta, _token_examples, meta_twin
+from lightning_dist.parallel.pipeline.order import _to_meta, _token_examples, meta_twin, on_meta
 from lightning_dist.parallel.pipeline.router_statistics import carry_router_statistics, plan_router_statistics
 from lightning_dist.parallel.pipeline.split import StagePlan
 from lightning_dist.parallel.pipeline.stage import StageCutError, cut_pipeline_stages
@@ -54,7 +54,8 @@ def rehearse_stages(model: nn.Module, plan: StagePlan, inputs: dict[str, Any] | 
         received: tuple[torch.Tensor, ...] = ()
         for stage, part in enumerate(parts):
             try:
-                output = part(*received, **kwargs)
+                with on_meta(grad=True):
+                    output = part(*received, **kwargs)
             except Exception as err:  # whatever the cut makes fail (the whole forward ran) is refused
                 raise _refusal(plan, stage, err) from err
             outputs = output if isinstance(output, tuple) else (output,)
@@ -66,7 +67,7 @@ def rehearse_stages(model: nn.Module, plan: StagePlan, inputs: dict[str, Any] | 
 
 def _runs_whole(model: nn.Module, kwargs: dict[str, Any]) -> bool:
     try:
-        with torch.no_grad():
+        with on_meta():
             meta_twin(model)(**kwargs)
     except Exception:  # noqa: BLE001 (this forward cannot run on the meta device: nothing to compare with)
         return False

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from lightning_dist.compat import child_module_registry
-from lightning_dist.parallel.pipeline.order import meta_twin
+from lightning_dist.parallel.pipeline.order import meta_twin, on_meta
 from lightning_dist.parallel.pipeline.outputs import OutputRecipe, flatten_output, map_tensors
 from lightning_dist.parallel.pipeline.split import StagePlan
 
@@ -158,9 +158,9 @@ class EarlierStageModule(_StandIn):
             )
         key = _signature((args, kwargs))
         if key not in self._shapes:
-            on_meta = map_tensors((args, kwargs), _to_meta)
-            with torch.no_grad():
-                self._shapes[key] = self._twin(*on_meta[0], **on_meta[1])
+            meta_args = map_tensors((args, kwargs), _to_meta)
+            with on_meta():
+                self._shapes[key] = self._twin(*meta_args[0], **meta_args[1])
         grad = torch.is_grad_enabled()
 
         def placeholder(meta: torch.Tensor) -> torch.Tensor:

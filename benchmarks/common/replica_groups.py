@@ -1,0 +1,129 @@
+"""Replica groups as a user runs them under torchft: one lighthouse (in this process), and one Lightning job per
+group (a scenario script of ``--devices`` processes, with its own ``MASTER_PORT``, group id and the lighthouse in its
+environment), all running at once. :func:`run_replica_groups` can kill one group (SIGKILL to every process of it) once
+it reached a step, and relaunch it a few seconds later; it returns each group's result and what it measured."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common.launch import child_env, free_port
+from benchmarks.common.scenarios import scenario_command
+
+
+@dataclass
+class Chaos:
+    """Kill every process of ``group`` once it reports ``at_step``, relaunch it ``relaunch_after`` seconds later."""
+
+    group: int = 1
+    at_step: int = 10
+    relaunch_after: float = 5.0
+
+
+@dataclass
+class GroupsRun:
+    results: list[dict[str, Any]]
+    killed_at: float | None = None
+    relaunched_at: float | None = None
+    outputs: list[str] = field(default_factory=list)
+
+
+def run_replica_groups(
+    script: Path,
+    devices: int,
+    workdir: Path,
+    scenario: str,
+    groups: int = 2,
+    chaos: Chaos | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+    join_timeout_ms: int = 20000,
+    heartbeat_timeout_ms: int = 2000,
+) -> GroupsRun:
+    """Run ``scenario`` of ``script`` as ``groups`` replica groups of ``devices`` processes each, with an in-process
+    lighthouse. Fails (``AssertionError``) with every group's output when one does not finish cleanly."""
+    from lightning_dist.compat.torchft import lighthouse_server
+
+    lighthouse = lighthouse_server(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=join_timeout_ms, quorum_tick_ms=100,
+        heartbeat_timeout_ms=heartbeat_timeout_ms,
+    )  # fmt: skip
+    workdir.mkdir(parents=True, exist_ok=True)
+    procs: dict[int, subprocess.Popen] = {}
+    logs: dict[int, Path] = {}
+    outs: dict[int, Path] = {}
+    run = GroupsRun(results=[])
+
+    def launch(group: int, attempt: int) -> None:
+        out, cmd, group_env = scenario_command(script, devices, workdir, [scenario], env)
+        outs[group] = out.with_name(f"{scenario}_g{group}.json")
+        cmd[cmd.index("--out") + 1] = str(outs[group])
+        group_env.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+            LIGHTNING_DIST_REPLICA_GROUP_ID=str(group),
+            LIGHTNING_DIST_NUM_REPLICA_GROUPS=str(groups),
+            TORCHFT_LIGHTHOUSE=lighthouse.address(),
+            RUST_LOG="warn",
+            FT_PROGRESS=str(workdir / f"progress_g{group}"),
+            FT_LAUNCHED_AT=str(time.time()),
+        )
+        logs[group] = workdir / f"{scenario}_g{group}_{attempt}.log"
+        with open(logs[group], "w") as log:
+            procs[group] = subprocess.Popen(
+                cmd, cwd=workdir, env=group_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    try:
+        for group in range(groups):
+            launch(group, 0)
+        deadline = time.time() + timeout
+        if chaos is not None:
+            progress = workdir / f"progress_g{chaos.group}"
+            while _step(progress) < chaos.at_step:
+                _check_alive(procs, logs, deadline)
+                time.sleep(0.05)
+            os.killpg(procs[chaos.group].pid, signal.SIGKILL)
+            run.killed_at = time.time()
+            procs[chaos.group].wait()
+            time.sleep(chaos.relaunch_after)
+            progress.unlink(missing_ok=True)
+            launch(chaos.group, 1)
+            run.relaunched_at = time.time()
+        for group, proc in procs.items():
+            proc.wait(timeout=max(1.0, deadline - time.time()))
+        run.outputs = [logs[g].read_text() for g in range(groups)]
+        failed = [g for g, proc in procs.items() if proc.returncode != 0 or not outs[g].exists()]
+        if failed:
+            raise AssertionError(
+                "\n".join(f"--- group {g} exited with {procs[g].returncode} ---\n{run.outputs[g][-8000:]}" for g in failed)
+            )
+        run.results = [json.loads(outs[g].read_text())[scenario] for g in range(groups)]
+        return run
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        lighthouse.shutdown()
+
+
+def _step(progress: Path) -> int:
+    try:
+        return int(progress.read_text() or -1)
+    except (FileNotFoundError, ValueError):
+        return -1
+
+
+def _check_alive(procs: dict[int, subprocess.Popen], logs: dict[int, Path], deadline: float) -> None:
+    for group, proc in procs.items():
+        if proc.poll() is not None:
+            raise AssertionError(f"group {group} ended early ({proc.returncode}):\n{logs[group].read_text()[-8000:]}")
+    if time.time() > deadline:
+        raise AssertionError("the replica groups did not reach the chaos step in time")

@@ -1,0 +1,258 @@
+"""Fault tolerance across replica groups (torchft) in a strategy: :class:`FaultToleranceOption`, the
+``fault_tolerance`` option of fsdp2 (and zeropp) and hybrid3d, and its :class:`FaultTolerancePart` in each step.
+
+Each replica group is an ordinary Lightning job (its own ``MASTER_ADDR/PORT``, torchrun or SLURM step) whose mesh is
+the group's; the replicate axis across groups is torchft's (:mod:`lightning_dist.parallel.fault_tolerance`). What
+this module adds on the Lightning side:
+
+- the first step's quorum at setup: a group that starts while others train copies their state (model, optimizers,
+  schedulers, Lightning's loop counters and data position) before its dataloaders are read, then joins;
+- each step: the quorum before the batch, the gradients averaged over the live groups after the backward, and the
+  update applied only if torchft commits the step (see the step protocol's order);
+- the sampler: ``num_replicas`` and ``rank`` span every group, so each group reads its own part of the global batch;
+- checkpoints written by the first live group only; log lines and metrics (``fault_tolerance/quorum_size``,
+  ``fault_tolerance/skipped_steps``, ``fault_tolerance/heals``).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_dist.parallel.fault_tolerance import (
+    FaultToleranceOptions,
+    ReplicaGroups,
+    ReplicaState,
+    check_lighthouse,
+    resolve_fault_tolerance,
+)
+from lightning_dist.strategies.lifecycle.data_position import resume_position, training_position
+from lightning_dist.strategies.lifecycle.step_part import StepPart, StepRun
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_dist.compat.lightning import StrOrPath
+    from lightning_dist.strategies.base import MeshParallelStrategy
+
+    _Base = MeshParallelStrategy
+else:
+    _Base = object
+
+#: What ``fault_tolerance`` accepts: the options, a dict of them (YAML), ``True`` (all from the environment) or off.
+FaultToleranceSpec = FaultToleranceOptions | dict[str, Any] | bool | None
+
+
+class FaultTolerancePart(StepPart):
+    """The part of a strategy with :class:`FaultToleranceOption` set: the quorum, the gradient average across
+    groups and the commit of each step."""
+
+    strategy: FaultToleranceOption
+    axis = "replica_groups"
+
+    @classmethod
+    def applies_to(cls, strategy: MeshParallelStrategy) -> bool:
+        return getattr(strategy, "fault_tolerance", None) is not None
+
+    def preflight_before_model(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
+        options = self.strategy.fault_tolerance
+        assert options is not None and options.lighthouse is not None
+        check_lighthouse(options.lighthouse, options.connect_timeout)
+
+    def after_setup(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.strategy.join_replica_groups(trainer)
+
+    def before_training_batch(self, trainer: pl.Trainer) -> None:
+        groups = self.strategy.replica_groups
+        if groups is not None:
+            groups.start_step()
+
+    def wrap_training_step(self, run: StepRun) -> StepRun:
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            output = run(*args, **kwargs)
+            self.strategy.log_fault_tolerance()
+            return output
+
+        return training_step
+
+    def after_backward(self) -> None:
+        groups = self.strategy.replica_groups
+        if groups is not None:
+            parameters = [p for p in self.strategy.model.parameters() if p.requires_grad]
+            groups.average_gradients(parameters)
+
+    def commits_optimizer_step(self) -> bool:
+        groups = self.strategy.replica_groups
+        if groups is None:
+            return True
+        committed = groups.commit()
+        if not committed:
+            rank_zero_warn(
+                f"fault_tolerance: the update of global step {self.strategy.lightning_module.trainer.global_step} was"
+                " discarded on every live replica group (a group failed during the step, or fewer than"
+                f" min_replica_groups={groups.options.min_replica_groups} took part); its samples are not trained on."
+            )
+        return committed
+
+
+class FaultToleranceOption(_Base):
+    """``fault_tolerance``: this job is one replica group of several, kept in step by torchft."""
+
+    declared_parts = (FaultTolerancePart,)
+    #: The resolved option (``None``: off).
+    fault_tolerance: FaultToleranceOptions | None = None
+    _replica_groups: ReplicaGroups | None = None
+    _healing_at_setup = False
+    _summary: dict[str, Any] = {}
+
+    def init_fault_tolerance(self, value: FaultToleranceSpec) -> None:
+        """Check and keep the option (fields left out come from the environment)."""
+        self.fault_tolerance = resolve_fault_tolerance(value)
+
+    @property
+    def replica_groups(self) -> ReplicaGroups | None:
+        """torchft's view of the replica groups while fitting; ``None`` otherwise."""
+        return self._replica_groups
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every group's data-parallel ranks together: group ``g``'s rank ``r`` of ``n`` is replica ``g·n + r``."""
+        kwargs = super().distributed_sampler_kwargs
+        options = self.fault_tolerance
+        if options is None:
+            return kwargs
+        replicas = kwargs["num_replicas"]
+        assert options.num_replica_groups is not None and options.replica_group_id is not None
+        return {"num_replicas": replicas * options.num_replica_groups,
+                "rank": options.replica_group_id * replicas + kwargs["rank"]}  # fmt: skip
+
+    # ------------------------------------------------------------------ joining, healing
+    def join_replica_groups(self, trainer: pl.Trainer) -> None:
+        """Build this group's torchft manager and form the first step's quorum. A group behind the live ones (started
+        late, or relaunched after a failure) copies their state here, before its dataloaders are read, and starts at
+        their step and data position; ``ckpt_path`` is then not read."""
+        options = self.fault_tolerance
+        assert options is not None and self.model is not None
+        state = ReplicaState(
+            self.model, self._plain_optimizers, extra_state=self._trainer_state, load_extra=self._load_trainer_state
+        )
+        self._replica_groups = groups = ReplicaGroups(
+            options, state, self.global_rank, self.world_size, self.process_group_backend or "gloo"
+        )
+        self._healing_at_setup = True
+        try:
+            groups.join()
+        finally:
+            self._healing_at_setup = False
+        joined = f"replica group {options.replica_group_id} of {options.num_replica_groups}"
+        if state.heals:
+            self.log_decision(
+                f"{joined} healed from a live group at step {groups.step} (global step {trainer.global_step}):"
+                f" received {state.received_bytes:,} bytes per rank; quorum of {groups.quorum_size} groups"
+            )
+        else:
+            self.log_decision(
+                f"{joined} joined a quorum of {groups.quorum_size} at step {groups.step} (lighthouse"
+                f" {options.lighthouse})"
+            )
+
+    def _plain_optimizers(self) -> list[Any]:
+        return [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+
+    def _trainer_state(self) -> dict[str, Any]:
+        """What a healing group needs of Lightning besides the tensors: loop counters (global step, epoch, batch),
+        the data position they imply, and the schedulers."""
+        trainer = self.lightning_module.trainer
+        checkpoint = {"loops": {"fit_loop": copy.deepcopy(trainer.fit_loop.state_dict())}}
+        position = training_position(trainer, checkpoint, self.distributed_sampler_kwargs["num_replicas"])
+        schedulers = [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]
+        return {"loops": checkpoint["loops"], "data_position": position, "schedulers": schedulers}
+
+    def _load_trainer_state(self, extra: Mapping[str, Any]) -> None:
+        trainer = self.lightning_module.trainer
+        for config, saved in zip(trainer.lr_scheduler_configs, extra["schedulers"]):
+            config.scheduler.load_state_dict(saved)
+        if self._healing_at_setup:  # later heals happen mid-step: the loops already stand where the live groups do
+            trainer.fit_loop.load_state_dict(extra["loops"]["fit_loop"])
+            self._resume_position = resume_position(extra["loops"], extra["data_position"])
+            self._resume_loader_index = 0
+
+    def log_fault_tolerance(self) -> None:
+        """The step's metrics: groups in the quorum, steps skipped and heals so far (the same on every rank of the
+        group)."""
+        groups = self._replica_groups
+        if groups is None:
+            return
+        self.lightning_module.log_dict(
+            {
+                "fault_tolerance/quorum_size": float(groups.quorum_size),
+                "fault_tolerance/skipped_steps": float(groups.skipped_steps),
+                "fault_tolerance/heals": float(groups.state.heals),
+            },
+            on_step=True,
+            on_epoch=False,
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+    def writes_checkpoints(self) -> bool:
+        """Whether this group writes checkpoints: the first live group while fitting, group 0 otherwise."""
+        if self.fault_tolerance is None:
+            return True
+        if self._replica_groups is not None:
+            return self._replica_groups.first_live_group
+        return self.fault_tolerance.replica_group_id == 0
+
+    @override
+    def load_checkpoint(self, checkpoint_path: StrOrPath, weights_only: bool | None = None) -> dict[str, Any]:
+        groups = self._replica_groups
+        if groups is not None and groups.state.heals:
+            self.log_decision(f"ckpt_path={str(checkpoint_path)!r} not read: healed from a live replica group")
+            return {}
+        return super().load_checkpoint(checkpoint_path, weights_only)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: StrOrPath, storage_options: Any | None = None
+    ) -> None:
+        if self.writes_checkpoints():
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: StrOrPath) -> None:
+        if self.writes_checkpoints():
+            super().remove_checkpoint(filepath)
+
+    @property
+    def fault_tolerance_summary(self) -> dict[str, Any]:
+        """What happened to this group in the last ``fit``: committed and skipped steps, heals and the bytes the
+        last one received, the last quorum's size and torchft's step."""
+        groups = self._replica_groups
+        if groups is None:
+            return dict(self._summary)
+        return {
+            "committed": groups.committed_steps,
+            "skipped": groups.skipped_steps,
+            "heals": groups.state.heals,
+            "received_bytes": groups.state.received_bytes,
+            "quorum_size": groups.quorum_size,
+            "step": groups.step,
+        }
+
+    @override
+    def teardown(self) -> None:
+        if self._replica_groups is not None:
+            self._summary = self.fault_tolerance_summary
+        groups, self._replica_groups = self._replica_groups, None
+        try:
+            super().teardown()
+        finally:
+            if groups is not None:
+                groups.shutdown()

@@ -1,0 +1,182 @@
+"""Replica groups under torchft (each group one Lightning job of ``--devices`` processes, launched by
+``benchmarks/common/replica_groups.py`` with its group id, the lighthouse and its own ``MASTER_PORT`` in the
+environment), and the plain HSDP run they must equal.
+
+- ``hsdp``: one job of 4 processes, ``data_parallel_replicate_size=2`` (the reference; no fault tolerance);
+- ``groups``: this job is one of 2 replica groups (``fault_tolerance=True``, all from the environment), nothing
+  fails. Both runs train :class:`IndexedGPT` (its own ``DistributedSampler`` from ``distributed_sampler_kwargs``) in
+  fp64 for one epoch, and record the losses, the sample indices each rank read and the final parameters;
+- ``chaos``: fp64, ``CHAOS_STEPS`` steps slowed by ``CHAOS_STEP_SLEEP`` seconds each (the orchestrator kills and
+  relaunches group 1 mid-run); records each step's wall time, the global step and time of the first committed step
+  since launch, heals and bytes received, and saves this rank's parameter and optimizer-state shards for the
+  bitwise comparison. A ``hybrid3d`` variant (``CHAOS_MESH=pp2tp2``) runs groups of pp2 × tp2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from common import full_state, run_scenario_script, trainer_kwargs
+from lightning.pytorch.callbacks import Callback
+from user_modules import OwnSamplerGPT
+
+from examples.data import TokenWindows
+from lightning_dist import FSDP2Strategy, Hybrid3DStrategy
+from lightning_dist.parallel.fault_tolerance import local_tensor
+
+GLOBAL_BATCH = 8
+SAMPLES = 64  # one epoch = 8 steps of the global batch
+MODEL: dict[str, Any] = {"vocab_size": 65, "seq_len": 16, "d_model": 32, "n_layer": 2, "n_head": 4, "lr": 1e-2}
+
+
+class IndexedWindows(TokenWindows):
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {**super().__getitem__(index), "index": torch.tensor(index)}
+
+
+class IndexedGPT(OwnSamplerGPT):
+    """:class:`OwnSamplerGPT` whose samples carry their index. ``step_sleep`` slows every training step, and
+    ``alone_sleep`` the steps a replica group trains without the others (a bigger model's steps, which leave a
+    relaunched group, whose start takes 8 to 30 s on 2 busy cores, the time to rejoin before the run ends)."""
+
+    def __init__(self, step_sleep: float = 0.0, alone_sleep: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.train_set = IndexedWindows(self.train_set.tokens, self.train_set.seq_len)
+        self.step_sleep = step_sleep
+        self.alone_sleep = alone_sleep
+        self.read: list[list[int]] = []
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.read.append(batch["index"].tolist())
+        groups = getattr(self.trainer.strategy, "replica_groups", None)
+        alone = groups is not None and groups.quorum_size < groups.options.num_replica_groups
+        if self.step_sleep or (alone and self.alone_sleep):
+            time.sleep(self.alone_sleep if alone else self.step_sleep)
+        return super().training_step(batch, batch_idx)
+
+
+def _model(step_sleep: float = 0.0, alone_sleep: float = 0.0) -> IndexedGPT:
+    L.seed_everything(1234, verbose=False)
+    return IndexedGPT(
+        global_batch=GLOBAL_BATCH, train_samples=SAMPLES, step_sleep=step_sleep, alone_sleep=alone_sleep, **MODEL
+    )
+
+
+class StepLog(Callback):
+    """Per training batch: the global step, its wall time, the group's mean loss; progress in a file the
+    orchestrator polls (``FT_PROGRESS``)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.started = 0.0
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.started = time.time()
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        loss = float(trainer.strategy.reduce(outputs["loss"].detach().clone(), reduce_op="mean"))
+        groups = trainer.strategy.replica_groups
+        self.rows.append(
+            {
+                "global_step": trainer.global_step,
+                "end": time.time(),
+                "seconds": time.time() - self.started,
+                "loss": loss,
+                "committed": groups.committed_steps if groups else None,
+                "skipped": groups.skipped_steps if groups else None,
+                "quorum": groups.quorum_size if groups else None,
+            }
+        )
+        progress = os.environ.get("FT_PROGRESS")
+        if progress and trainer.global_rank == 0:
+            Path(progress).write_text(str(trainer.global_step))
+
+
+def _read_by_all_ranks(module: IndexedGPT) -> list[list[list[int]]]:
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, module.read)
+    return gathered
+
+
+def _fit(
+    strategy: Any, devices: int, steps: int, step_sleep: float = 0.0, alone_sleep: float = 0.0, **kwargs: Any
+) -> tuple[Any, ...]:
+    model = _model(step_sleep, alone_sleep)
+    log = StepLog()
+    trainer = L.Trainer(
+        **trainer_kwargs(
+            devices, strategy=strategy, precision="64-true", use_distributed_sampler=False, limit_val_batches=0, **kwargs
+        ),
+        max_steps=steps,
+        callbacks=[log],
+    )
+    trainer.fit(model)
+    return model, trainer, log
+
+
+def hsdp(devices: int, workdir: str) -> dict[str, Any]:
+    strategy = FSDP2Strategy(sharding="hybrid", data_parallel_replicate_size=2, data_parallel_shard_size=devices // 2)
+    model, trainer, log = _fit(strategy, devices, SAMPLES // GLOBAL_BATCH)
+    return {"losses": [r["loss"] for r in log.rows], "read": _read_by_all_ranks(model),
+            "params": {k: v.tolist() for k, v in full_state(model).items()}}  # fmt: skip
+
+
+def groups(devices: int, workdir: str) -> dict[str, Any]:
+    model, trainer, log = _fit(FSDP2Strategy(fault_tolerance=True), devices, SAMPLES // GLOBAL_BATCH)
+    return {"losses": [r["loss"] for r in log.rows], "read": _read_by_all_ranks(model),
+            "sampler": dict(trainer.strategy.distributed_sampler_kwargs), "rows": log.rows,
+            "params": {k: v.tolist() for k, v in full_state(model).items()}}  # fmt: skip
+
+
+CHAOS_STEPS = int(os.environ.get("CHAOS_STEPS", "30"))
+CHAOS_STEP_SLEEP = float(os.environ.get("CHAOS_STEP_SLEEP", "0.2"))
+CHAOS_ALONE_SLEEP = float(os.environ.get("CHAOS_ALONE_SLEEP", "2.0"))
+
+
+def _chaos_strategy() -> Any:
+    options = {"fault_tolerance": {"quorum_timeout": 30.0, "timeout": 20.0}}
+    if os.environ.get("CHAOS_MESH") == "pp2tp2":
+        return Hybrid3DStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, **options)
+    return FSDP2Strategy(**options)
+
+
+def chaos(devices: int, workdir: str) -> dict[str, Any]:
+    launched = float(os.environ.get("FT_LAUNCHED_AT", time.time()))
+    model, trainer, log = _fit(
+        _chaos_strategy(), devices, CHAOS_STEPS, step_sleep=CHAOS_STEP_SLEEP, alone_sleep=CHAOS_ALONE_SLEEP
+    )
+    groups = trainer.strategy.fault_tolerance_summary
+    optimizer = trainer.optimizers[0]
+    shards = {
+        "params": {n: local_tensor(p).detach().clone() for n, p in model.named_parameters()},
+        "optimizer": [
+            {k: local_tensor(v).clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()}
+            for group in optimizer.param_groups
+            for p in group["params"]
+        ],
+    }
+    group_id = trainer.strategy.fault_tolerance.replica_group_id
+    torch.save(shards, Path(workdir) / f"chaos_g{group_id}_r{trainer.global_rank}.pt")
+    first_commit = next((r for r in log.rows if r["committed"]), None)
+    return {
+        "rows": log.rows,
+        "launched": launched,
+        "first_commit_after_launch": (first_commit["end"] - launched) if first_commit else None,
+        "heals": groups["heals"],
+        "received_bytes": groups["received_bytes"],
+        "committed": groups["committed"],
+        "skipped": groups["skipped"],
+        "global_step": trainer.global_step,
+    }
+
+
+if __name__ == "__main__":
+    run_scenario_script({"hsdp": hsdp, "groups": groups, "chaos": chaos})

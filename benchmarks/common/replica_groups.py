@@ -5,11 +5,13 @@ it reached a step, and relaunch it a few seconds later; it returns each group's 
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,11 +22,14 @@ from benchmarks.common.scenarios import scenario_command
 
 @dataclass
 class Chaos:
-    """Kill every process of ``group`` once it reports ``at_step``, relaunch it ``relaunch_after`` seconds later."""
+    """Kill every process of ``group`` once it reports ``at_step``, relaunch it ``relaunch_after`` seconds later.
+    ``meanwhile`` (optional) runs in a thread from the kill on, while the other groups train without that one: a
+    test's reference run uses the cores they leave idle."""
 
     group: int = 1
     at_step: int = 10
     relaunch_after: float = 5.0
+    meanwhile: Callable[[], Any] | None = None
 
 
 @dataclass
@@ -33,6 +38,7 @@ class GroupsRun:
     killed_at: float | None = None
     relaunched_at: float | None = None
     outputs: list[str] = field(default_factory=list)
+    meanwhile: Any = None
 
 
 def run_replica_groups(
@@ -60,6 +66,7 @@ def run_replica_groups(
     logs: dict[int, Path] = {}
     outs: dict[int, Path] = {}
     run = GroupsRun(results=[])
+    side_run: concurrent.futures.Future | None = None
 
     def launch(group: int, attempt: int) -> None:
         out, cmd, group_env = scenario_command(script, devices, workdir, [scenario], env)
@@ -93,12 +100,18 @@ def run_replica_groups(
             os.killpg(procs[chaos.group].pid, signal.SIGKILL)
             run.killed_at = time.time()
             procs[chaos.group].wait()
+            if chaos.meanwhile is not None:
+                side = concurrent.futures.ThreadPoolExecutor(1)
+                side_run = side.submit(chaos.meanwhile)
             time.sleep(chaos.relaunch_after)
             progress.unlink(missing_ok=True)
             launch(chaos.group, 1)
             run.relaunched_at = time.time()
         for group, proc in procs.items():
             proc.wait(timeout=max(1.0, deadline - time.time()))
+        if side_run is not None:
+            run.meanwhile = side_run.result(timeout=max(1.0, deadline - time.time()))
+            side.shutdown()
         run.outputs = [logs[g].read_text() for g in range(groups)]
         failed = [g for g, proc in procs.items() if proc.returncode != 0 or not outs[g].exists()]
         if failed:

@@ -51,13 +51,15 @@ class IndexedGPT(OwnSamplerGPT):
         self.step_sleep = step_sleep
         self.alone_sleep = alone_sleep
         self.read: list[list[int]] = []
+        self.slept = 0.0
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         self.read.append(batch["index"].tolist())
         groups = getattr(self.trainer.strategy, "replica_groups", None)
         alone = groups is not None and groups.quorum_size < groups.options.num_replica_groups
-        if self.step_sleep or (alone and self.alone_sleep):
-            time.sleep(self.alone_sleep if alone else self.step_sleep)
+        self.slept = self.alone_sleep if alone else self.step_sleep
+        if self.slept:
+            time.sleep(self.slept)
         return super().training_step(batch, batch_idx)
 
 
@@ -87,6 +89,7 @@ class StepLog(Callback):
                 "global_step": trainer.global_step,
                 "end": time.time(),
                 "seconds": time.time() - self.started,
+                "slept": getattr(module, "slept", 0.0),
                 "loss": loss,
                 "committed": groups.committed_steps if groups else None,
                 "skipped": groups.skipped_steps if groups else None,
@@ -98,6 +101,22 @@ class StepLog(Callback):
             Path(progress).write_text(str(trainer.global_step))
 
 
+class EarlySnapshot(Callback):
+    """Once ``steps`` optimizer steps are done (before any failure): the group's losses, the samples each of its
+    ranks read and its full parameters, written by rank 0 to ``path`` (the chaos run's group 1 is killed later)."""
+
+    def __init__(self, steps: int, path: Path, log: StepLog) -> None:
+        self.steps, self.path, self.step_log = steps, path, log
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step != self.steps or len(self.step_log.rows) != self.steps:
+            return
+        snapshot = {"losses": [r["loss"] for r in self.step_log.rows], "read": _read_by_all_ranks(module),
+                    "params": {k: v.tolist() for k, v in full_state(module).items()}}  # fmt: skip
+        if trainer.global_rank == 0:
+            self.path.write_text(json.dumps(snapshot))
+
+
 def _read_by_all_ranks(module: IndexedGPT) -> list[list[list[int]]]:
     import torch.distributed as dist
 
@@ -107,16 +126,25 @@ def _read_by_all_ranks(module: IndexedGPT) -> list[list[list[int]]]:
 
 
 def _fit(
-    strategy: Any, devices: int, steps: int, step_sleep: float = 0.0, alone_sleep: float = 0.0, **kwargs: Any
+    strategy: Any,
+    devices: int,
+    steps: int,
+    step_sleep: float = 0.0,
+    alone_sleep: float = 0.0,
+    snapshot: Path | None = None,
+    **kwargs: Any,
 ) -> tuple[Any, ...]:
     model = _model(step_sleep, alone_sleep)
     log = StepLog()
+    callbacks: list[Callback] = [log]
+    if snapshot is not None:
+        callbacks.append(EarlySnapshot(SAMPLES // GLOBAL_BATCH, snapshot, log))
     trainer = L.Trainer(
         **trainer_kwargs(
             devices, strategy=strategy, precision="64-true", use_distributed_sampler=False, limit_val_batches=0, **kwargs
         ),
         max_steps=steps,
-        callbacks=[log],
+        callbacks=callbacks,
     )
     trainer.fit(model)
     return model, trainer, log
@@ -150,8 +178,15 @@ def _chaos_strategy() -> Any:
 
 def chaos(devices: int, workdir: str) -> dict[str, Any]:
     launched = float(os.environ.get("FT_LAUNCHED_AT", time.time()))
+    group = os.environ["LIGHTNING_DIST_REPLICA_GROUP_ID"]
+    snapshot = Path(workdir) / f"chaos_early_g{group}.json"
     model, trainer, log = _fit(
-        _chaos_strategy(), devices, CHAOS_STEPS, step_sleep=CHAOS_STEP_SLEEP, alone_sleep=CHAOS_ALONE_SLEEP
+        _chaos_strategy(),
+        devices,
+        CHAOS_STEPS,
+        step_sleep=CHAOS_STEP_SLEEP,
+        alone_sleep=CHAOS_ALONE_SLEEP,
+        snapshot=None if snapshot.exists() else snapshot,  # a relaunched group keeps its first launch's
     )
     groups = trainer.strategy.fault_tolerance_summary
     optimizer = trainer.optimizers[0]

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common.launch import child_env, free_port
+from benchmarks.common.launch import free_port, rank_env
+from benchmarks.common.layout import Layout
 from benchmarks.common.scenarios import scenario_command
 
 
@@ -63,30 +64,40 @@ def run_replica_groups(
     )  # fmt: skip
     workdir.mkdir(parents=True, exist_ok=True)
     procs: dict[int, subprocess.Popen] = {}
+    members: dict[int, list[subprocess.Popen]] = {g: [] for g in range(groups)}
     logs: dict[int, Path] = {}
     outs: dict[int, Path] = {}
     run = GroupsRun(results=[])
     side_run: concurrent.futures.Future | None = None
 
     def launch(group: int, attempt: int) -> None:
-        out, cmd, group_env = scenario_command(script, devices, workdir, [scenario], env)
+        """Every process of the group at once, as torchrun (or a SLURM step) starts them, in a process group of
+        their own (``procs[group]`` is the first, whose pid is the process group's id)."""
+        out, cmd, _ = scenario_command(script, devices, workdir, [scenario])
         outs[group] = out.with_name(f"{scenario}_g{group}.json")
         cmd[cmd.index("--out") + 1] = str(outs[group])
-        group_env.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(free_port()),
-            LIGHTNING_DIST_REPLICA_GROUP_ID=str(group),
-            LIGHTNING_DIST_NUM_REPLICA_GROUPS=str(groups),
-            TORCHFT_LIGHTHOUSE=lighthouse.address(),
-            RUST_LOG="warn",
-            FT_PROGRESS=str(workdir / f"progress_g{group}"),
-            FT_LAUNCHED_AT=str(time.time()),
-        )
+        port = free_port()
         logs[group] = workdir / f"{scenario}_g{group}_{attempt}.log"
+        launched_at = str(time.time())
         with open(logs[group], "w") as log:
-            procs[group] = subprocess.Popen(
-                cmd, cwd=workdir, env=group_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+            for rank in range(devices):
+                rank_environment = rank_env(Layout(devices), rank, port, threads=1)
+                rank_environment.update(env or {})
+                rank_environment.update(
+                    LIGHTNING_DIST_REPLICA_GROUP_ID=str(group),
+                    LIGHTNING_DIST_NUM_REPLICA_GROUPS=str(groups),
+                    TORCHFT_LIGHTHOUSE=lighthouse.address(),
+                    RUST_LOG="warn",
+                    FT_PROGRESS=str(workdir / f"progress_g{group}"),
+                    FT_LAUNCHED_AT=launched_at,
+                )
+                proc = subprocess.Popen(
+                    cmd, cwd=workdir, env=rank_environment, stdout=log, stderr=subprocess.STDOUT,
+                    process_group=0 if rank == 0 else procs[group].pid,
+                )  # fmt: skip
+                if rank == 0:
+                    procs[group] = proc
+                members[group].append(proc)
 
     try:
         for group in range(groups):
@@ -95,11 +106,13 @@ def run_replica_groups(
         if chaos is not None:
             progress = workdir / f"progress_g{chaos.group}"
             while _step(progress) < chaos.at_step:
-                _check_alive(procs, logs, deadline)
+                _check_alive(members, logs, deadline)
                 time.sleep(0.05)
             os.killpg(procs[chaos.group].pid, signal.SIGKILL)
             run.killed_at = time.time()
-            procs[chaos.group].wait()
+            for proc in members.pop(chaos.group):
+                proc.wait()
+            members[chaos.group] = []
             if chaos.meanwhile is not None:
                 side = concurrent.futures.ThreadPoolExecutor(1)
                 side_run = side.submit(chaos.meanwhile)
@@ -107,13 +120,13 @@ def run_replica_groups(
             progress.unlink(missing_ok=True)
             launch(chaos.group, 1)
             run.relaunched_at = time.time()
-        for group, proc in procs.items():
+        for proc in [p for group in members.values() for p in group]:
             proc.wait(timeout=max(1.0, deadline - time.time()))
         if side_run is not None:
             run.meanwhile = side_run.result(timeout=max(1.0, deadline - time.time()))
             side.shutdown()
         run.outputs = [logs[g].read_text() for g in range(groups)]
-        failed = [g for g, proc in procs.items() if proc.returncode != 0 or not outs[g].exists()]
+        failed = [g for g in range(groups) if any(p.returncode != 0 for p in members[g]) or not outs[g].exists()]
         if failed:
             raise AssertionError(
                 "\n".join(f"--- group {g} exited with {procs[g].returncode} ---\n{run.outputs[g][-8000:]}" for g in failed)
@@ -121,10 +134,17 @@ def run_replica_groups(
         run.results = [json.loads(outs[g].read_text())[scenario] for g in range(groups)]
         return run
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+        for group, first in procs.items():
+            if any(p.poll() is None for p in members.get(group, [])):
+                _kill_group(first.pid)
         lighthouse.shutdown()
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _step(progress: Path) -> int:
@@ -134,9 +154,10 @@ def _step(progress: Path) -> int:
         return -1
 
 
-def _check_alive(procs: dict[int, subprocess.Popen], logs: dict[int, Path], deadline: float) -> None:
-    for group, proc in procs.items():
-        if proc.poll() is not None:
-            raise AssertionError(f"group {group} ended early ({proc.returncode}):\n{logs[group].read_text()[-8000:]}")
+def _check_alive(members: dict[int, list[subprocess.Popen]], logs: dict[int, Path], deadline: float) -> None:
+    for group, procs in members.items():
+        ended = [p.returncode for p in procs if p.poll() is not None]
+        if ended:
+            raise AssertionError(f"group {group} ended early ({ended}):\n{logs[group].read_text()[-8000:]}")
     if time.time() > deadline:
         raise AssertionError("the replica groups did not reach the chaos step in time")

@@ -18,10 +18,14 @@ import json
 import time
 from pathlib import Path
 
+from typing import Any
+
 import pytest
 import torch
 from launch import SCENARIO_DIR, run_scenarios
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.common.replica_groups import Chaos, run_replica_groups
 from lightning_dist import FSDP2Strategy
@@ -62,7 +66,8 @@ def test_chaos_the_survivor_never_stops_the_relaunched_group_heals_and_both_end_
     rows = survivor["rows"]
     # group 0 never stopped: one row per step, every step committed but the one the failure interrupted
     assert [r["global_step"] for r in rows] == list(range(1, STEPS + 1))
-    assert survivor["skipped"] == 1 and survivor["committed"] == STEPS - 1
+    # a kill during a step's all-reduce discards that step on group 0; one between steps only shrinks the quorum
+    assert survivor["skipped"] <= 1 and survivor["committed"] + survivor["skipped"] == STEPS
     assert survivor["heals"] == 0
     alone = [r for r in rows if r["quorum"] == 1]
     assert alone, "group 0 never trained without group 1"
@@ -109,6 +114,20 @@ def test_without_failures_groups_equal_hsdp_and_read_every_sample_once(chaos, wo
 
 
 # ---------------------------------------------------------------------------------------------- without launches
+class _TinyLM(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens = batch[0]
+        logits = self.head(self.embed(tokens[:, :-1]))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
 def test_options_come_from_the_environment_and_explicit_values_win(monkeypatch):
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lighthouse:29510")
     monkeypatch.setenv("LIGHTNING_DIST_REPLICA_GROUP_ID", "1")
@@ -174,3 +193,46 @@ def test_a_healing_rank_copies_parameters_and_optimizer_state_bitwise():
         model(batch).pow(2).mean().backward()
         optimizer.step()
     assert all(torch.equal(p, q) for p, q in zip(live_model.parameters(), new_model.parameters()))
+
+
+class _Crash(Callback):
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_step == 3:
+            raise RuntimeError("the node went down")
+
+
+def test_a_group_restarted_with_no_live_group_refuses_to_start_over_without_a_checkpoint(tmp_path):
+    """One replica group in this process (an in-process lighthouse): it records its progress, a crash leaves the
+    record, a restart without a live group and without ``ckpt_path`` is refused, one with ``ckpt_path`` resumes and,
+    ending normally, removes the record. Also: the group's metrics, and its checkpoint as the first live group."""
+    from lightning_dist.compat.torchft import lighthouse_server
+    from lightning_dist.strategies.lifecycle.failure_handling import stop_watchdogs
+
+    server = lighthouse_server("[::]:0", 1, join_timeout_ms=100, quorum_tick_ms=50, heartbeat_timeout_ms=1000)
+    options = {"replica_group_id": 0, "num_replica_groups": 1, "lighthouse": server.address(), "join_timeout": 5}
+    data = DataLoader(TensorDataset(torch.randint(0, 64, (16, 8))), batch_size=4)
+
+    def fit(callbacks: list[Callback], ckpt_path: Path | None = None, steps: int = 4) -> Trainer:
+        torch.manual_seed(0)
+        trainer = Trainer(strategy=FSDP2Strategy(fault_tolerance=options), accelerator="cpu", devices=1,
+                          max_steps=steps, default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                          enable_model_summary=False, callbacks=callbacks)  # fmt: skip
+        trainer.fit(_TinyLM(), data, ckpt_path=ckpt_path)
+        return trainer
+
+    record = tmp_path / "fault_tolerance" / "replica_group_0.json"
+    saves = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2, save_top_k=-1)
+    try:
+        with pytest.raises(RuntimeError, match="the node went down"):
+            fit([saves, _Crash()])
+        assert json.loads(record.read_text()) == {"step": 3, "global_step": 3}
+        assert (tmp_path / "ckpts" / "epoch=0-step=2.ckpt").exists()
+        with pytest.raises(RuntimeError, match=r"trained to step 3 \(global step 3\) before it stopped.*ckpt_path='last'"):
+            fit([])
+        trainer = fit([], ckpt_path=tmp_path / "ckpts" / "epoch=0-step=2.ckpt", steps=4)
+        assert trainer.global_step == 4 and not record.exists()
+        assert trainer.callback_metrics["fault_tolerance/quorum_size"] == 1
+        assert trainer.strategy.fault_tolerance_summary["committed"] == 2
+    finally:
+        stop_watchdogs()
+        server.shutdown()

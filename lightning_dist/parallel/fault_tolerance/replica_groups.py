@@ -14,10 +14,12 @@ import time
 from collections.abc import Iterable
 from datetime import timedelta
 
+import torch
 from torch import Tensor
+from torch.distributed import ReduceOp
 
 from lightning_dist.compat.torchft import manager_class, reconfigurable_process_group
-from lightning_dist.parallel.fault_tolerance.gradients import allreduce_gradients
+from lightning_dist.parallel.fault_tolerance.gradients import allreduce_gradients, local_tensor
 from lightning_dist.parallel.fault_tolerance.lighthouse import LighthouseUnreachableError, unreachable_message
 from lightning_dist.parallel.fault_tolerance.options import FaultToleranceOptions
 from lightning_dist.parallel.fault_tolerance.state import ReplicaState
@@ -101,6 +103,27 @@ class ReplicaGroups:
                 return
             self._step_open = False  # ask again: the quorum forms with the groups that asked meanwhile
             time.sleep(0.2)
+
+    def check_same_start(self) -> None:
+        """At a cold start (step 0, nothing healed), raise unless every group in the quorum starts from the same
+        weights: groups do not copy weights at step 0, so groups built from other seeds would never agree. Each rank
+        compares a fingerprint of its shards (their sum and sum of squares, in fp64) with the same rank of the other
+        groups."""
+        if self.state.heals or self.step > 0 or self.quorum_size < 2:
+            return
+        local = [t.detach().reshape(-1).double() for t in map(local_tensor, self.state.tensors.values())]
+        flat = torch.cat(local) if local else torch.zeros(1, dtype=torch.float64)
+        mine = torch.stack([flat.sum(), flat.square().sum()]).cpu()
+        highest, lowest = mine.clone(), -mine
+        for tensor in (highest, lowest):
+            self.manager.allreduce(tensor, reduce_op=ReduceOp.MAX).wait()
+        if self.manager.errored() is None and not (torch.equal(highest, mine) and torch.equal(-lowest, mine)):
+            raise RuntimeError(
+                f"fault_tolerance: replica group {self.options.replica_group_id} starts from other weights than the"
+                f" other {self.quorum_size - 1} group(s) of the quorum. Replica groups do not copy weights at a cold"
+                " start: build the model after the same seed_everything(...) in every group (or load the same"
+                " initial_weights or ckpt_path), so that all start equal."
+            )
 
     def average_gradients(self, parameters: Iterable[Tensor]) -> int:
         """Average the gradients over the groups in this step's quorum (starting it if needed); returns the bytes

@@ -17,7 +17,10 @@ this module adds on the Lightning side:
 from __future__ import annotations
 
 import copy
+import json
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -93,7 +96,9 @@ class FaultTolerancePart(StepPart):
         if groups is None:
             return True
         committed = groups.commit()
-        if not committed:
+        if committed:
+            self.strategy.record_progress()
+        else:
             rank_zero_warn(
                 f"fault_tolerance: the update of global step {self.strategy.lightning_module.trainer.global_step} was"
                 " discarded on every live replica group (a group failed during the step, or fewer than"
@@ -111,10 +116,16 @@ class FaultToleranceOption(_Base):
     _replica_groups: ReplicaGroups | None = None
     _healing_at_setup = False
     _summary: dict[str, Any] = {}
+    _requested_ckpt_path: Any = None
 
     def init_fault_tolerance(self, value: FaultToleranceSpec) -> None:
         """Check and keep the option (fields left out come from the environment)."""
         self.fault_tolerance = resolve_fault_tolerance(value)
+
+    @override
+    def preflight(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
+        self._requested_ckpt_path = arguments.get("ckpt_path")  # Lightning resolves it only after setup
+        super().preflight(trainer, arguments)
 
     @property
     def replica_groups(self) -> ReplicaGroups | None:
@@ -152,6 +163,8 @@ class FaultToleranceOption(_Base):
             groups.join()
         finally:
             self._healing_at_setup = False
+        self._refuse_a_restart_from_scratch(trainer)
+        groups.check_same_start()
         joined = f"replica group {options.replica_group_id} of {options.num_replica_groups}"
         if state.heals:
             self.log_decision(
@@ -163,6 +176,55 @@ class FaultToleranceOption(_Base):
                 f"{joined} joined a quorum of {groups.quorum_size} at step {groups.step} (lighthouse"
                 f" {options.lighthouse})"
             )
+
+    # ------------------------------------------------------------------ a group's record of its progress
+    def _progress_record(self, trainer: pl.Trainer) -> Path | None:
+        """Where this group records the step it reached (``<default_root_dir>/fault_tolerance/replica_group_<id>
+        .json``, removed when ``fit`` ends normally); ``None`` for a remote root directory."""
+        root = str(trainer.default_root_dir)
+        if "://" in root or self.fault_tolerance is None:
+            return None
+        return Path(root) / "fault_tolerance" / f"replica_group_{self.fault_tolerance.replica_group_id}.json"
+
+    def record_progress(self) -> None:
+        """After each committed step: the group's step, so that a relaunch with no live group to heal from is
+        recognized instead of silently starting over."""
+        trainer = self.lightning_module.trainer
+        path = self._progress_record(trainer)
+        if path is None or self.global_rank != 0 or self._replica_groups is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".json.partial")
+        # the commit comes before the optimizer's step, which Lightning counts after it returns
+        step = {"step": self._replica_groups.step, "global_step": trainer.global_step + 1}
+        partial.write_text(json.dumps(step))
+        os.replace(partial, path)
+
+    def _refuse_a_restart_from_scratch(self, trainer: pl.Trainer) -> None:
+        """A group whose record says it trained before, and that found no live group to heal from, would start over
+        at step 0: refused unless ``ckpt_path`` says where to resume."""
+        groups = self._replica_groups
+        assert groups is not None
+        if groups.state.heals or groups.step > 0 or self._requested_ckpt_path is not None:
+            return
+        path = self._progress_record(trainer)
+        record = json.loads(path.read_text()) if path is not None and path.is_file() and self.global_rank == 0 else None
+        record = self.broadcast(record)
+        if not record or int(record.get("step", 0)) <= 0:
+            return
+        raise RuntimeError(
+            f"fault_tolerance: replica group {self.fault_tolerance.replica_group_id} trained to step {record['step']}"
+            f" (global step {record.get('global_step')}) before it stopped ({path}), and no live replica group is"
+            " left to copy the state from: it would silently start over at step 0. Resume every group from a"
+            " checkpoint (fit(..., ckpt_path='last') with a ModelCheckpoint), or delete that file to start afresh."
+        )
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        path = self._progress_record(self.lightning_module.trainer)
+        if path is not None and self.global_rank == 0:
+            path.unlink(missing_ok=True)  # a normal end: a later start of this group is a new run
 
     def _plain_optimizers(self) -> list[Any]:
         return [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]

@@ -58,9 +58,10 @@ class IndexedGPT(OwnSamplerGPT):
         self.read.append(batch["index"].tolist())
         groups = getattr(self.trainer.strategy, "replica_groups", None)
         alone = groups is not None and groups.quorum_size < groups.options.num_replica_groups
-        self.slept = self.alone_sleep if alone else self.step_sleep
-        if self.slept:
-            time.sleep(self.slept)
+        sleep = self.alone_sleep if alone else self.step_sleep
+        self.slept += sleep  # per batch (StepLog resets it): a pipeline calls training_step per micro-batch
+        if sleep:
+            time.sleep(sleep)
         return super().training_step(batch, batch_idx)
 
 
@@ -79,8 +80,9 @@ class StepLog(Callback):
         self.rows: list[dict[str, Any]] = []
         self.started = 0.0
 
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
         self.started = time.time()
+        module.slept = 0.0
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *args: Any) -> None:
         loss = float(trainer.strategy.reduce(outputs["loss"].detach().clone(), reduce_op="mean"))

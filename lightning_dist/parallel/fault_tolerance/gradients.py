@@ -28,7 +28,7 @@ def allreduce_gradients(manager: Any, parameters: Iterable[Tensor]) -> int:
         local = local_tensor(param)
         buckets.setdefault((local.dtype, local.device), []).append((param, grad))
     sent = 0
-    for (dtype, device), members in buckets.items():
+    for (dtype, _), members in buckets.items():
         flat = torch.cat(
             [
                 (grad if grad is not None else torch.zeros_like(local_tensor(param))).reshape(-1).to(dtype)
@@ -39,7 +39,7 @@ def allreduce_gradients(manager: Any, parameters: Iterable[Tensor]) -> int:
         sent += flat.numel() * flat.element_size()
         offset = 0
         for param, grad in members:
-            size = local_tensor(param).numel()
+            size = (grad if grad is not None else local_tensor(param)).numel()  # a gradient may be laid out otherwise
             part = flat[offset : offset + size]
             offset += size
             if grad is not None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-
 from typing import Any
 
 import pytest
@@ -55,7 +54,7 @@ def chaos(workdir: Path):
     # Steps take 0.2 s with both groups and 6 s while one trains alone (a bigger model's): the survivor then has
     # 10 × 6 s for the relaunched group to start (8 to 40 s on 2 busy cores) before the run ends.
     env = {"CHAOS_STEPS": str(STEPS), "CHAOS_STEP_SLEEP": "0.2", "CHAOS_ALONE_SLEEP": "6"}
-    reference = lambda: run_scenarios(SCRIPT, 4, workdir, ["hsdp"])["hsdp"]  # noqa: E731
+    reference = lambda: run_scenarios(SCRIPT, 4, workdir, ["hsdp"])["hsdp"]
     failure = Chaos(group=1, at_step=KILL_AT, relaunch_after=5.0, meanwhile=reference)
     return run_replica_groups(SCENARIO_DIR / SCRIPT, 2, workdir, "chaos", chaos=failure, env=env)
 
@@ -133,7 +132,11 @@ def test_options_come_from_the_environment_and_explicit_values_win(monkeypatch):
     monkeypatch.setenv("LIGHTNING_DIST_REPLICA_GROUP_ID", "1")
     monkeypatch.setenv("LIGHTNING_DIST_NUM_REPLICA_GROUPS", "3")
     options = resolve_fault_tolerance(True)
-    assert (options.replica_group_id, options.num_replica_groups, options.lighthouse) == (1, 3, "http://lighthouse:29510")
+    assert (options.replica_group_id, options.num_replica_groups, options.lighthouse) == (
+        1,
+        3,
+        "http://lighthouse:29510",
+    )
     assert resolve_fault_tolerance({"replica_group_id": 2}).replica_group_id == 2
     assert resolve_fault_tolerance(None) is None and resolve_fault_tolerance(False) is None
     with pytest.raises(ValueError, match=r"fault_tolerance has no field 'replica_group'"):
@@ -227,7 +230,9 @@ def test_a_group_restarted_with_no_live_group_refuses_to_start_over_without_a_ch
             fit([saves, _Crash()])
         assert json.loads(record.read_text()) == {"step": 3, "global_step": 3}
         assert (tmp_path / "ckpts" / "epoch=0-step=2.ckpt").exists()
-        with pytest.raises(RuntimeError, match=r"trained to step 3 \(global step 3\) before it stopped.*ckpt_path='last'"):
+        with pytest.raises(
+            RuntimeError, match=r"trained to step 3 \(global step 3\) before it stopped.*ckpt_path='last'"
+        ):
             fit([])
         trainer = fit([], ckpt_path=tmp_path / "ckpts" / "epoch=0-step=2.ckpt", steps=4)
         assert trainer.global_step == 4 and not record.exists()

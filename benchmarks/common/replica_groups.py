@@ -129,7 +129,9 @@ def run_replica_groups(
         failed = [g for g in range(groups) if any(p.returncode != 0 for p in members[g]) or not outs[g].exists()]
         if failed:
             raise AssertionError(
-                "\n".join(f"--- group {g} exited with {procs[g].returncode} ---\n{run.outputs[g][-8000:]}" for g in failed)
+                "\n".join(
+                    f"--- group {g} exited with {procs[g].returncode} ---\n{run.outputs[g][-8000:]}" for g in failed
+                )
             )
         run.results = [json.loads(outs[g].read_text())[scenario] for g in range(groups)]
         return run

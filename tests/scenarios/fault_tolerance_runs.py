@@ -144,7 +144,12 @@ def _fit(
         callbacks.append(EarlySnapshot(SAMPLES // GLOBAL_BATCH, snapshot, log))
     trainer = L.Trainer(
         **trainer_kwargs(
-            devices, strategy=strategy, precision="64-true", use_distributed_sampler=False, limit_val_batches=0, **kwargs
+            devices,
+            strategy=strategy,
+            precision="64-true",
+            use_distributed_sampler=False,
+            limit_val_batches=0,
+            **kwargs,
         ),
         max_steps=steps,
         callbacks=callbacks,
@@ -155,7 +160,7 @@ def _fit(
 
 def hsdp(devices: int, workdir: str) -> dict[str, Any]:
     strategy = FSDP2Strategy(sharding="hybrid", data_parallel_replicate_size=2, data_parallel_shard_size=devices // 2)
-    model, trainer, log = _fit(strategy, devices, SAMPLES // GLOBAL_BATCH)
+    model, _trainer, log = _fit(strategy, devices, SAMPLES // GLOBAL_BATCH)
     return {"losses": [r["loss"] for r in log.rows], "read": _read_by_all_ranks(model),
             "params": {k: v.tolist() for k, v in full_state(model).items()}}  # fmt: skip
 

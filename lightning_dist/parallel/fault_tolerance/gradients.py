@@ -47,7 +47,9 @@ def allreduce_gradients(manager: Any, parameters: Iterable[Tensor]) -> int:
             elif bool(part.any()):
                 shaped = part.view_as(local_tensor(param)).clone()
                 param.grad = (
-                    DTensor.from_local(shaped, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+                    DTensor.from_local(
+                        shaped, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+                    )
                     if isinstance(param, DTensor)
                     else shaped
                 )

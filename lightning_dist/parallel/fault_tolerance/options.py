@@ -102,7 +102,9 @@ class FaultToleranceOptions:
         return f"lightning_dist_{self.replica_group_id}"
 
 
-def resolve_fault_tolerance(value: FaultToleranceOptions | Mapping[str, Any] | bool | None) -> FaultToleranceOptions | None:
+def resolve_fault_tolerance(
+    value: FaultToleranceOptions | Mapping[str, Any] | bool | None,
+) -> FaultToleranceOptions | None:
     """The ``fault_tolerance`` option as given (a :class:`FaultToleranceOptions`, a dict of its fields, ``True``: all
     from the environment, ``None``/``False``: off), with the environment filled in and checked."""
     if value is None or value is False:
@@ -115,7 +117,9 @@ def resolve_fault_tolerance(value: FaultToleranceOptions | Mapping[str, Any] | b
         known = {f.name for f in dataclasses.fields(FaultToleranceOptions)}
         unknown = sorted(set(value) - known)
         if unknown:
-            raise ValueError(f"fault_tolerance has no field {', '.join(map(repr, unknown))}; its fields are {sorted(known)}.")
+            raise ValueError(
+                f"fault_tolerance has no field {', '.join(map(repr, unknown))}; its fields are {sorted(known)}."
+            )
         return FaultToleranceOptions.from_env(**value)
     raise TypeError(
         f"fault_tolerance={value!r}: pass a dict such as {{'replica_group_id': 0, 'num_replica_groups': 2,"

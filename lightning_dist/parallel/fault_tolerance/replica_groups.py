@@ -154,5 +154,3 @@ class ReplicaGroups:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
-
-

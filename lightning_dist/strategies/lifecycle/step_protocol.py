@@ -266,7 +266,7 @@ class StepProtocol(NonFiniteGuard):
                     part.make_gradients_consistent()
             if self.on_nonfinite != "ignore":
                 self._guard_non_finite(result, optimizer)
-            if not all([part.commits_optimizer_step() for part in parts]):  # every part asked (fault tolerance)
+            if not all(part.commits_optimizer_step() for part in parts):  # every part asked (fault tolerance)
                 for group in optimizer.param_groups:
                     for param in group["params"]:
                         param.grad = None

@@ -21,6 +21,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -115,7 +116,7 @@ class FaultToleranceOption(_Base):
     fault_tolerance: FaultToleranceOptions | None = None
     _replica_groups: ReplicaGroups | None = None
     _healing_at_setup = False
-    _summary: dict[str, Any] = {}
+    _summary: Mapping[str, Any] = MappingProxyType({})
     _requested_ckpt_path: Any = None
 
     def init_fault_tolerance(self, value: FaultToleranceSpec) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from launch import SCENARIO_DIR, run_scenarios
+from launch import FULL_MATRIX, SCENARIO_DIR, run_scenarios
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
@@ -110,6 +110,18 @@ def test_without_failures_groups_equal_hsdp_and_read_every_sample_once(chaos, wo
     assert early[0]["read"] + early[1]["read"] == hsdp["read"]
     read = sorted(i for group in early for rank in group["read"] for batch in rank for i in batch)
     assert read == list(range(64))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not FULL_MATRIX, reason="the full matrix (LIGHTNING_DIST_FULL_MATRIX=1): ~3 min each")
+@pytest.mark.parametrize("mesh", ["hybrid3d_pp2_tp2", "zeropp"])
+def test_other_meshes_survive_the_chaos_run(mesh: str, tmp_path: Path):
+    from benchmarks.studies.fault_tolerance_chaos import run
+
+    figures = run(mesh, steps=STEPS, kill_at=KILL_AT, workdir=tmp_path)
+    assert figures["bitwise_equal"] and figures["final_global_steps"] == [STEPS, STEPS]
+    assert figures["group_1_healed_at_global_step"] >= KILL_AT
+    assert figures["group_0_steps_committed"] + figures["group_0_steps_skipped"] == STEPS
 
 
 # ---------------------------------------------------------------------------------------------- without launches

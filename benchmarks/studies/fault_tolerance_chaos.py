@@ -22,7 +22,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scenarios" / "fault_tolerance_runs.py"
-MESHES = {"fsdp2": ("", 2), "hybrid3d_pp2_tp2": ("pp2tp2", 4)}
+MESHES = {"fsdp2": ("", 2), "hybrid3d_pp2_tp2": ("pp2tp2", 4), "zeropp": ("zeropp", 2)}
 
 
 def bitwise_equal(workdir: Path, ranks: int) -> bool:
@@ -72,7 +72,7 @@ def run(mesh: str, steps: int, kill_at: int, workdir: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--meshes", default=",".join(MESHES), help=f"comma-separated, of {list(MESHES)}")
+    parser.add_argument("--meshes", default="fsdp2,hybrid3d_pp2_tp2", help=f"comma-separated, of {list(MESHES)}")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--kill-at", type=int, default=10)
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")

@@ -2,14 +2,16 @@
 ``benchmarks/common/replica_groups.py`` with its group id, the lighthouse and its own ``MASTER_PORT`` in the
 environment), and the plain HSDP run they must equal.
 
-- ``hsdp``: one job of 4 processes, ``data_parallel_replicate_size=2`` (the reference; no fault tolerance);
-- ``groups``: this job is one of 2 replica groups (``fault_tolerance=True``, all from the environment), nothing
-  fails. Both runs train :class:`IndexedGPT` (its own ``DistributedSampler`` from ``distributed_sampler_kwargs``) in
-  fp64 for one epoch, and record the losses, the sample indices each rank read and the final parameters;
-- ``chaos``: fp64, ``CHAOS_STEPS`` steps slowed by ``CHAOS_STEP_SLEEP`` seconds each (the orchestrator kills and
-  relaunches group 1 mid-run); records each step's wall time, the global step and time of the first committed step
-  since launch, heals and bytes received, and saves this rank's parameter and optimizer-state shards for the
-  bitwise comparison. A ``hybrid3d`` variant (``CHAOS_MESH=pp2tp2``) runs groups of pp2 × tp2.
+- ``hsdp``: one job of 4 processes, ``data_parallel_replicate_size=2`` (the reference; no fault tolerance), 8 steps
+  (one epoch) of :class:`IndexedGPT` in fp64 (its own ``DistributedSampler`` from ``distributed_sampler_kwargs``):
+  the losses, the samples each rank read, the final parameters;
+- ``chaos``: this job is one of 2 replica groups (``fault_tolerance`` from the environment), the same model for
+  ``CHAOS_STEPS`` steps slowed by a sleep (longer while a group trains alone); the orchestrator kills and relaunches
+  group 1 mid-run. After 8 steps, before the failure, each group writes what ``hsdp`` records
+  (``chaos_early_g<id>.json``); at the end it records each step's wall time, quorum and commits, the time from launch
+  to the first committed step, heals and bytes received, and saves this rank's parameter and optimizer-state shards
+  for the bitwise comparison. ``CHAOS_MESH=pp2tp2`` runs hybrid3d groups of pp2 × tp2, ``CHAOS_MESH=zeropp`` zeropp
+  groups.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from lightning.pytorch.callbacks import Callback
 from user_modules import OwnSamplerGPT
 
 from examples.data import TokenWindows
-from lightning_dist import FSDP2Strategy, Hybrid3DStrategy
+from lightning_dist import FSDP2Strategy, Hybrid3DStrategy, ZeroPPStrategy
 from lightning_dist.parallel.fault_tolerance import local_tensor
 
 GLOBAL_BATCH = 8
@@ -92,7 +94,7 @@ class StepLog(Callback):
                 "global_step": trainer.global_step,
                 "end": time.time(),
                 "seconds": time.time() - self.started,
-                "slept": getattr(module, "slept", 0.0),
+                "slept": _longest_over_ranks(getattr(module, "slept", 0.0)),
                 "loss": loss,
                 "committed": groups.committed_steps if groups else None,
                 "skipped": groups.skipped_steps if groups else None,
@@ -118,6 +120,16 @@ class EarlySnapshot(Callback):
                     "params": {k: v.tolist() for k, v in full_state(module).items()}}  # fmt: skip
         if trainer.global_rank == 0:
             self.path.write_text(json.dumps(snapshot))
+
+
+def _longest_over_ranks(seconds: float) -> float:
+    """The most any rank of the group slept in this batch (under a pipeline only the last stage runs
+    ``training_step``, while the first waits for it)."""
+    import torch.distributed as dist
+
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value)
 
 
 def _read_by_all_ranks(module: IndexedGPT) -> list[list[list[int]]]:
@@ -165,13 +177,6 @@ def hsdp(devices: int, workdir: str) -> dict[str, Any]:
             "params": {k: v.tolist() for k, v in full_state(model).items()}}  # fmt: skip
 
 
-def groups(devices: int, workdir: str) -> dict[str, Any]:
-    model, trainer, log = _fit(FSDP2Strategy(fault_tolerance=True), devices, SAMPLES // GLOBAL_BATCH)
-    return {"losses": [r["loss"] for r in log.rows], "read": _read_by_all_ranks(model),
-            "sampler": dict(trainer.strategy.distributed_sampler_kwargs), "rows": log.rows,
-            "params": {k: v.tolist() for k, v in full_state(model).items()}}  # fmt: skip
-
-
 CHAOS_STEPS = int(os.environ.get("CHAOS_STEPS", "30"))
 CHAOS_STEP_SLEEP = float(os.environ.get("CHAOS_STEP_SLEEP", "0.2"))
 CHAOS_ALONE_SLEEP = float(os.environ.get("CHAOS_ALONE_SLEEP", "2.0"))
@@ -179,8 +184,11 @@ CHAOS_ALONE_SLEEP = float(os.environ.get("CHAOS_ALONE_SLEEP", "2.0"))
 
 def _chaos_strategy() -> Any:
     options = {"fault_tolerance": {"quorum_timeout": 30.0, "timeout": 20.0}}
-    if os.environ.get("CHAOS_MESH") == "pp2tp2":
+    mesh = os.environ.get("CHAOS_MESH", "")
+    if mesh == "pp2tp2":
         return Hybrid3DStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, **options)
+    if mesh == "zeropp":
+        return ZeroPPStrategy(**options)
     return FSDP2Strategy(**options)
 
 
@@ -222,4 +230,4 @@ def chaos(devices: int, workdir: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    run_scenario_script({"hsdp": hsdp, "groups": groups, "chaos": chaos})
+    run_scenario_script({"hsdp": hsdp, "chaos": chaos})

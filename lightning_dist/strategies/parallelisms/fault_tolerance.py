@@ -75,8 +75,15 @@ class FaultTolerancePart(StepPart):
 
     def before_training_batch(self, trainer: pl.Trainer) -> None:
         groups = self.strategy.replica_groups
-        if groups is not None:
-            groups.start_step()
+        if groups is None:
+            return
+        before = groups.quorum_size
+        groups.start_step()
+        if groups.quorum_size != before:
+            self.strategy.log_decision(
+                f"quorum of {groups.quorum_size} of {groups.options.num_replica_groups} replica groups from global"
+                f" step {trainer.global_step} (was {before})"
+            )
 
     def wrap_training_step(self, run: StepRun) -> StepRun:
         def training_step(*args: Any, **kwargs: Any) -> Any:

@@ -253,3 +253,13 @@ def test_a_group_restarted_with_no_live_group_refuses_to_start_over_without_a_ch
     finally:
         stop_watchdogs()
         server.shutdown()
+
+
+def test_without_torchft_the_error_says_how_to_install_it(monkeypatch):
+    import sys
+
+    from lightning_dist.compat.torchft import TorchftMissingError, manager_class
+
+    monkeypatch.setitem(sys.modules, "torchft.manager", None)  # what an import of a missing package raises
+    with pytest.raises(TorchftMissingError, match=r"pip install 'lightning-dist\[ft\]'.*--no-deps torchft==0\.2\.0"):
+        manager_class()

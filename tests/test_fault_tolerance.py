@@ -2,8 +2,8 @@
 
 - The chaos run (one launch of each group, group 1 killed by SIGKILL at step 10 and relaunched 5 s later, 20 steps;
   the issue's 30 steps and the hybrid3d pp2 × tp2 groups are in ``benchmarks/fault_tolerance_chaos.py``): group 0
-  never stops, group 1 heals from it without a checkpoint, and both end with bitwise equal parameters and optimizer
-  states.
+  never stops, group 1 heals from it without a checkpoint, both end with bitwise equal parameters and optimizer
+  states, and of the checkpoints both groups save into one folder every one is group 0's (the first live group).
 - Its first 8 steps, before the failure, against plain HSDP (one 4-process job with
   ``data_parallel_replicate_size=2``): the losses and the parameters after 8 steps within fp64 1e-10, and every
   sample of the epoch read exactly once across the groups by a module that builds its own ``DistributedSampler``
@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.common.replica_groups import Chaos, run_replica_groups
 from lightning_dist import FSDP2Strategy
+from lightning_dist.checkpoint.layout import PROVENANCE_KEY, read_metadata
 from lightning_dist.parallel.fault_tolerance import (
     LighthouseUnreachableError,
     ReplicaState,
@@ -77,6 +78,11 @@ def test_chaos_the_survivor_never_stops_the_relaunched_group_heals_and_both_end_
     assert relaunched["global_step"] == survivor["global_step"] == STEPS
     first = relaunched["rows"][0]["global_step"]
     assert first > KILL_AT, "the relaunched group started over instead of joining at the live step"
+    # both groups saved every 5 steps into one folder; only the first live group (0) wrote
+    saved = sorted(workdir.glob("checkpoints/*.ckpt"))
+    assert [p.name for p in saved] == [f"epoch={(s - 1) // 8}-step={s}.ckpt" for s in (5, 10, 15, 20)]
+    for path in saved:
+        assert read_metadata(path)[PROVENANCE_KEY]["fault_tolerance"]["replica_group_id"] == 0
     for rank in range(2):
         mine = torch.load(workdir / f"chaos_g0_r{rank}.pt", weights_only=False)
         theirs = torch.load(workdir / f"chaos_g1_r{rank}.pt", weights_only=False)
@@ -250,6 +256,11 @@ def test_a_group_restarted_with_no_live_group_refuses_to_start_over_without_a_ch
         assert trainer.global_step == 4 and not record.exists()
         assert trainer.callback_metrics["fault_tolerance/quorum_size"] == 1
         assert trainer.strategy.fault_tolerance_summary["committed"] == 2
+        # a checkpoint written under fault_tolerance resumes without it
+        plain = Trainer(strategy=FSDP2Strategy(), accelerator="cpu", devices=1, max_steps=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+        plain.fit(_TinyLM(), data, ckpt_path=tmp_path / "ckpts" / "epoch=0-step=2.ckpt")
+        assert plain.global_step == 3
     finally:
         stop_watchdogs()
         server.shutdown()

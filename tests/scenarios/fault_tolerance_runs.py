@@ -25,7 +25,7 @@ from typing import Any
 import lightning as L
 import torch
 from common import full_state, run_scenario_script, trainer_kwargs
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from user_modules import OwnSamplerGPT
 
 from examples.data import TokenWindows
@@ -147,6 +147,7 @@ def _fit(
     step_sleep: float = 0.0,
     alone_sleep: float = 0.0,
     snapshot: Path | None = None,
+    checkpoints: Path | None = None,
     **kwargs: Any,
 ) -> tuple[Any, ...]:
     model = _model(step_sleep, alone_sleep)
@@ -154,6 +155,8 @@ def _fit(
     callbacks: list[Callback] = [log]
     if snapshot is not None:
         callbacks.append(EarlySnapshot(SAMPLES // GLOBAL_BATCH, snapshot, log))
+    if checkpoints is not None:  # every group saves into the same folder: only the first live group writes
+        callbacks.append(ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=5, save_top_k=-1))
     trainer = L.Trainer(
         **trainer_kwargs(
             devices,
@@ -161,6 +164,7 @@ def _fit(
             precision="64-true",
             use_distributed_sampler=False,
             limit_val_batches=0,
+            enable_checkpointing=checkpoints is not None,
             **kwargs,
         ),
         max_steps=steps,
@@ -203,6 +207,7 @@ def chaos(devices: int, workdir: str) -> dict[str, Any]:
         step_sleep=CHAOS_STEP_SLEEP,
         alone_sleep=CHAOS_ALONE_SLEEP,
         snapshot=None if snapshot.exists() else snapshot,  # a relaunched group keeps its first launch's
+        checkpoints=Path(workdir) / "checkpoints",
     )
     groups = trainer.strategy.fault_tolerance_summary
     optimizer = trainer.optimizers[0]

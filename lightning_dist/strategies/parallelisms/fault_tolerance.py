@@ -296,6 +296,18 @@ class FaultToleranceOption(_Base):
             super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
+    def _checkpoint_provenance(self) -> dict[str, Any]:
+        provenance = super()._checkpoint_provenance()
+        options, groups = self.fault_tolerance, self._replica_groups
+        if options is not None:  # which group wrote it, and torchft's step then
+            provenance["fault_tolerance"] = {
+                "replica_group_id": options.replica_group_id,
+                "num_replica_groups": options.num_replica_groups,
+                "step": groups.step if groups is not None else None,
+            }
+        return provenance
+
+    @override
     def remove_checkpoint(self, filepath: StrOrPath) -> None:
         if self.writes_checkpoints():
             super().remove_checkpoint(filepath)

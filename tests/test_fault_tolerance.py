@@ -24,7 +24,7 @@ import torch
 from launch import FULL_MATRIX, SCENARIO_DIR, run_scenarios
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from benchmarks.common.replica_groups import Chaos, run_replica_groups
 from lightning_dist import FSDP2Strategy
@@ -78,6 +78,12 @@ def test_chaos_the_survivor_never_stops_the_relaunched_group_heals_and_both_end_
     assert relaunched["global_step"] == survivor["global_step"] == STEPS
     first = relaunched["rows"][0]["global_step"]
     assert first > KILL_AT, "the relaunched group started over instead of joining at the live step"
+    # from there on it read, batch by batch (across epoch ends), what group 1's ranks read without a failure
+    for rank, batches in enumerate(relaunched["read"]):
+        assert len(batches) == STEPS - first + 1
+        for offset, batch in enumerate(batches):
+            step = first - 1 + offset  # 0-based global batch
+            assert batch == _group_1_batch(rank, step), (rank, step)
     # both groups saved every 5 steps into one folder; only the first live group (0) wrote
     saved = sorted(workdir.glob("checkpoints/*.ckpt"))
     assert [p.name for p in saved] == [f"epoch={(s - 1) // 8}-step={s}.ckpt" for s in (5, 10, 15, 20)]
@@ -98,6 +104,15 @@ def test_chaos_the_survivor_never_stops_the_relaunched_group_heals_and_both_end_
         f" (+ the scenario's sleep); group 1: first committed step {relaunched['first_commit_after_launch']:.1f} s"
         f" after its relaunch, {relaunched['received_bytes']:,} bytes received per rank while healing"
     )
+
+
+def _group_1_batch(rank: int, step: int, per_rank: int = 2, steps_per_epoch: int = 8) -> list[int]:
+    """The samples rank ``rank`` of group 1 reads at 0-based global batch ``step``: replica 2 + rank of 4 of the
+    scenario's seeded sampler (64 samples, 8 steps per epoch, reshuffled each epoch)."""
+    sampler = DistributedSampler(range(64), num_replicas=4, rank=2 + rank, shuffle=True, seed=0, drop_last=True)
+    sampler.set_epoch(step // steps_per_epoch)
+    position = step % steps_per_epoch
+    return list(sampler)[position * per_rank : (position + 1) * per_rank]
 
 
 @pytest.mark.slow

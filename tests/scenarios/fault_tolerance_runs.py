@@ -231,6 +231,7 @@ def chaos(devices: int, workdir: str) -> dict[str, Any]:
         "committed": groups["committed"],
         "skipped": groups["skipped"],
         "global_step": trainer.global_step,
+        "read": _read_by_all_ranks(model),
     }
 
 

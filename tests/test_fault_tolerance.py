@@ -5,7 +5,8 @@
   never stops, group 1 heals from it without a checkpoint, both end with bitwise equal parameters and optimizer
   states, and of the checkpoints both groups save into one folder every one is group 0's (the first live group).
 - Its first 8 steps, before the failure, against plain HSDP (one 4-process job with
-  ``data_parallel_replicate_size=2``): the losses and the parameters after 8 steps within fp64 1e-10, and every
+  ``data_parallel_replicate_size=2``), both clipped and with ``on_nonfinite="skip"``: the losses, gradient norms and
+  the parameters after 8 steps within fp64 1e-10, and every
   sample of the epoch read exactly once across the groups by a module that builds its own ``DistributedSampler``
   from ``distributed_sampler_kwargs``.
 - Unit checks without launches: the options and the environment, the sampler arguments across groups, what a
@@ -42,6 +43,7 @@ KILL_AT = 10
 STEPS = 20
 EQUAL_STEPS = 8  # one epoch of the scenario's data
 QUORUM_TIMEOUT = 30.0  # the scenario's fault_tolerance option
+CLIP = 0.5  # the scenario's gradient_clip_val
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +125,10 @@ def test_without_failures_groups_equal_hsdp_and_read_every_sample_once(chaos, wo
     losses = [(a + b) / 2 for a, b in zip(early[0]["losses"], early[1]["losses"])]
     assert len(losses) == len(hsdp["losses"]) == EQUAL_STEPS
     assert max(abs(a - b) for a, b in zip(losses, hsdp["losses"])) <= FP64_TOL
+    # gradient norms before clipping (over the gradients averaged across groups): the same, and above the clip value
+    for group in early:
+        assert max(abs(a - b) for a, b in zip(group["grad_norms"], hsdp["grad_norms"])) <= FP64_TOL
+    assert max(hsdp["grad_norms"]) > CLIP
     for group in early:
         for name, value in hsdp["params"].items():
             gap = (torch.tensor(group["params"][name]) - torch.tensor(value)).abs().max()
@@ -231,6 +237,17 @@ def test_a_healing_rank_copies_parameters_and_optimizer_state_bitwise():
     assert all(torch.equal(p, q) for p, q in zip(live_model.parameters(), new_model.parameters()))
 
 
+class _PositionAtLastBatch(Callback):
+    """What a healing group would be sent before the last batch of the first epoch (already fetched then)."""
+
+    def __init__(self) -> None:
+        self.position: dict[str, Any] | None = None
+
+    def on_train_batch_start(self, trainer: Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.current_epoch == 0 and batch_idx == trainer.num_training_batches - 1:
+            self.position = trainer.strategy._trainer_state()["data_position"]
+
+
 class _Crash(Callback):
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
         if trainer.global_step == 3:
@@ -267,8 +284,11 @@ def test_a_group_restarted_with_no_live_group_refuses_to_start_over_without_a_ch
             RuntimeError, match=r"trained to step 3 \(global step 3\) before it stopped.*ckpt_path='last'"
         ):
             fit([])
-        trainer = fit([], ckpt_path=tmp_path / "ckpts" / "epoch=0-step=2.ckpt", steps=4)
+        last_batch = _PositionAtLastBatch()
+        trainer = fit([last_batch], ckpt_path=tmp_path / "ckpts" / "epoch=0-step=2.ckpt", steps=4)
         assert trainer.global_step == 4 and not record.exists()
+        # a group healing before the epoch's last batch starts at that batch, not at the next epoch
+        assert (last_batch.position["epoch"], last_batch.position["batches_processed"]) == (0, 3)
         assert trainer.callback_metrics["fault_tolerance/quorum_size"] == 1
         assert trainer.strategy.fault_tolerance_summary["committed"] == 2
         # a checkpoint written under fault_tolerance resumes without it

@@ -241,7 +241,13 @@ class FaultToleranceOption(_Base):
         """What a healing group needs of Lightning besides the tensors: loop counters (global step, epoch, batch),
         the data position they imply, and the schedulers."""
         trainer = self.lightning_module.trainer
-        checkpoint = {"loops": {"fit_loop": copy.deepcopy(trainer.fit_loop.state_dict())}}
+        fit_loop = copy.deepcopy(trainer.fit_loop.state_dict())
+        # Asked for before a batch is trained on (the step's quorum), when Lightning has already fetched it: its
+        # "last batch" flag is about that batch, which the healing group is to train on, not about the ones done.
+        batches = fit_loop.get("epoch_loop.batch_progress")
+        if isinstance(batches, dict):
+            batches["is_last_batch"] = False
+        checkpoint = {"loops": {"fit_loop": fit_loop}}
         position = training_position(trainer, checkpoint, self.distributed_sampler_kwargs["num_replicas"])
         schedulers = [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]
         return {"loops": checkpoint["loops"], "data_position": position, "schedulers": schedulers}

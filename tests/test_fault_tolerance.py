@@ -54,9 +54,9 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def chaos(workdir: Path):
     """The chaos run, with the HSDP reference run while group 0 trains alone (its cores are mostly idle then)."""
-    # Steps take 0.2 s with both groups and 6 s while one trains alone (a bigger model's): the survivor then has
-    # 10 × 6 s for the relaunched group to start (8 to 40 s on 2 busy cores) before the run ends.
-    env = {"CHAOS_STEPS": str(STEPS), "CHAOS_STEP_SLEEP": "0.2", "CHAOS_ALONE_SLEEP": "6"}
+    # Steps take 0.2 s with both groups and 8 s while one trains alone (a bigger model's): the survivor then has
+    # 10 × 8 s for the relaunched group to start (14 to 40 s measured on 2 busy cores) before the run ends.
+    env = {"CHAOS_STEPS": str(STEPS), "CHAOS_STEP_SLEEP": "0.2", "CHAOS_ALONE_SLEEP": "8"}
     reference = lambda: run_scenarios(SCRIPT, 4, workdir, ["hsdp"])["hsdp"]
     failure = Chaos(group=1, at_step=KILL_AT, relaunch_after=5.0, meanwhile=reference)
     return run_replica_groups(SCENARIO_DIR / SCRIPT, 2, workdir, "chaos", chaos=failure, env=env)

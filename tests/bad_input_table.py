@@ -13,6 +13,7 @@ them from there.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import tempfile
@@ -62,6 +63,18 @@ class BadInput:
 
 def _gpt(**kwargs: Any) -> GPT:
     return GPT(**{"vocab_size": 64, "seq_len": 16, "d_model": 32, "n_layer": 2, "n_head": 4, **kwargs})
+
+
+def _without_ft_environment(build: Callable[[], Any]) -> Any:
+    """``build()`` with none of the fault-tolerance variables set in the environment."""
+    from lightning_dist.parallel.fault_tolerance import LIGHTHOUSE_ENV, NUM_REPLICA_GROUPS_ENV, REPLICA_GROUP_ID_ENV
+
+    saved = {name: os.environ.pop(name) for name in (LIGHTHOUSE_ENV, NUM_REPLICA_GROUPS_ENV, REPLICA_GROUP_ID_ENV)
+             if name in os.environ}  # fmt: skip
+    try:
+        return build()
+    finally:
+        os.environ.update(saved)
 
 
 def _fit(
@@ -399,6 +412,23 @@ ROWS: list[BadInput] = [
     BadInput("expert_parallel_size under a strategy that cannot carry it",
              lambda t: TensorParallelStrategy(expert_parallel_size=2),
              TypeError, r"TensorParallelStrategy has no option 'expert_parallel_size'.*carried by fsdp2 \(and the expert_parallel strategy name\) and hybrid3d only", CONSTRUCTION),
+    # --- fault tolerance (torchft replica groups)
+    BadInput("fault_tolerance with a replica_group_id outside num_replica_groups",
+             lambda t: FSDP2Strategy(fault_tolerance={"replica_group_id": 2, "num_replica_groups": 2, "lighthouse": "http://localhost:29510"}),
+             ValueError, r"replica_group_id=2 is outside num_replica_groups=2: give each group's job an id in 0\.\.1", CONSTRUCTION),
+    BadInput("fault_tolerance without the number of replica groups",
+             lambda t: _without_ft_environment(lambda: FSDP2Strategy(fault_tolerance={"replica_group_id": 0, "lighthouse": "http://localhost:29510"})),
+             ValueError, r"num_replica_groups is not set.*LIGHTNING_DIST_NUM_REPLICA_GROUPS", CONSTRUCTION),
+    BadInput("fault_tolerance on tensor_parallel alone",
+             lambda t: TensorParallelStrategy(fault_tolerance=True),
+             TypeError, r"TensorParallelStrategy has no option 'fault_tolerance'.*no data-parallel replicate axis.*Hybrid3DStrategy\(fault_tolerance=", CONSTRUCTION),
+    BadInput("fault_tolerance on pipeline alone",
+             lambda t: PipelineStrategy(fault_tolerance=True),
+             TypeError, r"PipelineStrategy has no option 'fault_tolerance'.*no data-parallel replicate axis", CONSTRUCTION),
+    BadInput("fault_tolerance with an unreachable lighthouse",
+             lambda t: _fit(FSDP2Strategy(fault_tolerance={"replica_group_id": 0, "num_replica_groups": 2,
+                                                           "lighthouse": "http://127.0.0.1:9", "connect_timeout": 3})),
+             RuntimeError, r"the torchft lighthouse at http://127\.0\.0\.1:9 did not answer within 3 s.*torchft_lighthouse --min_replicas 1"),
     # --- precision
     BadInput("A precision plugin of another strategy family", lambda t: _deepspeed_precision(),
              ValueError, r"DeepSpeedPrecision.*cannot be used with lightning_dist strategies\. Pass `precision=` with one of: 32-true"),

@@ -22,9 +22,10 @@ from lightning_dist.parallel.parallelize import ParallelizeConfig, ParallelizeRe
 from lightning_dist.parallel.validation import check_bool
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
 from lightning_dist.strategies.parallelisms.expert_parallel import ExpertParallelOption
+from lightning_dist.strategies.parallelisms.fault_tolerance import FaultToleranceOption, FaultToleranceSpec
 
 
-class FSDP2Strategy(ExpertParallelOption, MeshParallelStrategy):
+class FSDP2Strategy(FaultToleranceOption, ExpertParallelOption, MeshParallelStrategy):
     """Fully Sharded Data Parallel (FSDP2) for an unchanged LightningModule.
 
     The strategy finds the model's repeated blocks (the same-class children of its ``ModuleList``/``ModuleDict``),
@@ -54,6 +55,12 @@ class FSDP2Strategy(ExpertParallelOption, MeshParallelStrategy):
             chunk's all-to-all is in flight while the experts compute another chunk, forward and backward, so
             communication overlaps computation (transformers' stacked experts; 1, the default: one all-to-all each
             way). The results are the same; whether it pays depends on the interconnect and the experts' size.
+        fault_tolerance: Train through the failure of whole replica groups with torchft (``pip install
+            'lightning-dist[ft]'``): this job is one replica group, ``{"replica_group_id": i, "num_replica_groups":
+            n, "min_replica_groups": m, "lighthouse": "http://host:29510"}`` (fields left out come from
+            ``LIGHTNING_DIST_REPLICA_GROUP_ID``, ``LIGHTNING_DIST_NUM_REPLICA_GROUPS`` and ``TORCHFT_LIGHTHOUSE``;
+            ``True``: all of them). Gradients are averaged over the live groups each step; a group that fails is
+            dropped, and copies the live state when it comes back. See docs/fault_tolerance.md.
         **kwargs: The options every strategy takes (``reshard_after_forward``, which overrides what ``sharding``
             implies, ``wrap_modules``, ``wrap_regex``, ``activation_checkpointing``, ``accumulation_sync``,
             ``compile``...): see :class:`~lightning_dist.strategies.base.MeshParallelStrategy`.
@@ -71,6 +78,7 @@ class FSDP2Strategy(ExpertParallelOption, MeshParallelStrategy):
         expert_modules: str | None = None,
         log_expert_load: bool = False,
         expert_dispatch_chunks: int = 1,
+        fault_tolerance: FaultToleranceSpec = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -83,6 +91,7 @@ class FSDP2Strategy(ExpertParallelOption, MeshParallelStrategy):
         self.data_parallel_replicate_size = data_parallel_replicate_size
         self.cpu_offload = check_bool("cpu_offload", cpu_offload)
         self.init_expert_parallel(expert_parallel_size, expert_modules, log_expert_load, expert_dispatch_chunks)
+        self.init_fault_tolerance(fault_tolerance)
 
     @override
     def mesh_sizes(self) -> dict[str, MeshSize]:

@@ -30,13 +30,19 @@ from lightning_dist.strategies.hybrid3d_mesh import (
 )
 from lightning_dist.strategies.parallelisms.context_parallel.sequence_shards import ContextParallelSteps
 from lightning_dist.strategies.parallelisms.expert_parallel import ExpertParallelOption
+from lightning_dist.strategies.parallelisms.fault_tolerance import FaultToleranceOption, FaultToleranceSpec
 from lightning_dist.strategies.parallelisms.pipeline.stages import Split
 from lightning_dist.strategies.parallelisms.pipeline.step import PipelineSteps
 from lightning_dist.strategies.parallelisms.tensor_parallel import PlanSpec, TensorParallelSteps
 
 
 class Hybrid3DStrategy(
-    ContextParallelSteps, TensorParallelSteps, PipelineSteps, ExpertParallelOption, MeshParallelStrategy
+    ContextParallelSteps,
+    TensorParallelSteps,
+    PipelineSteps,
+    ExpertParallelOption,
+    FaultToleranceOption,
+    MeshParallelStrategy,
 ):
     """Pipeline, data (FSDP2/HSDP), context and tensor parallelism in one mesh, for an unchanged LightningModule.
 
@@ -85,6 +91,9 @@ class Hybrid3DStrategy(
         sequence_length: Tokens per sample, for ``mesh="auto"`` (also checked against ``2·cp`` before launch).
         micro_batch_size: Samples per data-parallel rank per forward, for ``mesh="auto"``.
         device_memory_gib: Memory per device for ``mesh="auto"``; default: the GPU's, unchecked on CPU.
+        fault_tolerance: This job is one replica group of several kept in step by torchft, as in
+            :class:`~lightning_dist.FSDP2Strategy` (any mesh: the replicate axis across groups is torchft's). See
+            docs/fault_tolerance.md.
         **kwargs: The options every strategy takes (``reshard_after_forward``, off by default under ``pp``,
             ``wrap_modules``, ``wrap_regex``, ``activation_checkpointing``, ``accumulation_sync``, ``compile``...):
             see :class:`~lightning_dist.strategies.base.MeshParallelStrategy`.
@@ -119,6 +128,7 @@ class Hybrid3DStrategy(
         sequence_length: int | None = None,
         micro_batch_size: int = 1,
         device_memory_gib: float | None = None,
+        fault_tolerance: FaultToleranceSpec = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -126,6 +136,7 @@ class Hybrid3DStrategy(
         self.init_context_parallel(attention, load_balance, sequence_keys)
         self.init_tensor_parallel(plan, sequence_parallel, loss_parallel)
         self.init_expert_parallel(expert_parallel_size, expert_modules, log_expert_load, expert_dispatch_chunks)
+        self.init_fault_tolerance(fault_tolerance)
         self._rope_in_parts: str | None = None  # under pp × cp: the rope-table module's name in each stage
         sizes = {
             "pp": pipeline_parallel_size,

@@ -109,7 +109,7 @@ class ShardedCheckpointing:
         checkpoint[PROVENANCE_KEY] = self._checkpoint_provenance()
         trainer = self.lightning_module.trainer
         if trainer.state.fn == TrainerFn.FITTING:
-            batch_replicas = self.parallel_dims.batch
+            batch_replicas = self.distributed_sampler_kwargs["num_replicas"]  # across replica groups too
             checkpoint[PROVENANCE_KEY]["data_position"] = training_position(trainer, checkpoint, batch_replicas)
         self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
 

@@ -276,7 +276,8 @@ class ModelSetup(_Base):
         # A mid-epoch checkpoint resumes at the next batch, not at the epoch's first (see data_position.py).
         if self._resume_position is not None and self.lightning_module.trainer.state.stage == RunningStage.TRAINING:
             index, self._resume_loader_index = self._resume_loader_index, self._resume_loader_index + 1
-            if skip_trained_batches(dataloader, self._resume_position, index, self.parallel_dims.batch):
+            replicas = self.distributed_sampler_kwargs["num_replicas"]
+            if skip_trained_batches(dataloader, self._resume_position, index, replicas):
                 warnings.filterwarnings("ignore", message=LIGHTNING_NOT_RESUMABLE_WARNING)
         return dataloader
 

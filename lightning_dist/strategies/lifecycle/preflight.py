@@ -94,6 +94,13 @@ def unknown_options_message(cls: type, unknown: dict[str, Any]) -> str:
             f" and hybrid3d only; {cls.__name__} cannot split experts over ranks. Use strategy='expert_parallel', or"
             " Hybrid3DStrategy(expert_parallel_size=..., ...) with this strategy's axis, or drop expert_parallel_size."
         )
+    if "fault_tolerance" in unknown:
+        hint += (
+            f" Fault tolerance (fault_tolerance) replicates the model across replica groups and is carried by fsdp2,"
+            f" zeropp and hybrid3d only; {cls.__name__} has no data-parallel replicate axis to make fault tolerant."
+            " Use Hybrid3DStrategy(fault_tolerance=..., ...) with this strategy's sizes (each group then holds one"
+            " whole copy of the model), or FSDP2Strategy."
+        )
     return f"{cls.__name__} has no option {', '.join(parts)}. Its options are: {', '.join(options)}.{hint}"
 
 

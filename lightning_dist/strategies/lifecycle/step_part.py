@@ -105,6 +105,12 @@ class StepPart:
         the step's backward, before the non-finite check and clipping; under manual optimization after each
         ``manual_backward``, inside :meth:`manual_backward_context`."""
 
+    def commits_optimizer_step(self) -> bool:
+        """Whether the step's update is applied, asked once its gradients are final (after ``on_nonfinite``), before
+        clipping: fault tolerance applies it only if every live replica group completed the step. ``False`` from any
+        part drops the gradients, so the optimizer leaves every parameter and its state untouched."""
+        return True
+
     def manual_backward_context(self) -> AbstractContextManager:
         """Around each ``manual_backward`` (manual optimization) and the :meth:`make_gradients_consistent` after it."""
         return nullcontext()

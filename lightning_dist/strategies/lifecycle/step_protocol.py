@@ -16,7 +16,10 @@ A training step
        each scaled by micro-batches × accumulation), or else the root module's forward (so FSDP's root hooks run)
        and then :meth:`StepProtocol.run_backward`, Lightning's (precision plugin, loss scaling).
     5. :meth:`StepProtocol.optimizer_step`'s closure, after backward: the pipeline sums a tied weight's gradients
-       over its stages → parameters resharded → tensor-parallel gradients made consistent → ``on_nonfinite``.
+       over its stages → fault tolerance averages the gradients over the live replica groups → parameters resharded
+       → tensor-parallel gradients made consistent → ``on_nonfinite`` → the step's commit: every part is asked
+       whether the update is applied (fault tolerance: whether torchft commits the step), and a no drops the
+       gradients. (Fault tolerance forms the step's quorum before the batch, in ``on_train_batch_start``.)
     6. Lightning: gradient clipping (the precision plugin's global norm, over the pipeline stages too) → the
        optimizer's step → ``float8='tensorwise'`` under FSDP2: the FP8 all-gather scales of the next forward.
 
@@ -263,6 +266,10 @@ class StepProtocol(NonFiniteGuard):
                     part.make_gradients_consistent()
             if self.on_nonfinite != "ignore":
                 self._guard_non_finite(result, optimizer)
+            if not all(part.commits_optimizer_step() for part in parts):  # every part asked (fault tolerance)
+                for group in optimizer.param_groups:
+                    for param in group["params"]:
+                        param.grad = None
             return result
 
         output = super().optimizer_step(optimizer, closure_then_reshard, model, **kwargs)

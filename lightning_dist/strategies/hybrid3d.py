@@ -24,6 +24,7 @@ from lightning_dist.parallel.validation import check_bool
 from lightning_dist.parallel.zeropp import QuantizedAllGather
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
 from lightning_dist.strategies.hybrid3d_mesh import (
+    check_pipelined_context_parallel,
     planner_sizes,
     refuse_stages_without_tensor_parallel,
     sizes_from_options,
@@ -238,7 +239,7 @@ class Hybrid3DStrategy(
             self.prepare_context_parallel(model)
         if self.pipelined:
             stages = self.cut_stages(model)
-            self._check_pipelined_context_parallel(model)
+            self._rope_in_parts = check_pipelined_context_parallel(self, model)
         else:
             stages = [(model, self.shard_units(model))]
         last = self.stage_plan.num_stages - 1 if self.pipelined else 0
@@ -263,29 +264,6 @@ class Hybrid3DStrategy(
         if self.zeropp and fsdp > 1:
             config.all_gather = QuantizedAllGather(fsdp)
         return config
-
-    def _check_pipelined_context_parallel(self, model: Module) -> None:
-        """Under ``pp × cp`` the positions join the pipelined call's arguments, so they must be its own. (A causal
-        LM's labels are checked per call, in :meth:`pipeline_inputs`.)"""
-        if self.parallel_dims.cp == 1:
-            return
-        pipelined, positions = self.pipelined_module, self.positions_argument
-        if self.rope_tables is not None:  # litgpt: each stage slices its own copy of the tables
-            where = next(n for n, m in model.named_modules() if m is pipelined)
-            name, tables = self.rope_tables
-            if not (where == "" or name == where or name.startswith(f"{where}.")):
-                raise ValueError(
-                    f"hybrid3d: under pipeline × context parallelism the module whose rotary tables"
-                    f" ({'/'.join(tables)}) are sliced by the sequence length ({name!r}) must be the pipelined module"
-                    f" ({where!r}) or inside it. Use context parallelism with dp or tp, or pipeline without cp."
-                )
-            self._rope_in_parts = name[len(where) :].lstrip(".") if where else name
-        if positions is not None and model.get_submodule(positions[0]) is not pipelined:
-            raise ValueError(
-                f"hybrid3d: under pipeline × context parallelism the module that takes the positions"
-                f" ({positions[0]!r}.{positions[1]}) must be the pipelined module ({type(pipelined).__name__})."
-                " Give the pipelined module's forward a positions argument."
-            )
 
     @override
     def rope_modules(self) -> list[Module]:

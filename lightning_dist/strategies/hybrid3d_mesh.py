@@ -1,5 +1,6 @@
 """Hybrid3D's mesh: the axis sizes from the size options, ``mesh_shape`` or the planner (``mesh="auto"``), and
-the check that a pipeline stage under ``pp × tp`` holds something the tensor-parallel plan shards."""
+the model's checks against it: a pipeline stage under ``pp × tp`` holds something the tensor-parallel plan shards,
+and under ``pp × cp`` the positions and rotary tables belong to the pipelined module."""
 
 from __future__ import annotations
 
@@ -94,3 +95,31 @@ def refuse_stages_without_tensor_parallel(model: Module, plan: TensorParallelPla
                 f" shards{why}. Pass an explicit `plan=`, or drop tensor parallelism (tensor_parallel_size=1) or the"
                 " pipeline for this model."
             )
+
+
+def check_pipelined_context_parallel(strategy: Hybrid3DStrategy, model: Module) -> str | None:
+    """Under ``pp × cp`` the positions join the pipelined call's arguments, so they must be its own (a causal LM's
+    labels are checked per call, in ``pipeline_inputs``); litgpt's rotary tables must be inside the pipelined module.
+    Returns the tables' module name within each stage (``None``: no such tables, or not ``pp × cp``)."""
+    if strategy.parallel_dims.cp == 1:
+        return None
+    pipelined, positions = strategy.pipelined_module, strategy.positions_argument
+    if strategy.rope_tables is not None:  # litgpt: each stage slices its own copy of the tables
+        where = next(n for n, m in model.named_modules() if m is pipelined)
+        name, tables = strategy.rope_tables
+        if not (where == "" or name == where or name.startswith(f"{where}.")):
+            raise ValueError(
+                f"hybrid3d: under pipeline × context parallelism the module whose rotary tables"
+                f" ({'/'.join(tables)}) are sliced by the sequence length ({name!r}) must be the pipelined module"
+                f" ({where!r}) or inside it. Use context parallelism with dp or tp, or pipeline without cp."
+            )
+        in_parts = name[len(where) :].lstrip(".") if where else name
+    else:
+        in_parts = None
+    if positions is not None and model.get_submodule(positions[0]) is not pipelined:
+        raise ValueError(
+            f"hybrid3d: under pipeline × context parallelism the module that takes the positions"
+            f" ({positions[0]!r}.{positions[1]}) must be the pipelined module ({type(pipelined).__name__})."
+            " Give the pipelined module's forward a positions argument."
+        )
+    return in_parts

@@ -1,18 +1,5 @@
-"""Fault tolerance across replica groups (torchft) in a strategy: :class:`FaultToleranceOption`, the
-``fault_tolerance`` option of fsdp2 (and zeropp) and hybrid3d, and its :class:`FaultTolerancePart` in each step.
-
-Each replica group is an ordinary Lightning job (its own ``MASTER_ADDR/PORT``, torchrun or SLURM step) whose mesh is
-the group's; the replicate axis across groups is torchft's (:mod:`lightning_dist.parallel.fault_tolerance`). What
-this module adds on the Lightning side:
-
-- the first step's quorum at setup: a group that starts while others train copies their state (model, optimizers,
-  schedulers, Lightning's loop counters and data position) before its dataloaders are read, then joins;
-- each step: the quorum before the batch, the gradients averaged over the live groups after the backward, and the
-  update applied only if torchft commits the step (see the step protocol's order);
-- the sampler: ``num_replicas`` and ``rank`` span every group, so each group reads its own part of the global batch;
-- checkpoints written by the first live group only; log lines and metrics (``fault_tolerance/quorum_size``,
-  ``fault_tolerance/skipped_steps``, ``fault_tolerance/heals``).
-"""
+"""``fault_tolerance``, the option of fsdp2 (and zeropp) and hybrid3d: joining and healing at setup, the samplers
+across groups, checkpoints by the first live group, the progress record and the metrics."""
 
 from __future__ import annotations
 
@@ -25,19 +12,16 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_dist.parallel.fault_tolerance import (
     FaultToleranceOptions,
     ReplicaGroups,
     ReplicaState,
-    check_lighthouse,
     resolve_fault_tolerance,
 )
 from lightning_dist.strategies.lifecycle.data_position import resume_position, training_position
-from lightning_dist.strategies.lifecycle.step_part import StepPart, StepRun
+from lightning_dist.strategies.parallelisms.fault_tolerance.part import FaultTolerancePart
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -51,68 +35,6 @@ else:
 
 #: What ``fault_tolerance`` accepts: the options, a dict of them (YAML), ``True`` (all from the environment) or off.
 FaultToleranceSpec = FaultToleranceOptions | dict[str, Any] | bool | None
-
-
-class FaultTolerancePart(StepPart):
-    """The part of a strategy with :class:`FaultToleranceOption` set: the quorum, the gradient average across
-    groups and the commit of each step."""
-
-    strategy: FaultToleranceOption
-    axis = "replica_groups"
-
-    @classmethod
-    def applies_to(cls, strategy: MeshParallelStrategy) -> bool:
-        return getattr(strategy, "fault_tolerance", None) is not None
-
-    def preflight_before_model(self, trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
-        options = self.strategy.fault_tolerance
-        assert options is not None and options.lighthouse is not None
-        check_lighthouse(options.lighthouse, options.connect_timeout)
-
-    def after_setup(self, trainer: pl.Trainer) -> None:
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.strategy.join_replica_groups(trainer)
-
-    def before_training_batch(self, trainer: pl.Trainer) -> None:
-        groups = self.strategy.replica_groups
-        if groups is None:
-            return
-        before = groups.quorum_size
-        groups.start_step()
-        if groups.quorum_size != before:
-            self.strategy.log_decision(
-                f"quorum of {groups.quorum_size} of {groups.options.num_replica_groups} replica groups from global"
-                f" step {trainer.global_step} (was {before})"
-            )
-
-    def wrap_training_step(self, run: StepRun) -> StepRun:
-        def training_step(*args: Any, **kwargs: Any) -> Any:
-            output = run(*args, **kwargs)
-            self.strategy.log_fault_tolerance()
-            return output
-
-        return training_step
-
-    def after_backward(self) -> None:
-        groups = self.strategy.replica_groups
-        if groups is not None:
-            parameters = [p for p in self.strategy.model.parameters() if p.requires_grad]
-            groups.average_gradients(parameters)
-
-    def commits_optimizer_step(self) -> bool:
-        groups = self.strategy.replica_groups
-        if groups is None:
-            return True
-        committed = groups.commit()
-        if committed:
-            self.strategy.record_progress()
-        else:
-            rank_zero_warn(
-                f"fault_tolerance: the update of global step {self.strategy.lightning_module.trainer.global_step} was"
-                " discarded on every live replica group (a group failed during the step, or fewer than"
-                f" min_replica_groups={groups.options.min_replica_groups} took part); its samples are not trained on."
-            )
-        return committed
 
 
 class FaultToleranceOption(_Base):

@@ -6,11 +6,13 @@ tests' multi-process scripts (``tests/scenarios/``, through ``tests/launch.py``)
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common.launch import child_env, run_command
+from benchmarks.common.launch import child_env, free_port, run_command
 
 
 def scenario_command(
@@ -44,6 +46,9 @@ def run_scenarios(
     """Run ``script`` with ``devices`` processes. Returns rank 0's JSON result; fails (``AssertionError``) with the
     processes' output when the run fails. ``env`` adds variables."""
     out, cmd, env = scenario_command(script, devices, workdir, scenarios, env)
+    if fork_launch_enabled():
+        _run_forked(cmd[1:], devices, workdir, env, timeout)
+        return json.loads(out.read_text())
     proc = run_command(cmd, cwd=workdir, env=env, timeout=timeout)
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(
@@ -51,3 +56,45 @@ def run_scenarios(
             f"\n--- stderr ---\n{proc.stderr[-10000:]}"
         )
     return json.loads(out.read_text())
+
+
+def fork_launch_enabled() -> bool:
+    """Whether scenario ranks are forked from the fork server (:mod:`benchmarks.common.fork_server`): unless
+    ``LIGHTNING_DIST_FORK_LAUNCH=0``."""
+    return os.environ.get("LIGHTNING_DIST_FORK_LAUNCH", "1") != "0"
+
+
+def _run_forked(argv: list[str], devices: int, workdir: Path, env: dict[str, str], timeout: float) -> None:
+    """Every rank forked from the fork server, with the variables Lightning's launcher gives the ranks it starts;
+    fails with the output of the ranks that failed (the others are killed) or of every rank after ``timeout``."""
+    if devices > 1:
+        launcher = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NODE_RANK": "0"}
+        launcher["WORLD_SIZE"] = str(devices)
+        # one rank per core at most, as torchrun does and Lightning sets in the rank it runs (spinning OpenMP threads
+        # of four ranks on two cores cost more than the import this saves)
+        launcher["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // devices)))
+        envs = [{**env, **launcher, "LOCAL_RANK": str(rank)} for rank in range(devices)]
+    else:
+        envs = [env]
+    stem = Path(argv[argv.index("--out") + 1]).stem
+    logs = [workdir / f"{stem}.rank{rank}.log" for rank in range(len(envs))]
+    from benchmarks.common import fork_server  # not imported by `python -m benchmarks.common.fork_server` itself
+
+    procs = [fork_server.start(argv, rank_env, workdir, log) for rank_env, log in zip(envs, logs)]
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            p.kill()
+        statuses = [p.wait() for p in procs]
+    out = Path(argv[argv.index("--out") + 1])
+    if any(statuses) or not out.exists():
+        timed_out = "" if time.monotonic() <= deadline else f" (stopped after {timeout:.0f} s)"
+        shown = [r for r, status in enumerate(statuses) if status not in (0, -9)] or list(range(len(statuses)))
+        output = "".join(f"\n--- rank {r} (status {statuses[r]}) ---\n{logs[r].read_text(errors='replace')[-8000:]}"
+                         for r in shown)  # fmt: skip
+        raise AssertionError(f"{' '.join(argv)} on {devices} forked ranks failed{timed_out}{output}")

@@ -27,7 +27,9 @@ def run_scenarios(
     timeout: float = 600,
     env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Run ``tests/scenarios/<script>`` with ``devices`` processes (Lightning's own launcher starts the extra ranks).
+    """Run ``tests/scenarios/<script>`` with ``devices`` processes, each forked from the fork server with the variables
+    Lightning's launcher would give it (``LIGHTNING_DIST_FORK_LAUNCH=0``: rank 0 as a new Python, whose Lightning
+    launcher starts the others; docs/testing.md).
 
     Returns rank 0's JSON result; fails with the processes' output when the run fails. ``env`` adds variables.
     """

@@ -1,7 +1,8 @@
-"""Scripts run by the scenario convention: ``SCRIPT --devices N --out JSON --workdir DIR --scenarios a,b``, started
-once (Lightning's launcher starts the other ranks), rank 0 writing one JSON object for the scenarios it ran. The
-tests' multi-process scripts (``tests/scenarios/``, through ``tests/launch.py``) and
-:mod:`benchmarks.studies.float8_parity` use it."""
+"""Scripts run by the scenario convention: ``SCRIPT --devices N --out JSON --workdir DIR --scenarios a,b``, each rank
+running every named scenario, rank 0 writing one JSON object for them. The ranks are forked from
+:mod:`benchmarks.common.fork_server` (or, with ``LIGHTNING_DIST_FORK_LAUNCH=0``, rank 0 is started as a new Python and
+Lightning's launcher starts the others). The tests' multi-process scripts (``tests/scenarios/``, through
+``tests/launch.py``) and :mod:`benchmarks.studies.float8_parity` use it."""
 
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 the scripts share are in ``models.py``; a script imports from these two and from the package, never from another
 script.
 
-A scenario script is run as ``python tests/scenarios/<name>.py --devices N --out result.json ...``. With
-``devices > 1`` Lightning's launcher re-executes it once per extra rank; rank 0 writes the JSON result.
+A scenario script is run as ``python tests/scenarios/<name>.py --devices N --out result.json ...`` by every rank
+(forked from the fork server, ``benchmarks/common/fork_server.py``, or started by Lightning's launcher with
+``LIGHTNING_DIST_FORK_LAUNCH=0``); rank 0 writes the JSON result.
 """
 
 from __future__ import annotations

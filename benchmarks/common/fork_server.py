@@ -39,26 +39,47 @@ PRELOAD = ("torch", "lightning", "transformers", "lightning_dist.strategies", "c
 SCENARIO_DIR = ROOT / "tests" / "scenarios"
 
 
+class _Lines:
+    """The lines that arrive on a connection, read without a buffer that could hold back the next one."""
+
+    def __init__(self, connection: socket.socket) -> None:
+        self.connection = connection
+        self._buffer = b""
+
+    def next(self, timeout: float | None) -> str | None:
+        """The next line; ``""`` once the other end closed; ``None`` if none arrived within ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self.connection], [], [], left)[0]:
+                return None
+            chunk = self.connection.recv(4096)
+            if not chunk:
+                return ""
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line.decode()
+
+
 class ForkedProcess:
     """A child of the server, seen from the client: ``poll``, ``wait``, ``kill`` and ``returncode`` as on
     ``subprocess.Popen``."""
 
-    def __init__(self, connection: socket.socket, pid: int) -> None:
-        self._connection = connection
+    def __init__(self, lines: _Lines, pid: int) -> None:
+        self._lines = lines
         self.pid = pid
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        if self.returncode is None and select.select([self._connection], [], [], 0)[0]:
-            self._read_status()
+        if self.returncode is None:
+            self._read_status(0)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            if not select.select([self._connection], [], [], timeout)[0]:
+            self._read_status(timeout)
+            if self.returncode is None:
                 raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
-            self._read_status()
-        assert self.returncode is not None
         return self.returncode
 
     def kill(self) -> None:
@@ -68,9 +89,11 @@ class ForkedProcess:
             except ProcessLookupError:
                 pass
 
-    def _read_status(self) -> None:
-        line = self._connection.makefile().readline()
-        self._connection.close()
+    def _read_status(self, timeout: float | None) -> None:
+        line = self._lines.next(timeout)
+        if line is None:
+            return
+        self._lines.connection.close()
         # a server that died took its children with it: report the child as killed
         self.returncode = int(json.loads(line)["status"]) if line else -signal.SIGKILL
 
@@ -90,10 +113,11 @@ class ForkServer:
         connection.connect(self._address)
         request = {"argv": argv, "env": env, "cwd": str(cwd), "output": str(output)}
         connection.sendall((json.dumps(request) + "\n").encode())
-        reply = connection.makefile().readline()
+        lines = _Lines(connection)
+        reply = lines.next(timeout=60)
         if not reply:
-            raise RuntimeError(f"the fork server ({self._address}) closed the connection; is it still running?")
-        return ForkedProcess(connection, int(json.loads(reply)["pid"]))
+            raise RuntimeError(f"the fork server ({self._address}) did not start the process: is it still running?")
+        return ForkedProcess(lines, int(json.loads(reply)["pid"]))
 
     def _ensure_started(self) -> None:
         if self._server is not None and self._server.poll() is None:

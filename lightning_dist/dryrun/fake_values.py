@@ -28,11 +28,14 @@ import torch
 
 from lightning_dist.compat import (
     fake_tensor_mode_class,
+    fake_tensor_of,
+    fake_view,
     is_fake_tensor,
     item_op,
     lift_ops,
     metadata_ops,
     real_tensors_temporarily,
+    view_ops,
 )
 from lightning_dist.profiling.live_memory import tensors_in
 
@@ -43,6 +46,7 @@ if TYPE_CHECKING:
 SMALL = 16
 _METADATA_OPS = metadata_ops()
 _LIFT_OPS = lift_ops()
+_VIEW_OPS = view_ops()
 
 
 class DryRunTensorMode(fake_tensor_mode_class()):  # type: ignore[misc]
@@ -68,6 +72,8 @@ class DryRunTensorMode(fake_tensor_mode_class()):  # type: ignore[misc]
         kwargs = kwargs or {}
         if func in _METADATA_OPS and is_fake_tensor(args[0]):
             return super().__torch_dispatch__(func, types, args, kwargs)
+        if func in _VIEW_OPS and fake_tensor_of(self, args[0]):  # a third of a step's ops; no view is a collective
+            return fake_view(self, func, args, kwargs)
         if self.counter is not None and not self.counter.active:  # active: its own mode saw this op first
             self.counter.observe(func, args, kwargs)
         if func in _LIFT_OPS:

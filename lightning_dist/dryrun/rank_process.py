@@ -11,6 +11,8 @@ torch's C++ warnings) to another.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import subprocess
@@ -18,7 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_dist.dryrun.rank_run import RankRecord, run_rank
+from lightning_dist.dryrun.fake_world import fake_rank
+from lightning_dist.dryrun.rank_run import RankRecord, build_trainer, quiet, run_rank
 
 #: What the server imports before it forks (a module the configuration needs beyond these, each rank imports).
 PRELOAD = ("lightning_dist.dryrun.rank_run", "lightning_dist.strategies")
@@ -57,6 +60,18 @@ def run_task(task: dict[str, Any]) -> None:
     partial.replace(task["result"])
 
 
+def warm(cli_args: list[str], world_size: int, num_nodes: int) -> None:
+    """Build the configuration once, as rank 0 and as ``mesh_of`` does, then let it go: the modules it imports (a
+    Hugging Face model's configuration and modeling code) are imported once for all the ranks forked after. Then
+    every object alive is left out of the garbage collector's later passes (``gc.freeze``): each rank's full
+    collections no longer walk the server's imports."""
+    # whatever fails here fails again in each rank, which reports it
+    with contextlib.suppress(Exception, SystemExit), quiet(), fake_rank(0, world_size, world_size // num_nodes):
+        build_trainer(cli_args, world_size, num_nodes)
+    gc.collect()
+    gc.freeze()
+
+
 def _serve(batches: list[list[dict[str, Any]]], workers: list[int]) -> None:
     for batch, at_once in zip(batches, workers):
         running: set[int] = set()
@@ -89,4 +104,6 @@ if __name__ == "__main__":
     for module in PRELOAD:
         __import__(module)
     request = json.loads(sys.stdin.read())
+    first = request["batches"][0][0]
+    warm(first["cli_args"], first["world_size"], first["num_nodes"])
     _serve(request["batches"], request["workers"])

@@ -4,9 +4,10 @@ Each rank gets a fresh process: torch keeps state across process groups (DTensor
 which compare equal between ranks of one world but name the groups of the rank that made them), so a second rank in
 the same process could run on the first one's groups. Starting a Python for each rank would import torch, Lightning
 and torchmetrics each time (about 6 s of CPU, more than a small rank's whole run), so one server process
-(``python -m lightning_dist.dryrun.rank_process``) imports them, then forks a child per rank; it has run nothing (no
-thread, no process group) when it forks. Each child writes its record to a file and its output (Lightning's lines,
-torch's C++ warnings) to another.
+(``python -m lightning_dist.dryrun.rank_process``) imports them and builds the configuration once (:func:`warm`: what
+the configuration imports on top, a Hugging Face model's code, is imported once), then forks a child per rank; it
+has no thread and no process group when it forks (the one it built the configuration in is destroyed). Each child
+writes its record to a file and its output (Lightning's lines, torch's C++ warnings) to another.
 """
 
 from __future__ import annotations

@@ -177,3 +177,43 @@ def test_each_collective_is_recorded_once_also_from_functions_run_on_real_tensor
         on_real_tensors(dist.all_reduce)(loss)
         on_real_tensors(dist.all_reduce)(torch.ones(3))
     assert [(r.op, r.tensor_bytes) for r in counter.records] == [("all_reduce", 256)] * 2 + [("all_reduce", 12)]
+
+
+def test_a_view_made_without_the_fake_cache_is_the_view_torch_makes_and_autograd_and_memory_see_it_as_one():
+    """Views and ``detach`` of a fake tensor skip FakeTensorMode's cache (``compat.fake_view``): the same sizes,
+    offsets and storage as its own path (strides too, except a size-1 dimension's, where FakeTensorMode's reference
+    kernel differs from the CPU and meta kernels and ours follows those), a gradient through them, and no memory."""
+    import torch
+
+    from lightning_dist.compat import fake_tensor_mode_class, storage_identity, view_ops
+    from lightning_dist.dryrun.fake_values import DryRunTensorMode
+    from lightning_dist.profiling.live_memory import LiveMemory
+
+    def described(t: torch.Tensor) -> tuple:
+        strides = tuple(0 if n == 1 else s for n, s in zip(t.shape, t.stride()))
+        return t.shape, strides, t.storage_offset(), storage_identity(t), t.dtype, t.device, t.requires_grad
+
+    aten = torch.ops.aten
+    calls = {aten.view.default: ([6, 32],), aten._unsafe_view.default: ([3, 64],), aten.detach.default: (),
+             aten.alias.default: (), aten.t.default: (), aten.transpose.int: (0, 1), aten.permute.default: ([1, 0],),
+             aten.expand.default: ([2, 12, 16],), aten.as_strided.default: ([4, 4], [16, 1], 8),
+             aten.select.int: (0, 3), aten.slice.Tensor: (1, 2, 10), aten.unsqueeze.default: (0,),
+             aten.squeeze.dim: (0,), aten.squeeze.dims: ([0],), aten._reshape_alias.default: ([16, 12], [12, 1])}  # fmt: skip
+    assert set(calls) == set(view_ops())
+    mode = DryRunTensorMode()
+    with mode:
+        w = torch.zeros(12, 16)
+        x = torch.zeros(12, 16, requires_grad=True)
+    for func, rest in calls.items():
+        with mode:
+            fast = func(w, *rest)
+        reference = fake_tensor_mode_class().dispatch(mode, func, (), (w, *rest), {})
+        assert described(fast) == described(reference), func
+        assert storage_identity(fast) == storage_identity(w), func
+    with mode, LiveMemory([]) as memory:
+        y = x.view(2, 96).t().detach()
+    assert y.shape == (96, 2) and not y.requires_grad
+    assert memory.peak == 12 * 16 * 4  # the storage the views share, once
+    with mode:
+        (x.view(6, 32).t() * 2).sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape

@@ -34,6 +34,8 @@ from lightning_dist.compat.torch import (
     dtensor_shape_propagation,
     end_fsdp_forward_before_backward,
     fake_tensor_mode_class,
+    fake_tensor_of,
+    fake_view,
     flatten_mesh,
     foreach_kernel_device_types,
     foreach_norms,
@@ -68,6 +70,7 @@ from lightning_dist.compat.torch import (
     unflatten_mesh,
     untested_torch_message,
     untyped_storage_identity,
+    view_ops,
     warn_if_untested_torch,
 )
 
@@ -93,6 +96,8 @@ __all__ = [
     "dtensor_shape_propagation",
     "end_fsdp_forward_before_backward",
     "fake_tensor_mode_class",
+    "fake_tensor_of",
+    "fake_view",
     "flatten_mesh",
     "foreach_kernel_device_types",
     "foreach_norms",
@@ -127,5 +132,6 @@ __all__ = [
     "unflatten_mesh",
     "untested_torch_message",
     "untyped_storage_identity",
+    "view_ops",
     "warn_if_untested_torch",
 ]

@@ -92,7 +92,12 @@ PRIVATE_TORCH_NAMES: dict[str, tuple[str, str]] = {
     ),
     "_sharding_prop": ("torch 2.13", "profiling/live_memory.py: DTensor's shape propagation, not counted"),
     "_propagate_tensor_meta_non_cached": ("torch 2.13", "profiling/live_memory.py: DTensor's shape propagation"),
-    "_subclasses": ("torch 2.13", "dryrun: FakeTensorMode, is_fake, unset_fake_temporarily"),
+    "_subclasses": (
+        "torch 2.13",
+        "dryrun: FakeTensorMode, FakeTensor, is_fake, unset_fake_temporarily, in_kernel_invocation_manager",
+    ),
+    "_unsafe_view": ("torch 2.13", "dryrun: a reshape's view op that autograd does not track as one"),
+    "_reshape_alias": ("torch 2.13", "dryrun: a reshape's view op (older decompositions)"),
     "_local_scalar_dense": ("torch 2.13", "dryrun: the op behind .item(), answered without data"),
     "_internal": ("torch 2.13", "dryrun: importing torch.testing._internal...fake_pg registers 'fake'"),
 }
@@ -434,6 +439,58 @@ def is_fake_tensor(tensor: Any) -> bool:
     if type(tensor) in (torch.Tensor, torch.nn.Parameter) or not isinstance(tensor, torch.Tensor):
         return False  # a plain tensor (the common case, answered without is_fake's walk)
     return is_fake(tensor)
+
+
+def fake_tensor_of(mode: Any, tensor: Any) -> bool:
+    """Whether ``tensor`` is a plain fake tensor of ``mode`` (no subclass, no constant, strided, no symbolic sizes):
+    one whose view :func:`fake_view` makes."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return (
+        type(tensor) is FakeTensor
+        and tensor.fake_mode is mode
+        and tensor.constant is None
+        and tensor.layout is torch.strided
+        and mode.shape_env is None
+    )
+
+
+def fake_view(mode: Any, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """A view op (``func`` in :func:`view_ops`) of ``args[0]``, a fake tensor of ``mode`` (:func:`fake_tensor_of`):
+    the op's meta kernel run on the fake tensor's storage, as ``FakeTensorMode`` runs an op it has not cached, its
+    output a fake tensor on the input's device. Without the mode's cache key and cached-output rebuild, which cost
+    several times the view itself."""
+    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+
+    device = args[0].fake_device
+    with in_kernel_invocation_manager(mode):
+        out = func(*args, **kwargs)
+    return FakeTensor(mode, out, device)
+
+
+def view_ops() -> frozenset[Any]:
+    """The ops whose output is one view of their one tensor input (new sizes, strides and offset over the input's
+    storage): the reshapes, transposes, slices and ``detach`` a step runs thousands of times."""
+    aten = torch.ops.aten
+    return frozenset(
+        (
+            aten.view.default,
+            aten._unsafe_view.default,
+            aten._reshape_alias.default,
+            aten.detach.default,
+            aten.alias.default,
+            aten.t.default,
+            aten.transpose.int,
+            aten.permute.default,
+            aten.expand.default,
+            aten.as_strided.default,
+            aten.select.int,
+            aten.slice.Tensor,
+            aten.unsqueeze.default,
+            aten.squeeze.dim,
+            aten.squeeze.dims,
+        )
+    )
 
 
 def real_tensors_temporarily() -> Any:

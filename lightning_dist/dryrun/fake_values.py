@@ -28,11 +28,14 @@ import torch
 
 from lightning_dist.compat import (
     fake_tensor_mode_class,
+    fake_tensor_of,
+    fake_view,
     is_fake_tensor,
     item_op,
     lift_ops,
     metadata_ops,
     real_tensors_temporarily,
+    view_ops,
 )
 from lightning_dist.profiling.live_memory import tensors_in
 
@@ -43,6 +46,7 @@ if TYPE_CHECKING:
 SMALL = 16
 _METADATA_OPS = metadata_ops()
 _LIFT_OPS = lift_ops()
+_VIEW_OPS = view_ops()
 
 
 class DryRunTensorMode(fake_tensor_mode_class()):  # type: ignore[misc]
@@ -65,28 +69,36 @@ class DryRunTensorMode(fake_tensor_mode_class()):  # type: ignore[misc]
             self.counter = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # FakeTensorMode's own work is reached through `dispatch`: its `__torch_dispatch__` adds a call counter and a
+        # second dynamo-disabling wrapper around each op, which this method's wrapper already is
         kwargs = kwargs or {}
         if func in _METADATA_OPS and is_fake_tensor(args[0]):
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            return self.dispatch(func, types, args, kwargs)
+        if func in _VIEW_OPS and fake_tensor_of(self, args[0]):  # a third of a step's ops; no view is a collective
+            return fake_view(self, func, args, kwargs)
         if self.counter is not None and not self.counter.active:  # active: its own mode saw this op first
             self.counter.observe(func, args, kwargs)
         if func in _LIFT_OPS:
             return args[0]
         tensors = tensors_in((args, kwargs))
-        real = not any(is_fake_tensor(t) for t in tensors) and all(_stays_real(t) for t in tensors)
-        if real and (tensors or _makes_small(self, func, types, args, kwargs)):
+        if not any(is_fake_tensor(t) for t in tensors) and all(_stays_real(t) for t in tensors):
+            if not tensors:
+                return self._factory(func, types, args, kwargs)
             with real_tensors_temporarily():
                 return func(*args, **kwargs)
         if func is item_op():
             return True if args[0].dtype == torch.bool else 1
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        return self.dispatch(func, types, args, kwargs)
 
-
-def _makes_small(mode: DryRunTensorMode, func: Any, types: Any, args: Any, kwargs: Any) -> bool:
-    """Whether a factory op (no tensor input) makes only small tensors: asked of the fake mode first (no memory)."""
-    out = fake_tensor_mode_class().__torch_dispatch__(mode, func, types, args, kwargs)
-    leaves = tensors_in(out)
-    return bool(leaves) and all(_stays_real(t) for t in leaves)
+    def _factory(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        """An op without tensor inputs: what the fake mode makes (no memory), unless that is only small tensors,
+        which are made for real."""
+        out = self.dispatch(func, types, args, kwargs)
+        leaves = tensors_in(out)
+        if leaves and all(_stays_real(t) for t in leaves):
+            with real_tensors_temporarily():
+                return func(*args, **kwargs)
+        return out
 
 
 def _stays_real(tensor: torch.Tensor) -> bool:

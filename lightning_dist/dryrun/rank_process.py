@@ -4,13 +4,16 @@ Each rank gets a fresh process: torch keeps state across process groups (DTensor
 which compare equal between ranks of one world but name the groups of the rank that made them), so a second rank in
 the same process could run on the first one's groups. Starting a Python for each rank would import torch, Lightning
 and torchmetrics each time (about 6 s of CPU, more than a small rank's whole run), so one server process
-(``python -m lightning_dist.dryrun.rank_process``) imports them, then forks a child per rank; it has run nothing (no
-thread, no process group) when it forks. Each child writes its record to a file and its output (Lightning's lines,
-torch's C++ warnings) to another.
+(``python -m lightning_dist.dryrun.rank_process``) imports them and builds the configuration once (:func:`warm`: what
+the configuration imports on top, a Hugging Face model's code, is imported once), then forks a child per rank; it
+has no thread and no process group when it forks (the one it built the configuration in is destroyed). Each child
+writes its record to a file and its output (Lightning's lines, torch's C++ warnings) to another.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import subprocess
@@ -18,7 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_dist.dryrun.rank_run import RankRecord, run_rank
+from lightning_dist.dryrun.fake_world import fake_rank
+from lightning_dist.dryrun.rank_run import RankRecord, build_trainer, quiet, run_rank
 
 #: What the server imports before it forks (a module the configuration needs beyond these, each rank imports).
 PRELOAD = ("lightning_dist.dryrun.rank_run", "lightning_dist.strategies")
@@ -57,6 +61,18 @@ def run_task(task: dict[str, Any]) -> None:
     partial.replace(task["result"])
 
 
+def warm(cli_args: list[str], world_size: int, num_nodes: int) -> None:
+    """Build the configuration once, as rank 0 and as ``mesh_of`` does, then let it go: the modules it imports (a
+    Hugging Face model's configuration and modeling code) are imported once for all the ranks forked after. Then
+    every object alive is left out of the garbage collector's later passes (``gc.freeze``): each rank's full
+    collections no longer walk the server's imports."""
+    # whatever fails here fails again in each rank, which reports it
+    with contextlib.suppress(Exception, SystemExit), quiet(), fake_rank(0, world_size, world_size // num_nodes):
+        build_trainer(cli_args, world_size, num_nodes)
+    gc.collect()
+    gc.freeze()
+
+
 def _serve(batches: list[list[dict[str, Any]]], workers: list[int]) -> None:
     for batch, at_once in zip(batches, workers):
         running: set[int] = set()
@@ -89,4 +105,6 @@ if __name__ == "__main__":
     for module in PRELOAD:
         __import__(module)
     request = json.loads(sys.stdin.read())
+    first = request["batches"][0][0]
+    warm(first["cli_args"], first["world_size"], first["num_nodes"])
     _serve(request["batches"], request["workers"])

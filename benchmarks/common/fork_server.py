@@ -16,6 +16,7 @@ process's first import of the package. Set ``LIGHTNING_DIST_FORK_LAUNCH=0`` to s
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import random
@@ -240,5 +241,7 @@ if __name__ == "__main__":
     sys.path[:0] = [str(SCENARIO_DIR), str(ROOT)]
     for module in PRELOAD:
         __import__(module)
+    gc.collect()
+    gc.freeze()  # the children's full collections leave the imported objects alone (nor copy their pages)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     _serve(sys.argv[1])

@@ -33,3 +33,14 @@ def test_each_forked_rank_has_its_launcher_variables_its_own_process_and_fresh_r
 def test_a_rank_that_fails_ends_the_launch_with_its_output(tmp_path):
     with pytest.raises(AssertionError, match=r"(?s)rank 1 \(status 1\).*ValueError: rank one fails on purpose"):
         run_scenarios("launch_probe.py", 2, tmp_path, ["fails_on_rank_one"], timeout=120)
+
+
+def test_a_script_that_starts_its_own_ranks_is_started_once():
+    """The pure-PyTorch harness spawns its ranks itself: forked N times, it would run N copies of the whole launch."""
+    from launch import SCENARIO_DIR
+
+    from benchmarks.common.scenarios import starts_its_own_processes
+
+    own = {p.name for p in SCENARIO_DIR.glob("*.py") if starts_its_own_processes(p)}
+    assert {"cp_attention_runs.py", "expert_parallel_core_runs.py", "pretrained_runs.py"} <= own
+    assert not own & {"fsdp2_runs.py", "hybrid3d_runs.py", "launch_probe.py"}

@@ -47,7 +47,7 @@ def run_scenarios(
     """Run ``script`` with ``devices`` processes. Returns rank 0's JSON result; fails (``AssertionError``) with the
     processes' output when the run fails. ``env`` adds variables."""
     out, cmd, env = scenario_command(script, devices, workdir, scenarios, env)
-    if fork_launch_enabled():
+    if fork_launch_enabled() and not starts_its_own_processes(script):
         _run_forked(cmd[1:], devices, workdir, env, timeout)
         return json.loads(out.read_text())
     proc = run_command(cmd, cwd=workdir, env=env, timeout=timeout)
@@ -57,6 +57,12 @@ def run_scenarios(
             f"\n--- stderr ---\n{proc.stderr[-10000:]}"
         )
     return json.loads(out.read_text())
+
+
+def starts_its_own_processes(script: Path) -> bool:
+    """Whether ``script`` starts its ranks itself (the pure-PyTorch harness, ``tests/scenarios/pure_torch.py``, spawns
+    them without Lightning): it runs once, as a new Python, whatever ``--devices`` says."""
+    return "from pure_torch import" in Path(script).read_text()
 
 
 def fork_launch_enabled() -> bool:

@@ -47,6 +47,8 @@ def four_ranks(workdir, two_ranks):
     scenarios = [
         "full",
         "hybrid",
+        "int_reshard",
+        "activation_checkpointing",
         *FOUR_RANK_ONLY_IN_FULL_MATRIX,
     ]
     return run_scenarios(SCRIPT, 4, workdir, scenarios if FULL_MATRIX else [s for s in scenarios if s not in SKIPPED])
@@ -56,10 +58,8 @@ def _runs(request, devices):
     return request.getfixturevalue("two_ranks" if devices == 2 else "four_ranks")
 
 
-# grad_op and no_shard run at 2 ranks always, at 4 only under LIGHTNING_DIST_FULL_MATRIX=1 (tests/launch.py); so do
-# an int reshard_after_forward and activation checkpointing (checkpointed blocks train under fsdp2 in
-# test_step_protocol, under tensor, context and pipeline parallelism in their strategies' tests)
-FOUR_RANK_ONLY_IN_FULL_MATRIX = ["grad_op", "no_shard", "int_reshard", "activation_checkpointing"]
+# grad_op and no_shard run at 2 ranks always, at 4 only under LIGHTNING_DIST_FULL_MATRIX=1 (tests/launch.py)
+FOUR_RANK_ONLY_IN_FULL_MATRIX = ["grad_op", "no_shard"]
 SKIPPED = [] if FULL_MATRIX else FOUR_RANK_ONLY_IN_FULL_MATRIX
 
 PARITY_CASES = [
@@ -132,7 +132,6 @@ def test_fp16_overflow_skips_the_step_on_every_rank(two_ranks):
     assert len(r["losses"]) == 8 and all(math.isfinite(loss) for loss in r["losses"])  # then trains on
 
 
-@pytest.mark.skipif(not FULL_MATRIX, reason="the full matrix (LIGHTNING_DIST_FULL_MATRIX=1): a 4-rank scenario")
 def test_int_reshard_units_share_one_post_forward_mesh(four_ranks):
     """FSDP2 would build new process groups per unit for reshard_after_forward=2; all blocks share one set."""
     assert four_ranks["int_reshard"]["post_forward_meshes"] == 1

@@ -118,6 +118,35 @@ def _group_1_batch(rank: int, step: int, per_rank: int = 2, steps_per_epoch: int
 
 
 @pytest.mark.slow
+def test_with_gradient_accumulation_groups_equal_hsdp_and_commit_once_per_optimizer_step(tmp_path):
+    """2 micro-batches per optimizer step: the gradients are averaged across groups and the step committed once, after
+    the last micro-batch, and the run equals HSDP's with the same accumulation (fp64, clipped)."""
+    groups = run_replica_groups(SCENARIO_DIR / SCRIPT, 2, tmp_path, "accumulated").results
+    hsdp = run_scenarios(SCRIPT, 4, tmp_path, ["hsdp_accumulated"])["hsdp_accumulated"]
+    steps = EQUAL_STEPS // 2
+    assert [(g["committed"], g["skipped"]) for g in groups] == [(steps, 0)] * 2
+    losses = [(a + b) / 2 for a, b in zip(groups[0]["losses"], groups[1]["losses"])]
+    assert len(losses) == len(hsdp["losses"]) == EQUAL_STEPS  # one per micro-batch
+    assert max(abs(a - b) for a, b in zip(losses, hsdp["losses"])) <= FP64_TOL
+    for group in groups:
+        assert len(group["grad_norms"]) == len(hsdp["grad_norms"]) == steps
+        assert max(abs(a - b) for a, b in zip(group["grad_norms"], hsdp["grad_norms"])) <= FP64_TOL
+        for name, value in hsdp["params"].items():
+            gap = (torch.tensor(group["params"][name]) - torch.tensor(value)).abs().max()
+            assert gap <= FP64_TOL, (name, float(gap))
+    assert max(hsdp["grad_norms"]) > CLIP
+    assert groups[0]["read"] + groups[1]["read"] == hsdp["read"]
+    worst = max(
+        float((torch.tensor(g["params"][n]) - torch.tensor(v)).abs().max())
+        for g in groups
+        for n, v in hsdp["params"].items()
+    )
+    print(
+        f"\naccumulated groups vs HSDP: losses {max(abs(a - b) for a, b in zip(losses, hsdp['losses'])):.1e}, params {worst:.1e}"
+    )
+
+
+@pytest.mark.slow
 def test_without_failures_groups_equal_hsdp_and_read_every_sample_once(chaos, workdir):
     hsdp = chaos.meanwhile
     early = [json.loads((workdir / f"chaos_early_g{g}.json").read_text()) for g in range(2)]

@@ -5,7 +5,8 @@ environment), and the plain HSDP run they must equal.
 - ``hsdp``: one job of 4 processes, ``data_parallel_replicate_size=2`` (the reference; no fault tolerance), 8 steps
   (one epoch) of :class:`IndexedGPT` in fp64 (its own ``DistributedSampler`` from ``distributed_sampler_kwargs``),
   clipped at ``CLIP``, with ``on_nonfinite="skip"`` (both act after the gradients are averaged across groups):
-  the losses, the samples each rank read, the final parameters;
+  the losses, the samples each rank read, the final parameters; ``hsdp_accumulated`` the same with 2 micro-batches
+  per optimizer step, and ``accumulated`` that run as one of 2 replica groups without a failure;
 - ``chaos``: this job is one of 2 replica groups (``fault_tolerance`` from the environment), the same model for
   ``CHAOS_STEPS`` steps slowed by a sleep (longer while a group trains alone); the orchestrator kills and relaunches
   group 1 mid-run. After 8 steps, before the failure, each group writes what ``hsdp`` records
@@ -183,13 +184,39 @@ def _fit(
     return model, trainer, log
 
 
-def hsdp(devices: int, workdir: str) -> dict[str, Any]:
+def hsdp(devices: int, workdir: str, accumulate: int = 1) -> dict[str, Any]:
     strategy = FSDP2Strategy(
         sharding="hybrid", data_parallel_replicate_size=2, data_parallel_shard_size=devices // 2, on_nonfinite="skip"
     )
-    model, _trainer, log = _fit(strategy, devices, SAMPLES // GLOBAL_BATCH)
+    model, _trainer, log = _fit(
+        strategy, devices, SAMPLES // GLOBAL_BATCH // accumulate, accumulate_grad_batches=accumulate
+    )
+    return _trained(model, log)
+
+
+def _trained(model: IndexedGPT, log: StepLog) -> dict[str, Any]:
+    """What the comparison with HSDP reads: each batch's loss, the samples each rank read, the gradient norms of the
+    optimizer steps, the full parameters."""
     return {"losses": [r["loss"] for r in log.rows], "read": _read_by_all_ranks(model), "grad_norms": log.grad_norms,
             "params": {k: v.tolist() for k, v in full_state(model).items()}}  # fmt: skip
+
+
+ACCUMULATE = 2  # micro-batches per optimizer step of the accumulated runs: one epoch is 4 steps
+
+
+def hsdp_accumulated(devices: int, workdir: str) -> dict[str, Any]:
+    """``hsdp`` with ``ACCUMULATE`` micro-batches per optimizer step."""
+    return hsdp(devices, workdir, ACCUMULATE)
+
+
+def accumulated(devices: int, workdir: str) -> dict[str, Any]:
+    """This job is one of 2 replica groups, nothing fails: the run of ``hsdp_accumulated`` (the gradients averaged
+    across groups and the step committed once per optimizer step, after the last micro-batch)."""
+    options = {"fault_tolerance": {"quorum_timeout": 30.0, "timeout": 20.0}, "on_nonfinite": "skip"}
+    steps = SAMPLES // GLOBAL_BATCH // ACCUMULATE
+    model, trainer, log = _fit(FSDP2Strategy(**options), devices, steps, accumulate_grad_batches=ACCUMULATE)
+    summary = trainer.strategy.fault_tolerance_summary
+    return {**_trained(model, log), "committed": summary["committed"], "skipped": summary["skipped"]}
 
 
 CHAOS_STEPS = int(os.environ.get("CHAOS_STEPS", "30"))
@@ -247,4 +274,6 @@ def chaos(devices: int, workdir: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    run_scenario_script({"hsdp": hsdp, "chaos": chaos})
+    run_scenario_script(
+        {"hsdp": hsdp, "chaos": chaos, "hsdp_accumulated": hsdp_accumulated, "accumulated": accumulated}
+    )

@@ -22,6 +22,7 @@ import os
 import random
 import runpy
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,6 +33,8 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from benchmarks.common.launch import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 #: What the server imports before it forks: what nearly every scenario script imports first.
@@ -123,11 +126,8 @@ class ForkServer:
     def _ensure_started(self) -> None:
         if self._server is not None and self._server.poll() is None:
             return
-        self._address = tempfile.mktemp(prefix="lightning_dist_fork_", suffix=".sock")
-        env = {
-            k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "MASTER_PORT", "MASTER_ADDR")
-        }
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+        self._address = os.path.join(tempfile.mkdtemp(prefix="lightning_dist_fork_"), "server.sock")
+        env = child_env()  # what a new Python started by the launcher would import with
         self._server = subprocess.Popen([sys.executable, "-m", "benchmarks.common.fork_server", self._address],
                                         cwd=str(ROOT), env=env, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)  # fmt: skip
         deadline = time.monotonic() + 300
@@ -141,8 +141,8 @@ class ForkServer:
         if self._server is not None and self._server.poll() is None:
             self._server.terminate()
             self._server.wait()
-        if self._address and os.path.exists(self._address):
-            os.unlink(self._address)
+        if self._address:
+            shutil.rmtree(os.path.dirname(self._address), ignore_errors=True)
 
 
 _CLIENT = ForkServer()
@@ -209,6 +209,9 @@ def _run_child(request: dict[str, Any]) -> None:
             for name in ("common", "models"):
                 sys.modules.pop(name, None)
         _fresh_random_state()
+        threads = os.environ.get("OMP_NUM_THREADS")
+        if threads:  # OpenMP read the server's environment when torch was imported
+            sys.modules["torch"].set_num_threads(int(threads))
         try:
             runpy.run_path(script, run_name="__main__")
             status = 0
@@ -230,11 +233,6 @@ def _fresh_random_state() -> None:
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
-    threads = os.environ.get("OMP_NUM_THREADS")
-    if threads:  # OpenMP read the server's environment when torch was imported
-        import torch
-
-        torch.set_num_threads(int(threads))
 
 
 if __name__ == "__main__":

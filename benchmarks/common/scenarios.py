@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -83,8 +84,8 @@ def _run_forked(argv: list[str], devices: int, workdir: Path, env: dict[str, str
         envs = [{**env, **launcher, "LOCAL_RANK": str(rank)} for rank in range(devices)]
     else:
         envs = [env]
-    stem = Path(argv[argv.index("--out") + 1]).stem
-    logs = [workdir / f"{stem}.rank{rank}.log" for rank in range(len(envs))]
+    out = Path(argv[argv.index("--out") + 1])
+    logs = [workdir / f"{out.stem}.rank{rank}.log" for rank in range(len(envs))]
     from benchmarks.common import fork_server  # not imported by `python -m benchmarks.common.fork_server` itself
 
     procs = [fork_server.start(argv, rank_env, workdir, log) for rank_env, log in zip(envs, logs)]
@@ -98,10 +99,11 @@ def _run_forked(argv: list[str], devices: int, workdir: Path, env: dict[str, str
         for p in procs:
             p.kill()
         statuses = [p.wait() for p in procs]
-    out = Path(argv[argv.index("--out") + 1])
     if any(statuses) or not out.exists():
         timed_out = "" if time.monotonic() <= deadline else f" (stopped after {timeout:.0f} s)"
-        shown = [r for r, status in enumerate(statuses) if status not in (0, -9)] or list(range(len(statuses)))
+        shown = [
+            r for r, status in enumerate(statuses) if status not in (0, -signal.SIGKILL)
+        ]  # not the ones killed here or list(range(len(statuses)))
         output = "".join(f"\n--- rank {r} (status {statuses[r]}) ---\n{logs[r].read_text(errors='replace')[-8000:]}"
                          for r in shown)  # fmt: skip
         raise AssertionError(f"{' '.join(argv)} on {devices} forked ranks failed{timed_out}{output}")

@@ -567,8 +567,6 @@ def damaged_checkpoint_text(case: Any, tmp_path: Path) -> str:
 def render(texts: dict[str, tuple[BaseException | None, str]] | None = None) -> str:
     """The "Common errors" table of ``docs/errors.md``, from the rows' real messages (``texts``: already collected
     ones, by mistake; the others are made here, launches forbidden)."""
-    from test_checkpoint_integrity import CASES as DAMAGED  # type: ignore[import-not-found]
-
     texts = dict(texts or {})
     lines = ["| Mistake | Caught | What you are told |", "|---|---|---|"]
     undo = forbid_launch()
@@ -581,15 +579,51 @@ def render(texts: dict[str, tuple[BaseException | None, str]] | None = None) -> 
             lines.append(f"| {row.mistake} | {row.caught} | {_abridged(type(err).__name__, text)} |")
     finally:
         undo()
+    return "\n".join(lines + [damaged_row(case, text) for case, text in damaged_texts()])
+
+
+def damaged_texts() -> list[tuple[Any, str]]:
+    """Each damaged-checkpoint case of ``test_checkpoint_integrity`` with what resuming from it says."""
+    from test_checkpoint_integrity import CASES as DAMAGED  # type: ignore[import-not-found]
+
+    texts = []
     for case in DAMAGED:
         with tempfile.TemporaryDirectory() as tmp:
-            text = damaged_checkpoint_text(case, Path(tmp))
-        caught = BEFORE_LAUNCH if case.before_launch else "when the bytes are read"
-        lines.append(f"| Damaged checkpoint: {case.name} | {caught} | {_abridged('CheckpointError', text)} |")
-    return "\n".join(lines)
+            texts.append((case, damaged_checkpoint_text(case, Path(tmp))))
+    return texts
+
+
+def damaged_row(case: Any, text: str) -> str:
+    """The docs row of a damaged-checkpoint case whose resume said ``text``."""
+    caught = BEFORE_LAUNCH if case.before_launch else "when the bytes are read"
+    return f"| Damaged checkpoint: {case.name} | {caught} | {_abridged('CheckpointError', text)} |"
+
+
+#: What a message may hold that depends on the machine that made it, not on the mistake: each is shown in the docs as a
+#: placeholder, and the rest of the message is compared exactly. Checksums are of float tensors (the vectorised
+#: kernels of another processor round differently), ports and process ids are whatever the OS gave, timings and
+#: paths are the machine's.
+MACHINE_DEPENDENT: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(r"\b(CRC-32|recorded|checksum|SHA-256|sha256|digest)( of)? [0-9a-f]{8,64}\b"), r"\1\2 <checksum>"),
+    (re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{16,64}\b"), "<checksum>"),
+    (re.compile(r"\b(127\.0\.0\.1|localhost|\[::1?\]):(?:102[4-9]|10[3-9]\d|1[1-9]\d\d|[2-9]\d{3}|\d{5})\b"), r"\1:<port>"),
+    (re.compile(r"\b(pid|PID|process) \d{2,}\b"), r"\1 <pid>"),
+    (re.compile(r"\b\d+\.\d+ ?(s|ms|seconds)\b"), r"<seconds> \1"),
+]
+
+
+def stable_text(text: str) -> str:
+    """``text`` with what depends on the machine (:data:`MACHINE_DEPENDENT`, this checkout's and the temporary
+    folder's paths) replaced by placeholders."""
+    for path, placeholder in ((str(REPO_ROOT), "<repo>"), (tempfile.gettempdir(), "<tmp>")):
+        text = text.replace(path, placeholder)
+    for pattern, placeholder in MACHINE_DEPENDENT:
+        text = pattern.sub(placeholder, text)
+    return text
 
 
 def _abridged(kind: str, text: str) -> str:
+    text = stable_text(text)
     if "error: Parser key" in text:  # jsonargparse: the innermost complaint and the value it was about
         lines = [line.strip() for line in text[text.index("error: Parser key") :].splitlines()]
         inner = [i for i, line in enumerate(lines) if line.startswith(("Parser key", "Option ", "error: Parser key"))]

@@ -22,7 +22,7 @@ def test_each_forked_rank_has_its_launcher_variables_its_own_process_and_fresh_r
     assert {r["variables"]["PROBE"] for r in ranks} == {"yes"}  # the caller's variables reach every rank
     assert len({r["pid"] for r in ranks} | {os.getpid()}) == 3
     assert ranks[0]["random"] != ranks[1]["random"]  # Python's generator reseeded, as a new interpreter's is
-    expected_threads = max(1, (os.cpu_count() or 1) // 2)
+    expected_threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // 2))  # as the launch sets it
     assert [r["threads"] for r in ranks] == [expected_threads] * 2
     assert {r["main"] for r in ranks} == {"launch_probe.py"} and {r["argv"][0] for r in ranks} == {"--devices"}
     assert {r["cwd"] for r in ranks} == {str(tmp_path)} and {r["script_dir"] for r in ranks} == {

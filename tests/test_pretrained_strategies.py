@@ -27,7 +27,7 @@ STEPS, GLOBAL_BATCH = 3, 4
 # slices of the same model, pp_gpt2 a tied pipeline) and fsdp2_litgpt (tp_litgpt runs FSDP2 over dp 2 too)
 TRAINING_RUNS = ["fsdp2_llama", "cp_llama", "hybrid_llama", "ep_mixtral", "pp_gpt2", "tp_litgpt", "hybrid_litgpt",
                  *(["pp_llama", "tp_llama", "fsdp2_litgpt"] if FULL_MATRIX else [])]  # fmt: skip
-STRATEGY_RUNS = [*TRAINING_RUNS, "resume_llama", "ours_llama"]
+STRATEGY_RUNS = [*TRAINING_RUNS, "resume_llama", "restart_llama", "ours_llama"]
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +37,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("pretrained_strategies")
     torch.manual_seed(0)
     tiny_hf_causal_lm("llama").to(torch.bfloat16).save_pretrained(root / "llama", max_shard_size="20KB")
+    shutil.copytree(root / "llama", root / "restart_weights")  # the restart recipe's, moved away between launches
     tiny_hf_causal_lm("gpt2").save_pretrained(root / "gpt2", max_shard_size="20KB")
     tiny_hf_causal_lm("mixtral").to(torch.bfloat16).save_pretrained(root / "mixtral", max_shard_size="30KB")
     save_litgpt_folder(root / "litgpt")
@@ -137,6 +138,25 @@ def test_a_resumed_fit_takes_the_checkpoint_not_initial_weights(runs):
     assert len(run["log"]) == 1 and run["log"][0].endswith("/llama' not read: resuming from ckpt_path"), run["log"]
     assert run["differ"], "the fit started from the file's values, not from the checkpoint"
     assert run["saved_step"] == STEPS and run["losses"] == []  # resumed at its step: nothing left to train
+
+
+@pytest.mark.slow
+def test_the_restart_recipe_reads_the_weights_on_its_first_launch_and_resumes_on_the_second(runs, references):
+    """``initial_weights`` with ``ckpt_path="last"`` in one configuration: the first launch has no ``last``
+    checkpoint, loads the folder (its tensors equal to the file's right after the load) and trains 2 steps; the
+    second, with the folder moved away, resumes from ``last`` without reading it and trains the third. Together they
+    give the losses of one process that called ``from_pretrained`` (fp64)."""
+    run = runs["restart_llama"]
+    first, second = run["first"], run["second"]
+    assert first["differ"] == [] and first["compared"] > 0, first["differ"]
+    assert len(first["log"]) == 1 and "restart_weights' loaded into model" in first["log"][0], first["log"]
+    assert len(second["log"]) == 1 and second["log"][0].endswith("restart_weights' not read: resuming from ckpt_path")
+    assert second["differ"], "the second launch started from the file's values, not from `last`"
+    assert not run["weights_left"]  # the folder really was away while the second launch ran
+    reference, _ = references["llama"]
+    losses = first["losses"] + second["losses"]
+    assert len(first["losses"]) == STEPS - 1 and len(losses) == STEPS
+    assert max(abs(a - b) for a, b in zip(losses, reference)) <= FP64_TOL, (losses, reference)
 
 
 @pytest.mark.slow

@@ -196,6 +196,35 @@ def last_checkpoints(callback: Any, trainer: Any) -> set[str]:
     return set(callback._find_last_checkpoints(trainer))
 
 
+def restores_a_checkpoint(trainer: Any, ckpt_path: Any) -> bool:
+    """Whether the Trainer entry point called with ``ckpt_path`` will restore a checkpoint, by the rules of
+    Lightning's ``_CheckpointConnector._parse_ckpt_path``: ``None`` restores nothing (unless, when fitting, an
+    ``OnExceptionCheckpoint`` makes it ``"last"``), ``"last"`` only when one of the paths it chooses from exists (a
+    first run of a restartable job has none), any other value always (Lightning raises where it finds nothing)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    on_exception = [cb for cb in trainer.callbacks if isinstance(cb, OnExceptionCheckpoint)]
+    if ckpt_path is None and on_exception and trainer.state.fn == TrainerFn.FITTING:
+        ckpt_path = "last"
+    if ckpt_path is None:
+        return False
+    if str(ckpt_path) != "last":
+        return True
+    candidates = {getattr(cb, "ckpt_path", None) for cb in on_exception}
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            candidates |= last_checkpoints(callback, trainer)
+    return any(get_filesystem(path).exists(path) for path in candidates if path)
+
+
+def get_filesystem(path: Any) -> Any:
+    """The fsspec file system of ``path`` (local or a URL), as Lightning resolves checkpoint paths."""
+    from lightning.fabric.utilities.cloud_io import get_filesystem as lightning_filesystem
+
+    return lightning_filesystem(path)
+
+
 # ---------------------------------------------------------------------------------------------------- loops and data
 def skip_lightning_backward(automatic_optimization: Any, value: bool) -> None:
     """Whether Lightning's automatic-optimization closure skips ``zero_grad`` and ``backward`` (the pipeline

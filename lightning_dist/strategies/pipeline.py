@@ -4,7 +4,7 @@ The model is cut into stages in place (:mod:`lightning_dist.parallel.pipeline`):
 modules, under their original names. A training step runs the user's ``training_step`` up to its one model call to
 get the call's arguments, pipelines that call, and on the last stage runs ``training_step`` again per micro-batch
 with the model call returning the pipeline's output; its loss drives the schedule's backward. Values the step logs
-are averaged over micro-batches, sent from the loss stage to every stage and logged there with their original
+are combined over micro-batches by their ``reduce_fx`` (sums summed, means averaged), sent from the loss stage to every stage and logged there with their original
 arguments, so every rank logs and returns the same numbers.
 """
 

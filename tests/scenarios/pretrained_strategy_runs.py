@@ -19,7 +19,9 @@ compares the losses with one process that called ``from_pretrained`` on the same
 - ``ours_llama``: ``initial_weights`` is fsdp2_llama's (sharded) checkpoint, loaded under tensor_parallel dp2 × tp2:
   its model weights, exactly;
 - ``resume_llama``: ``ckpt_path`` (fsdp2_llama's checkpoint) given: the weights come from the checkpoint and
-  ``initial_weights`` is not read.
+  ``initial_weights`` is not read;
+- ``restart_llama``: the restart recipe, ``initial_weights`` with ``ckpt_path="last"``, launched twice (the first
+  launch has no ``last`` and reads the weights, the second resumes and does not).
 
 python tests/scenarios/pretrained_strategy_runs.py --devices 4 --out r.json --workdir DIR --scenarios fsdp2_llama,...
 """
@@ -82,22 +84,26 @@ class LoadedValues(L.Callback):
         self.compared = sum(count for _, count in gathered)
 
 
-def _fit(devices: int, workdir: str, kind: str, strategy: Any, dp: int, ckpt_path: str | None = None) -> dict:
-    """Fit, then save a checkpoint (``<workdir>/<kind>_<strategy>.ckpt``: the test exports it)."""
+def _fit(
+    devices: int, workdir: str, kind: str, strategy: Any, dp: int, ckpt_path: str | None = None, **trainer: Any
+) -> dict:
+    """Fit, then save a checkpoint (``<workdir>/<kind>_<strategy>.ckpt``: the test exports it); ``trainer``: more
+    Trainer arguments (no save then)."""
     folder = Path(workdir) / kind
     L.seed_everything(1234, verbose=False)
     data = TextDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, train_samples=64, val_samples=4)
     ours = str(strategy.initial_weights) if str(strategy.initial_weights).endswith(".ckpt") else None
     values, steps = LoadedValues(folder, ours), StepRecorder()
     log = LogLines("initial_weights")
-    trainer = L.Trainer(**trainer_kwargs(devices, strategy=strategy, precision="64-true", limit_val_batches=0),
-                        max_steps=STEPS, callbacks=[values, steps])  # fmt: skip
+    callbacks = [values, steps, *trainer.pop("callbacks", [])]
+    trainer = L.Trainer(**trainer_kwargs(devices, strategy=strategy, precision="64-true", limit_val_batches=0,
+                                         callbacks=callbacks, **{"max_steps": STEPS, **trainer}))  # fmt: skip
     with trainer.init_module(empty_init=True):
         module = (PretrainedLitGPT if kind == "litgpt" else PretrainedCausalLM)(str(folder))
     trainer.fit(module, data, ckpt_path=ckpt_path)
     log.close()
     checkpoint = Path(workdir) / f"{kind}_{type(strategy).__name__}.ckpt"
-    if ckpt_path is None and ours is None:
+    if ckpt_path is None and ours is None and len(callbacks) == 2:
         trainer.save_checkpoint(checkpoint)
     return {"differ": values.differ, "compared": values.compared, "losses": steps.losses, "log": log.lines,
             "checkpoint": str(checkpoint)}  # fmt: skip
@@ -110,6 +116,27 @@ def _resume(devices: int, workdir: str) -> dict:
     from lightning_dist.checkpoint.consolidate import load_full_checkpoint
 
     return {**run, "saved_step": load_full_checkpoint(ckpt)["global_step"]}
+
+
+def _restart(devices: int, workdir: str) -> dict:
+    """The restart recipe: one configuration with ``initial_weights`` and ``ckpt_path="last"``, launched twice. The
+    first launch finds no ``last`` checkpoint and starts from the weights (2 of 3 steps, saving ``last`` after each);
+    then the weights folder is moved away, and the second launch resumes from ``last`` without reading it."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    weights, checkpoints = Path(workdir) / "restart_weights", Path(workdir) / "restart_checkpoints"
+
+    def launch(max_steps: int) -> dict:
+        saves = ModelCheckpoint(dirpath=checkpoints, save_last=True, every_n_train_steps=1, save_top_k=0)
+        strategy = FSDP2Strategy(initial_weights=str(weights))
+        return _fit(devices, workdir, "llama", strategy, 4, "last", max_steps=max_steps, callbacks=[saves],
+                    enable_checkpointing=True)  # fmt: skip
+
+    first = launch(STEPS - 1)
+    if dist.get_rank() == 0:
+        weights.rename(weights.with_name("restart_weights.moved"))
+    dist.barrier()
+    return {"first": first, "second": launch(STEPS), "weights_left": weights.exists()}
 
 
 def _weights(kind: str, workdir: str) -> str:
@@ -136,6 +163,7 @@ SCENARIOS = {
     "pp_gpt2": lambda d, w: _fit(d, w, "gpt2", PipelineStrategy(
         pipeline_parallel_size=2, data_parallel_shard_size=2, initial_weights=_weights("gpt2", w)), 2),
     "resume_llama": _resume,
+    "restart_llama": _restart,
     "ours_llama": lambda d, w: _fit(d, w, "llama", TensorParallelStrategy(  # fsdp2_llama's checkpoint, another mesh
         tensor_parallel_size=2, data_parallel_shard_size=2,
         initial_weights=str(Path(w) / "llama_FSDP2Strategy.ckpt")), 2),

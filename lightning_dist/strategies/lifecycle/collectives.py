@@ -27,6 +27,15 @@ class MeshCollectives:
         """The process group of a mesh axis or derived group (``"batch"``, ``"fsdp"``, ``"loss"``, ``"tp"``...)."""
         return self.mesh[name].get_group()
 
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        """The ranks that hold different samples (``dp_replicate × dp_shard``; ``None`` before the mesh exists).
+
+        ``self.log(name, value, reduce_fx="sum", sync_dist=True, sync_dist_group=trainer.strategy.data_parallel_group)``
+        sums a per-sample value once per sample, where the default group (data-parallel × context-parallel ranks)
+        would count it once per context-parallel rank."""
+        return self.process_group("batch") if self._mesh is not None else None
+
     @override
     def barrier(self, name: str | None = None) -> None:
         if not dist.is_initialized():

@@ -6,8 +6,11 @@ from their headers alone (names, shapes, dtypes), so a folder of another model, 
 refused before any process starts. One of our own checkpoints (a sharded folder or a ``.ckpt`` file, from any
 strategy and mesh) gives its model weights only, as a resume would load them, without optimizer or loop state. At
 setup the weights are loaded after the model was parallelized and materialized (a model built under ``trainer.init_module(empty_init=True)`` never exists whole), before replicated
-copies are made equal. A run given ``ckpt_path`` resumes from it: the checkpoint holds the trained weights, so
-``initial_weights`` is not read (a log line says so), and a YAML that keeps both resumes as it should.
+copies are made equal. A run that restores a checkpoint resumes from it: the checkpoint holds the trained weights,
+so ``initial_weights`` is not read (a log line says so). Whether it restores one is decided as Lightning decides it
+(:func:`~lightning_dist.compat.lightning.restores_a_checkpoint`): ``ckpt_path="last"`` restores nothing on the first
+launch of a restartable job, which then starts from ``initial_weights``, and a YAML that keeps both is right on every
+launch.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from lightning_dist.checkpoint.layout import DCP_INDEX, METADATA_FILENAME
 from lightning_dist.checkpoint.model_state import load_checkpoint_into
 from lightning_dist.checkpoint.pretrained import check_pretrained_fit, load_pretrained, read_pretrained_files
 from lightning_dist.checkpoint.validation import validate_checkpoint
+from lightning_dist.compat.lightning import restores_a_checkpoint
 
 if TYPE_CHECKING:
     from lightning_dist.strategies.base import MeshParallelStrategy
@@ -57,9 +61,10 @@ class InitialWeightsSetup(_Base):
     initial_weights: Path | None
     _resumes: bool = False
 
-    def check_initial_weights_before_launch(self, model: Module | None, ckpt_path: Any) -> None:
-        """The files found, and matched against ``model`` (whole, possibly on the meta device) when it exists."""
-        self._resumes = ckpt_path is not None
+    def check_initial_weights_before_launch(self, model: Module | None, trainer: Any, ckpt_path: Any) -> None:
+        """The files found, and matched against ``model`` (whole, possibly on the meta device) when it exists; not
+        when the entry point will restore a checkpoint (``ckpt_path``), whose weights replace them."""
+        self._resumes = restores_a_checkpoint(trainer, ckpt_path)
         if self.initial_weights is None or self._resumes:
             return
         if is_training_checkpoint(self.initial_weights):

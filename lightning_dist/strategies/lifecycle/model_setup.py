@@ -190,7 +190,7 @@ class ModelSetup(_Base):
             or getattr(model, PARALLELIZED, None) is not None
             or is_overridden("configure_model", model, pl.LightningModule)
         )
-        self.check_initial_weights_before_launch(None if unbuilt else model, arguments.get("ckpt_path"))
+        self.check_initial_weights_before_launch(None if unbuilt else model, trainer, arguments.get("ckpt_path"))
         for part in parts:
             part.preflight_after_model(trainer, arguments)
 

@@ -1,6 +1,6 @@
 """Context parallelism's part in a step: the batch's sequences sharded, attention dispatched to the cp group from
 forward to the end of backward, the shard's global positions given to the model, the first output checked for a
-sequence dimension, and predictions gathered back to whole sequences. The work is done by
+sequence dimension, predictions gathered back to whole sequences, and a warning for a synced sum (:mod:`.logged_sums`). The work is done by
 :class:`~.sequence_shards.ContextParallelSteps`, which declares this part."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_dist.compat.hugging_face import packed_sequences_not_detected
 from lightning_dist.parallel.context_parallel.batch import gather_outputs
+from lightning_dist.strategies.parallelisms.context_parallel.logged_sums import summed_logs_warned
 from lightning_dist.strategies.lifecycle.step_part import StepPart, StepRun
 
 if TYPE_CHECKING:
@@ -37,7 +38,11 @@ class ContextParallelPart(StepPart):
         strategy = self.strategy
 
         def training_step(*args: Any, **kwargs: Any) -> Any:
-            with strategy.global_positions(), strategy.first_output_checked("training_step"):
+            with (
+                strategy.global_positions(),
+                strategy.first_output_checked("training_step"),
+                summed_logs_warned(strategy.lightning_module, strategy.parallel_dims.cp, strategy.warned_sums),
+            ):
                 return run(*args, **kwargs)
 
         return training_step
@@ -51,6 +56,7 @@ class ContextParallelPart(StepPart):
                 packed_sequences_not_detected(),
                 strategy.global_positions(),
                 strategy.first_output_checked(step),
+                summed_logs_warned(strategy.lightning_module, strategy.parallel_dims.cp, strategy.warned_sums),
             ):
                 output = run(*args, **kwargs)
             seq_len = strategy.batch_sequence_length

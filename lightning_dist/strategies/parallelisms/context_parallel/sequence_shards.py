@@ -54,6 +54,7 @@ class ContextParallelSteps(_Base):
 
     def init_context_parallel(self, attention: str, load_balance: str, sequence_keys: list[str] | None) -> None:
         """Check and keep the context-parallel options (called from the strategy's ``__init__``)."""
+        self.warned_sums: set[str] = set()  # names logged as synced sums, warned about once (.logged_sums)
         if attention not in ALGORITHMS:
             raise ValueError(f"attention={attention!r} is not one of {list(ALGORITHMS)}.")
         if load_balance not in LAYOUTS:

@@ -1,6 +1,7 @@
 """Capturing the ``self.log`` calls a step makes once per micro-batch on the loss stage, and logging them on every
-pipeline rank: plain values averaged over micro-batches, torchmetrics ``Metric`` objects with their state copied
-from the loss stage (so every rank computes, syncs and logs the same value)."""
+pipeline rank: plain values combined over micro-batches as their ``reduce_fx`` says (sums summed, maxima and minima
+taken, means averaged: the whole batch's value, as one process logs it), torchmetrics ``Metric`` objects with their
+state copied from the loss stage (so every rank computes, syncs and logs the same value)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from lightning_dist.compat.lightning import (
     set_metric_step_value,
     set_metric_update_count,
 )
+from lightning_dist.strategies.lifecycle.logged_values import combine, log_options
 
 
 @dataclass
@@ -40,11 +42,13 @@ class LoggedValue:
 
         return isinstance(self.values[-1], Metric)
 
-    def mean(self) -> Tensor:
-        """The mean over micro-batches (as one process computes it for the whole batch of equal micro-batches)."""
+    def combined(self) -> Tensor:
+        """The whole batch's value from the micro-batches', by the call's ``reduce_fx`` (as one process computes it
+        for the whole batch; a mean over equal micro-batches)."""
         values = [torch.as_tensor(v.detach() if isinstance(v, Tensor) else v) for v in self.values]
         dtype = torch.promote_types(values[0].dtype, torch.float32)
-        return torch.stack([v.to(dtype) for v in values]).mean(0)
+        reduce_fx = log_options(self.name, self.values[-1], self.args, self.kwargs)["reduce_fx"]
+        return combine(torch.stack([v.to(dtype) for v in values]), reduce_fx)
 
 
 @dataclass
@@ -86,22 +90,33 @@ def captured_log(module: nn.Module, capture: LogCapture | None) -> Iterator[None
 
 
 def share_logs(
-    module: nn.Module, capture: LogCapture, loss: Tensor | None, group: Any, src: int, device: torch.device
+    module: nn.Module,
+    capture: LogCapture,
+    loss: Tensor | None,
+    group: Any,
+    src: int,
+    device: torch.device,
+    mesh_groups: dict[str, Any],
 ) -> Tensor | None:
     """Log on every rank of ``group`` what the step logged on the rank ``src`` of ``group`` (the loss stage) and
     return ``loss`` from there.
 
-    Plain values are averaged over micro-batches and sent; a logged torchmetrics ``Metric`` that is a submodule of
+    Plain values are combined over micro-batches (:meth:`LoggedValue.combined`) and sent; a logged torchmetrics ``Metric`` that is a submodule of
     ``module`` gets the loss stage's state (every rank holds the metric object, as metrics have no parameters), so
-    Lightning's step value, epoch ``compute()`` and its sync over data-parallel peers agree on every rank.
+    Lightning's step value, epoch ``compute()`` and its sync over data-parallel peers agree on every rank. A
+    ``sync_dist_group`` must be one of ``mesh_groups`` (the strategy's, by name): each stage syncs over its own.
     """
     holds = dist.get_rank(group) == src
     payload: list[Any] = [None]
     if holds:
         names = {id(m): n for n, m in module.named_modules()}
-        logs = [(v.name, v.mean().cpu(), v.args, v.kwargs) for v in capture.logged.values() if not v.is_metric]
+        logs = [
+            (v.name, v.combined().cpu(), v.args, _named_groups(v, mesh_groups))
+            for v in capture.logged.values()
+            if not v.is_metric
+        ]
         metrics = [
-            (v.name, names.get(id(v.values[-1])), _metric_state(v.values[-1]), v.args, v.kwargs)
+            (v.name, names.get(id(v.values[-1])), _metric_state(v.values[-1]), v.args, _named_groups(v, mesh_groups))
             for v in capture.logged.values()
             if v.is_metric
         ]
@@ -109,15 +124,43 @@ def share_logs(
     dist.broadcast_object_list(payload, group=group, group_src=src)
     shared_loss, logs, metrics = payload[0]
     for name, value, args, kwargs in logs:
-        module.log(name, value.to(device), *args, **kwargs)
+        module.log(name, value.to(device), *args, **_own_groups(kwargs, mesh_groups))
     for name, path, state, args, kwargs in metrics:
         if holds:
-            module.log(name, capture.logged[name].values[-1], *args, **kwargs)
+            module.log(name, capture.logged[name].values[-1], *args, **_own_groups(kwargs, mesh_groups))
         elif path is not None:  # a metric outside the module tree is logged on the loss stage only
             metric = module.get_submodule(path)
             _set_metric_state(metric, state, device)
-            module.log(name, metric, *args, **kwargs)
+            module.log(name, metric, *args, **_own_groups(kwargs, mesh_groups))
     return None if shared_loss is None else shared_loss.to(device)
+
+
+class _MeshGroup(str):
+    """A ``sync_dist_group`` sent to the other stages by its name in the mesh: each rank syncs over its own."""
+
+
+def _named_groups(logged: LoggedValue, mesh_groups: dict[str, Any]) -> dict[str, Any]:
+    """The call's keyword arguments with a ``sync_dist_group`` (a process group, which cannot be sent) replaced by the
+    name of the strategy's mesh group with the same ranks."""
+    group = logged.kwargs.get("sync_dist_group")
+    if group is None:
+        return logged.kwargs
+    ranks = dist.get_process_group_ranks(group)
+    name = next((n for n, g in mesh_groups.items() if dist.get_process_group_ranks(g) == ranks), None)
+    if name is None:
+        raise ValueError(
+            f"self.log({logged.name!r}, ..., sync_dist_group=<a group of ranks {ranks}>): under a pipeline the value"
+            " is logged on every stage, each syncing over its own stage's ranks, so the group must be one of the"
+            " strategy's: trainer.strategy.data_parallel_group, or trainer.strategy.process_group(name) with a name"
+            f" among {sorted(mesh_groups)}. Leave sync_dist_group out to sync over the data-parallel and"
+            " context-parallel ranks."
+        )
+    return {**logged.kwargs, "sync_dist_group": _MeshGroup(name)}
+
+
+def _own_groups(kwargs: dict[str, Any], mesh_groups: dict[str, Any]) -> dict[str, Any]:
+    group = kwargs.get("sync_dist_group")
+    return {**kwargs, "sync_dist_group": mesh_groups[group]} if isinstance(group, _MeshGroup) else kwargs
 
 
 def _metric_state(metric: Any) -> dict[str, Any]:

@@ -121,9 +121,10 @@ class PipelineSteps(PipelineStages):
         return None
 
     def _share_logs(self, capture: LogCapture, loss: Tensor | None) -> Tensor | None:
-        """Log on every rank what the loss stage's step logged (averaged over micro-batches); return its loss."""
+        """Log on every rank what the loss stage's step logged (combined over micro-batches); return its loss."""
         group = self.process_group("pp")
-        return share_logs(self.lightning_module, capture, loss, group, self.loss_stage, self.root_device)
+        mesh_groups = {name: self.process_group(name) for name in ("batch", "loss", "fsdp", "dp_shard", "cp", "tp")}
+        return share_logs(self.lightning_module, capture, loss, group, self.loss_stage, self.root_device, mesh_groups)
 
 
 def uneven_label_counts(labels: Any, n_microbatches: int, ignore_index: int = -100) -> list[int] | None:

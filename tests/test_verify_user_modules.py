@@ -45,21 +45,27 @@ SCRIPT = textwrap.dedent(
     import json, sys
     import lightning_dist
     from lightning_dist import TensorParallelStrategy
-    from user_modules import GANLike, OwnSamplerGPT
+    from user_modules import GANLike, OptionalSamplerGPT, OwnSamplerGPT, PlainLoaderGPT
 
 
-    class RankScaledOwnSamplerGPT(OwnSamplerGPT):
+    class RankScaled:
         '''A user bug that verify must still find: the loss depends on the rank.'''
 
         def training_step(self, batch, batch_idx):
             return super().training_step(batch, batch_idx) * (1 + self.global_rank)
 
 
+    class RankScaledOwnSamplerGPT(RankScaled, OwnSamplerGPT): ...
+    class RankScaledOptionalSamplerGPT(RankScaled, OptionalSamplerGPT): ...
+    class RankScaledPlainLoaderGPT(RankScaled, PlainLoaderGPT): ...
+
+
     if __name__ == "__main__":
         common = dict(dtype="float64", accelerator="cpu", use_distributed_sampler=False)
         reports = {}
-        for name, module, strategy, devices, steps in CHECKS:
-            report = lightning_dist.verify(module, strategy=strategy, devices=devices, steps=steps, **common)
+        for name, module, strategy, devices, steps, *trainer in CHECKS:
+            arguments = {**common, **(trainer[0] if trainer else {})}
+            report = lightning_dist.verify(module, strategy=strategy, devices=devices, steps=steps, **arguments)
             print(report.table(), flush=True)
             reports[name] = report.to_json()
         json.dump(reports, open(sys.argv[1], "w"))
@@ -80,20 +86,28 @@ def python_checks(tmp_path: Path, checks: list[str]) -> dict[str, dict]:
     return json.loads(out.read_text())
 
 
-def own_sampler_check(strategy: str, steps: int = 2, cls: str = "OwnSamplerGPT", name: str = "") -> str:
-    """The script line of a check of ``cls`` under ``strategy`` (reported as ``name``, by default the strategy's)."""
+def own_sampler_check(
+    strategy: str, steps: int = 2, cls: str = "OwnSamplerGPT", name: str = "", lightning_sampler: bool = False
+) -> str:
+    """The script line of a check of ``cls`` under ``strategy`` (reported as ``name``, by default the strategy's);
+    ``lightning_sampler``: with Lightning's default ``use_distributed_sampler=True``."""
     _, source, devices = STRATEGIES[strategy]
-    return f"({name or strategy!r}, {cls}(**{GPT_ARGS!r}), {source}, {devices}, {steps})"
+    trainer = ", {'use_distributed_sampler': True}" if lightning_sampler else ""
+    return f"({name or strategy!r}, {cls}(**{GPT_ARGS!r}), {source}, {devices}, {steps}{trainer})"
 
 
-def yaml_check(tmp_path: Path, strategy: str) -> tuple[int, dict, str]:
-    """``lightning-dist verify --config`` of a YAML with only ``model:`` and ``trainer:`` (no ``data:``)."""
+def yaml_check(
+    tmp_path: Path, strategy: str, cls: str = "OwnSamplerGPT", lightning_sampler: bool = False
+) -> tuple[int, dict, str]:
+    """``lightning-dist verify --config`` of a YAML with only ``model:`` and ``trainer:`` (no ``data:``) training
+    ``user_modules.<cls>``; ``lightning_sampler``: without ``use_distributed_sampler: false``."""
     entry, _, devices = STRATEGIES[strategy]
+    sampler = {} if lightning_sampler else {"use_distributed_sampler": False}
     config = {
         "seed_everything": 0,
-        "trainer": {"accelerator": "cpu", "devices": devices, "strategy": entry, "use_distributed_sampler": False,
-                    "max_steps": 100, "logger": False},
-        "model": {"class_path": "user_modules.OwnSamplerGPT", "init_args": GPT_ARGS},
+        "trainer": {"accelerator": "cpu", "devices": devices, "strategy": entry, **sampler, "max_steps": 100,
+                    "logger": False},
+        "model": {"class_path": f"user_modules.{cls}", "init_args": GPT_ARGS},
     }  # fmt: skip
     (tmp_path / "own_sampler.yaml").write_text(json.dumps(config))  # JSON is YAML
     report = tmp_path / "report.json"
@@ -148,6 +162,36 @@ def test_a_rank_scaled_loss_still_fails_and_a_gan_is_checked_under_fsdp2(tmp_pat
     whens = {row["when"] for row in gan["rows"] if row["quantity"] == "gradients"}
     assert whens == {f"optimizer {o} step {s}" for o in (0, 1) for s in (0, 1)}, whens  # 4 optimizer steps
     assert "loss" not in {row["quantity"] for row in gan["rows"]}  # its training_step returns nothing to compare
+
+
+#: The loaders of issue 53: a sampler only for several replicas (kept by Lightning under the strategy), and plain.
+OPTIONAL = ("OptionalSamplerGPT", "PlainLoaderGPT")
+
+
+@pytest.mark.slow
+def test_a_sampler_built_only_for_several_replicas_is_judged_on_the_samples_the_strategy_read(tmp_path):
+    """``DistributedSampler(...) if num_replicas > 1 else None`` with Lightning's default use_distributed_sampler:
+    under the strategy Lightning keeps the user's sampler (not shuffled); in one process the hook returns a plain
+    loader, which Lightning would shuffle. The reference now reads it as the user's code does (in order), so the
+    module is EQUIVALENT under fsdp2 and tensor_parallel (before: NOT VERIFIED, "0 in common"); a module that
+    leaves the sampler to Lightning is EQUIVALENT too, and both with a loss scaled by the rank are DIFFERENT on the
+    same samples. From the console script as well (fsdp2). Pipeline and hybrid3d pp2 × tp2: the full matrix."""
+    strategies = ["fsdp2", "tensor_parallel", *(["pipeline", "hybrid3d"] if FULL_MATRIX else [])]
+    checks = [own_sampler_check(s, cls=OPTIONAL[0], name=f"optional {s}", lightning_sampler=True) for s in strategies]
+    checks.append(own_sampler_check("fsdp2", cls=OPTIONAL[1], name="plain fsdp2", lightning_sampler=True))
+    for cls in OPTIONAL:
+        checks.append(own_sampler_check("fsdp2", 1, f"RankScaled{cls}", f"scaled {cls}", lightning_sampler=True))
+    reports = python_checks(tmp_path, checks)
+    for name in [*(f"optional {s}" for s in strategies), "plain fsdp2"]:
+        assert_equivalent(reports[name])
+    for cls in OPTIONAL:
+        scaled = reports[f"scaled {cls}"]
+        assert not scaled["passed"] and not scaled["failure"], scaled["summary"]
+        assert (scaled["first_difference"]["quantity"], scaled["first_difference"]["when"]) == ("loss", "train batch 0")
+        assert next(r for r in scaled["rows"] if r["quantity"] == "samples")["difference"] == 0
+    code, report, output = yaml_check(tmp_path, "fsdp2", OPTIONAL[0], lightning_sampler=True)
+    assert code == 0, output[-4000:]
+    assert_equivalent(report)
 
 
 @pytest.mark.slow

@@ -11,6 +11,12 @@ share one), through the loaders the user's hooks return in the reference's own p
   ``global // num_replicas``: in one process the hook already returns the global batch; nothing changes.
 - A sampler that is not a ``DistributedSampler`` (or one that reads the world size itself) is kept as it is, only
   the batch size follows the rule.
+- Where Lightning left the user's own sampler in place under the strategy (it leaves a ``DistributedSampler``, and
+  any sampler with ``use_distributed_sampler=False``), the reference's loader keeps the user's too, even when the
+  hook returns a plain loader in one process (``DistributedSampler(...) if num_replicas > 1 else None``), which
+  Lightning would otherwise shuffle with a ``DistributedSampler`` of its own: its sampler is wrapped in
+  :class:`UserOrder`, which Lightning leaves alone. Where Lightning replaced the sampler under the strategy, it
+  replaces it in the reference too (the same shuffled order).
 
 Whether the samples then agree is not assumed: both runs record a fingerprint of every training sample
 (:func:`sample_fingerprints`), and :mod:`~lightning_dist.verification.compare` checks them step by step.
@@ -19,13 +25,13 @@ Whether the samples then agree is not assumed: both runs record a fingerprint of
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from fractions import Fraction
 from typing import Any
 
 import torch
 from lightning.pytorch.core.hooks import DataHooks
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 #: The loader hooks whose batches verify counts (the candidate) or sets (the reference).
 HOOKS = {"train": "train_dataloader", "val": "val_dataloader"}
@@ -65,10 +71,39 @@ def global_batches(ranks: list[tuple[int, list[int | None]]]) -> list[int | None
     return totals
 
 
-def reference_loaders(loaders: Any, targets: list[int | None], ranks: int, same_ranks: bool) -> Any:
+def samplers_kept(returned: Any, used: Any) -> list[bool]:
+    """Per loader, whether the loader Lightning runs (``used``) reads with the sampler of the one the user's hook
+    returned (``returned``): Lightning did not put in a sampler of its own."""
+    return [getattr(u, "sampler", None) is getattr(r, "sampler", None) for r, u in zip(leaves(returned), leaves(used))]
+
+
+class UserOrder(DistributedSampler):
+    """The user's own ``sampler``, read as it is, in a loader Lightning leaves alone (it leaves a
+    ``DistributedSampler`` in place): the reference's loader where the strategy's ranks kept theirs."""
+
+    def __init__(self, sampler: Any, dataset: Any) -> None:
+        super().__init__(dataset, num_replicas=1, rank=0, shuffle=False)
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+
+def reference_loaders(
+    loaders: Any, targets: list[int | None], ranks: int, same_ranks: bool, kept: list[bool] | None = None
+) -> Any:
     """``loaders`` (the user's hook's return, in the reference) with each loader's batch set so that the reference's
     ``ranks`` ranks read its ``targets`` entry (the strategy's global batch) per step; ``same_ranks``: the strategy
-    had as many data-parallel ranks, where a loader whose batch is unknown is right as it is."""
+    had as many data-parallel ranks, where a loader whose batch is unknown is right as it is. ``kept``: per loader,
+    whether the strategy's ranks read it with the user's own sampler (then so does the reference)."""
     position = iter(range(len(leaves(loaders))))
 
     def each(one: Any) -> Any:
@@ -77,17 +112,21 @@ def reference_loaders(loaders: Any, targets: list[int | None], ranks: int, same_
         if isinstance(one, dict):
             return {key: each(x) for key, x in one.items()}
         index = next(position)
-        return resized_loader(one, targets[index] if index < len(targets) else None, ranks, same_ranks)
+        keep = bool(kept and index < len(kept) and kept[index])
+        return resized_loader(one, targets[index] if index < len(targets) else None, ranks, same_ranks, keep)
 
     return each(loaders)
 
 
-def resized_loader(loader: Any, target: int | None, ranks: int, same_ranks: bool) -> Any:
+def resized_loader(loader: Any, target: int | None, ranks: int, same_ranks: bool, keep_sampler: bool = False) -> Any:
     """``loader`` reading ``target`` samples per step over ``ranks`` ranks: itself when it already does, else a copy
-    with the batch size changed and everything else (its sampler first) kept."""
+    with the batch size changed and everything else (its sampler first) kept; ``keep_sampler``: with its sampler
+    wrapped in :class:`UserOrder` so that Lightning does not replace it."""
     size = batch_size(loader)
+    wrap = keep_sampler and isinstance(loader, DataLoader) and not isinstance(loader.sampler, DistributedSampler)
+    wrap = wrap and loader.batch_size is not None and not isinstance(loader.dataset, IterableDataset)
     if size is not None and target is not None and size * ranks == target:
-        return loader
+        return _copied(loader, size, UserOrder(loader.sampler, loader.dataset)) if wrap else loader
     if (size is None or target is None) and same_ranks:
         return loader  # the same loader code on as many data-parallel ranks reads the same batches
     if size is None or target is None or loader.batch_size is None:
@@ -103,10 +142,16 @@ def resized_loader(loader: Any, target: int | None, ranks: int, same_ranks: bool
             f"The strategy's global batch of {target} samples per step cannot be split over the reference's {ranks}"
             " ranks. Choose a batch size or an --against with a number of ranks that divides it."
         )
+    # the user's own sampler (a DistributedSampler, ...) or the default one Lightning replaces
+    return _copied(loader, int(new), UserOrder(loader.sampler, loader.dataset) if wrap else loader.sampler)
+
+
+def _copied(loader: DataLoader, size: int, sampler: Any) -> DataLoader:
+    """A copy of ``loader`` with ``size`` samples per batch drawn by ``sampler``."""
     return DataLoader(
         loader.dataset,
-        batch_size=int(new),
-        sampler=loader.sampler,  # the user's own (a DistributedSampler, ...) or the default one Lightning replaces
+        batch_size=size,
+        sampler=sampler,
         num_workers=loader.num_workers,
         collate_fn=loader.collate_fn,
         pin_memory=loader.pin_memory,

@@ -106,6 +106,7 @@ def run(workdir: Path, role: str) -> None:
         role,
         candidate_replicas=role_args.get("candidate_replicas", 0),
         candidate_batches=role_args.get("candidate_batches"),
+        candidate_kept=role_args.get("candidate_kept"),
         keep_dropout=settings.keep_dropout,
         save_checkpoint=role == "candidate",
         float8=role_args.get("float8"),

@@ -26,6 +26,7 @@ from lightning_dist.verification.data import (
     batch_size,
     leaves,
     reference_loaders,
+    samplers_kept,
     sample_fingerprints,
     wrap_dataloader_hooks,
 )
@@ -54,6 +55,8 @@ class VerifyRecorder(Callback):
         candidate_replicas: The reference's: how many data-parallel ranks the strategy's run had (0: the candidate).
         candidate_batches: The reference's: the strategy's global batch per loader (``"train"``, ``"val"``: a list,
             one entry per loader), which the reference's ranks read together in each step.
+        candidate_kept: The reference's: per loader (as ``candidate_batches``), whether the strategy's ranks read it
+            with the user's own sampler (Lightning did not replace it): the reference's then keeps the user's too.
         keep_dropout: Leave dropout on (its draws cannot agree between layouts, so verify zeroes it by default).
         save_checkpoint: Save a checkpoint at the end (the candidate's, for the round trip).
         float8: The reference's: the strategy's ``float8`` recipe and skip patterns, applied to the module here the
@@ -70,6 +73,7 @@ class VerifyRecorder(Callback):
         role: str,
         candidate_replicas: int = 0,
         candidate_batches: dict[str, list[int | None]] | None = None,
+        candidate_kept: dict[str, list[bool]] | None = None,
         keep_dropout: bool = False,
         save_checkpoint: bool = False,
         float8: dict[str, Any] | None = None,
@@ -79,6 +83,7 @@ class VerifyRecorder(Callback):
         self.initial = Path(workdir) / "initial.pt"
         self.candidate_replicas = candidate_replicas
         self.candidate_batches = candidate_batches or {}
+        self.candidate_kept = candidate_kept or {}
         self.keep_dropout = keep_dropout
         self.save_checkpoint = save_checkpoint
         self.float8 = float8
@@ -92,6 +97,8 @@ class VerifyRecorder(Callback):
         self._batch_idx = self._batches = 0
         self._tracing = ExitStack()
         self._loader_batches: dict[str, list[int | None]] = {}  # per stage, the batch size of each loader
+        self._returned: dict[str, Any] = {}  # per stage, the loaders the user's hook returned
+        self._loader_kept: dict[str, list[bool]] = {}  # per stage, whether Lightning kept each loader's sampler
         self._trainer: pl.Trainer | None = None
 
     @override
@@ -119,12 +126,14 @@ class VerifyRecorder(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
+        self._note_kept_samplers("train", trainer.train_dataloader)
         self.record["meta"] = {
             "rank": trainer.global_rank,
             "world_size": trainer.world_size,
             "replicas": _replicas(trainer),
             "data_parallel_rank": _data_parallel_rank(trainer),
             "loader_batches": self._loader_batches,
+            "loader_kept": self._loader_kept,  # the training loaders' now, the validation loaders' at validation
             "strategy": type(strategy).__name__,
             "mesh": str(getattr(strategy, "parallel_dims", "")),
             "precision": str(trainer.precision),
@@ -171,6 +180,7 @@ class VerifyRecorder(Callback):
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._note_kept_samplers("val", trainer.val_dataloaders)
         if not trainer.sanity_checking:
             self._anchor(trainer, pl_module, f"validation after step {trainer.global_step}")
 
@@ -201,14 +211,20 @@ class VerifyRecorder(Callback):
     def _count_batches(self, stage: str, loaders: Any) -> Any:
         """The strategy's run: note the batch size of each loader the user's hook returned on this rank."""
         self._loader_batches[stage] = [batch_size(loader) for loader in leaves(loaders)]
+        self._returned[stage] = loaders
         return loaders
+
+    def _note_kept_samplers(self, stage: str, used: Any) -> None:
+        """The strategy's run: whether Lightning runs the loaders of ``stage`` with the samplers the hook gave."""
+        if not self.candidate_replicas and stage in self._returned and stage not in self._loader_kept:
+            self._loader_kept[stage] = samplers_kept(self._returned[stage], used)
 
     def _reference_loaders(self, stage: str, loaders: Any) -> Any:
         """The reference: the user's loaders reading the strategy's global batch per step (see ``data.py``)."""
         assert self._trainer is not None
         ranks = _replicas(self._trainer)
-        targets = self.candidate_batches.get(stage, [])
-        return reference_loaders(loaders, targets, ranks, same_ranks=ranks == self.candidate_replicas)
+        targets, kept = self.candidate_batches.get(stage, []), self.candidate_kept.get(stage)
+        return reference_loaders(loaders, targets, ranks, same_ranks=ranks == self.candidate_replicas, kept=kept)
 
     def _record_samples(self, trainer: pl.Trainer) -> None:
         """Fingerprint every training batch as the loader gave it, before the strategy transforms it (context

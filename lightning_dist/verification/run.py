@@ -132,6 +132,7 @@ def _reference_run(
         "trainer": reference_strategy(settings.against, *devices),
         "candidate_replicas": ours[0]["meta"]["replicas"],
         "candidate_batches": batches,
+        "candidate_kept": ours[0]["meta"].get("loader_kept", {}),
         **extras,
     }
     if settings.anchored:

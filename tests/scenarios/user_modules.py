@@ -4,6 +4,9 @@
   ``self.trainer.strategy.distributed_sampler_kwargs`` and a per-rank batch of ``global_batch // num_replicas``
   (run with ``use_distributed_sampler=False``). In one process (no such kwargs) it reads the whole global batch.
   Debugging code reads ``self.global_rank`` only when ``OWN_SAMPLER_DEBUG`` is set.
+- :class:`OptionalSamplerGPT`: the same with a sampler (not shuffled) only when ``num_replicas > 1``: in one
+  process a plain loader, read in order; :class:`PlainLoaderGPT` returns plain loaders and leaves the sampler to
+  Lightning.
 - :class:`GANLike`: manual optimization with two optimizers (a generator and a critic), ``toggle_optimizer``,
   ``manual_backward``, gradient clipping by ``self.clip_gradients``; the critic runs outside ``forward``, twice per
   step. Each sample carries its own noise, so the global batch is the same on any number of ranks.
@@ -76,6 +79,36 @@ class OwnSamplerGPT(GPT):
 
     def val_dataloader(self) -> DataLoader:
         return own_loader(self, self.val_set, self.hparams.global_batch, shuffle=False, seed=self.hparams.data_seed)
+
+
+class OptionalSamplerGPT(OwnSamplerGPT):
+    """:class:`OwnSamplerGPT` as projects grown out of plain PyTorch write it: a ``DistributedSampler`` (not
+    shuffled) only when there is more than one data-parallel replica, else a plain loader (read in order)."""
+
+    def _loader(self, dataset: Dataset) -> DataLoader:
+        kwargs = sampler_kwargs(self)
+        replicas = kwargs["num_replicas"]
+        sampler = DistributedSampler(dataset, shuffle=False, drop_last=True, **kwargs) if replicas > 1 else None
+        return DataLoader(dataset, batch_size=self.hparams.global_batch // replicas, sampler=sampler, drop_last=True)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set)
+
+
+class PlainLoaderGPT(OwnSamplerGPT):
+    """:class:`OwnSamplerGPT` leaving the sampler to Lightning: plain loaders of ``global_batch // num_replicas``."""
+
+    def _loader(self, dataset: Dataset) -> DataLoader:
+        return DataLoader(dataset, batch_size=self.hparams.global_batch // sampler_kwargs(self)["num_replicas"])
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set)
 
 
 class NoisyPairs(Dataset):

@@ -273,6 +273,46 @@ def _escaping(kind: str) -> Callable[[Path], Path]:
     return build
 
 
+def _damaged_safetensors(damage: str) -> Callable[[Path], None]:
+    """A fit whose ``initial_weights`` is a safetensors file (of two tensors, ``a`` and ``b``) damaged by ``damage``."""
+
+    def attempt(tmp_path: Path) -> None:
+        import json
+        import struct
+
+        from safetensors.torch import save_file
+
+        path = tmp_path / "model.safetensors"
+        save_file({"a": torch.ones(4, 4), "b": torch.zeros(3)}, path)
+        raw = path.read_bytes()
+        length = struct.unpack("<Q", raw[:8])[0]
+        header, data = json.loads(raw[8 : 8 + length]), raw[8 + length :]
+        if damage == "cut short":
+            data = data[:-10]
+        elif damage == "overlap":
+            header["b"]["data_offsets"] = [0, 12]
+        elif damage == "past the end":
+            header["b"]["data_offsets"] = [64, 1000]
+        elif damage == "dtype":
+            header["b"]["dtype"] = "F64"
+        elif damage == "no shape":
+            del header["b"]["shape"]
+        elif damage == "list":
+            header = [header["a"], header["b"]]
+        elif damage == "folder":
+            path.unlink()
+            path.mkdir()
+        if damage != "folder":
+            encoded = json.dumps(header).encode()
+            path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data)
+        _fit(FSDP2Strategy(initial_weights=str(tmp_path)))
+
+    return attempt
+
+
+_DAMAGED_FILE = r"Pretrained weights: '<dir>/model.safetensors' is not a readable safetensors file: "
+
+
 ROWS: list[BadInput] = [
     # --- option types and values, from Python
     BadInput("A size given as a string in Python", lambda t: _fit(FSDP2Strategy(data_parallel_shard_size="2")),
@@ -472,6 +512,20 @@ ROWS: list[BadInput] = [
     BadInput("WeightAveraging (EMA) fitting a model an earlier fsdp2 fit sharded",
              lambda t: _trainer_with(WeightAveraging()).fit(_sharded_by_an_earlier_fit()),
              RuntimeError, r"WeightAveraging copies the LightningModule.*when fit starts.*Fit a fresh, unsharded instance"),
+    BadInput("initial_weights: a safetensors file cut short", _damaged_safetensors("cut short"),
+             CheckpointError, _DAMAGED_FILE + r"tensor 'b' ends at byte 76 of the data, which has 66 \(the file is cut short\)"),
+    BadInput("initial_weights: a safetensors header that puts two tensors on the same bytes", _damaged_safetensors("overlap"),
+             CheckpointError, _DAMAGED_FILE + r"tensor 'a' starts at byte 0 of the data, where 'b' ends at 12 \(overlapping it\)"),
+    BadInput("initial_weights: a safetensors tensor whose offsets run past its bytes", _damaged_safetensors("past the end"),
+             CheckpointError, _DAMAGED_FILE + r"tensor 'b' \(F32 \[3\]\) needs 12 bytes, but its offsets 64–1,000 hold 936"),
+    BadInput("initial_weights: a safetensors dtype whose size disagrees with the bytes", _damaged_safetensors("dtype"),
+             CheckpointError, _DAMAGED_FILE + r"tensor 'b' \(F64 \[3\]\) needs 24 bytes, but its offsets 64–76 hold 12"),
+    BadInput("initial_weights: a safetensors header entry without its shape", _damaged_safetensors("no shape"),
+             CheckpointError, _DAMAGED_FILE + r"its entry for tensor 'b' has no shape"),
+    BadInput("initial_weights: a safetensors header that is a JSON list", _damaged_safetensors("list"),
+             CheckpointError, _DAMAGED_FILE + r"its header is a JSON list, not an object of tensors"),
+    BadInput("initial_weights: a model.safetensors that is a folder", _damaged_safetensors("folder"),
+             CheckpointError, r"Pretrained weights: '<dir>/model\.safetensors' is a folder, not a safetensors file"),
 ]  # fmt: skip
 
 

@@ -268,3 +268,30 @@ def test_a_mixtrals_per_expert_file_loads_into_its_stacked_experts(tmp_path):
     message = _refusal(model, tmp_path / "one_expert_short.safetensors")
     assert "not in the file: model.layers.1.mlp.experts.gate_up_proj" in message
     assert "keys of the file are not in the model: model.layers.1.block_sparse_moe.experts.0.w1.weight" in message
+
+
+def test_a_base_models_weights_in_a_module_with_a_head_warn_naming_the_head(tmp_path):
+    """A base ``LlamaModel``'s folder as ``initial_weights`` of a causal-LM module: 20 of 21 tensors load and
+    ``lm_head.weight`` keeps its random init; the fit warns once, before the first step, naming it."""
+    import warnings
+
+    import lightning as L
+
+    from examples.data import TextDataModule
+    from lightning_dist import FSDP2Strategy
+    from tests.scenarios.models import PretrainedCausalLM, tiny_hf_causal_lm
+
+    torch.manual_seed(0)
+    lm = tiny_hf_causal_lm("llama")
+    lm.model.save_pretrained(tmp_path / "base")
+    lm.config.save_pretrained(tmp_path / "base")
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=FSDP2Strategy(initial_weights=str(tmp_path / "base")),
+                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0)  # fmt: skip
+    with trainer.init_module(empty_init=True):
+        module = PretrainedCausalLM(str(tmp_path / "base"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, TextDataModule(seq_len=16, batch_size=2, train_samples=8, val_samples=2))
+    left = [str(w.message) for w in caught if "keep their own initialization" in str(w.message)]
+    assert len(left) == 1 and "1 parameters or buffers" in left[0] and ": model.lm_head.weight." in left[0], left

@@ -209,3 +209,36 @@ def test_the_full_matrix_of_own_sampler_checks_and_the_gan_under_fsdp2(tmp_path)
         code, report, output = yaml_check(folder, name)
         assert code == 0, output[-4000:]
         assert_equivalent(report)
+
+
+@pytest.mark.slow
+def test_verify_of_a_config_with_initial_weights_starts_both_runs_from_the_files(tmp_path):
+    """``lightning-dist verify`` of a YAML whose strategy has ``initial_weights`` (a stock Llama folder, bf16, three
+    shards) and whose model is built from the folder's config: both runs start from the files' weights and the
+    verdict is EQUIVALENT in fp64. Before: the model was built on the meta device and the check crashed ("Cannot
+    copy out of meta tensor")."""
+    import torch
+    from scenarios.models import tiny_hf_causal_lm
+
+    torch.manual_seed(0)
+    tiny_hf_causal_lm("llama").to(torch.bfloat16).save_pretrained(tmp_path / "llama", max_shard_size="20KB")
+    config = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": 2, "max_steps": 100, "logger": False,
+                    "strategy": {"class_path": "lightning_dist.FSDP2Strategy",
+                                 "init_args": {"initial_weights": str(tmp_path / "llama")}}},
+        "model": {"class_path": "models.PretrainedCausalLM", "init_args": {"folder": str(tmp_path / "llama")}},
+        "data": {"class_path": "examples.data.TextDataModule",
+                 "init_args": {"seq_len": 16, "batch_size": 2, "train_samples": 32, "val_samples": 4}},
+    }  # fmt: skip
+    (tmp_path / "pretrained.yaml").write_text(json.dumps(config))
+    report = tmp_path / "report.json"
+    command = [sys.executable, "-m", "lightning_dist.cli", "verify", "--config", "pretrained.yaml", "--steps=2",
+               "--dtype=float64", "--json", str(report)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": USER_PATH}
+    done = subprocess.run(command, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0 and report.exists(), output[-4000:]
+    result = json.loads(report.read_text())
+    assert result["passed"] and "EQUIVALENT" in result["summary"], result["summary"]
+    assert any("both runs started from initial_weights=" in note for note in result["notes"]), result["notes"]

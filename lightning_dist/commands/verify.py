@@ -96,6 +96,7 @@ def main(argv: list[str]) -> None:
             (trainer.num_devices, trainer.num_nodes),
             reference_key=_reference_key(cli),
             reference_extras=extras,
+            initial_weights=getattr(trainer.strategy, "initial_weights", None),
         )
     except VerifyError as error:
         print(f"lightning-dist verify: error: {error}", file=sys.stderr)

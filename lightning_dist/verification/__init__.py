@@ -110,6 +110,7 @@ def verify(
         objects=objects,
         reference_key=_reference_key(model, datamodule, trainer_kwargs),
         reference_extras=extras,
+        initial_weights=getattr(strategy, "initial_weights", None),
     )
 
 

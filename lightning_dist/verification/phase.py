@@ -55,6 +55,12 @@ class VerifyCLI(DistCLI):
         super().__init__(*args, **kwargs)
 
     @override
+    def builds_model_on_meta_device(self) -> bool:
+        """Never: verify's runs are small, and both start from the same whole initial state (``initial_weights``
+        loaded into it first), which a model on the meta device does not have."""
+        return False
+
+    @override
     def before_instantiate_classes(self) -> None:
         super().before_instantiate_classes()
         settings, role, workdir = self.verify

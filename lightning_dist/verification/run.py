@@ -31,7 +31,7 @@ from lightning_dist.verification.data import HOOKS, global_batches
 from lightning_dist.verification.recorder import FOLLOW, RECORD, load_records
 from lightning_dist.verification.report import VerifyReport
 from lightning_dist.verification.settings import ONE_PROCESS, VerifySettings, default_tolerance, reference_strategy
-from lightning_dist.verification.tensors import initial_state
+from lightning_dist.verification.tensors import initial_state, start_from_initial_weights
 
 #: A file verify writes first into its work folder; a folder without it that is not empty is not verify's to use.
 MARKER = "lightning-dist-verify"
@@ -69,12 +69,14 @@ def run_check(
     objects: bytes | None = None,
     reference_key: str = "",
     reference_extras: dict[str, Any] | None = None,
+    initial_weights: str | Path | None = None,
 ) -> VerifyReport:
     """Run the check on ``module`` (a copy this function may change), whose runs are described by ``shared`` (what
     :mod:`~lightning_dist.verification.phase` reads: ``cli_args``, or the Python API's ``main_path`` and its pickled
     ``objects``). ``stated_tolerance`` is the strategy's own (tolerance, why, the quantities it holds for);
     ``reference_key`` names what the reference trains apart from the strategy (for ``settings.reference_cache``);
-    ``reference_extras`` go to the reference's run (see :func:`lightning_dist.verification.strategy_facts`)."""
+    ``reference_extras`` go to the reference's run (see :func:`lightning_dist.verification.strategy_facts`);
+    ``initial_weights``: the strategy's, loaded into ``module`` here, so that both runs start from them."""
     reference_extras = reference_extras or {}
     start = time.perf_counter()
     workdir, temporary = prepare_workdir(settings)
@@ -86,6 +88,16 @@ def run_check(
     report = VerifyReport(strategy, against, tolerance, reason, settings.steps, workdir=str(workdir))
     if hasattr(module, "configure_model"):
         module.configure_model()
+    meta = [name for name, value in module.state_dict().items() if isinstance(value, torch.Tensor) and value.is_meta]
+    if meta:
+        raise VerifyError(
+            f"verify needs the module built whole, and {len(meta)} of its tensors are on the meta device (e.g."
+            f" {meta[0]!r}): build it without init_module(empty_init=True) for verify (its runs are small), and"
+            " keep the strategy's initial_weights: both runs then start from those weights."
+        )
+    if initial_weights is not None:
+        start_from_initial_weights(module, Path(initial_weights))
+        report.notes.append(f"both runs started from initial_weights={str(initial_weights)!r}")
     torch.save(initial_state(module), workdir / "initial.pt")
     (workdir / "settings.json").write_text(json.dumps({"settings": vars(settings), **shared}))
     (workdir / "candidate.json").write_text(json.dumps({"anchoring": RECORD} if settings.anchored else {}))

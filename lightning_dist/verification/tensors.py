@@ -8,6 +8,7 @@ on the same parameters in the same order (they do: ranks of one mesh hold the sa
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -143,6 +144,20 @@ def load_training_state(module: nn.Module, optimizers: list[Optimizer], state: d
                         own[key] = type(current)(value)
 
 
+def start_from_initial_weights(module: nn.Module, path: Path) -> None:
+    """Load the strategy's ``initial_weights`` (pretrained files, or the model weights of one of our checkpoints) into
+    the whole ``module``, in this process, as the strategy loads them into its shards; the state the files do not
+    hold (a new head) keeps the module's own init."""
+    from lightning_dist.checkpoint.model_state import load_checkpoint_into
+    from lightning_dist.checkpoint.pretrained import load_pretrained
+    from lightning_dist.strategies.lifecycle.initial_weights import is_training_checkpoint
+
+    if is_training_checkpoint(path):
+        load_checkpoint_into(path, module, [], True, weights_only=True)
+    else:
+        load_pretrained(module, path)
+
+
 def initial_state(module: nn.Module) -> dict[str, Tensor]:
     """The parameters and buffers of an unparallelized ``module``, as CPU copies (for :func:`load_initial_weights`)."""
     return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items() if isinstance(v, Tensor)}
@@ -154,6 +169,7 @@ __all__ = [
     "full_parameters",
     "initial_state",
     "load_initial_weights",
+    "start_from_initial_weights",
     "load_training_state",
     "merge_anchors",
     "user_name",

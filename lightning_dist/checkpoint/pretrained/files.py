@@ -148,22 +148,77 @@ def _relative_name(folder: Path, name: object) -> str:
 
 
 def _tensors_of(file: Path) -> dict[str, FileTensor]:
-    """Every tensor in one safetensors file, from its header alone (8 bytes of length, then JSON)."""
-    with open(file, "rb") as stream:
-        size_bytes = stream.read(8)
-        size = struct.unpack("<Q", size_bytes)[0] if len(size_bytes) == 8 else -1
-        if not 0 < size <= _HEADER_LIMIT:
-            raise CheckpointError(f"Pretrained weights: {str(file)!r} is not a safetensors file (no header).")
-        try:
-            header = json.loads(stream.read(size))
-        except ValueError:
-            raise CheckpointError(f"Pretrained weights: {str(file)!r} has a damaged safetensors header.") from None
+    """Every tensor in one safetensors file, checked as the ``safetensors`` library reads it (the header, each
+    tensor's offsets inside the file and without overlap, its byte size against its shape and dtype): a damaged file
+    is refused here, before launch, naming the file and, where one is to blame, the tensor."""
+    from safetensors import SafetensorError, safe_open
+
+    if not file.is_file():
+        what = "a folder" if file.is_dir() else "not there"
+        raise CheckpointError(f"Pretrained weights: {str(file)!r} is {what}, not a safetensors file.")
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            entries = {key: handle.get_slice(key) for key in handle.keys()}
+            described = {key: (tuple(piece.get_shape()), piece.get_dtype()) for key, piece in entries.items()}
+    except (SafetensorError, OSError) as err:
+        why = _header_problem(file) or str(err).removeprefix("Error while deserializing header: ")
+        raise CheckpointError(
+            f"Pretrained weights: {str(file)!r} is not a readable safetensors file: {why}. Download or copy it again"
+            " (a transfer that stopped early leaves such a file)."
+        ) from None
     tensors = {}
+    for key, (shape, dtype_name) in described.items():
+        dtype = _DTYPES.get(dtype_name)
+        if dtype is None:
+            raise CheckpointError(f"Pretrained weights: {str(file)!r} holds {key!r} of an unknown dtype {dtype_name!r}.")
+        tensors[key] = FileTensor(shape, dtype, file)
+    return tensors
+
+
+def _header_problem(file: Path) -> str | None:
+    """What in ``file``'s header the safetensors library refused, naming the tensor; ``None`` if not found here."""
+    size = file.stat().st_size
+    with open(file, "rb") as stream:
+        length_bytes = stream.read(8)
+        if len(length_bytes) < 8:
+            return f"it has {size} bytes, fewer than the 8 of a header's length"
+        length = struct.unpack("<Q", length_bytes)[0]
+        if not 0 < length <= min(_HEADER_LIMIT, size - 8):
+            return f"its header length ({length:,} bytes) does not fit in the file ({size:,} bytes)"
+        try:
+            header = json.loads(stream.read(length))
+        except ValueError:
+            return "its header is not JSON"
+    if not isinstance(header, dict):
+        return f"its header is a JSON {type(header).__name__}, not an object of tensors"
+    data_bytes, end = size - 8 - length, 0
+    spans = []
     for key, entry in header.items():
         if key == "__metadata__":
             continue
-        dtype = _DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) else None
+        missing = [f for f in ("dtype", "shape", "data_offsets") if not isinstance(entry, dict) or f not in entry]
+        if missing:
+            return f"its entry for tensor {key!r} has no {' and no '.join(missing)}"
+        dtype = _DTYPES.get(entry["dtype"])
         if dtype is None:
-            raise CheckpointError(f"Pretrained weights: {str(file)!r} holds {key!r} of an unknown dtype ({entry!r}).")
-        tensors[key] = FileTensor(tuple(entry["shape"]), dtype, file)
-    return tensors
+            return f"tensor {key!r} has the unknown dtype {entry['dtype']!r}"
+        begin, stop = entry["data_offsets"]
+        nbytes = dtype.itemsize * int(torch.Size(entry["shape"]).numel())
+        if stop - begin != nbytes:
+            return (
+                f"tensor {key!r} ({entry['dtype']} {list(entry['shape'])}) needs {nbytes:,} bytes, but its offsets"
+                f" {begin:,}–{stop:,} hold {stop - begin:,}"
+            )
+        if stop > data_bytes:
+            return f"tensor {key!r} ends at byte {stop:,} of the data, which has {data_bytes:,} (the file is cut short)"
+        spans.append((begin, stop, key))
+    previous = None
+    for begin, stop, key in sorted(spans):
+        if begin != end:
+            where = f"where {previous!r} ends" if previous is not None else "where the data starts"
+            how = "overlapping it" if begin < end else "leaving a gap"
+            return f"tensor {key!r} starts at byte {begin:,} of the data, {where} at {end:,} ({how})"
+        end, previous = stop, key
+    if end != data_bytes:
+        return f"its tensors end at byte {end:,} of the data, which has {data_bytes:,}"
+    return None

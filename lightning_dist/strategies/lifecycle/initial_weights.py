@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn import Module
 
 from lightning_dist.checkpoint.layout import DCP_INDEX, METADATA_FILENAME
@@ -101,3 +103,27 @@ class InitialWeightsSetup(_Base):
             f"initial_weights: {report.loaded} tensors{stage} of {str(report.path)!r} loaded{where}, each rank reading"
             f" only the slices it holds, in {time.perf_counter() - start:.1f} s"
         )
+        left = _on_every_rank(report.outside_prefix)
+        if left:
+            rank_zero_warn(left_at_init_message(str(report.path), report.prefix, left))
+
+
+def _on_every_rank(names: tuple[str, ...]) -> list[str]:
+    """The union of ``names`` over all ranks (a pipeline stage holds only its own state), sorted."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return sorted(names)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, list(names))
+    return sorted({name for part in gathered for name in part})
+
+
+def left_at_init_message(path: str, prefix: str, names: list[str]) -> str:
+    """The warning for the state ``initial_weights`` left at the model's own init (outside the pretrained prefix)."""
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    where = f" (the pretrained model is at {prefix.rstrip('.')!r})" if prefix else ""
+    return (
+        f"initial_weights: {len(names)} parameters or buffers of the model are not in {path!r}{where} and keep their"
+        f" own initialization: {shown}. That is right for a new head or adapter; if one of them is the pretrained"
+        " model's own (a base model's weights given to a module with a language-model head), it trains from random"
+        " values: give the folder of the model with its head."
+    )

@@ -122,19 +122,54 @@ DEFAULT_BAD = ["tp_heads"]
     "case",
     [c if c in DEFAULT_BAD or FULL_MATRIX else pytest.param(c, marks=FULL_MATRIX_ONLY) for c in BAD_CONFIGURATIONS],
 )
-def test_a_broken_configuration_at_scale_is_reported_before_launch_with_the_rank_and_the_fix(tmp_path, case):
+def test_a_broken_configuration_at_scale_is_refused_before_any_rank_runs_with_the_fix(tmp_path, case):
+    """What every rank would refuse (sizes the model does not divide, experts ep does not divide, a stage reading
+    another's module) is found by the checks that need no rank: exit 2 in seconds, the cause once, and no summary
+    about memory or agreement. Before: every rank ran and failed, the cause printed once per rank and layer, and
+    the summary said the ranks agreed."""
+    import time
+
     args, named = BAD_CONFIGURATIONS[case]
+    start = time.monotonic()
     done = _dryrun(tmp_path, *args)
+    seconds = time.monotonic() - start
     text = done.stdout + done.stderr
-    assert done.returncode in (1, 2), text
-    if done.returncode == 1:  # found on the ranks: each failed rank is named with its error
-        report = json.loads((tmp_path / "dry.json").read_text())
-        failed = [r for r in report["ranks"] if r["error"]]
-        assert failed and not report["passed"]
-        assert all(f"{r['rank']:>6}  {r['role']}" in text for r in failed)
-    else:  # found while the mesh is resolved, before any rank runs
-        assert "lightning-dist dryrun: error:" in done.stderr
+    assert done.returncode == 2 and "lightning-dist dryrun: error:" in done.stderr, text
+    assert seconds < 60 and "memory:" not in text and "collectives:" not in text and not (tmp_path / "dry.json").exists()
     assert all(word in text for word in named), text
+    assert text.count(named[0]) == 1, text  # one line for every layer with the same cause
+
+
+def test_a_micro_batch_split_that_does_not_divide_ends_the_dry_run_before_any_rank(tmp_path):
+    done = _dryrun(tmp_path, "--config", str(CONFIGS / "pipeline_1f1b.yaml"), "--world-size", "1024",
+                   "--trainer.strategy.init_args.data_parallel_shard_size=256",
+                   "--trainer.strategy.init_args.n_microbatches=6")  # fmt: skip
+    assert done.returncode == 2 and "not divisible by n_microbatches=6" in done.stderr, done.stdout + done.stderr
+    assert "memory:" not in done.stdout
+
+
+def test_mesh_auto_is_planned_as_fit_plans_it_and_every_rank_runs_that_mesh(tmp_path):
+    """``mesh: auto`` (configs/hybrid3d_auto.yaml) at 256 ranks: the planner's mesh, printed, for every rank; the
+    ranks agree. Before: a traceback, "mesh='auto' is chosen for a model", exit 1."""
+    done = _dryrun(tmp_path, "--config", str(ROOT / "configs" / "hybrid3d_auto.yaml"), "--world-size", "256",
+                   "--num-nodes", "32")  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "dry.json").read_text())
+    assert report["agree"] and report["passed"] and all(r["error"] is None for r in report["ranks"])
+    assert f"mesh='auto': the planner chose {report['mesh']}, as fit would" in done.stdout
+
+
+def test_a_report_whose_ranks_failed_claims_nothing_they_did_not_show():
+    from lightning_dist.dryrun.report import DryRunReport
+
+    failed = [RankRecord(0, "tp0", error="ValueError: boom"), RankRecord(7, "tp7", error="ValueError: boom")]
+    table = DryRunReport(16, 2, "tp=8", failed, [], device_memory=80 * 2**30).table()
+    assert table.count("ValueError: boom") == 1 and "failed: as rank 0" in table
+    assert "memory:" not in table and "collectives:" not in table and "no rank finished its step" in table
+    some = [RankRecord(0, "tp0", memory={"total": 2**30}), RankRecord(7, "tp7", error="ValueError: boom")]
+    table = DryRunReport(16, 2, "tp=8", some, [], device_memory=80 * 2**30).table()
+    assert "memory: every rank that finished (1 of 2) within 80.0 GiB" in table
+    assert "collectives: the ranks that finished (1 of 2) agree" in table
 
 
 def test_pipeline_stages_send_bf16_activations_under_bf16_mixed_and_later_stages_hold_no_copy_of_earlier_blocks():

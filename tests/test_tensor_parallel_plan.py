@@ -110,11 +110,11 @@ def test_kv_heads_fewer_than_tp_are_replicated_and_other_counts_refused():
     with pytest.raises(TensorParallelPlanError) as err:
         infer_plan(LlamaLike(num_heads=12, num_key_value_heads=4, hidden_size=48)).validate(6)
     message = str(err.value)
-    assert (
-        "model.layers.0.self_attn: key/value heads (grouped-query attention) = 4 is not divisible by"
-        " tensor_parallel_size=6 and does not divide it" in message
+    assert (  # one line for every layer with the same problem (a 28-layer model: one line, not 28)
+        "model.layers.0–1.self_attn: key/value heads (grouped-query attention) = 4 is not divisible by"
+        " tensor_parallel_size=6 and does not divide it (2 modules)" in message
     )
-    assert "model.layers.1.self_attn" in message
+    assert "model.layers.1.self_attn:" not in message and message.count("model.layers.0–1.mlp.up_proj") == 1
 
 
 def test_heads_and_vocabulary_not_divisible():
@@ -122,7 +122,7 @@ def test_heads_and_vocabulary_not_divisible():
     with pytest.raises(TensorParallelPlanError) as err:
         plan.validate(2)
     message = str(err.value)
-    assert "blocks.0.attn: attention heads = 3 is not divisible by tensor_parallel_size=2" in message
+    assert "blocks.0.attn: attention heads = 3 is not divisible by tensor_parallel_size=2" in message  # one block
     assert "tok_emb: vocabulary (Embedding.num_embeddings) = 63" in message
     assert "head: vocabulary (Linear.out_features) = 63" in message
     assert "pad the vocabulary to a multiple of tp" in message
@@ -185,7 +185,7 @@ def test_transformer_encoder_layer_attention_is_sharded_by_heads_and_its_mlp_pla
     assert plan.head_attributes["layers.0.self_attn"] == {"num_heads": 2, "embed_dim": 16}
     assert not plan.unplanned
     plan.validate(2)
-    with pytest.raises(TensorParallelPlanError, match=r"layers.0.self_attn: attention heads.* = 2 is not divisible"):
+    with pytest.raises(TensorParallelPlanError, match=r"layers.0–1.self_attn: attention heads.* = 2 is not divisible.*\(2 modules\)"):
         plan.validate(4)
     sp = infer_plan(model, sequence_parallel=True)  # the layer keeps its norms and residual stream inside
     assert sp.styles["layers.0.self_attn"] == {"style": "multihead_attention", "sequence_dim": 1}
@@ -194,7 +194,7 @@ def test_transformer_encoder_layer_attention_is_sharded_by_heads_and_its_mlp_pla
     seq_first = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, dim_feedforward=32), 2)
     sp = infer_plan(seq_first, sequence_parallel=True)
     assert "batch_first=False under sequence_parallel" in sp.unplanned["layers.0.self_attn"]
-    with pytest.raises(TensorParallelPlanError, match=r"layers.0.self_attn.*only this rank's slice of the sequence"):
+    with pytest.raises(TensorParallelPlanError, match=r"layers.0–1.self_attn.*only this rank's slice of the sequence"):
         sp.validate(2)
 
 
@@ -244,7 +244,7 @@ def test_explicit_plan_patterns_checks_and_head_attributes():
         resolve_explicit_plan(model, {"head": "columnwise"})
     with pytest.raises(TensorParallelPlanError, match=r"blocks.0.attn is a CausalSelfAttention: colwise/rowwise"):
         resolve_explicit_plan(model, {"blocks.0.attn": "colwise"})
-    with pytest.raises(TensorParallelPlanError, match=r"blocks.0.mlp.up: output features.*= 128 is not divisible"):
+    with pytest.raises(TensorParallelPlanError, match=r"blocks.0–1.mlp.up: output features.*= 128 is not divisible.*\(2 modules\)"):
         resolve_explicit_plan(model, {"blocks.*.mlp.up": "colwise"}).validate(3)
 
 

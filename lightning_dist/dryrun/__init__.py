@@ -6,8 +6,11 @@
 
 How it goes:
 
-1. **The mesh** (:func:`mesh_of`): the configuration is built as ``lightning-dist fit`` builds it, for rank 0 of
-   ``world_size``; the strategy resolves its mesh (a size that does not fit fails here, as it would at launch).
+1. **The mesh and the checks that need no rank** (:func:`checked_configuration`): the configuration is built as
+   ``lightning-dist fit`` builds it, for rank 0 of ``world_size``; the strategy resolves its mesh (a size that does
+   not fit fails here, as it would at launch; ``mesh="auto"`` is the planner's choice, fixed for every rank) and
+   checks the model and the first batch against it (heads or a vocabulary the sizes do not divide, a micro-batch
+   split): what every rank would refuse ends the dry run here, in seconds.
 2. **The roles** (:mod:`.roles`): each pipeline stage's first rank and, per axis, the last rank on it; plus any rank
    asked for.
 3. **Each rank** (:mod:`.rank_run`), in a process of its own (:mod:`.rank_process`: forked from a server that imported
@@ -27,14 +30,16 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from lightning_dist.dryrun.agreement import Disagreement, disagreements
 from lightning_dist.dryrun.fake_world import fake_rank
 from lightning_dist.dryrun.rank_process import run_ranks
-from lightning_dist.dryrun.rank_run import Collective, RankRecord, build_trainer, quiet
+from lightning_dist.dryrun.rank_run import Collective, RankRecord, build_trainer, check_before_ranks, quiet
 from lightning_dist.dryrun.report import DryRunReport
 from lightning_dist.dryrun.roles import chains, choose_ranks
-from lightning_dist.parallel.mesh import ParallelDims
+from lightning_dist.parallel.mesh import MESH_AXES, ParallelDims
+from lightning_dist.strategies.base import MeshParallelStrategy
 
 __all__ = ["Collective", "Disagreement", "DryRunError", "DryRunReport", "RankRecord", "dry_run", "mesh_of"]
 
@@ -46,22 +51,53 @@ class DryRunError(ValueError):
 
 def mesh_of(cli_args: list[str], world_size: int, num_nodes: int = 1) -> ParallelDims:
     """The mesh the configuration's strategy makes of ``world_size`` ranks."""
+    return checked_configuration(cli_args, world_size, num_nodes).dims
+
+
+@dataclass(frozen=True)
+class CheckedConfiguration:
+    """The configuration as rank 0 builds it, checked: its mesh, the arguments that fix a planner's mesh
+    (``mesh="auto"``) for every rank, and what the planner chose (``None``: the sizes were given)."""
+
+    dims: ParallelDims
+    rank_args: list[str]
+    planned: str | None = None
+
+
+def checked_configuration(cli_args: list[str], world_size: int, num_nodes: int = 1) -> CheckedConfiguration:
+    """Build the configuration for rank 0 of ``world_size`` and run every check that needs no rank (the mesh against
+    the world size, the model against the mesh — heads, vocabulary and blocks the sizes must divide —, the first
+    batch against micro-batches and sequence shards): a configuration every rank would refuse ends here, in
+    seconds, with :class:`DryRunError`. ``mesh="auto"`` is resolved by the planner, as ``fit`` resolves it."""
     if world_size < 1 or num_nodes < 1 or world_size % num_nodes:
         raise DryRunError(f"--world-size {world_size} must be a positive multiple of --num-nodes {num_nodes}.")
     with quiet(), fake_rank(0, world_size, world_size // num_nodes):
         try:
-            strategy = build_trainer(cli_args, world_size, num_nodes).trainer.strategy
+            cli = build_trainer(cli_args, world_size, num_nodes)
         except SystemExit as exit_:  # the CLI's own parse errors
             raise DryRunError(f"the configuration cannot be parsed (exit status {exit_.code}).") from None
         except Exception as error:  # noqa: BLE001 (whatever the Trainer refuses is the user's message)
             raise DryRunError(str(error)) from None
-        dims = getattr(strategy, "parallel_dims", None)
-        if not isinstance(dims, ParallelDims):
+        strategy = cli.trainer.strategy
+        if not isinstance(strategy, MeshParallelStrategy):
             raise DryRunError(
                 f"trainer.strategy is {type(strategy).__name__}: a dry run rehearses lightning_dist's strategies"
                 " (fsdp2, zeropp, tensor_parallel, context_parallel, hybrid3d)."
             )
-        return dims
+        try:
+            planned = not strategy.mesh_is_known()
+            strategy.connect(cli.model)  # as fit connects it: mesh="auto" plans for it
+            dims = strategy.parallel_dims
+            check_before_ranks(strategy, cli.trainer, cli.model, cli.datamodule)
+        except Exception as error:  # noqa: BLE001 (each is the message every rank would fail with)
+            raise DryRunError(f"{type(error).__name__}: {error}") from None
+    if not planned:
+        return CheckedConfiguration(dims, [])
+    shape = [[getattr(dims, axis) for axis in MESH_AXES], list(MESH_AXES)]
+    rank_args = ["--trainer.strategy.init_args.mesh=null", f"--trainer.strategy.init_args.mesh_shape={shape}"]
+    if dims.ep > 1:
+        rank_args.append(f"--trainer.strategy.init_args.expert_parallel_size={dims.ep}")
+    return CheckedConfiguration(dims, rank_args, f"mesh='auto': the planner chose {dims}, as fit would")
 
 
 def dry_run(
@@ -83,7 +119,8 @@ def dry_run(
         all_ranks: Run every rank (small worlds: what the truth checks compare with a real run).
     """
     start = time.perf_counter()
-    dims = mesh_of(cli_args, world_size, num_nodes)
+    checked = checked_configuration(cli_args, world_size, num_nodes)
+    dims, cli_args = checked.dims, [*cli_args, *checked.rank_args]
     roles = choose_ranks(dims, range(world_size) if all_ranks else ranks)
     # a pipeline's stages wait on each other's shapes: the ranks of one chain run at once, chain after chain
     pipelined = dims.pp > 1
@@ -97,7 +134,7 @@ def dry_run(
         ranked = run_ranks(tasks, workers, _python_path())
     ranked.sort(key=lambda record: record.rank)
     return DryRunReport(world_size, num_nodes, str(dims), ranked, disagreements(ranked), device_memory,
-                        time.perf_counter() - start, dims)  # fmt: skip
+                        time.perf_counter() - start, dims, checked.planned)  # fmt: skip
 
 
 def _python_path() -> str:

@@ -99,6 +99,25 @@ def build_trainer(cli_args: list[str], world_size: int, num_nodes: int, steps: i
     return cli
 
 
+def check_before_ranks(strategy: Any, trainer: Any, model: Any, datamodule: Any) -> None:
+    """The strategy's checks of the model and the first batch against its mesh, as ``fit`` makes them before launch
+    (each parallelism's checks of the first batch around the model's), on the model connected to ``strategy``."""
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    arguments = {"model": model, "datamodule": datamodule, "ckpt_path": None}
+    strategy.rehearses_launch, trainer.state.fn = True, TrainerFn.FITTING  # as fit's launching process checks
+    parts = strategy.step_parts()
+    for part in parts:
+        part.preflight_before_model(trainer, arguments)
+    if not is_overridden("configure_model", model, LightningModule):
+        strategy.check_model(model)
+    for part in parts:
+        part.preflight_after_model(trainer, arguments)
+
+
 def run_rank(
     cli_args: list[str],
     rank: int,

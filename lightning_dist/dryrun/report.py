@@ -22,6 +22,7 @@ class DryRunReport:
     device_memory: int | None = None
     seconds: float = 0.0
     dims: ParallelDims | None = None
+    planned: str | None = None  # mesh="auto": what the planner chose
 
     @property
     def agree(self) -> bool:
@@ -78,10 +79,13 @@ class DryRunReport:
                 f" {len(self.ranks)} ranks run in {self.seconds:.1f} s")  # fmt: skip
         columns = (f"{'rank':>6}  {'role':<28} {'peak GiB':>9} {'params':>8} {'grads':>8} {'optim':>8}"
                    f" {'activ.':>8} {'later':>8} {'colls':>6}")  # fmt: skip
-        lines = [head, "", columns]
+        lines = [head, *([self.planned] if self.planned else []), "", columns]
+        first_with: dict[str, int] = {}  # an error's text → the first rank that failed with it
         for r in self.ranks:
             if r.error is not None:
-                lines.append(f"{r.rank:>6}  {r.role:<28} failed: {r.error}")
+                same = first_with.setdefault(r.error, r.rank)
+                told = r.error if same == r.rank else f"as rank {same}"
+                lines.append(f"{r.rank:>6}  {r.role:<28} failed: {told}")
                 continue
             m = r.memory
             lines.append(
@@ -90,13 +94,21 @@ class DryRunReport:
                 f" {m.get('activations', 0) / GIB:>8.3f} {r.later_step_bytes / GIB:>8.3f} {len(r.collectives):>6}"
             )
         lines.append("")
+        ran = len(self.ranks) - len(self.failed)
+        if self.failed:
+            causes = "; ".join(f"{sum(r.error == e for r in self.failed)} with rank {k}'s error" for e, k in first_with.items())
+            lines.append(f"failed: {len(self.failed)} of the {len(self.ranks)} ranks run ({causes})")
+        if not ran:
+            lines.append("no rank finished its step: nothing is known of memory or collectives")
+            return "\n".join(lines)
+        some = "" if not self.failed else f" that finished ({ran} of {len(self.ranks)})"
         lines.append(
             "peak: the step run (by category); later: a later step's peak, with the optimizer states (projected)"
         )
         if self.device_memory is not None:
             over = self.over_memory
             lines.append(
-                f"memory: every rank within {self.device_memory / GIB:.1f} GiB"
+                f"memory: every rank{some} within {self.device_memory / GIB:.1f} GiB"
                 if not over
                 else f"memory: {len(over)} rank(s) over {self.device_memory / GIB:.1f} GiB: "
                 + ", ".join(
@@ -105,7 +117,7 @@ class DryRunReport:
                 )
             )
         if self.agree:
-            lines.append("collectives: the ranks agree on every group they share")
+            lines.append(f"collectives: the ranks{some} agree on every group they share")
         else:
             lines.append(f"collectives: {len(self.disagreements)} disagreement(s); the first: "
                          + self.disagreements[0].describe())  # fmt: skip

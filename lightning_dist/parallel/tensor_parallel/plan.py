@@ -193,7 +193,7 @@ class TensorParallelPlan:
         if problems:
             raise TensorParallelPlanError(
                 f"Cannot shard the model over tensor_parallel_size={tp}:\n  - "
-                + "\n  - ".join(dict.fromkeys(problems))
+                + "\n  - ".join(grouped_by_block(list(dict.fromkeys(problems))))
                 + "\nChoose a tensor_parallel_size that divides these sizes, change the model's sizes (pad the"
                 " vocabulary to a multiple of tp), or pass an explicit `plan=` that leaves these modules out."
             )
@@ -393,3 +393,23 @@ def size_checks(name: str, module: nn.Module, options: dict[str, Any]) -> list[D
             " nn.Embedding and Hugging Face Conv1D only. Name its Linear children instead."
         )
     return []
+
+
+def grouped_by_block(problems: list[str]) -> list[str]:
+    """``"name: why"`` lines, those that differ only in the block index of the name given once with the indices
+    (``blocks.0–27.attn: attention heads = 28 is not divisible ... (28 modules)``), in first-seen order."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for problem in problems:
+        name, _, why = problem.partition(": ")
+        found = re.search(r"(?:^|\.)(\d+)(?=\.|$)", name)
+        key = (name[: found.start(1)] + "{}" + name[found.end(1) :], why) if found else (name.replace("{", "{{"), why)
+        groups.setdefault(key, []).append(found.group(1) if found else "")
+    lines = []
+    for (pattern, why), indices in groups.items():
+        if len(indices) == 1:
+            lines.append(f"{pattern.format(indices[0])}: {why}")
+            continue
+        numbers = sorted(int(i) for i in indices)
+        span = f"{numbers[0]}–{numbers[-1]}" if numbers == list(range(numbers[0], numbers[-1] + 1)) else ",".join(indices)
+        lines.append(f"{pattern.format(span)}: {why} ({len(indices)} modules)")
+    return lines

@@ -59,6 +59,17 @@ class ProcessSetup(_Base):
         dims = self.parallel_dims
         return {"num_replicas": dims.batch, "rank": dims.batch_rank(self.global_rank)}
 
+    #: Set by a rehearsal of the launch (the dry run) that checks, as the launching process would, in a process
+    #: that looks like a rank torchrun started.
+    rehearses_launch: bool = False
+
+    @property
+    def reads_data_before_launch(self) -> bool:
+        """Whether this process reads the entry point's first batch for the checks before launch: the one that
+        launches the others does (ranks that torchrun or SLURM created check their first batch after launch,
+        together, so that no rank refuses alone), and so does a rehearsal of the launch."""
+        return self.rehearses_launch or not self.cluster_environment.creates_processes_externally
+
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None

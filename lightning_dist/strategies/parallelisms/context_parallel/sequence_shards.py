@@ -101,7 +101,7 @@ class ContextParallelSteps(_Base):
         sequences of a length the layout splits (see :func:`~...lifecycle.first_batch.first_batch`).
         Only the process that launches the others reads it: ranks created elsewhere (torchrun, SLURM) check their
         first batch together after launch instead, so that no rank refuses alone."""
-        launching = not self.cluster_environment.creates_processes_externally
+        launching = self.reads_data_before_launch
         if launching and self.mesh_is_known() and self.context_parallel:
             batch = first_batch(arguments, trainer.state.fn.value if trainer.state.fn else "fit")
             if batch is not None:

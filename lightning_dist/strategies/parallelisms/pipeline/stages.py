@@ -122,7 +122,7 @@ class PipelineStages(_Base):
         launching process reads it; ranks created elsewhere (torchrun, SLURM) meet the same checks on their first
         batch, before the step's first collective."""
         model = self.lightning_module
-        launching = not self.cluster_environment.creates_processes_externally
+        launching = self.reads_data_before_launch
         if not (launching and self.mesh_is_known() and self.pipelined and trainer.state.fn == TrainerFn.FITTING):
             return
         if model is None or getattr(model, PARALLELIZED, None) is not None:

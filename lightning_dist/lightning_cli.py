@@ -8,6 +8,7 @@ YAML as well as ``class_path: lightning_dist.FSDP2Strategy``. The console entry 
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from contextlib import nullcontext
@@ -57,6 +58,17 @@ class DistCLI(LightningCLI):
         return bool(init_args is not None and hasattr(init_args, "get") and init_args.get("initial_weights"))
 
     @override
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        """Lightning's, but ``--print_config`` prints only a configuration whose strategy options the strategy
+        accepts: the same refusal as ``fit``'s, first (jsonargparse prints without building the strategy)."""
+        given = sys.argv[1:] if args is None else args
+        if isinstance(given, list) and any(str(a).split("=")[0] == "--print_config" for a in given):
+            config = parser.parse_args([a for a in given if str(a).split("=")[0] != "--print_config"])
+            subcommand = config.get("subcommand")
+            check_strategy_options(config.get(subcommand) if subcommand else config)
+        super().parse_arguments(parser, args)
+
+    @override
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand) if self.subcommand else self.config
         trainer = (config or {}).get("trainer") or {}
@@ -65,6 +77,31 @@ class DistCLI(LightningCLI):
             raise SystemExit(f"trainer.strategy: {unknown_strategy_message(strategy)}")
         if str(precision).startswith("transformer-engine") and _is_ours(strategy):
             raise SystemExit(f"trainer.precision: {unsupported_precision_message(precision)}")
+        check_strategy_options(config)
+
+
+def check_strategy_options(config: Any) -> None:
+    """Build a lightning_dist strategy given as ``class_path``/``init_args`` in ``config`` (a subcommand's) once, to
+    refuse its options with the strategy's own message on the first line (jsonargparse would bury it in a union
+    error that dumps the whole namespace). A strategy whose options hold other classes is left to the CLI."""
+    from jsonargparse import Namespace
+
+    strategy = ((config or {}).get("trainer") or {}).get("strategy")
+    class_path = strategy.get("class_path") if isinstance(strategy, Namespace) else None
+    if not isinstance(class_path, str) or not class_path.startswith("lightning_dist"):
+        return
+    module, _, name = class_path.rpartition(".")
+    cls = getattr(importlib.import_module(module), name, None)
+    init_args = strategy.get("init_args")
+    options = init_args.as_dict() if isinstance(init_args, Namespace) else dict(init_args or {})
+    if not isinstance(cls, type) or not issubclass(cls, MeshParallelStrategy):
+        return
+    if any(isinstance(value, dict) and "class_path" in value for value in options.values()):
+        return
+    try:
+        cls(**options)
+    except (ValueError, TypeError) as error:
+        raise SystemExit(f"trainer.strategy: {error}") from None
 
 
 class _MetaDeviceModel:

@@ -86,8 +86,9 @@ def _fit(
     trainer.fit(model if model is not None else _gpt(), ckpt_path=ckpt_path)
 
 
-def _cli(tmp_path: Path, **overrides: Any) -> None:
-    """``lightning-dist fit --config`` with configs/fsdp2.yaml changed by ``overrides`` (dotted keys)."""
+def _cli(tmp_path: Path, *flags: str, **overrides: Any) -> None:
+    """``lightning-dist fit --config`` with configs/fsdp2.yaml changed by ``overrides`` (dotted keys), and
+    ``flags`` after it (``--print_config``)."""
     from lightning_dist.cli import main
 
     config = yaml.safe_load((REPO_ROOT / "configs" / "fsdp2.yaml").read_text())
@@ -99,7 +100,7 @@ def _cli(tmp_path: Path, **overrides: Any) -> None:
         node[leaf] = value
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    main(["fit", "--config", str(path), f"--trainer.default_root_dir={tmp_path}"])
+    main(["fit", "--config", str(path), f"--trainer.default_root_dir={tmp_path}", *flags])
 
 
 class _HFCausalLM(LightningModule):
@@ -361,6 +362,12 @@ ROWS: list[BadInput] = [
     BadInput("A misspelt option in YAML",
              lambda t: _cli(t, **{"trainer.strategy": {"class_path": "lightning_dist.FSDP2Strategy", "init_args": {"reshard_after_forwad": True}}}),
              SystemExit, r"reshard_after_forwad"),
+    BadInput("An option value the strategy refuses, in YAML",
+             lambda t: _cli(t, **{"trainer.strategy": {"class_path": "lightning_dist.ZeroPPStrategy", "init_args": {"hpz_partition_size": 1}}}),
+             SystemExit, r"^trainer\.strategy: hpz_partition_size=1 must be 'auto' \(ranks per node\), an int >= 2, or None"),
+    BadInput("An option value the strategy refuses, in YAML, with --print_config",
+             lambda t: _cli(t, "--print_config", **{"trainer.strategy": {"class_path": "lightning_dist.ZeroPPStrategy", "init_args": {"hpz_partition_size": 1}}}),
+             SystemExit, r"^trainer\.strategy: hpz_partition_size=1 must be 'auto' \(ranks per node\), an int >= 2, or None"),
     BadInput("An unknown strategy name", lambda t: _cli(t, **{"trainer.strategy": "fsdp3"}),
              SystemExit, r"strategy='fsdp3' is not a registered strategy name\. Did you mean 'fsdp2'\? lightning_dist registers: fsdp2, "),
     BadInput("Transformer Engine precision", lambda t: _cli(t, **{"trainer.precision": "transformer-engine"}),
@@ -597,7 +604,9 @@ def error_text(row: BadInput, tmp_path: Path) -> tuple[BaseException | None, str
         with redirect_stderr(stderr):
             row.attempt(tmp_path)
     except BaseException as err:  # noqa: BLE001 (SystemExit included: the CLI's parse errors)
-        return err, f"{err}\n{stderr.getvalue()}".replace(str(tmp_path), "<dir>")
+        # an exit with a message says it all (what else is on stderr is warnings, which Python shows once per process)
+        said = err.code if isinstance(err, SystemExit) and isinstance(err.code, str) else f"{err}\n{stderr.getvalue()}"
+        return err, said.replace(str(tmp_path), "<dir>")
     return None, stderr.getvalue()
 
 
@@ -667,9 +676,10 @@ MACHINE_DEPENDENT: list[tuple[re.Pattern[str], str]] = [
 
 
 def stable_text(text: str) -> str:
-    """``text`` with what depends on the machine (:data:`MACHINE_DEPENDENT`, this checkout's and the temporary
-    folder's paths) replaced by placeholders."""
-    for path, placeholder in ((str(REPO_ROOT), "<repo>"), (tempfile.gettempdir(), "<tmp>")):
+    """``text`` with what depends on the machine (:data:`MACHINE_DEPENDENT`, the paths of this checkout, of the
+    installed packages and of the temporary folder) replaced by placeholders."""
+    installed = str(Path(torch.__file__).resolve().parents[1])  # where this Python's packages are
+    for path, placeholder in ((str(REPO_ROOT), "<repo>"), (installed, "<site-packages>"), (tempfile.gettempdir(), "<tmp>")):
         text = text.replace(path, placeholder)
     for pattern, placeholder in MACHINE_DEPENDENT:
         text = pattern.sub(placeholder, text)

@@ -282,6 +282,31 @@ def test_registered_names_preset_the_schedule():
         assert (trainer.strategy.schedule, trainer.strategy.stages_per_rank) == (schedule, per_rank)
 
 
+def test_every_torch_schedule_class_name_is_accepted_in_any_spelling():
+    """torch's class names with and without ``Schedule`` (torchtitan's ``pipeline_parallel_schedule`` values), our
+    snake-case names, any case: each names the schedule whose torch class it is. (The 2-rank interleaved run of
+    this file is configured as ``"Interleaved1F1B"``.)"""
+    import inspect
+
+    import torch.distributed.pipelining.schedules as torch_schedules
+
+    from lightning_dist.parallel.pipeline import SCHEDULES, schedule_name
+
+    classes = {n: c for n, c in inspect.getmembers(torch_schedules, inspect.isclass)
+               if n.startswith("Schedule") and c.__module__ == torch_schedules.__name__}  # fmt: skip
+    assert len(classes) == 7, sorted(classes)
+    for class_name, cls in classes.items():
+        short = class_name.removeprefix("Schedule")
+        for spelling in (class_name, short, short.lower(), short.upper()):
+            name = schedule_name(spelling)
+            assert torch_schedules.get_schedule_class(SCHEDULES[name].torch_name) is cls, spelling
+            per_rank = 1 if name in ("gpipe", "1f1b") else 2
+            assert PipelineStrategy(schedule=spelling, stages_per_rank=per_rank).schedule == name
+    assert schedule_name("interleaved-1f1b") == schedule_name("Interleaved_1F1B") == "interleaved_1f1b"
+    with pytest.raises(ValueError, match=r"schedule='Pipe' is not a pipeline schedule.*Interleaved1F1B"):
+        PipelineStrategy(schedule="Pipe")
+
+
 def test_plan_command_prints_the_stage_split(capsys):
     """``lightning-dist plan`` on a pipeline strategy: one line per stage with its rank, modules and parameters,
     from options or from the config (whose pp size follows trainer.devices), and the ties across stages."""

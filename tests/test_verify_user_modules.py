@@ -175,7 +175,8 @@ def test_a_sampler_built_only_for_several_replicas_is_judged_on_the_samples_the_
     loader, which Lightning would shuffle. The reference now reads it as the user's code does (in order), so the
     module is EQUIVALENT under fsdp2 and tensor_parallel (before: NOT VERIFIED, "0 in common"); a module that
     leaves the sampler to Lightning is EQUIVALENT too, and both with a loss scaled by the rank are DIFFERENT on the
-    same samples. From the console script as well (fsdp2). Pipeline and hybrid3d pp2 × tp2: the full matrix."""
+    same samples. From the console script as well (fsdp2). Pipeline and hybrid3d pp2 × tp2, and the console script
+    under tensor_parallel, pipeline and hybrid3d: the full matrix."""
     strategies = ["fsdp2", "tensor_parallel", *(["pipeline", "hybrid3d"] if FULL_MATRIX else [])]
     checks = [own_sampler_check(s, cls=OPTIONAL[0], name=f"optional {s}", lightning_sampler=True) for s in strategies]
     checks.append(own_sampler_check("fsdp2", cls=OPTIONAL[1], name="plain fsdp2", lightning_sampler=True))
@@ -189,9 +190,12 @@ def test_a_sampler_built_only_for_several_replicas_is_judged_on_the_samples_the_
         assert not scaled["passed"] and not scaled["failure"], scaled["summary"]
         assert (scaled["first_difference"]["quantity"], scaled["first_difference"]["when"]) == ("loss", "train batch 0")
         assert next(r for r in scaled["rows"] if r["quantity"] == "samples")["difference"] == 0
-    code, report, output = yaml_check(tmp_path, "fsdp2", OPTIONAL[0], lightning_sampler=True)
-    assert code == 0, output[-4000:]
-    assert_equivalent(report)
+    for strategy in ["fsdp2", *(["tensor_parallel", "pipeline", "hybrid3d"] if FULL_MATRIX else [])]:
+        folder = tmp_path / f"yaml_{strategy}"
+        folder.mkdir()
+        code, report, output = yaml_check(folder, strategy, OPTIONAL[0], lightning_sampler=True)
+        assert code == 0, output[-4000:]
+        assert_equivalent(report)
 
 
 @pytest.mark.slow

@@ -386,7 +386,7 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "reference_accumulate": _reference(accumulate_grad_batches=2),
     "1f1b": _pipeline("1f1b", save=True),  # also saves the checkpoint the resumes below start from
     "gpipe": _pipeline("gpipe"),
-    "interleaved_1f1b": _pipeline("interleaved_1f1b", evaluate=False),
+    "interleaved_1f1b": _pipeline("Interleaved1F1B", evaluate=False),  # torch's spelling, as torchtitan configs write it
     "zbv_zero_bubble": _pipeline("zbv_zero_bubble"),
     "1f1b_accumulate": _pipeline("1f1b", accumulate_grad_batches=2),
     # 4 processes (fit and its validation only): pp=2 × dp_shard=2, and pp=4 with one block per stage

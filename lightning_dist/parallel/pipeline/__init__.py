@@ -29,6 +29,7 @@ from lightning_dist.parallel.pipeline.schedule import (
     resolve_n_microbatches,
     resolve_stages_per_rank,
     schedule_info,
+    schedule_name,
     validate_microbatching,
 )
 from lightning_dist.parallel.pipeline.split import (
@@ -96,6 +97,7 @@ __all__ = [
     "resolve_n_microbatches",
     "resolve_stages_per_rank",
     "schedule_info",
+    "schedule_name",
     "stage_ids_for_rank",
     "stage_owner",
     "stage_runtime",

@@ -1,6 +1,7 @@
 """Pipeline schedules by name: what each needs, checks made before anything runs, and building torch's schedule.
 
-The names are the snake-case forms of torch 2.13's ``get_schedule_class`` names. The checks repeat torch's own
+The names are the snake-case forms of torch 2.13's ``get_schedule_class`` names; torch's own spellings (class names
+with or without ``Schedule``, as torchtitan's configs write them) are read too, in any case. The checks repeat torch's own
 constraints (and the ones torch only hits mid-run) with messages that name the option, its value and the fix.
 """
 
@@ -48,12 +49,33 @@ SCHEDULES: dict[str, ScheduleInfo] = {
 }
 
 
+def _spelling(name: str) -> str:
+    """A schedule name without case, ``_``/``-``/space and a leading ``Schedule``: ``ScheduleInterleaved1F1B``,
+    ``Interleaved1F1B``, ``interleaved_1f1b`` and ``interleaved-1f1b`` spell it alike."""
+    folded = "".join(c for c in name.lower() if c.isalnum())
+    return folded.removeprefix("schedule") or folded
+
+
+#: Every spelling of a schedule this package reads: its own names, torch's class names and ``get_schedule_class``
+#: names (with or without ``Schedule``: torchtitan's ``pipeline_parallel_schedule`` values), in any case.
+_SPELLINGS = {_spelling(key): key for key in SCHEDULES} | {_spelling(i.torch_name): key for key, i in SCHEDULES.items()}
+
+
+def schedule_name(name: str) -> str:
+    """This package's name of the schedule ``name`` (see :data:`_SPELLINGS`); refuses an unknown one."""
+    found = _SPELLINGS.get(_spelling(name)) if isinstance(name, str) else None
+    if found is None:
+        torch_names = ", ".join(info.torch_name for info in SCHEDULES.values())
+        raise ValueError(
+            f"schedule={name!r} is not a pipeline schedule; choose one of {sorted(SCHEDULES)} (torch's class names"
+            f" are accepted too: {torch_names}, with or without 'Schedule')."
+        )
+    return found
+
+
 def schedule_info(name: str) -> ScheduleInfo:
-    """The requirements of schedule ``name`` (case-insensitive)."""
-    info = SCHEDULES.get(name.lower())
-    if info is None:
-        raise ValueError(f"schedule={name!r} is not a pipeline schedule; choose one of {sorted(SCHEDULES)}.")
-    return info
+    """The requirements of schedule ``name`` (any spelling :func:`schedule_name` reads)."""
+    return SCHEDULES[schedule_name(name)]
 
 
 def resolve_stages_per_rank(name: str, stages_per_rank: int | None) -> int:

@@ -41,8 +41,8 @@ class PipelineStages(_Base):
         self, schedule: str, n_microbatches: int | None, stages_per_rank: int | None, split: Split
     ) -> None:
         """Check and keep the pipeline options (called from the strategy's ``__init__``)."""
-        self.schedule = schedule.lower()
-        self.info = pp.schedule_info(self.schedule)  # refuses an unknown name
+        self.schedule = pp.schedule_name(schedule)  # any spelling torch or torchtitan uses; refuses an unknown one
+        self.info = pp.SCHEDULES[self.schedule]
         self.stages_per_rank = pp.resolve_stages_per_rank(self.schedule, stages_per_rank)
         if n_microbatches is not None:
             pp.check_n_microbatches(n_microbatches)

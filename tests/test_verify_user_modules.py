@@ -109,9 +109,15 @@ def yaml_check(
                     "logger": False},
         "model": {"class_path": f"user_modules.{cls}", "init_args": GPT_ARGS},
     }  # fmt: skip
-    (tmp_path / "own_sampler.yaml").write_text(json.dumps(config))  # JSON is YAML
+    return verify_config(tmp_path, config)
+
+
+def verify_config(tmp_path: Path, config: dict) -> tuple[int, dict, str]:
+    """``lightning-dist verify --config`` of ``config`` (2 steps, fp64) in ``tmp_path``: its exit status, its JSON
+    report and its output."""
+    (tmp_path / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
     report = tmp_path / "report.json"
-    command = [sys.executable, "-m", "lightning_dist.cli", "verify", "--config", "own_sampler.yaml", "--steps=2",
+    command = [sys.executable, "-m", "lightning_dist.cli", "verify", "--config", "config.yaml", "--steps=2",
                "--dtype=float64", "--json", str(report)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": USER_PATH}
     done = subprocess.run(command, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
@@ -235,14 +241,7 @@ def test_verify_of_a_config_with_initial_weights_starts_both_runs_from_the_files
         "data": {"class_path": "examples.data.TextDataModule",
                  "init_args": {"seq_len": 16, "batch_size": 2, "train_samples": 32, "val_samples": 4}},
     }  # fmt: skip
-    (tmp_path / "pretrained.yaml").write_text(json.dumps(config))
-    report = tmp_path / "report.json"
-    command = [sys.executable, "-m", "lightning_dist.cli", "verify", "--config", "pretrained.yaml", "--steps=2",
-               "--dtype=float64", "--json", str(report)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": USER_PATH}
-    done = subprocess.run(command, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0 and report.exists(), output[-4000:]
-    result = json.loads(report.read_text())
+    code, result, output = verify_config(tmp_path, config)
+    assert code == 0, output[-4000:]
     assert result["passed"] and "EQUIVALENT" in result["summary"], result["summary"]
     assert any("both runs started from initial_weights=" in note for note in result["notes"]), result["notes"]

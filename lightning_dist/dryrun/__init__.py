@@ -50,7 +50,8 @@ class DryRunError(ValueError):
 
 
 def mesh_of(cli_args: list[str], world_size: int, num_nodes: int = 1) -> ParallelDims:
-    """The mesh the configuration's strategy makes of ``world_size`` ranks."""
+    """The mesh the configuration's strategy makes of ``world_size`` ranks (once :func:`checked_configuration`'s
+    checks pass)."""
     return checked_configuration(cli_args, world_size, num_nodes).dims
 
 

@@ -5,10 +5,13 @@ it; context parallelism warns about sums over ranks that hold the same samples."
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from torch import nn
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 _TORCH_REDUCTIONS = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}
@@ -42,3 +45,18 @@ def combine(values: torch.Tensor, reduce_fx: Any) -> torch.Tensor:
     if kind == "min":
         return values.amin(0)
     return values.mean(0)
+
+
+@contextmanager
+def log_replaced(module: nn.Module, log: Callable[..., Any]) -> Iterator[None]:
+    """Inside the block, ``module.log`` (and ``log_dict``, which calls it) is ``log``; after it, what it was (an
+    instance's own, or the class's)."""
+    previous = module.__dict__.get("log")
+    module.log = log
+    try:
+        yield
+    finally:
+        if previous is None:
+            del module.log
+        else:
+            module.log = previous

@@ -13,7 +13,7 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from lightning_dist.strategies.lifecycle.logged_values import log_options, reduction
+from lightning_dist.strategies.lifecycle.logged_values import log_options, log_replaced, reduction
 
 
 @contextmanager
@@ -22,7 +22,6 @@ def summed_logs_warned(module: nn.Module, cp: int, warned: set[str]) -> Iterator
     default group warns once per name (``warned`` holds the names already warned about)."""
     from torchmetrics import Metric
 
-    previous = module.__dict__.get("log")
     log = module.log
 
     def checked(name: str, value: Any, *args: Any, **kwargs: Any) -> Any:
@@ -33,14 +32,8 @@ def summed_logs_warned(module: nn.Module, cp: int, warned: set[str]) -> Iterator
                 rank_zero_warn(summed_log_message(name, cp))
         return log(name, value, *args, **kwargs)
 
-    module.log = checked
-    try:
+    with log_replaced(module, checked):
         yield
-    finally:
-        if previous is None:
-            del module.log
-        else:
-            module.log = previous
 
 
 def summed_log_message(name: str, cp: int) -> str:

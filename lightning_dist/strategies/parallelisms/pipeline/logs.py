@@ -24,7 +24,7 @@ from lightning_dist.compat.lightning import (
     set_metric_step_value,
     set_metric_update_count,
 )
-from lightning_dist.strategies.lifecycle.logged_values import combine, log_options
+from lightning_dist.strategies.lifecycle.logged_values import combine, log_options, log_replaced
 
 
 @dataclass
@@ -78,15 +78,8 @@ class LogCapture:
 def captured_log(module: nn.Module, capture: LogCapture | None) -> Iterator[None]:
     """Inside the block ``module.log`` (and ``log_dict``, which calls it) records into ``capture`` (``None``:
     discards) instead of logging."""
-    previous = module.__dict__.get("log")
-    module.log = capture.record if capture is not None else (lambda *a, **k: None)
-    try:
+    with log_replaced(module, capture.record if capture is not None else (lambda *a, **k: None)):
         yield
-    finally:
-        if previous is None:
-            del module.log
-        else:
-            module.log = previous
 
 
 def share_logs(

@@ -101,16 +101,26 @@ def test_accumulation_sync_is_refused_where_the_mesh_cannot_honour_it():
         L.Trainer(strategy=ContextParallelStrategy(accumulation_sync="replicas_last"), accelerator="cpu", devices=2)
 
 
-def test_data_parallel_size_is_a_deprecated_alias_of_data_parallel_shard_size():
-    with pytest.warns(FutureWarning, match=r"data_parallel_size=\.\.\.\) is deprecated: pass data_parallel_shard_size"):
+def test_data_parallel_size_is_lightnings_name_of_data_parallel_shard_size():
+    """``ModelParallelStrategy``'s arguments, with its meaning and no warning (a project swaps the class name only);
+    ``save_distributed_checkpoint=False`` saves one full-state file, as Lightning's does."""
+    import warnings
+
+    from lightning_dist import FullStateCheckpointIO
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         strategy = TensorParallelStrategy(tensor_parallel_size=2, data_parallel_size=2)
     assert strategy.data_parallel_shard_size == strategy.data_parallel_size == 2
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=4, logger=False)
     assert (trainer.strategy.parallel_dims.dp_shard, trainer.strategy.parallel_dims.tp) == (2, 2)
-    with pytest.warns(FutureWarning):
-        both_auto = TensorParallelStrategy(tensor_parallel_size="auto", data_parallel_size="auto")
+    both_auto = TensorParallelStrategy(tensor_parallel_size="auto", data_parallel_size="auto")
     with pytest.raises(MeshConfigError, match="tensor_parallel_size and data_parallel_size are both 'auto'"):
         L.Trainer(strategy=both_auto, accelerator="cpu", devices=2)
+    with pytest.raises(MeshConfigError, match="data_parallel_size=2 and data_parallel_shard_size=4 name the same axis"):
+        TensorParallelStrategy(data_parallel_size=2, data_parallel_shard_size=4)
+    assert isinstance(TensorParallelStrategy(save_distributed_checkpoint=False).checkpoint_io, FullStateCheckpointIO)
+    assert not isinstance(TensorParallelStrategy().checkpoint_io, FullStateCheckpointIO)
 
 
 def test_describe_writes_the_same_lines_for_every_strategy():

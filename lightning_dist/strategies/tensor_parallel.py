@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from torch.distributed.tensor import DTensor
@@ -12,6 +11,8 @@ from typing_extensions import override
 from lightning_dist.parallel.fsdp import is_fully_sharded
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims, require_split_axis
 from lightning_dist.parallel.parallelize import parallelize
+from lightning_dist.parallel.validation import check_bool
+from lightning_dist.plugins import FullStateCheckpointIO
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
 from lightning_dist.strategies.parallelisms.tensor_parallel import PlanSpec, TensorParallelSteps
 
@@ -37,7 +38,10 @@ class TensorParallelStrategy(TensorParallelSteps, MeshParallelStrategy):
             sequence dim; the sequence length must be divisible by the TP size.
         loss_parallel: Keep the output head's logits sharded on the vocabulary in training and compute
             ``F.cross_entropy`` on the shards (no gather of the full logits). Evaluation gets full logits.
-        data_parallel_size: Deprecated name of ``data_parallel_shard_size``.
+        data_parallel_size: Lightning ``ModelParallelStrategy``'s name of ``data_parallel_shard_size``, with its
+            meaning (give one of the two).
+        save_distributed_checkpoint: As Lightning's ``ModelParallelStrategy``: ``True`` (the default) saves sharded
+            checkpoints, ``False`` one file with the full state (:class:`~lightning_dist.FullStateCheckpointIO`).
         **kwargs: The options every strategy takes (``reshard_after_forward``, ``wrap_modules``,
             ``activation_checkpointing``, ``accumulation_sync``, ``compile``...; the FSDP2 ones apply in 2D): see
             :class:`~lightning_dist.strategies.base.MeshParallelStrategy`.
@@ -53,18 +57,21 @@ class TensorParallelStrategy(TensorParallelSteps, MeshParallelStrategy):
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
         data_parallel_size: MeshSize | None = None,
+        save_distributed_checkpoint: bool = True,
         **kwargs: Any,
     ) -> None:
+        if not check_bool("save_distributed_checkpoint", save_distributed_checkpoint):
+            kwargs["checkpoint_io"] = kwargs.get("checkpoint_io") or FullStateCheckpointIO()
         super().__init__(**kwargs)
         self.init_tensor_parallel(plan, sequence_parallel, loss_parallel)
         self.tensor_parallel_size = tensor_parallel_size
+        self.save_distributed_checkpoint = save_distributed_checkpoint
         if data_parallel_size is not None:
-            warnings.warn(
-                "TensorParallelStrategy(data_parallel_size=...) is deprecated: pass data_parallel_shard_size, the name"
-                " every strategy uses for this axis.",
-                FutureWarning,
-                stacklevel=2,
-            )
+            if data_parallel_shard_size not in (1, data_parallel_size):
+                raise MeshConfigError(
+                    f"data_parallel_size={data_parallel_size!r} and data_parallel_shard_size="
+                    f"{data_parallel_shard_size!r} name the same axis: give one of them."
+                )
             data_parallel_shard_size = data_parallel_size
         self.data_parallel_shard_size = data_parallel_shard_size
         #: The option name the data-parallel size was given under, for messages about the mesh.
@@ -88,7 +95,7 @@ class TensorParallelStrategy(TensorParallelSteps, MeshParallelStrategy):
 
     @property
     def data_parallel_size(self) -> MeshSize:
-        """Deprecated name of :attr:`data_parallel_shard_size`."""
+        """Lightning ``ModelParallelStrategy``'s name of :attr:`data_parallel_shard_size`."""
         return self.data_parallel_shard_size
 
     @override
@@ -105,11 +112,18 @@ class TensorParallelStrategy(TensorParallelSteps, MeshParallelStrategy):
     @override
     def parallelize(self, model: Module) -> Module:
         if is_fully_sharded(model):
-            raise ValueError(
-                "The model's configure_model already applied fully_shard; tensor parallelism has to be applied before"
-                " FSDP2. Remove fully_shard from configure_model (the strategy applies FSDP2 for"
-                " data_parallel_shard_size > 1)."
+            if not _sharded_over_tensor_parallel(model):
+                raise ValueError(
+                    "The model's configure_model already applied fully_shard but no tensor parallelism;"
+                    " tensor parallelism has to be applied before FSDP2. Remove fully_shard from configure_model"
+                    " (the strategy applies FSDP2 for data_parallel_shard_size > 1), or apply parallelize_module"
+                    " before it, as for Lightning's ModelParallelStrategy."
+                )
+            self.log_decision(
+                "the model's configure_model applied its own tensor parallelism and fully_shard (as for Lightning's"
+                " ModelParallelStrategy); keeping them as they are: no plan and no FSDP2 of the strategy's"
             )
+            return model
         plan = None
         if any(isinstance(p, DTensor) for p in model.parameters()):
             self.log_decision(
@@ -125,3 +139,9 @@ class TensorParallelStrategy(TensorParallelSteps, MeshParallelStrategy):
             self.log_tensor_parallel_plan(model, plan, record.tp_changes)
         self.log_layout(config, record, root, label="2D: FSDP2")
         return model
+
+
+def _sharded_over_tensor_parallel(model: Module) -> bool:
+    """Whether a parameter of ``model`` is a DTensor over the tensor-parallel axis (by our name or Lightning's)."""
+    names = {"tp", "tensor_parallel"}
+    return any(isinstance(p, DTensor) and names & set(p.device_mesh.mesh_dim_names or ()) for p in model.parameters())

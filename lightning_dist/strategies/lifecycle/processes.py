@@ -7,12 +7,15 @@ import atexit
 import functools
 from typing import TYPE_CHECKING, Any
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
 from lightning_dist.compat.lightning import default_process_group_backend, init_process_group, set_device_mesh
+from lightning_dist.compat.torch import flatten_mesh
 from lightning_dist.parallel.runtime.process_group_exit import destroy_process_groups
 from lightning_dist.parallel.runtime.random_state import share_random_state
 from lightning_dist.strategies.lifecycle.failure_handling import (
@@ -116,6 +119,8 @@ class ProcessSetup(_Base):
             self._mesh = dims.build_mesh(self.root_device.type)
             self.log_decision(f"mesh {dims} over {self.world_size} processes ({self._process_group_backend})")
         assert self.lightning_module is not None
+        if is_overridden("configure_model", self.lightning_module, pl.LightningModule):
+            name_lightning_mesh_dims(self._mesh.world)  # a configure_model written for ModelParallelStrategy
         set_device_mesh(self.lightning_module, self._mesh.world)
 
     # ------------------------------------------------------------------ teardown
@@ -155,3 +160,15 @@ def _destroy_process_groups_at_exit() -> None:
         destroy_process_groups()
 
     atexit.register(release)
+
+
+#: The dimension names of Lightning's ``ModelParallelStrategy`` mesh, as our axes: a ``configure_model`` written for
+#: it indexes ``self.device_mesh["data_parallel"]`` and ``["tensor_parallel"]``.
+LIGHTNING_MESH_DIMS = {"data_parallel": ("dp_replicate", "dp_shard"), "tensor_parallel": ("tp",)}
+
+
+def name_lightning_mesh_dims(world: Any) -> None:
+    """Let ``world`` (the mesh the LightningModule sees) answer to Lightning's dimension names too (flattening the
+    same dims under a name again returns the mesh made the first time)."""
+    for name, axes in LIGHTNING_MESH_DIMS.items():
+        flatten_mesh(world[axes], name)

@@ -1,0 +1,26 @@
+"""Drop-in from Lightning's strategies (issue 55): a module written for Lightning's ``ModelParallelStrategy``
+(``configure_model`` parallelizing by hand over ``self.device_mesh["tensor_parallel"]`` and ``["data_parallel"]``)
+trains unchanged under ``TensorParallelStrategy`` given the same arguments, with Lightning's losses, and each
+strategy resumes the other's checkpoint (``tests/scenarios/drop_in_runs.py``)."""
+
+from __future__ import annotations
+
+import pytest
+from launch import run_scenarios
+
+pytestmark = pytest.mark.slow
+TOL = 1e-10  # the module is fp64 (ModelParallelStrategy refuses precision="64-true"; the model casts itself)
+SAVED_AT = 3
+
+
+@pytest.mark.parametrize(("devices", "mesh"), [(2, "dp1_tp2"), (4, "dp2_tp2")])
+def test_a_module_written_for_model_parallel_strategy_trains_and_resumes_under_ours(tmp_path, devices, mesh):
+    names = [f"lightning_{mesh}", f"ours_{mesh}", f"ours_resumes_lightning_{mesh}", f"lightning_resumes_ours_{mesh}"]
+    runs = run_scenarios("drop_in_runs.py", devices, tmp_path, names)
+    lightning, ours = runs[f"lightning_{mesh}"]["losses"], runs[f"ours_{mesh}"]["losses"]
+    assert len(lightning) == len(ours) == 6
+    assert max(abs(a - b) for a, b in zip(lightning, ours)) <= TOL, (lightning, ours)
+    assert any("applied its own tensor parallelism and fully_shard" in line for line in runs[f"ours_{mesh}"]["log"])
+    for resumed in (f"ours_resumes_lightning_{mesh}", f"lightning_resumes_ours_{mesh}"):
+        losses = runs[resumed]["losses"]
+        assert len(losses) == 6 - SAVED_AT and max(abs(a - b) for a, b in zip(losses, lightning[SAVED_AT:])) <= TOL

@@ -24,3 +24,16 @@ def test_a_module_written_for_model_parallel_strategy_trains_and_resumes_under_o
     for resumed in (f"ours_resumes_lightning_{mesh}", f"lightning_resumes_ours_{mesh}"):
         losses = runs[resumed]["losses"]
         assert len(losses) == 6 - SAVED_AT and max(abs(a - b) for a, b in zip(losses, lightning[SAVED_AT:])) <= TOL
+
+
+def test_lightning_fsdp_strategy_arguments_train_as_one_process_and_do_what_lightnings_do(tmp_path):
+    """The example GPT under ``FSDP2Strategy(sharding_strategy="FULL_SHARD", auto_wrap_policy={Block},
+    activation_checkpointing_policy={Block}, state_dict_type="full", cpu_offload=CPUOffload(...),
+    limit_all_gathers=True)``, Lightning's FSDP docs' arguments: the losses of one process (fp64), each Block an FSDP
+    unit and checkpointed, and the checkpoint one full-state file."""
+    ours = run_scenarios("drop_in_runs.py", 2, tmp_path, ["fsdp_arguments"])["fsdp_arguments"]
+    one = run_scenarios("drop_in_runs.py", 1, tmp_path, ["one_process"])["one_process"]
+    assert len(ours["losses"]) == 3 and max(abs(a - b) for a, b in zip(ours["losses"], one["losses"])) <= TOL
+    assert "fsdp2: activation checkpointing on 2 × Block" in ours["log"], ours["log"]
+    assert any("sharding='full': sharded 2 × Block" in line for line in ours["log"]), ours["log"]
+    assert ours["file"] and not ours["folder"]  # state_dict_type="full"

@@ -27,6 +27,7 @@ PRIVATE_TORCH_NAMES: dict[str, tuple[str, str]] = {
     "_python_dispatch": ("torch 2.13", "torch.utils._python_dispatch: TorchDispatchMode, base of CommCounter"),
     "_get_current_dispatch_mode": ("torch 2.13", "profiling: CommCounter checks it exits in order"),
     "_flatten": ("torch 2.13", "parallel/mesh.py: the flattened data-parallel and loss meshes"),
+    "_module_classes": ("torch 2.13", "strategies/lightning_arguments.py: the classes of an FSDP1 ModuleWrapPolicy"),
     "_unflatten": ("torch 2.13", "parallel/mesh.py: hybrid shard's replicate x shard split"),
     "_world": ("torch 2.13", "runtime: destroy every registered process group at exit"),
     "_utils": (
@@ -559,3 +560,10 @@ def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) ->
     """
     fn = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
     return fn(input, weight, offs=offs)
+
+
+def wrap_policy_classes(policy: Any) -> set[type] | None:
+    """The module classes of an FSDP1 ``ModuleWrapPolicy`` (``None`` for another policy)."""
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return set(policy._module_classes) if isinstance(policy, ModuleWrapPolicy) else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn import Module
 from typing_extensions import override
@@ -21,6 +21,7 @@ from lightning_dist.parallel.mesh import ParallelDims
 from lightning_dist.parallel.parallelize import ParallelizeConfig, ParallelizeRecord, parallelize
 from lightning_dist.parallel.validation import check_bool
 from lightning_dist.strategies.base import MeshParallelStrategy, MeshSize
+from lightning_dist.strategies.lightning_arguments import from_fsdp_strategy_arguments, speaks_fsdp_strategy
 from lightning_dist.strategies.parallelisms.expert_parallel import ExpertParallelOption
 from lightning_dist.strategies.parallelisms.fault_tolerance import FaultToleranceOption, FaultToleranceSpec
 
@@ -81,6 +82,15 @@ class FSDP2Strategy(FaultToleranceOption, ExpertParallelOption, MeshParallelStra
         fault_tolerance: FaultToleranceSpec = None,
         **kwargs: Any,
     ) -> None:
+        if speaks_fsdp_strategy(cpu_offload, kwargs):  # a project's FSDPStrategy arguments, kept as they were
+            given = {"sharding": sharding, "cpu_offload": cpu_offload, "data_parallel_shard_size":
+                     data_parallel_shard_size, "data_parallel_replicate_size": data_parallel_replicate_size, **kwargs}
+            kwargs, notes = from_fsdp_strategy_arguments(given)
+            sharding, cpu_offload = kwargs.pop("sharding"), kwargs.pop("cpu_offload")
+            data_parallel_shard_size = kwargs.pop("data_parallel_shard_size")
+            data_parallel_replicate_size = kwargs.pop("data_parallel_replicate_size")
+            for note in notes:
+                rank_zero_info(f"fsdp2: {note}")
         super().__init__(**kwargs)
         if sharding not in SHARDING_MODES:
             raise ValueError(f"sharding={sharding!r} is not one of {list(SHARDING_MODES)}.")

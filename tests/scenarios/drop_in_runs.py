@@ -1,8 +1,12 @@
-"""A module written for Lightning's ``ModelParallelStrategy``, as Lightning's tensor-parallel docs teach it: its
+"""Drop-in from Lightning's strategies (issue 55).
+
+A module written for Lightning's ``ModelParallelStrategy``, as Lightning's tensor-parallel docs teach it: its
 ``configure_model`` applies ``parallelize_module`` on ``self.device_mesh["tensor_parallel"]`` and ``fully_shard``
 on ``self.device_mesh["data_parallel"]``. The same module, unchanged, under Lightning's strategy and under
 ``TensorParallelStrategy`` given the same arguments (only the class name changed); each fit saves a checkpoint at
-step 3 and trains to step 6, and each resumes the other's step-3 checkpoint (issue 55).
+step 3 and trains to step 6, and each resumes the other's step-3 checkpoint. And the example GPT under
+``FSDP2Strategy`` given Lightning ``FSDPStrategy``'s arguments as its docs write them (``fsdp_arguments``), against
+one process (``one_process``), saving a checkpoint at the end.
 
 python tests/scenarios/drop_in_runs.py --devices 2 --out r.json --workdir DIR --scenarios lightning_dp1_tp2,ours_dp1_tp2
 """
@@ -10,6 +14,7 @@ python tests/scenarios/drop_in_runs.py --devices 2 --out r.json --workdir DIR --
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -23,7 +28,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_dist import TensorParallelStrategy
+from lightning_dist import FSDP2Strategy, TensorParallelStrategy
 
 STEPS, SAVED_AT, GLOBAL_BATCH, DIM = 6, 3, 8, 16
 SAMPLES = SAVED_AT * GLOBAL_BATCH  # the step-3 save is at an epoch's last batch: a resume continues exactly
@@ -102,7 +107,38 @@ def _both(dp: int, tp: int) -> dict[str, Callable[[int, str], dict[str, Any]]]:
     }
 
 
-SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {**_both(1, 2), **_both(2, 2)}
+def _gpt_fit(devices: int, workdir: str, strategy: Any) -> dict[str, Any]:
+    from common import make_model_and_data  # type: ignore[import-not-found]
+
+    model, data = make_model_and_data(devices, n_layer=2)
+    recorder, log = StepRecorder(), LogLines("fsdp2")
+    trainer = L.Trainer(**trainer_kwargs(devices, strategy=strategy, precision="64-true", limit_val_batches=0,
+                                         callbacks=[recorder]), max_steps=3)  # fmt: skip
+    trainer.fit(model, data)
+    log.close()
+    path = Path(workdir) / f"gpt_{devices}.ckpt"
+    trainer.save_checkpoint(path)
+    return {"losses": recorder.losses, "log": log.lines, "file": path.is_file(), "folder": path.is_dir()}
+
+
+def fsdp_arguments(devices: int, workdir: str) -> dict[str, Any]:
+    """Lightning's FSDP docs' arguments, the class name changed to FSDP2Strategy."""
+    from torch.distributed.fsdp import CPUOffload
+
+    from examples.gpt import Block
+
+    strategy = FSDP2Strategy(sharding_strategy="FULL_SHARD", auto_wrap_policy={Block},
+                             activation_checkpointing_policy={Block}, state_dict_type="full",
+                             cpu_offload=CPUOffload(offload_params=False), limit_all_gathers=True)  # fmt: skip
+    return _gpt_fit(devices, workdir, strategy)
+
+
+SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
+    **_both(1, 2),
+    **_both(2, 2),
+    "fsdp_arguments": fsdp_arguments,
+    "one_process": lambda d, w: _gpt_fit(d, w, "auto"),
+}
 
 if __name__ == "__main__":
     run_scenario_script(SCENARIOS)

@@ -1,0 +1,149 @@
+"""Lightning ``FSDPStrategy``'s arguments read as ``FSDP2Strategy``'s options: the one place where that vocabulary
+maps onto ours, so that a project swaps the class name and keeps its arguments.
+
+Each argument becomes the option that does what Lightning's does (``sharding_strategy`` → ``sharding``,
+``auto_wrap_policy`` → ``wrap_modules``, ``activation_checkpointing_policy`` → checkpointed units, ``state_dict_type``
+→ the checkpoint format, ``cpu_offload`` → ``cpu_offload``, ``device_mesh`` → the mesh sizes); arguments FSDP2 has
+no use for are accepted with a note; what cannot be mapped is refused by name with the way to say it here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from lightning_dist.compat.torch import wrap_policy_classes
+
+#: FSDP1 sharding strategies (their enum names, as strings too) → ``sharding`` (and ``reshard_after_forward``).
+SHARDING_STRATEGIES: dict[str, dict[str, Any]] = {
+    "FULL_SHARD": {"sharding": "full"},
+    "SHARD_GRAD_OP": {"sharding": "grad_op"},
+    "NO_SHARD": {"sharding": "no_shard"},
+    "HYBRID_SHARD": {"sharding": "hybrid"},
+    "_HYBRID_SHARD_ZERO2": {"sharding": "hybrid", "reshard_after_forward": False},
+}
+#: Arguments with no meaning under FSDP2 (it always uses original parameters, limits its own all-gathers and
+#: prefetches by itself; every rank builds the same model and the strategy makes replicated state equal).
+NO_MEANING = {
+    "limit_all_gathers": "FSDP2 bounds its in-flight all-gathers itself",
+    "use_orig_params": "FSDP2 always trains the original parameters (DTensor shards)",
+    "sync_module_states": "replicated state is made equal at setup by the strategy itself",
+    "forward_prefetch": "FSDP2 prefetches the next unit's all-gather by itself",
+    "backward_prefetch": "FSDP2 prefetches the next unit's all-gather by itself",
+}
+
+
+#: The arguments of Lightning's ``FSDPStrategy`` that ``FSDP2Strategy`` does not have under the same name.
+FSDP_STRATEGY_ONLY = {"sharding_strategy", "auto_wrap_policy", "activation_checkpointing_policy", "state_dict_type",
+                      "device_mesh", "mixed_precision", *NO_MEANING}  # fmt: skip
+
+
+def speaks_fsdp_strategy(cpu_offload: Any, options: dict[str, Any]) -> bool:
+    """Whether ``FSDP2Strategy``'s arguments hold any of Lightning ``FSDPStrategy``'s own (names, or values of the
+    shared names that only it takes: a ``CPUOffload``, activation checkpointing as classes)."""
+    return (
+        bool(FSDP_STRATEGY_ONLY & options.keys())
+        or not isinstance(cpu_offload, bool)
+        or _is_classes(options.get("activation_checkpointing"))
+    )
+
+
+def from_fsdp_strategy_arguments(arguments: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``arguments`` (keyword arguments given to ``FSDP2Strategy``) with Lightning ``FSDPStrategy``'s names replaced by
+    ours, and one note per argument accepted without effect. Raises ``ValueError`` for a value that cannot be
+    mapped, saying how to write it here."""
+    options, notes = dict(arguments), []
+    if "sharding_strategy" in options:
+        options.update(_sharding(options.pop("sharding_strategy"), options))
+    policy = options.pop("auto_wrap_policy", None)
+    if policy is not None:
+        options["wrap_modules"] = _classes("auto_wrap_policy", policy)
+    checkpointed = options.pop("activation_checkpointing_policy", None)
+    if checkpointed is None and _is_classes(options.get("activation_checkpointing")):
+        checkpointed = options.pop("activation_checkpointing")  # Lightning's older spelling: a class or classes
+    if checkpointed is not None:
+        options.update(_checkpointing(checkpointed, options.get("wrap_modules")))
+    if "state_dict_type" in options:
+        options.update(_state_dict_type(options.pop("state_dict_type"), options.get("checkpoint_io")))
+    if "cpu_offload" in options and not isinstance(options["cpu_offload"], bool):
+        options["cpu_offload"] = bool(getattr(options["cpu_offload"], "offload_params", options["cpu_offload"]))
+    if "device_mesh" in options:
+        options.update(_device_mesh(options.pop("device_mesh")))
+    if options.get("mixed_precision") is not None:
+        raise ValueError(
+            f"mixed_precision={options['mixed_precision']!r}: FSDP2Strategy takes mixed precision from the Trainer's"
+            " precision flag, which sets FSDP2's MixedPrecisionPolicy: use Trainer(precision='bf16-mixed') (bf16"
+            " compute, fp32 parameters and reductions) or '16-mixed', and drop mixed_precision."
+        )
+    options.pop("mixed_precision", None)
+    for name, why in NO_MEANING.items():
+        if name in options:
+            notes.append(f"{name}={options.pop(name)!r} accepted without effect: {why}")
+    return options, notes
+
+
+def _sharding(value: Any, options: dict[str, Any]) -> dict[str, Any]:
+    name = getattr(value, "name", value)
+    mapped = SHARDING_STRATEGIES.get(str(name).upper()) if isinstance(name, str) else None
+    if mapped is None:
+        raise ValueError(
+            f"sharding_strategy={value!r} is not one of FSDP's {list(SHARDING_STRATEGIES)}; or give FSDP2Strategy's"
+            " own sharding='full' | 'grad_op' | 'no_shard' | 'hybrid'."
+        )
+    if options.get("sharding", "full") not in ("full", mapped["sharding"]):  # "full": FSDP2Strategy's default
+        raise ValueError(f"sharding_strategy={value!r} and sharding={options['sharding']!r} disagree: give one.")
+    return mapped
+
+
+def _is_classes(value: Any) -> bool:
+    return isinstance(value, type) or (
+        isinstance(value, (set, list, tuple, frozenset)) and bool(value) and all(isinstance(v, type) for v in value)
+    )
+
+
+def _classes(argument: str, value: Any) -> list[type]:
+    """The module classes of a Lightning policy argument: a class, a set or list of classes, or a
+    ``ModuleWrapPolicy``; anything else (a size-based or custom callable policy) is refused."""
+    if _is_classes(value):
+        return sorted({value} if isinstance(value, type) else set(value), key=lambda c: c.__qualname__)
+    classes = wrap_policy_classes(value)
+    if classes:
+        return sorted(classes, key=lambda c: c.__qualname__)
+    raise ValueError(
+        f"{argument}={value!r}: FSDP2Strategy shards (and checkpoints) whole modules chosen by class; a size-based or"
+        " custom callable policy cannot be mapped. Give the classes of the repeated blocks, as a set or"
+        " ModuleWrapPolicy({Block}), or FSDP2Strategy's wrap_modules=[Block] / wrap_regex='blocks\\\\.\\\\d+'."
+    )
+
+
+def _checkpointing(value: Any, wrapped: Iterable[type] | None) -> dict[str, Any]:
+    """Lightning checkpoints the activations of every instance of the given classes; here the units FSDP2 shards are
+    checkpointed, so the classes must be those units (the wrap classes, or, with no wrap policy, they become them)."""
+    classes = _classes("activation_checkpointing_policy", value)
+    if wrapped is not None and set(classes) != set(wrapped):
+        names = lambda cs: "{" + ", ".join(c.__name__ for c in cs) + "}"  # noqa: E731
+        raise ValueError(
+            f"activation_checkpointing_policy={names(classes)} differs from auto_wrap_policy={names(wrapped)}:"
+            " FSDP2Strategy checkpoints the units it shards. Give both the same classes, or only"
+            " activation_checkpointing_policy (they then become the units)."
+        )
+    return {"wrap_modules": classes, "activation_checkpointing": True}
+
+
+def _state_dict_type(value: Any, checkpoint_io: Any) -> dict[str, Any]:
+    from lightning_dist.plugins import FullStateCheckpointIO
+
+    if value == "sharded":
+        return {}
+    if value == "full":
+        return {"checkpoint_io": checkpoint_io or FullStateCheckpointIO()}
+    raise ValueError(f"state_dict_type={value!r} is not 'full' or 'sharded' (Lightning's values).")
+
+
+def _device_mesh(value: Any) -> dict[str, Any]:
+    if isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        return {"data_parallel_replicate_size": value[0], "data_parallel_shard_size": value[1]}
+    raise ValueError(
+        f"device_mesh={value!r}: give it as Lightning's (replicate, shard) sizes tuple, or as FSDP2Strategy's"
+        " data_parallel_replicate_size=... and data_parallel_shard_size=... (the strategy builds the mesh itself)."
+    )

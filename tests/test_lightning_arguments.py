@@ -1,0 +1,67 @@
+"""Lightning ``FSDPStrategy``'s arguments given to ``FSDP2Strategy`` (issue 55): each maps onto the option that does
+what Lightning's does, arguments with no meaning under FSDP2 are accepted with a note, the rest refused by name with
+the way to say it (``lightning_dist/strategies/lightning_arguments.py``)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import pytest
+import torch
+from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
+
+from examples.gpt import Block
+from lightning_dist import FSDP2Strategy, FullStateCheckpointIO, ZeroPPStrategy
+
+
+@pytest.mark.parametrize(
+    ("given", "sharding", "reshard"),
+    [("FULL_SHARD", "full", None), ("SHARD_GRAD_OP", "grad_op", None), ("NO_SHARD", "no_shard", None),
+     ("HYBRID_SHARD", "hybrid", None), (ShardingStrategy.HYBRID_SHARD, "hybrid", None),
+     (ShardingStrategy._HYBRID_SHARD_ZERO2, "hybrid", False), ("full_shard", "full", None)],
+)  # fmt: skip
+def test_sharding_strategy_strings_and_enum_map_onto_sharding(given, sharding, reshard):
+    strategy = FSDP2Strategy(sharding_strategy=given)
+    assert (strategy.sharding, strategy.reshard_after_forward) == (sharding, reshard)
+
+
+def test_wrap_checkpointing_state_dict_offload_and_mesh_map_onto_our_options():
+    strategy = FSDP2Strategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block}, state_dict_type="sharded")
+    assert strategy.wrap_modules == [Block] and strategy.activation_checkpointing
+    assert not isinstance(strategy.checkpoint_io, FullStateCheckpointIO)
+    strategy = FSDP2Strategy(auto_wrap_policy=ModuleWrapPolicy({Block}), state_dict_type="full",
+                             cpu_offload=CPUOffload(offload_params=True), device_mesh=(2, 4))  # fmt: skip
+    assert strategy.wrap_modules == [Block] and not strategy.activation_checkpointing
+    assert isinstance(strategy.checkpoint_io, FullStateCheckpointIO) and strategy.cpu_offload is True
+    assert (strategy.data_parallel_replicate_size, strategy.data_parallel_shard_size) == (2, 4)
+    only_checkpointing = FSDP2Strategy(activation_checkpointing_policy={Block})  # the classes become the units
+    assert only_checkpointing.wrap_modules == [Block] and only_checkpointing.activation_checkpointing
+    older_spelling = FSDP2Strategy(activation_checkpointing=Block)  # Lightning's earlier name of the policy
+    assert older_spelling.wrap_modules == [Block] and older_spelling.activation_checkpointing
+    assert ZeroPPStrategy(auto_wrap_policy={Block}, quantized_weights=False).wrap_modules == [Block]
+
+
+def test_arguments_without_meaning_are_accepted_with_a_note(caplog):
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        FSDP2Strategy(limit_all_gathers=True, use_orig_params=True, sync_module_states=True)
+    notes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fsdp2:")]
+    assert len(notes) == 3 and any("use_orig_params=True accepted without effect" in n for n in notes), notes
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [({"auto_wrap_policy": functools.partial(size_based_auto_wrap_policy, min_num_params=100)},
+      r"auto_wrap_policy=.*a size-based or custom callable policy cannot be mapped.*wrap_modules=\[Block\]"),
+     ({"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16)}, r"mixed_precision=.*precision='bf16-mixed'"),
+     ({"sharding_strategy": "ZERO3"}, r"sharding_strategy='ZERO3' is not one of FSDP's"),
+     ({"sharding_strategy": "FULL_SHARD", "sharding": "grad_op"}, r"disagree: give one"),
+     ({"activation_checkpointing_policy": {Block}, "auto_wrap_policy": {torch.nn.Linear}},
+      r"activation_checkpointing_policy=\{Block\} differs from auto_wrap_policy=\{Linear\}"),
+     ({"state_dict_type": "local"}, r"state_dict_type='local' is not 'full' or 'sharded'"),
+     ({"device_mesh": "2x4"}, r"device_mesh='2x4': give it as Lightning's \(replicate, shard\) sizes tuple")],
+)  # fmt: skip
+def test_what_cannot_be_mapped_is_refused_by_name_with_our_way_to_say_it(given, message):
+    with pytest.raises(ValueError, match=message):
+        FSDP2Strategy(**given)

@@ -65,3 +65,41 @@ def test_arguments_without_meaning_are_accepted_with_a_note(caplog):
 def test_what_cannot_be_mapped_is_refused_by_name_with_our_way_to_say_it(given, message):
     with pytest.raises(ValueError, match=message):
         FSDP2Strategy(**given)
+
+
+def test_a_deepspeed_zeropp_config_sets_zeropps_options(tmp_path, caplog):
+    """``ZeroPPStrategy(config=...)``, a dict or a JSON file: the ZeRO++ keys set the options (DeepSpeed's hpZ size 1
+    is hpZ off), tuning and Trainer keys are noted, anything else is refused by name. (The bytes it moves:
+    tests/test_zeropp_parity.py.)"""
+    import json
+
+    config = {"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 8,
+                                    "zero_quantized_gradients": False, "overlap_comm": True},
+              "bf16": {"enabled": True}, "gradient_clipping": 1.0}  # fmt: skip
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        for given in (config, str(tmp_path / "ds.json")):
+            strategy = ZeroPPStrategy(config=given)
+            assert (strategy.quantized_weights, strategy.hpz_partition_size, strategy.quantized_gradients) == (
+                True, 8, False)  # fmt: skip
+    notes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("zeropp: config key")]
+    assert any("'bf16' accepted without effect: set by Trainer(precision='bf16-mixed')" in n for n in notes), notes
+    assert any("'zero_optimization.overlap_comm' accepted without effect" in n for n in notes), notes
+    off = ZeroPPStrategy(config={"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 1,
+                                                       "offload_optimizer": {"device": "cpu"}}})  # fmt: skip
+    assert (off.quantized_weights, off.hpz_partition_size, off.quantized_gradients, off.cpu_offload) == (
+        False, None, False, True)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [({"zero_optimization": {"stage": 2}}, r"zero_optimization.stage=2: ZeRO\+\+ is ZeRO stage 3.*sharding='grad_op'"),
+     ({"zero_optimization": {"stage": 3, "zero_quantised_weights": True}},
+      r"'zero_optimization.zero_quantised_weights' has no meaning for ZeroPPStrategy"),
+     ({"zero_optimization": {"stage": 3}, "amp": {"enabled": True}}, r"'amp' has no meaning"),
+     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, r"offload to \['nvme'\]"),
+     ("missing.json", r"config='missing.json': not a readable DeepSpeed JSON config")],
+)  # fmt: skip
+def test_a_deepspeed_config_key_without_meaning_here_is_refused_by_name(config, message):
+    with pytest.raises(ValueError, match=message):
+        ZeroPPStrategy(config=config)

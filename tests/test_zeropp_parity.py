@@ -50,6 +50,7 @@ SCENARIOS = [
     "zeropp_qwz",
     "zeropp_hpz",
     "zeropp_qgz",
+    "zeropp_deepspeed_config",
     "stale_weights",
     "comms",
     "precisions",
@@ -134,6 +135,15 @@ def test_zeropp_total_is_at_most_030_of_fsdp2(runs):
     assert r["forward_all_gather"] == pytest.approx(QWZ, rel=REL_TOL)
     assert runs["zeropp"]["bytes"]["backward_all_gather"] == 0
     assert r["reduce_scatter"] == pytest.approx(QGZ, rel=REL_TOL)
+
+
+def test_a_deepspeed_zeropp_config_moves_the_bytes_of_the_named_options(runs):
+    """``ZeroPPStrategy(config=<a DeepSpeed ZeRO++ config>)`` (stage 3, zero_quantized_weights,
+    zero_hpz_partition_size 2, zero_quantized_gradients, and tuning and Trainer keys beside them) moves exactly the
+    bytes of ``zeropp`` given the same settings by name, step for step, in every category."""
+    ours, named = runs["zeropp_deepspeed_config"]["bytes"], runs["zeropp"]["bytes"]
+    assert ours == named and ours["total_cross_node"] > 0, (ours, named)
+    assert runs["zeropp_deepspeed_config"]["losses"] == runs["zeropp"]["losses"][:2]
 
 
 def test_hpz_losses_are_bit_identical_to_fsdp2(runs):

@@ -1,5 +1,6 @@
-"""Lightning ``FSDPStrategy``'s arguments read as ``FSDP2Strategy``'s options: the one place where that vocabulary
-maps onto ours, so that a project swaps the class name and keeps its arguments.
+"""Lightning ``FSDPStrategy``'s arguments read as ``FSDP2Strategy``'s options, and a DeepSpeed ZeRO++ config (what
+``DeepSpeedStrategy(config=...)`` takes) read as ``ZeroPPStrategy``'s: the one place where those vocabularies map onto
+ours, so that a project swaps the class name and keeps its arguments.
 
 Each argument becomes the option that does what Lightning's does (``sharding_strategy`` → ``sharding``,
 ``auto_wrap_policy`` → ``wrap_modules``, ``activation_checkpointing_policy`` → checkpointed units, ``state_dict_type``
@@ -9,7 +10,10 @@ no use for are accepted with a note; what cannot be mapped is refused by name wi
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from lightning_dist.compat.torch import wrap_policy_classes
@@ -147,3 +151,72 @@ def _device_mesh(value: Any) -> dict[str, Any]:
         f"device_mesh={value!r}: give it as Lightning's (replicate, shard) sizes tuple, or as FSDP2Strategy's"
         " data_parallel_replicate_size=... and data_parallel_shard_size=... (the strategy builds the mesh itself)."
     )
+
+
+#: DeepSpeed ``zero_optimization`` keys that only size or schedule DeepSpeed's own buffers: no meaning under FSDP2.
+DEEPSPEED_TUNING = {
+    "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+    "stage3_max_live_parameters", "stage3_max_reuse_distance", "overlap_comm", "contiguous_gradients",
+    "sub_group_size", "reduce_scatter", "allgather_partitions", "round_robin_gradients",
+    "stage3_gather_16bit_weights_on_model_save", "zero_hpz_partition_size_fallback", "memory_efficient_linear",
+}  # fmt: skip
+#: Top-level DeepSpeed keys the Trainer or the LightningModule owns here: accepted, with where each is set.
+DEEPSPEED_TRAINER_KEYS = {
+    "train_batch_size": "the DataLoader's batch size × data-parallel ranks",
+    "train_micro_batch_size_per_gpu": "the DataLoader's batch size",
+    "gradient_accumulation_steps": "Trainer(accumulate_grad_batches=...)",
+    "gradient_clipping": "Trainer(gradient_clip_val=...)",
+    "bf16": "Trainer(precision='bf16-mixed')",
+    "fp16": "Trainer(precision='16-mixed')",
+    "optimizer": "configure_optimizers",
+    "scheduler": "configure_optimizers",
+    "steps_per_print": "the Trainer's logging",
+    "wall_clock_breakdown": "the Trainer's profiler",
+    "zero_allow_untested_optimizer": "any torch optimizer works",
+}
+
+
+def from_deepspeed_config(config: dict[str, Any] | str | os.PathLike) -> tuple[dict[str, Any], list[str]]:
+    """``ZeroPPStrategy``'s options from a DeepSpeed config (a dict or a JSON file) with ZeRO stage 3 and its ZeRO++
+    keys, and one note per key accepted without effect. Raises ``ValueError`` for a key with no meaning here."""
+    if not isinstance(config, dict):
+        path = Path(config)
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise ValueError(f"config={str(path)!r}: not a readable DeepSpeed JSON config ({err}).") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"config={str(path)!r}: a DeepSpeed config is a JSON object, not {type(config).__name__}.")
+    notes = [f"config key {key!r} accepted without effect: set by {DEEPSPEED_TRAINER_KEYS[key]}"
+             for key in config if key in DEEPSPEED_TRAINER_KEYS]  # fmt: skip
+    unknown = sorted(key for key in config if key not in DEEPSPEED_TRAINER_KEYS and key != "zero_optimization")
+    zero = dict(config.get("zero_optimization") or {})
+    if zero.get("stage") != 3:
+        raise ValueError(
+            f"config: zero_optimization.stage={zero.get('stage')!r}: ZeRO++ is ZeRO stage 3 (set it to 3). For stage 2"
+            " use FSDP2Strategy(sharding='grad_op'); for stage 1 or 0, FSDP2Strategy(sharding='no_shard')."
+        )
+    options: dict[str, Any] = {
+        "quantized_weights": bool(zero.pop("zero_quantized_weights", False)),
+        "quantized_gradients": bool(zero.pop("zero_quantized_gradients", False)),
+    }
+    hpz = zero.pop("zero_hpz_partition_size", 1)
+    options["hpz_partition_size"] = None if hpz in (None, 1) else hpz  # DeepSpeed's 1 is hpZ off
+    offloaded = [zero.pop(key, None) for key in ("offload_param", "offload_optimizer")]
+    devices = {str((o or {}).get("device", "none")).lower() for o in offloaded}
+    if devices - {"none", "cpu"}:
+        raise ValueError(f"config: offload to {sorted(devices - {'none', 'cpu'})} is not supported: offload to 'cpu'.")
+    options["cpu_offload"] = "cpu" in devices
+    zero.pop("stage")
+    notes += [f"config key 'zero_optimization.{key}' accepted without effect: it sizes or schedules DeepSpeed's own"
+              " buffers"
+              for key in zero if key in DEEPSPEED_TUNING]  # fmt: skip
+    unknown += sorted(f"zero_optimization.{key}" for key in zero if key not in DEEPSPEED_TUNING)
+    if unknown:
+        raise ValueError(
+            f"config: {', '.join(map(repr, unknown))} {'has' if len(unknown) == 1 else 'have'} no meaning for"
+            " ZeroPPStrategy. Its ZeRO++ keys are"
+            " zero_optimization.{stage: 3, zero_quantized_weights, zero_hpz_partition_size, zero_quantized_gradients,"
+            " offload_param, offload_optimizer}; remove the others, or give ZeroPPStrategy's own options by name."
+        )
+    return options, notes

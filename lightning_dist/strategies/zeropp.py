@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 from typing_extensions import override
 
@@ -26,6 +26,7 @@ from lightning_dist.parallel.zeropp_topology import HPZ_OFFLOAD, resolve_hpz
 from lightning_dist.plugins.precision import FSDP2Precision, to_fsdp2_precision
 from lightning_dist.plugins.zeropp_precision import ZeroPPPrecision
 from lightning_dist.strategies.fsdp2 import FSDP2Strategy
+from lightning_dist.strategies.lightning_arguments import from_deepspeed_config
 
 # The FSDP2 options ZeRO++ fixes: they are not options of zeropp.
 _FSDP2_SETTINGS: dict[str, Any] = {
@@ -58,6 +59,11 @@ class ZeroPPStrategy(FSDP2Strategy):
         quantized_weights: qwZ.
         hpz_partition_size: hpZ: ranks of the secondary partition; ``"auto"`` = ranks per node; ``None`` turns it off.
             Must divide the sharding group and be smaller than it.
+        config: A DeepSpeed config (a dict, or the path of its JSON file) as ``DeepSpeedStrategy(config=...)`` takes
+            it: ``zero_optimization.stage`` 3 and its ZeRO++ keys (``zero_quantized_weights``,
+            ``zero_hpz_partition_size``, ``zero_quantized_gradients``, ``offload_param``/``offload_optimizer``) set
+            the options above; keys that size DeepSpeed's own buffers, and the Trainer's (batch sizes, precision,
+            clipping), are accepted with a note; any other key is refused by name.
         quantized_gradients: qgZ.
         weight_bits: Bits of the quantized all-gather (8 or 4).
         gradient_bits: Bits of the quantized reduce-scatter (4 or 8).
@@ -85,8 +91,15 @@ class ZeroPPStrategy(FSDP2Strategy):
         gradient_block_size: int = 256,
         ranks_per_node: int | None = None,
         cpu_offload: bool = False,
+        config: dict[str, Any] | str | None = None,
         **kwargs: Any,
     ) -> None:
+        if config is not None:  # a DeepSpeed ZeRO++ config: its keys set the options above
+            options, notes = from_deepspeed_config(config)
+            quantized_weights, quantized_gradients = options["quantized_weights"], options["quantized_gradients"]
+            hpz_partition_size, cpu_offload = options["hpz_partition_size"], options["cpu_offload"]
+            for note in notes:
+                rank_zero_info(f"zeropp: {note}")
         owned = sorted(set(kwargs) & set(_FSDP2_SETTINGS))
         if owned:
             raise TypeError(

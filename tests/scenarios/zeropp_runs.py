@@ -44,7 +44,19 @@ ZEROPP_VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+#: "zeropp" as a DeepSpeed ZeRO++ config writes it (as DeepSpeedStrategy(config=...) takes it), with keys that only
+#: tune DeepSpeed's buffers and the Trainer's keys beside the ZeRO++ ones.
+DEEPSPEED_ZEROPP = {
+    "zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": RANKS_PER_NODE,
+                          "zero_quantized_gradients": True, "reduce_bucket_size": 5e8, "overlap_comm": True},
+    "bf16": {"enabled": True},
+    "train_micro_batch_size_per_gpu": 2,
+}  # fmt: skip
+
+
 def make_strategy(name: str, **kwargs: Any) -> Any:
+    if name == "zeropp_deepspeed_config":
+        return ZeroPPStrategy(ranks_per_node=RANKS_PER_NODE, config=DEEPSPEED_ZEROPP, **kwargs)
     if name == "fsdp2":
         return FSDP2Strategy(**kwargs)
     if name == "fsdp2_bf16_reduce":  # the byte baseline: bf16 both ways
@@ -255,6 +267,7 @@ SCENARIOS: dict[str, Callable[[int, str], Any]] = {
     "zeropp_qwz": lambda d, w: run("zeropp_qwz", d),
     "zeropp_hpz": lambda d, w: run("zeropp_hpz", d),
     "zeropp_qgz": lambda d, w: run("zeropp_qgz", d, steps=2),  # bytes only
+    "zeropp_deepspeed_config": lambda d, w: run("zeropp_deepspeed_config", d, steps=2),  # bytes only
     "fsdp2_fp32": lambda d, w: run("fsdp2", d, precision="32-true"),
     "baseline_bytes": lambda d, w: baseline_bytes(d),
     "stale_weights": lambda d, w: stale_weights(d),

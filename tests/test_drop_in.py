@@ -37,3 +37,15 @@ def test_lightning_fsdp_strategy_arguments_train_as_one_process_and_do_what_ligh
     assert "fsdp2: activation checkpointing on 2 × Block" in ours["log"], ours["log"]
     assert any("sharding='full': sharded 2 × Block" in line for line in ours["log"]), ours["log"]
     assert ours["file"] and not ours["folder"]  # state_dict_type="full"
+
+
+def test_a_hugging_face_model_trained_with_its_own_shipped_plan_equals_one_process(tmp_path):
+    """A stock ``LlamaForCausalLM`` under ``TensorParallelStrategy(tensor_parallel_size=2, plan="model")``: its
+    ``base_model_tp_plan`` and head plan (transformers' styles ``colwise``, ``rowwise``, ``embedding_rowwise``,
+    ``colwise_gather_output``) applied as shipped, compared in the log with the automatic plan; losses equal one
+    process's (fp64)."""
+    ours = run_scenarios("drop_in_runs.py", 2, tmp_path, ["hugging_face_plan"])["hugging_face_plan"]
+    one = run_scenarios("drop_in_runs.py", 1, tmp_path, ["hugging_face_plan"])["hugging_face_plan"]
+    assert len(ours["losses"]) == 3 and max(abs(a - b) for a, b in zip(ours["losses"], one["losses"])) <= TOL
+    assert any("the model's own plan (plan='model'; the same as the automatic plan) over tp=2" in line
+               for line in ours["log"]), ours["log"]  # fmt: skip

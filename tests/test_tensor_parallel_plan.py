@@ -430,3 +430,35 @@ def test_loss_parallel_needs_a_recognised_head_and_explicit_layouts_are_parsed()
         TensorParallelStrategy(loss_parallel=True).tensor_parallel_plan(model)
     lp_plan = {**GPT_PLAN, "head": {"style": "colwise", "output_layouts": "Shard( -1 )", "use_local_output": False}}
     assert resolve_explicit_plan(small_gpt(), lp_plan).loss_parallel_head == "head"
+
+
+def test_transformers_plan_styles_and_the_models_own_plan():
+    """``plan=`` takes the styles transformers ships in ``base_model_tp_plan`` (pasted as they are), refuses those
+    with no counterpart by name, and ``plan="model"`` reads the model's own plan under the names of the module."""
+    import lightning as L
+
+    from lightning_dist.parallel.tensor_parallel import resolve_plan
+    from lightning_dist.parallel.tensor_parallel.hugging_face import shipped_plan
+    from tests.scenarios.models import tiny_hf_causal_lm
+
+    class Wrapped(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = tiny_hf_causal_lm("llama")
+
+    module = Wrapped()
+    shipped = shipped_plan(module)
+    assert shipped["model.model.layers.*.self_attn.q_proj"] == "colwise"
+    assert shipped["model.lm_head"] == "colwise_gather_output" and shipped["model.model.embed_tokens"] == "embedding_rowwise"
+    plan = resolve_plan(module, "model")
+    assert plan.styles["model.lm_head"] == {"style": "colwise", "output_layouts": "replicate"}
+    assert plan.styles["model.model.embed_tokens"] == {"style": "rowwise", "input_layouts": "replicate"}
+    assert resolve_plan(module, {"model.model.layers.*.mlp.down_proj": "rowwise"}).styles
+    for style, why in [("moe_tp_experts", "expert_parallel_size"), ("replicated_with_grad_allreduce", "plan=None"),
+                       ("local_colwise", "use 'colwise'")]:  # fmt: skip
+        with pytest.raises(TensorParallelPlanError, match=rf"transformers' style '{style}' cannot be used here: .*{why}"):
+            TensorParallelStrategy(plan={"model.lm_head": style})
+    with pytest.raises(TensorParallelPlanError, match=r"plan='auto': give a mapping .* or 'model'"):
+        TensorParallelStrategy(plan="auto")
+    with pytest.raises(TensorParallelPlanError, match=r"plan='model': GPT holds no Hugging Face model"):
+        resolve_plan(GPT(vocab_size=64, d_model=32, n_layer=1, n_head=2), "model")

@@ -133,7 +133,44 @@ def fsdp_arguments(devices: int, workdir: str) -> dict[str, Any]:
     return _gpt_fit(devices, workdir, strategy)
 
 
+class HFLlama(L.LightningModule):
+    """A stock ``LlamaForCausalLM`` (tiny config, fp64) as a user wraps it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from models import tiny_hf_causal_lm  # type: ignore[import-not-found]
+
+        torch.manual_seed(0)
+        self.model = tiny_hf_causal_lm("llama").double()
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        logits = self.model(input_ids=batch["input_ids"]).logits
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def hugging_face_plan(devices: int, workdir: str) -> dict[str, Any]:
+    """The stock Llama trained with its own shipped plan (``plan="model"``, tp2), or in one process (devices=1)."""
+    from common import SEQ_LEN, OneProcessData  # type: ignore[import-not-found]
+
+    from examples.data import TextDataModule
+
+    data = (OneProcessData if devices == 1 else TextDataModule)(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH,
+                                                                 train_samples=64, val_samples=4)  # fmt: skip
+    strategy = TensorParallelStrategy(tensor_parallel_size=2, plan="model") if devices > 1 else "auto"
+    recorder, log = StepRecorder(), LogLines("plan")
+    trainer = L.Trainer(**trainer_kwargs(devices, strategy=strategy, precision="64-true", limit_val_batches=0,
+                                         callbacks=[recorder]), max_steps=3)  # fmt: skip
+    L.seed_everything(0, verbose=False)
+    trainer.fit(HFLlama(), data)
+    log.close()
+    return {"losses": recorder.losses, "log": log.lines}
+
+
 SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
+    "hugging_face_plan": hugging_face_plan,
     **_both(1, 2),
     **_both(2, 2),
     "fsdp_arguments": fsdp_arguments,

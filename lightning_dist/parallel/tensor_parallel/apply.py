@@ -36,6 +36,7 @@ from lightning_dist.parallel.tensor_parallel.kv_heads import ReplicatedKVHeadPar
 from lightning_dist.parallel.tensor_parallel.lora import column_part_owner, sharded_dropout_style
 from lightning_dist.parallel.tensor_parallel.multihead import MultiheadAttentionParallel
 from lightning_dist.parallel.tensor_parallel.partial_gradients import mark_partial_over_tp
+from lightning_dist.parallel.tensor_parallel.hugging_face import MODEL_PLAN, shipped_plan
 from lightning_dist.parallel.tensor_parallel.plan import (
     TensorParallelPlan,
     TensorParallelPlanError,
@@ -316,10 +317,18 @@ def _retie(model: nn.Module, tied: list[list[tuple[nn.Module, str]]]) -> None:
 
 def resolve_plan(
     model: nn.Module,
-    explicit: dict[str, Any] | None = None,
+    explicit: dict[str, Any] | str | None = None,
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
 ) -> TensorParallelPlan:
-    """The explicit plan when given (keys may hold ``*``), otherwise the inferred one."""
+    """The explicit plan when given (keys may hold ``*``; ``"model"``: the plan the model ships with, see
+    :func:`~.hugging_face.shipped_plan`), otherwise the inferred one."""
     auto = infer_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    if explicit == MODEL_PLAN:
+        explicit = shipped_plan(model)
+        if not explicit:
+            raise TensorParallelPlanError(
+                f"plan='model': {type(model).__name__} holds no Hugging Face model with a shipped tensor-parallel plan"
+                " (config.base_model_tp_plan). Leave plan out for the automatic plan, or give one."
+            )
     return resolve_explicit_plan(model, explicit, auto) if explicit else auto

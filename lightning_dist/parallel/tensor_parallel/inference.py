@@ -26,6 +26,7 @@ from lightning_dist.parallel.model_structure import (
 )
 from lightning_dist.parallel.tensor_parallel.fused import fused_spec
 from lightning_dist.parallel.tensor_parallel.lora import adapters_left_whole, expand_lora
+from lightning_dist.parallel.tensor_parallel.hugging_face import from_hugging_face_style
 from lightning_dist.parallel.tensor_parallel.plan import (
     SEQUENCE_GATHER,
     DivisibilityCheck,
@@ -184,7 +185,7 @@ def resolve_explicit_plan(
                 + ". Print the automatic plan (`lightning-dist plan ...`) to see the module names."
             )
         for name in matched:
-            resolved.styles[name] = spec
+            resolved.styles[name] = from_hugging_face_style(spec)
             resolved.checks.extend(size_checks(name, modules[name], options))
             sharded_logits = shard_dim(options.get("output_layouts")) in (-1, 2)
             if options["style"] == "colwise" and options.get("use_local_output") is False and sharded_logits:

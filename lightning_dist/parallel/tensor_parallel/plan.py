@@ -337,7 +337,13 @@ def style_name(spec: StyleSpec) -> str:
 
 
 def normalize_style(spec: StyleSpec, where: str) -> dict[str, Any]:
-    """Check a style spec and return it as a dict with a ``"style"`` key."""
+    """Check a style spec (ours, or a transformers style name: :mod:`.hugging_face`) and return it as a dict with a
+    ``"style"`` key."""
+    from lightning_dist.parallel.tensor_parallel.hugging_face import from_hugging_face_style, unsupported_style_reason
+
+    if (why := unsupported_style_reason(spec)) is not None:
+        raise TensorParallelPlanError(f"plan[{where!r}]: transformers' style {spec!r} cannot be used here: {why}.")
+    spec = from_hugging_face_style(spec)
     options = {"style": spec} if isinstance(spec, str) else dict(spec)
     style = options.get("style")
     if style not in STYLES:

@@ -7,7 +7,7 @@ Trainer parallelized. Used by ``tensor_parallel`` and ``hybrid3d``; the part act
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module, Parameter
@@ -27,6 +27,7 @@ from lightning_dist.parallel.tensor_parallel import (
     shard_gradients_like_parameters,
     tp_sharded_parameters,
 )
+from lightning_dist.parallel.tensor_parallel.hugging_face import MODEL_PLAN
 from lightning_dist.parallel.tensor_parallel.loss_parallel import (
     VocabParallelCrossEntropy,
     check_local_loss,
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 else:
     _Base = object
 
-PlanSpec = dict[str, str | dict[str, Any]]
+PlanSpec = dict[str, str | dict[str, Any]] | Literal["model"]
 # The applied plan, kept on the model next to the base strategy's "parallelized" marker: a later Trainer reusing the
 # model skips `parallelize` and restores loss parallel and autocast from it.
 _TP_PLAN = "_lightning_dist_tp_plan"
@@ -100,15 +101,21 @@ class TensorParallelSteps(_Base):
     def init_tensor_parallel(self, plan: PlanSpec | None, sequence_parallel: bool, loss_parallel: bool) -> None:
         """Check and keep the tensor-parallel options (called from the strategy's ``__init__``): a misspelt style
         or layout fails here, before any launch."""
-        for key, spec in (plan or {}).items():
+        if isinstance(plan, str) and plan != MODEL_PLAN:
+            raise TensorParallelPlanError(
+                f"plan={plan!r}: give a mapping of module names to styles, or {MODEL_PLAN!r} for the plan the model"
+                " ships with (transformers' base_model_tp_plan), or leave it out for the automatic plan."
+            )
+        for key, spec in (plan or {}).items() if isinstance(plan, dict) else ():
             try:
                 build_style(spec, key)
             except TensorParallelPlanError as err:
                 raise TensorParallelPlanError(str(err) if str(err).startswith("plan[") else f"plan[{key!r}]: {err}")
-        self.plan = dict(plan) if plan else None
+        self.plan = (dict(plan) if isinstance(plan, dict) else plan) if plan else None
         self.sequence_parallel = check_bool("sequence_parallel", sequence_parallel)
         self.loss_parallel = check_bool("loss_parallel", loss_parallel)
         self._tp_plan: TensorParallelPlan | None = None
+        self._model_plan_note = ""  # plan="model": how it differs from the automatic plan (for the log)
         self._tp_replicated: list[Parameter] = []
         self._tp_partial: list[Parameter] = []
         self._tp_sharded: list[Parameter] = []
@@ -117,6 +124,8 @@ class TensorParallelSteps(_Base):
         """The plan this strategy applies to ``model`` (explicit ``plan=`` or the automatic one); sizes are checked
         against the mesh when it is applied. ``needs_head=False``: a pipeline stage without the output head."""
         plan = resolve_plan(model, self.plan, self.sequence_parallel, self.loss_parallel)
+        if self.plan == MODEL_PLAN:  # compared with the automatic plan now, while the model is whole
+            self._model_plan_note = _against_automatic(model, plan)
         if self.plan and self.loss_parallel and plan.loss_parallel_head is None and needs_head:
             raise TensorParallelPlanError(
                 "loss_parallel=True, but the explicit plan keeps no output head's logits sharded on the vocabulary."
@@ -151,11 +160,16 @@ class TensorParallelSteps(_Base):
             if on
         ]
         self.log_decision(
-            f"{'explicit' if self.plan else 'auto'} plan over tp={self.parallel_dims.tp}: {plan.summary()}"
+            f"{self._which_plan()} over tp={self.parallel_dims.tp}: {plan.summary()}"
             + (f"; {_summarize_changes(changed)}" if changed else "")
             + (f"; {', '.join(extras)}" if extras else "")
             + " (full plan: `lightning-dist plan`)"
         )
+
+    def _which_plan(self) -> str:
+        if self.plan == MODEL_PLAN:
+            return f"the model's own plan (plan='model'; {self._model_plan_note})"
+        return "explicit plan" if self.plan else "auto plan"
 
     def find_tensor_parallel_gradients(self) -> None:
         """At setup: the parameters whose gradients the part makes consistent over tp after backward. A per-head
@@ -185,3 +199,17 @@ def _summarize_changes(changed: dict[str, str]) -> str:
         key = f"{name.rpartition('.')[2]} {change}"
         counts[key] = counts.get(key, 0) + 1
     return ", ".join(f"{key} in {n} module{'s' if n > 1 else ''}" for key, n in counts.items())
+
+
+def _against_automatic(model: Module, plan: TensorParallelPlan) -> str:
+    """How ``plan`` (the model's own) differs from the automatic plan of ``model``, in a few words."""
+    from lightning_dist.parallel.tensor_parallel.plan import style_name
+
+    auto = resolve_plan(model, None)
+    ours, theirs = ({n: style_name(s) for n, s in p.styles.items()} for p in (auto, plan))
+    differ = [f"{n}: {ours.get(n, 'whole')} automatically, {theirs.get(n, 'whole')} in the model's plan"
+              for n in sorted(set(ours) | set(theirs)) if ours.get(n) != theirs.get(n)]  # fmt: skip
+    if not differ:
+        return "the same as the automatic plan"
+    return f"{len(differ)} modules differ from the automatic plan: " + "; ".join(differ[:5]) + (
+        " ..." if len(differ) > 5 else "")  # fmt: skip

@@ -34,8 +34,8 @@ def test_lightning_fsdp_strategy_arguments_train_as_one_process_and_do_what_ligh
     ours = run_scenarios("drop_in_runs.py", 2, tmp_path, ["fsdp_arguments"])["fsdp_arguments"]
     one = run_scenarios("drop_in_runs.py", 1, tmp_path, ["one_process"])["one_process"]
     assert len(ours["losses"]) == 3 and max(abs(a - b) for a, b in zip(ours["losses"], one["losses"])) <= TOL
-    assert "fsdp2: activation checkpointing on 2 × Block" in ours["log"], ours["log"]
-    assert any("sharding='full': sharded 2 × Block" in line for line in ours["log"]), ours["log"]
+    assert "fsdp2: activation checkpointing on 4 × Block" in ours["log"], ours["log"]
+    assert any("sharding='full': sharded 4 × Block" in line for line in ours["log"]), ours["log"]
     assert ours["file"] and not ours["folder"]  # state_dict_type="full"
 
 
@@ -49,3 +49,30 @@ def test_a_hugging_face_model_trained_with_its_own_shipped_plan_equals_one_proce
     assert len(ours["losses"]) == 3 and max(abs(a - b) for a, b in zip(ours["losses"], one["losses"])) <= TOL
     assert any("the model's own plan (plan='model'; the same as the automatic plan) over tp=2" in line
                for line in ours["log"]), ours["log"]  # fmt: skip
+
+
+def test_activation_checkpointing_every_kth_unit_selective_or_by_class_trains_as_one_process(tmp_path):
+    """``activation_checkpointing=2`` (every 2nd block), ``"selective"`` (each block keeping its matmul and attention
+    outputs) and ``["MLP"]`` (by class, as Lightning's policy) under fsdp2: one process's losses (fp64), the log
+    saying what was checkpointed; the dry run's activation peak of the example config ranks none > selective >
+    every block (exact byte counts on fake tensors)."""
+    from lightning_dist.dryrun import dry_run
+
+    names = [f"checkpointing_{mode}" for mode in ("every_2nd", "selective", "by_class")]
+    runs = run_scenarios("drop_in_runs.py", 2, tmp_path, names)
+    one = run_scenarios("drop_in_runs.py", 1, tmp_path, ["one_process"])["one_process"]
+    said = {"every_2nd": "activation checkpointing on 2 × Block (every 2nd of 4 units)",
+            "selective": "on 4 × Block (selective: their matmul and attention outputs kept, the rest recomputed)",
+            "by_class": "activation checkpointing on 4 × MLP"}  # fmt: skip
+    for mode, expected in said.items():
+        run = runs[f"checkpointing_{mode}"]
+        assert max(abs(a - b) for a, b in zip(run["losses"], one["losses"], strict=True)) <= TOL, mode
+        assert any(expected in line for line in run["log"]), (mode, run["log"])
+    config = ["--config", "tests/dryrun_configs/fsdp2.yaml", "--trainer.strategy=lightning_dist.FSDP2Strategy"]
+    peak = {
+        mode: dry_run([*config, f"--trainer.strategy.init_args.activation_checkpointing={mode}"], 2).ranks[0]
+        for mode in ("false", "selective", "true")
+    }
+    assert all(rank.error is None for rank in peak.values()), peak
+    none, selective, every = (peak[m].memory["activations"] for m in ("false", "selective", "true"))
+    assert none > selective > every, (none, selective, every)

@@ -29,17 +29,17 @@ def test_sharding_strategy_strings_and_enum_map_onto_sharding(given, sharding, r
 
 def test_wrap_checkpointing_state_dict_offload_and_mesh_map_onto_our_options():
     strategy = FSDP2Strategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block}, state_dict_type="sharded")
-    assert strategy.wrap_modules == [Block] and strategy.activation_checkpointing
+    assert strategy.wrap_modules == [Block] and strategy.activation_checkpointing == (Block,)
     assert not isinstance(strategy.checkpoint_io, FullStateCheckpointIO)
     strategy = FSDP2Strategy(auto_wrap_policy=ModuleWrapPolicy({Block}), state_dict_type="full",
                              cpu_offload=CPUOffload(offload_params=True), device_mesh=(2, 4))  # fmt: skip
     assert strategy.wrap_modules == [Block] and not strategy.activation_checkpointing
     assert isinstance(strategy.checkpoint_io, FullStateCheckpointIO) and strategy.cpu_offload is True
     assert (strategy.data_parallel_replicate_size, strategy.data_parallel_shard_size) == (2, 4)
-    only_checkpointing = FSDP2Strategy(activation_checkpointing_policy={Block})  # the classes become the units
-    assert only_checkpointing.wrap_modules == [Block] and only_checkpointing.activation_checkpointing
+    only_checkpointing = FSDP2Strategy(activation_checkpointing_policy={torch.nn.Linear})  # any classes, as Lightning
+    assert only_checkpointing.wrap_modules is None and only_checkpointing.activation_checkpointing == (torch.nn.Linear,)
     older_spelling = FSDP2Strategy(activation_checkpointing=Block)  # Lightning's earlier name of the policy
-    assert older_spelling.wrap_modules == [Block] and older_spelling.activation_checkpointing
+    assert older_spelling.activation_checkpointing == (Block,)
     assert ZeroPPStrategy(auto_wrap_policy={Block}, quantized_weights=False).wrap_modules == [Block]
 
 
@@ -57,8 +57,6 @@ def test_arguments_without_meaning_are_accepted_with_a_note(caplog):
      ({"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16)}, r"mixed_precision=.*precision='bf16-mixed'"),
      ({"sharding_strategy": "ZERO3"}, r"sharding_strategy='ZERO3' is not one of FSDP's"),
      ({"sharding_strategy": "FULL_SHARD", "sharding": "grad_op"}, r"disagree: give one"),
-     ({"activation_checkpointing_policy": {Block}, "auto_wrap_policy": {torch.nn.Linear}},
-      r"activation_checkpointing_policy=\{Block\} differs from auto_wrap_policy=\{Linear\}"),
      ({"state_dict_type": "local"}, r"state_dict_type='local' is not 'full' or 'sharded'"),
      ({"device_mesh": "2x4"}, r"device_mesh='2x4': give it as Lightning's \(replicate, shard\) sizes tuple")],
 )  # fmt: skip

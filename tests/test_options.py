@@ -3,6 +3,8 @@ construction, from Python and from YAML, instead of silently meaning something e
 
 from __future__ import annotations
 
+import re
+
 import lightning as L
 import pytest
 from jsonargparse import ArgumentParser
@@ -11,14 +13,11 @@ from lightning_dist import FSDP2Strategy, TensorParallelStrategy, ZeroPPStrategy
 from lightning_dist.parallel.tensor_parallel import TensorParallelPlanError
 
 BOOL_OPTIONS = [
-    (FSDP2Strategy, "activation_checkpointing"),
     (FSDP2Strategy, "cpu_offload"),
     (TensorParallelStrategy, "sequence_parallel"),
     (TensorParallelStrategy, "loss_parallel"),
-    (TensorParallelStrategy, "activation_checkpointing"),
     (ZeroPPStrategy, "quantized_weights"),
     (ZeroPPStrategy, "quantized_gradients"),
-    (ZeroPPStrategy, "activation_checkpointing"),
 ]
 
 
@@ -73,3 +72,15 @@ def test_zeropp_refuses_the_fsdp2_options_it_sets_itself():
     parser.add_class_arguments(ZeroPPStrategy, "strategy")
     with pytest.raises(Exception, match="reshard_after_forward"):
         parser.parse_string("strategy:\n  reshard_after_forward: 2\n")
+
+
+@pytest.mark.parametrize("cls", [FSDP2Strategy, TensorParallelStrategy, ZeroPPStrategy])
+def test_activation_checkpointing_takes_a_bool_an_every_kth_int_selective_or_classes(cls):
+    from examples.gpt import MLP
+
+    for value, kept in [(True, True), (False, False), (1, True), (3, 3), ("selective", "selective"),
+                        ([MLP, "Block"], (MLP, "Block"))]:  # fmt: skip
+        assert cls(activation_checkpointing=value).activation_checkpointing == kept
+    for value in ["no", "False", 0, -2, None, [1]]:
+        with pytest.raises(TypeError, match=re.escape(f"activation_checkpointing={value!r} must be True or False")):
+            cls(activation_checkpointing=value)

@@ -132,6 +132,24 @@ def test_a_pipeline_stage_keeps_the_head_and_loss_of_one_micro_batch_and_the_emb
     assert pp3.buffers >= 2 * 64 * act.block_input
 
 
+def test_activation_checkpointing_every_kth_block_counts_that_share_and_selective_counts_as_none():
+    """The planner's activations for ``activation_checkpointing``: every block keeps only block inputs, every 2nd of
+    4 blocks half of them, ``"selective"`` (and a list of classes) is counted as none, an upper bound; the FLOPs of
+    a step count each checkpointed block's second forward."""
+    model = _gpt("meta")
+    facts, act, hw = model_facts(model), activation_facts(model, 1, 32), Hardware(1)
+    per_block = act.per_block_residual + act.per_block_inner
+    blocks = facts.blocks
+    by = {ac: estimate(facts, act, ParallelDims(), Workload(32, 1, 1, "32-true", activation_checkpointing=ac), hw)
+          for ac in (False, True, 2, "selective")}  # fmt: skip
+    outside = by[False].activations - blocks * per_block
+    assert by[True].activations == blocks * act.block_input + per_block + outside
+    half = blocks // 2
+    assert by[2].activations == half * act.block_input + (blocks - half) * per_block + per_block + outside
+    assert by["selective"].activations == by[False].activations
+    assert Workload(32, 1, 1, activation_checkpointing=2).checkpointed_fraction == 0.5
+
+
 @pytest.mark.slow
 def test_state_bytes_estimate_matches_a_real_tensor_parallel_run(tmp_path):
     """Two processes, tp=2, one AdamW step of the smallest Llama of ``benchmarks.planner_accuracy``: the estimated

@@ -295,11 +295,12 @@ def is_compiled_in_place(module: torch.nn.Module) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------- activation checkpointing
-def composable_checkpoint(module: torch.nn.Module) -> torch.nn.Module:
-    """Hook-based activation checkpointing that keeps parameter names (``torch.distributed._composable``)."""
+def composable_checkpoint(module: torch.nn.Module, **options: Any) -> torch.nn.Module:
+    """Hook-based activation checkpointing that keeps parameter names (``torch.distributed._composable``);
+    ``options`` go to torch's non-reentrant checkpoint (``context_fn`` for selective checkpointing)."""
     from torch.distributed._composable import checkpoint
 
-    return checkpoint(module)
+    return checkpoint(module, **options)
 
 
 # ---------------------------------------------------------------------------------------------------- DCP

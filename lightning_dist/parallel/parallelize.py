@@ -72,7 +72,9 @@ class ParallelizeConfig:
     Attributes:
         units: The repeated blocks (name, module): activation-checkpointed and sharded as FSDP units.
         tp_plan: A resolved tensor-parallel plan, applied over the ``tp`` axis; ``None``: no tensor parallelism.
-        activation_checkpointing: Recompute the units' activations in backward. A Hugging Face model's key/value cache
+        activation_checkpointing: Recompute activations in backward: ``True`` the units', an int k every k-th unit's,
+            ``"selective"`` the units' except their matmul and attention outputs, a tuple of classes (or names)
+            the modules of those classes' (:mod:`.activation_checkpointing`). A Hugging Face model's key/value cache
             is then turned off for good (``use_cache=False``: a recomputed block must save what its forward saved),
             unless ``keep_generation_cache``.
         keep_generation_cache: Leave ``use_cache`` as it is under activation checkpointing: the caller turns the
@@ -90,7 +92,7 @@ class ParallelizeConfig:
 
     units: list[Unit] = field(default_factory=list)
     tp_plan: TensorParallelPlan | None = None
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | int | str | tuple[type[nn.Module] | str, ...] = False
     keep_generation_cache: bool = False
     compile: dict[str, Any] | None = None
     fsdp: FSDPConfig | None = None
@@ -145,8 +147,9 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelizeConfig)
             fsdp_shards_experts=shard_experts, dispatch_chunks=config.expert_dispatch_chunks,
         )  # fmt: skip
     if config.activation_checkpointing:
-        apply_activation_checkpointing(m for _, m in config.units)
-        record.checkpointed = summarize(config.units)
+        spec = config.activation_checkpointing
+        chosen = apply_activation_checkpointing(model, config.units, spec)
+        record.checkpointed = summarize(chosen) + _checkpointing_kind(spec, len(config.units))
         if not config.keep_generation_cache and (uncached := turn_off_generation_cache(model)):
             record.checkpointed += f" (config.use_cache turned off on {', '.join(uncached)}, as transformers does)"
     if config.compile is not None:
@@ -197,3 +200,13 @@ def _compile_units(config: ParallelizeConfig) -> str:
         f"compiled {summarize(config.units)} with {how}, {before}; the embedding, final norm, head and loss"
         " outside the blocks run eagerly"
     )
+
+
+def _checkpointing_kind(spec: Any, units: int) -> str:
+    """What the activation checkpointing summary adds about ``spec`` (nothing for ``True`` or classes)."""
+    if spec == "selective":
+        return " (selective: their matmul and attention outputs kept, the rest recomputed)"
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        suffix = "th" if 10 <= spec % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(spec % 10, "th")
+        return f" (every {spec}{suffix} of {units} units)"
+    return ""

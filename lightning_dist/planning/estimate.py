@@ -34,8 +34,18 @@ class Workload:
     global_batch: int  # samples per optimizer step, over all data-parallel ranks
     precision: str = "bf16-mixed"
     optimizer: str = "adamw"
-    activation_checkpointing: bool = False
+    #: The strategies' option: ``True`` every block, an int k every k-th; ``"selective"`` and a list of classes are
+    #: counted as none (an upper bound: what they keep depends on the ops, which the planner does not trace).
+    activation_checkpointing: bool | int | str | tuple = False
     schedule: str = "1f1b"
+
+    @property
+    def checkpointed_fraction(self) -> float:
+        """The share of blocks whose activations the planner counts as recomputed (1.0, 1/k or 0.0)."""
+        ac = self.activation_checkpointing
+        if ac is True:
+            return 1.0
+        return 1.0 / ac if isinstance(ac, int) and not isinstance(ac, bool) and ac >= 1 else 0.0
 
 
 @dataclass(frozen=True)
@@ -175,8 +185,9 @@ def _activation_bytes(
     per_block = act.per_block_residual + act.per_block_inner / mesh.tp
 
     def stage(in_flight: int, outside: float) -> float:
-        if workload.activation_checkpointing:  # block inputs kept; one block recomputed at a time in backward
-            kept = blocks * act.block_input * in_flight + per_block
+        checkpointed = int(blocks * workload.checkpointed_fraction)
+        if checkpointed:  # their inputs kept; one block recomputed at a time in backward
+            kept = (checkpointed * act.block_input + (blocks - checkpointed) * per_block) * in_flight + per_block
         else:
             kept = blocks * per_block * in_flight
         return kept + outside * in_flight

@@ -93,7 +93,7 @@ def problems_of(facts: ModelFacts, mesh: ParallelDims, workload: Workload, hardw
 def step_seconds(facts: ModelFacts, est: Estimate, workload: Workload, hardware: Hardware, flops: float) -> float:
     mesh = est.mesh
     tokens = workload.global_batch * workload.seq_len
-    flops_per_token = 8 if workload.activation_checkpointing else 6  # checkpointing runs every forward twice
+    flops_per_token = 6 + 2 * workload.checkpointed_fraction  # a checkpointed block runs its forward twice
     compute = flops_per_token * facts.active_params * tokens / mesh.world_size / flops
     if mesh.pp > 1:  # the schedule runs at the pace of the heaviest stage, not of the average one
         active_block = facts.block_params - (facts.total_params - facts.active_params) / facts.blocks

@@ -39,6 +39,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 
+from lightning_dist.parallel.activation_checkpointing import ActivationCheckpointing, check_activation_checkpointing
 from lightning_dist.parallel.compile import resolve_compile_options
 from lightning_dist.parallel.float8 import Float8Recipe, check_float8_recipe, check_float8_skip
 from lightning_dist.parallel.fsdp_options import (
@@ -52,7 +53,6 @@ from lightning_dist.parallel.gradient_sync import (
 )
 from lightning_dist.parallel.mesh import AXIS_OPTIONS, ParallelDims, ParallelMesh
 from lightning_dist.parallel.module_selection import check_unit_choice
-from lightning_dist.parallel.validation import check_bool
 from lightning_dist.plugins.precision import FSDP2Precision, to_fsdp2_precision
 from lightning_dist.strategies.lifecycle.checkpointing import ShardedCheckpointing
 from lightning_dist.strategies.lifecycle.collectives import MeshCollectives
@@ -124,7 +124,11 @@ class MeshParallelStrategy(
             under a pipeline each stage takes the ones it holds.
         wrap_regex: A regex over qualified module names (``"layers\\.\\d+"``) selecting the units, alone or in
             addition to ``wrap_modules`` (names below the pipelined module under a pipeline).
-        activation_checkpointing: Recompute the units' activations in backward.
+        activation_checkpointing: Recompute activations in backward instead of keeping them: ``True`` every unit
+            the strategy shards (the repeated blocks), an int k every k-th unit, ``"selective"`` every unit keeping
+            the outputs of its matmuls and attention (recomputing norms, activations and the like), or a list of
+            module classes (or class names) whose every module is checkpointed, as Lightning's
+            ``activation_checkpointing_policy``.
         accumulation_sync: With ``accumulate_grad_batches=k``: ``"every"`` reduces gradients after each micro-batch
             (sharded gradient memory, k reduce-scatters per step); ``"last"`` only after the last (1/k of the bytes,
             full unsharded gradients held in between, as in DDP); ``"replicas_last"`` (with ``dp_replicate``, HSDP)
@@ -160,7 +164,7 @@ class MeshParallelStrategy(
         reshard_after_forward: bool | int | None = None,
         wrap_modules: list[type[Module] | str] | set[type[Module]] | None = None,
         wrap_regex: str | None = None,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: ActivationCheckpointing = False,
         accumulation_sync: AccumulationSync = "every",
         float8: Float8Recipe | None = None,
         float8_skip: list[str] | str | None = None,
@@ -184,7 +188,7 @@ class MeshParallelStrategy(
         # The FSDP-family options: every strategy shards with FSDP2 wherever its mesh has data-parallel ranks.
         self.reshard_after_forward = check_reshard_after_forward(reshard_after_forward)
         self.wrap_modules, self.wrap_regex = check_unit_choice(wrap_modules, wrap_regex)
-        self.activation_checkpointing = check_bool("activation_checkpointing", activation_checkpointing)
+        self.activation_checkpointing = check_activation_checkpointing(activation_checkpointing)
         self.accumulation_sync = check_accumulation_sync(accumulation_sync)
         super().__init__(
             accelerator=accelerator,

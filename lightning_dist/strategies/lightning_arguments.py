@@ -3,7 +3,7 @@
 ours, so that a project swaps the class name and keeps its arguments.
 
 Each argument becomes the option that does what Lightning's does (``sharding_strategy`` → ``sharding``,
-``auto_wrap_policy`` → ``wrap_modules``, ``activation_checkpointing_policy`` → checkpointed units, ``state_dict_type``
+``auto_wrap_policy`` → ``wrap_modules``, ``activation_checkpointing_policy`` → ``activation_checkpointing=[classes]``, ``state_dict_type``
 → the checkpoint format, ``cpu_offload`` → ``cpu_offload``, ``device_mesh`` → the mesh sizes); arguments FSDP2 has
 no use for are accepted with a note; what cannot be mapped is refused by name with the way to say it here.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,7 @@ def speaks_fsdp_strategy(cpu_offload: Any, options: dict[str, Any]) -> bool:
     shared names that only it takes: a ``CPUOffload``, activation checkpointing as classes)."""
     return (
         bool(FSDP_STRATEGY_ONLY & options.keys())
-        or not isinstance(cpu_offload, bool)
+        or hasattr(cpu_offload, "offload_params")  # FSDP's CPUOffload
         or _is_classes(options.get("activation_checkpointing"))
     )
 
@@ -66,11 +65,11 @@ def from_fsdp_strategy_arguments(arguments: dict[str, Any]) -> tuple[dict[str, A
     if checkpointed is None and _is_classes(options.get("activation_checkpointing")):
         checkpointed = options.pop("activation_checkpointing")  # Lightning's older spelling: a class or classes
     if checkpointed is not None:
-        options.update(_checkpointing(checkpointed, options.get("wrap_modules")))
+        options.update(_checkpointing(checkpointed))
     if "state_dict_type" in options:
         options.update(_state_dict_type(options.pop("state_dict_type"), options.get("checkpoint_io")))
-    if "cpu_offload" in options and not isinstance(options["cpu_offload"], bool):
-        options["cpu_offload"] = bool(getattr(options["cpu_offload"], "offload_params", options["cpu_offload"]))
+    if hasattr(options.get("cpu_offload"), "offload_params"):  # FSDP's CPUOffload(offload_params=...)
+        options["cpu_offload"] = bool(options["cpu_offload"].offload_params)
     if "device_mesh" in options:
         options.update(_device_mesh(options.pop("device_mesh")))
     if options.get("mixed_precision") is not None:
@@ -120,18 +119,10 @@ def _classes(argument: str, value: Any) -> list[type]:
     )
 
 
-def _checkpointing(value: Any, wrapped: Iterable[type] | None) -> dict[str, Any]:
-    """Lightning checkpoints the activations of every instance of the given classes; here the units FSDP2 shards are
-    checkpointed, so the classes must be those units (the wrap classes, or, with no wrap policy, they become them)."""
-    classes = _classes("activation_checkpointing_policy", value)
-    if wrapped is not None and set(classes) != set(wrapped):
-        names = lambda cs: "{" + ", ".join(c.__name__ for c in cs) + "}"  # noqa: E731
-        raise ValueError(
-            f"activation_checkpointing_policy={names(classes)} differs from auto_wrap_policy={names(wrapped)}:"
-            " FSDP2Strategy checkpoints the units it shards. Give both the same classes, or only"
-            " activation_checkpointing_policy (they then become the units)."
-        )
-    return {"wrap_modules": classes, "activation_checkpointing": True}
+def _checkpointing(value: Any) -> dict[str, Any]:
+    """Lightning checkpoints the activations of every instance of the given classes: so does
+    ``activation_checkpointing=[classes]`` here."""
+    return {"activation_checkpointing": _classes("activation_checkpointing_policy", value)}
 
 
 def _state_dict_type(value: Any, checkpoint_io: Any) -> dict[str, Any]:

@@ -110,7 +110,7 @@ def _both(dp: int, tp: int) -> dict[str, Callable[[int, str], dict[str, Any]]]:
 def _gpt_fit(devices: int, workdir: str, strategy: Any) -> dict[str, Any]:
     from common import make_model_and_data  # type: ignore[import-not-found]
 
-    model, data = make_model_and_data(devices, n_layer=2)
+    model, data = make_model_and_data(devices, n_layer=4)
     recorder, log = StepRecorder(), LogLines("fsdp2")
     trainer = L.Trainer(**trainer_kwargs(devices, strategy=strategy, precision="64-true", limit_val_batches=0,
                                          callbacks=[recorder]), max_steps=3)  # fmt: skip
@@ -169,8 +169,14 @@ def hugging_face_plan(devices: int, workdir: str) -> dict[str, Any]:
     return {"losses": recorder.losses, "log": log.lines}
 
 
+#: activation_checkpointing as users ask for it (issue 55): every k-th unit, selective (per op), by classes.
+CHECKPOINTING_MODES = {"every_2nd": 2, "selective": "selective", "by_class": ["MLP"]}
+
+
 SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "hugging_face_plan": hugging_face_plan,
+    **{f"checkpointing_{name}": (lambda mode: lambda d, w: _gpt_fit(d, w, FSDP2Strategy(activation_checkpointing=mode)))(
+        mode) for name, mode in CHECKPOINTING_MODES.items()},  # fmt: skip
     **_both(1, 2),
     **_both(2, 2),
     "fsdp_arguments": fsdp_arguments,

@@ -136,7 +136,9 @@ def test_activation_checkpointing_turns_off_a_hugging_face_generation_cache():
     torch.manual_seed(0)
     model = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
                                                 dropout_rate=0.0, decoder_start_token_id=0))  # fmt: skip
-    apply_activation_checkpointing([*model.encoder.block, *model.decoder.block])
+    stacks = ("encoder.block", "decoder.block")
+    blocks = [(name, m) for name, m in model.named_modules() if name.rsplit(".", 1)[0] in stacks]
+    assert len(apply_activation_checkpointing(model, blocks)) == 4
     x = torch.randint(2, 64, (2, 8))
     with pytest.raises(torch.utils.checkpoint.CheckpointError):
         model(input_ids=x, decoder_input_ids=x, labels=x).loss.backward()

@@ -132,10 +132,10 @@ def test_a_pipeline_stage_keeps_the_head_and_loss_of_one_micro_batch_and_the_emb
     assert pp3.buffers >= 2 * 64 * act.block_input
 
 
-def test_activation_checkpointing_every_kth_block_counts_that_share_and_selective_counts_as_none():
+def test_activation_checkpointing_every_kth_block_and_selective_are_counted():
     """The planner's activations for ``activation_checkpointing``: every block keeps only block inputs, every 2nd of
-    4 blocks half of them, ``"selective"`` (and a list of classes) is counted as none, an upper bound; the FLOPs of
-    a step count each checkpointed block's second forward."""
+    4 blocks half of them, ``"selective"`` the inputs and the outputs of each block's matmuls and attention (counted
+    on the meta device), with the rest of one block recomputed at a time; none > selective > every block."""
     model = _gpt("meta")
     facts, act, hw = model_facts(model), activation_facts(model, 1, 32), Hardware(1)
     per_block = act.per_block_residual + act.per_block_inner
@@ -146,7 +146,10 @@ def test_activation_checkpointing_every_kth_block_counts_that_share_and_selectiv
     assert by[True].activations == blocks * act.block_input + per_block + outside
     half = blocks // 2
     assert by[2].activations == half * act.block_input + (blocks - half) * per_block + per_block + outside
-    assert by["selective"].activations == by[False].activations
+    selective = act.selective_residual + act.selective_inner
+    assert 0 < selective < per_block  # the matmul and attention outputs of a block, not its norms and activations
+    assert by["selective"].activations == blocks * (act.block_input + selective) + per_block - selective + outside
+    assert by[True].activations < by["selective"].activations < by[False].activations
     assert Workload(32, 1, 1, activation_checkpointing=2).checkpointed_fraction == 0.5
 
 

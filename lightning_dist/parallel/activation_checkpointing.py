@@ -56,7 +56,7 @@ def checkpointed_modules(
     return []
 
 
-def _saved_ops() -> set[Any]:
+def selective_saved_ops() -> set[Any]:
     """The ops whose outputs selective checkpointing keeps: matmuls and attention (the costly ones to recompute)."""
     aten = torch.ops.aten
     names = ["mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
@@ -71,7 +71,7 @@ def _keep_matmuls_and_attention(ctx: Any, func: Any, *args: Any, **kwargs: Any) 
     return CheckpointPolicy.MUST_SAVE if func in _SAVED else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-_SAVED = _saved_ops()
+_SAVED = selective_saved_ops()
 
 
 def apply_activation_checkpointing(

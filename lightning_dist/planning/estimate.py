@@ -34,8 +34,8 @@ class Workload:
     global_batch: int  # samples per optimizer step, over all data-parallel ranks
     precision: str = "bf16-mixed"
     optimizer: str = "adamw"
-    #: The strategies' option: ``True`` every block, an int k every k-th; ``"selective"`` and a list of classes are
-    #: counted as none (an upper bound: what they keep depends on the ops, which the planner does not trace).
+    #: The strategies' option: ``True`` every block, an int k every k-th, ``"selective"`` the blocks' inputs and their
+    #: matmul and attention outputs; a list of classes is counted as none (an upper bound).
     activation_checkpointing: bool | int | str | tuple = False
     schedule: str = "1f1b"
 
@@ -186,7 +186,10 @@ def _activation_bytes(
 
     def stage(in_flight: int, outside: float) -> float:
         checkpointed = int(blocks * workload.checkpointed_fraction)
-        if checkpointed:  # their inputs kept; one block recomputed at a time in backward
+        if workload.activation_checkpointing == "selective":  # block inputs and the matmul/attention outputs kept;
+            selective = act.selective_residual + act.selective_inner / mesh.tp  # the rest of one block recomputed
+            kept = blocks * (act.block_input + selective) * in_flight + per_block - selective
+        elif checkpointed:  # their inputs kept; one block recomputed at a time in backward
             kept = (checkpointed * act.block_input + (blocks - checkpointed) * per_block) * in_flight + per_block
         else:
             kept = blocks * per_block * in_flight

@@ -19,7 +19,8 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_dist.compat import storage_identity
+from lightning_dist.compat import TorchDispatchMode, storage_identity
+from lightning_dist.parallel.activation_checkpointing import selective_saved_ops
 from lightning_dist.parallel.expert_parallel.structure import find_experts
 from lightning_dist.parallel.model_structure import recognize
 
@@ -34,6 +35,10 @@ class ActivationFacts:
     before_blocks: float  # embeddings: on the first pipeline stage
     after_blocks: float  # final norm, head and the loss's log-probabilities: on the last pipeline stage
     loss_backward: float = 0.0  # while the loss's backward runs: the gradients of the log-probabilities and logits
+    #: Largest block under ``activation_checkpointing="selective"``: what it keeps of the saved tensors, the outputs
+    #: of its matmuls and attention (residual-shaped, and the rest split by tp).
+    selective_residual: float = 0.0
+    selective_inner: float = 0.0
 
     @property
     def outside_blocks(self) -> float:
@@ -148,12 +153,17 @@ def activation_facts(model: nn.Module, micro_batch: int, seq_len: int) -> Activa
     modules = dict(model.named_modules())
     hidden = model_facts(model).hidden
     counter = _SavedBytes(hidden, micro_batch, seq_len)
-    with counter.attributing(model, [modules[name] for name in structure.blocks]), _FlashAttentionSaves():
+    with (
+        counter.attributing(model, [modules[name] for name in structure.blocks]),
+        _FlashAttentionSaves(counter.kept_by_selective),
+        _SelectiveOutputs(counter.kept_by_selective),
+    ):
         device = next(model.parameters()).device
         output = model(torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device))
     logits = getattr(output, "logits", output)
     loss_bytes = logits.numel() * 4 if isinstance(logits, torch.Tensor) else 0  # fp32, as the loss computes them
-    per_block = max(counter.blocks, key=lambda b: b[0] + b[1], default=(0.0, 0.0))
+    per_block = max(counter.blocks, key=lambda b: b[0] + b[1], default=(0.0, 0.0, 0.0, 0.0))
+    selective = max(counter.blocks, key=lambda b: b[2] + b[3], default=(0.0, 0.0, 0.0, 0.0))
     element = next(model.parameters()).element_size()
     return ActivationFacts(
         per_block_residual=per_block[0],
@@ -162,6 +172,8 @@ def activation_facts(model: nn.Module, micro_batch: int, seq_len: int) -> Activa
         before_blocks=counter.before,
         after_blocks=counter.after + loss_bytes,
         loss_backward=2 * loss_bytes,
+        selective_residual=selective[2],
+        selective_inner=selective[3],
     )
 
 
@@ -184,11 +196,17 @@ class _FlashAttention(torch.autograd.Function):
     the output projection is then a view, not a copy (a contiguous ``[batch, heads, seq, dim]`` output counted one
     more ``[batch, seq, hidden]`` tensor per block than the real run keeps)."""
 
+    #: Where the outputs selective checkpointing keeps are noted (the attention output and its log-sum-exp).
+    kept: set[int] | None = None
+
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         same_dim = v.shape[-1] == q.shape[-1]
         out = torch.empty_like(q) if same_dim else q.new_empty((*q.shape[:-1], v.shape[-1]))
-        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        if _FlashAttention.kept is not None:
+            _FlashAttention.kept.update(storage_identity(t) for t in (out, lse))
+        ctx.save_for_backward(q, k, v, out, lse)
         return out
 
     @staticmethod
@@ -197,10 +215,43 @@ class _FlashAttention(torch.autograd.Function):
 
 
 class _FlashAttentionSaves(TorchFunctionMode):
+    def __init__(self, kept: set[int]) -> None:
+        super().__init__()
+        self.kept = kept
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if getattr(func, "__name__", "") == "scaled_dot_product_attention":
-            return _FlashAttention.apply(*args[:3])
+            _FlashAttention.kept = self.kept
+            try:
+                return _FlashAttention.apply(*args[:3])
+            finally:
+                _FlashAttention.kept = None
         return func(*args, **(kwargs or {}))
+
+
+class _SelectiveOutputs(TorchDispatchMode):
+    """Notes the storages of the outputs of the ops selective checkpointing keeps (matmuls, attention)."""
+
+    def __init__(self, kept: set[int]) -> None:
+        super().__init__()
+        self.kept, self.ops = kept, selective_saved_ops()
+        self.alive: list[Any] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in self.ops or (func in self.bias_adds and self._adds_a_bias_to_a_kept_output(args)):
+            outputs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, Tensor)]
+            self.kept.update(storage_identity(t) for t in outputs)
+            self.alive.extend(t.untyped_storage() for t in outputs)  # no later storage takes a noted identity
+        return out
+
+    #: A linear layer's bias added to its matmul's output: one ``addmm`` on some devices, ``mm`` then ``add`` on
+    #: others (the CPU, for 3-D inputs); either way the layer's output is what selective checkpointing keeps.
+    bias_adds = {torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor}
+
+    def _adds_a_bias_to_a_kept_output(self, args: tuple) -> bool:
+        tensors = [a for a in args[:2] if isinstance(a, Tensor)]
+        return len(tensors) == 2 and tensors[1].dim() == 1 and storage_identity(tensors[0]) in self.kept
 
 
 class _SavedBytes:
@@ -209,10 +260,11 @@ class _SavedBytes:
     def __init__(self, hidden: int, micro_batch: int, seq_len: int) -> None:
         self.hidden = hidden
         self.residual_shapes = {(micro_batch, seq_len, hidden), (seq_len, micro_batch, hidden)}
-        self.blocks: list[tuple[float, float]] = []
+        self.blocks: list[tuple[float, ...]] = []
         self.before = 0.0  # saved before the first block runs
         self.after = 0.0  # and after a block has run
-        self._current: list[float] | None = None
+        self._current: list[float] | None = None  # residual, inner; of those, kept by selective checkpointing
+        self.kept_by_selective: set[int] = set()  # storages selective checkpointing keeps (ops' outputs)
         self._seen: set[int] = set()
         self._params: set[int] = set()
 
@@ -227,10 +279,11 @@ class _SavedBytes:
                 self.after += nbytes
             else:
                 self.before += nbytes
-        elif tuple(t.shape) in self.residual_shapes:
-            self._current[0] += nbytes
         else:
-            self._current[1] += nbytes
+            inner = tuple(t.shape) not in self.residual_shapes
+            self._current[inner] += nbytes
+            if storage in self.kept_by_selective:
+                self._current[2 + inner] += nbytes
         return t
 
     @contextmanager
@@ -238,10 +291,10 @@ class _SavedBytes:
         self._params = {storage_identity(p) for p in model.parameters()}
 
         def enter(module: nn.Module, args: object) -> None:
-            self._current = [0.0, 0.0]
+            self._current = [0.0, 0.0, 0.0, 0.0]
 
         def leave(module: nn.Module, args: object, output: object) -> None:
-            self.blocks.append((self._current[0], self._current[1]))  # type: ignore[index]
+            self.blocks.append(tuple(self._current))  # type: ignore[arg-type]
             self._current = None
 
         handles = [h for b in blocks for h in (b.register_forward_pre_hook(enter), b.register_forward_hook(leave))]

@@ -54,7 +54,7 @@ def test_arguments_without_meaning_are_accepted_with_a_note(caplog):
     ("given", "message"),
     [({"auto_wrap_policy": functools.partial(size_based_auto_wrap_policy, min_num_params=100)},
       r"auto_wrap_policy=.*a size-based or custom callable policy cannot be mapped.*wrap_modules=\[Block\]"),
-     ({"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16)}, r"mixed_precision=.*precision='bf16-mixed'"),
+     ({"mixed_precision": MixedPrecision(param_dtype=torch.int8)}, r"mixed_precision=.*precision='bf16-mixed'"),
      ({"sharding_strategy": "ZERO3"}, r"sharding_strategy='ZERO3' is not one of FSDP's"),
      ({"sharding_strategy": "FULL_SHARD", "sharding": "grad_op"}, r"disagree: give one"),
      ({"state_dict_type": "local"}, r"state_dict_type='local' is not 'full' or 'sharded'"),
@@ -101,3 +101,19 @@ def test_a_deepspeed_zeropp_config_sets_zeropps_options(tmp_path, caplog):
 def test_a_deepspeed_config_key_without_meaning_here_is_refused_by_name(config, message):
     with pytest.raises(ValueError, match=message):
         ZeroPPStrategy(config=config)
+
+
+def test_mixed_precision_sets_fsdp2s_policy_through_the_precision_plugin():
+    """``MixedPrecision(param_dtype=bf16, reduce_dtype=...)`` becomes the plugin that sets FSDP2's
+    ``MixedPrecisionPolicy`` (bf16 compute, gradients reduced in the given dtype), which the Trainer keeps, as
+    Lightning's FSDPStrategy keeps its own over the precision flag."""
+    import lightning as L
+
+    from lightning_dist import ZeroPPPrecision
+
+    for reduce in (torch.float32, torch.bfloat16):
+        strategy = FSDP2Strategy(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce))
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+        plugin = trainer.strategy.precision_plugin
+        assert isinstance(plugin, ZeroPPPrecision) and plugin.precision == "bf16-mixed"
+        assert (plugin.mp_policy.param_dtype, plugin.mp_policy.reduce_dtype) == (torch.bfloat16, reduce)

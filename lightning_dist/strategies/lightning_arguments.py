@@ -4,7 +4,8 @@ ours, so that a project swaps the class name and keeps its arguments.
 
 Each argument becomes the option that does what Lightning's does (``sharding_strategy`` → ``sharding``,
 ``auto_wrap_policy`` → ``wrap_modules``, ``activation_checkpointing_policy`` → ``activation_checkpointing=[classes]``, ``state_dict_type``
-→ the checkpoint format, ``cpu_offload`` → ``cpu_offload``, ``device_mesh`` → the mesh sizes); arguments FSDP2 has
+→ the checkpoint format, ``cpu_offload`` → ``cpu_offload``, ``device_mesh`` → the mesh sizes, ``mixed_precision`` →
+the precision plugin that sets FSDP2's policy); arguments FSDP2 has
 no use for are accepted with a note; what cannot be mapped is refused by name with the way to say it here.
 """
 
@@ -14,6 +15,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from lightning_dist.compat.torch import wrap_policy_classes
 
@@ -73,11 +76,9 @@ def from_fsdp_strategy_arguments(arguments: dict[str, Any]) -> tuple[dict[str, A
     if "device_mesh" in options:
         options.update(_device_mesh(options.pop("device_mesh")))
     if options.get("mixed_precision") is not None:
-        raise ValueError(
-            f"mixed_precision={options['mixed_precision']!r}: FSDP2Strategy takes mixed precision from the Trainer's"
-            " precision flag, which sets FSDP2's MixedPrecisionPolicy: use Trainer(precision='bf16-mixed') (bf16"
-            " compute, fp32 parameters and reductions) or '16-mixed', and drop mixed_precision."
-        )
+        plugin, note = _mixed_precision(options.pop("mixed_precision"), options.get("precision_plugin"))
+        options["precision_plugin"] = plugin
+        notes.append(note)
     options.pop("mixed_precision", None)
     for name, why in NO_MEANING.items():
         if name in options:
@@ -123,6 +124,34 @@ def _checkpointing(value: Any) -> dict[str, Any]:
     """Lightning checkpoints the activations of every instance of the given classes: so does
     ``activation_checkpointing=[classes]`` here."""
     return {"activation_checkpointing": _classes("activation_checkpointing_policy", value)}
+
+
+#: FSDP's ``MixedPrecision`` dtypes as this package's precision flags (its parameters' compute dtype) and FSDP2
+#: reduce dtypes.
+_PRECISION_FLAGS = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed", torch.float32: "32-true",
+                    torch.float64: "64-true", None: "32-true"}  # fmt: skip
+_REDUCE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", None: None}
+
+
+def _mixed_precision(value: Any, given_plugin: Any) -> tuple[Any, str]:
+    """FSDP's ``MixedPrecision(param_dtype, reduce_dtype, ...)`` as FSDP2's policy: the precision plugin that sets
+    it (the Trainer's ``precision=`` is then not used, as with Lightning's ``FSDPStrategy(mixed_precision=...)``)."""
+    from lightning_dist.plugins.zeropp_precision import ZeroPPPrecision
+
+    param, reduce = getattr(value, "param_dtype", "?"), getattr(value, "reduce_dtype", "?")
+    if given_plugin is not None or param not in _PRECISION_FLAGS or reduce not in _REDUCE_NAMES:
+        raise ValueError(
+            f"mixed_precision={value!r}: give FSDP's MixedPrecision(param_dtype=..., reduce_dtype=...) with dtypes"
+            " among bf16, fp16, fp32 and no precision_plugin beside it, or use the Trainer's precision='bf16-mixed'"
+            " (bf16 compute, fp32 parameters and reductions) and drop mixed_precision."
+        )
+    flag, reduce_dtype = _PRECISION_FLAGS[param], _REDUCE_NAMES[reduce]
+    note = (
+        f"mixed_precision=MixedPrecision(param_dtype={param}, reduce_dtype={reduce}) read as precision={flag!r}"
+        f" with reduce_dtype={reduce_dtype!r} (FSDP2's MixedPrecisionPolicy); the Trainer's precision= is not used,"
+        " as with Lightning's FSDPStrategy; buffer_dtype has no effect (FSDP2 does not cast buffers)"
+    )
+    return ZeroPPPrecision(flag, reduce_dtype=reduce_dtype if flag.endswith("-mixed") else None), note
 
 
 def _state_dict_type(value: Any, checkpoint_io: Any) -> dict[str, Any]:

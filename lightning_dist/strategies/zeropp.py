@@ -59,11 +59,6 @@ class ZeroPPStrategy(FSDP2Strategy):
         quantized_weights: qwZ.
         hpz_partition_size: hpZ: ranks of the secondary partition; ``"auto"`` = ranks per node; ``None`` turns it off.
             Must divide the sharding group and be smaller than it.
-        config: A DeepSpeed config (a dict, or the path of its JSON file) as ``DeepSpeedStrategy(config=...)`` takes
-            it: ``zero_optimization.stage`` 3 and its ZeRO++ keys (``zero_quantized_weights``,
-            ``zero_hpz_partition_size``, ``zero_quantized_gradients``, ``offload_param``/``offload_optimizer``) set
-            the options above; keys that size DeepSpeed's own buffers, and the Trainer's (batch sizes, precision,
-            clipping), are accepted with a note; any other key is refused by name.
         quantized_gradients: qgZ.
         weight_bits: Bits of the quantized all-gather (8 or 4).
         gradient_bits: Bits of the quantized reduce-scatter (4 or 8).
@@ -72,6 +67,11 @@ class ZeroPPStrategy(FSDP2Strategy):
         ranks_per_node: Ranks on each node; ``None``: the Trainer's ``devices`` (processes per node). Declaring
             fewer than there are simulates several nodes on one machine.
         cpu_offload: As for :class:`~lightning_dist.FSDP2Strategy`; cannot be combined with hpZ.
+        config: A DeepSpeed config (a dict, or the path of its JSON file) as ``DeepSpeedStrategy(config=...)`` takes
+            it: ``zero_optimization.stage`` 3 and its ZeRO++ keys (``zero_quantized_weights``,
+            ``zero_hpz_partition_size``, ``zero_quantized_gradients``, ``offload_param``/``offload_optimizer``) set
+            the options above; keys that size DeepSpeed's own buffers, and the Trainer's (batch sizes, precision,
+            clipping), are accepted with a note; any other key is refused by name.
         **kwargs: The options every strategy takes (``wrap_modules``, ``activation_checkpointing``,
             ``accumulation_sync``, whose ``"last"`` skips the quantized reduce-scatter on all but the last
             micro-batch, ...): see :class:`~lightning_dist.strategies.base.MeshParallelStrategy`. Not

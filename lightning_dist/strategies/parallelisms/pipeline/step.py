@@ -24,6 +24,8 @@ class PipelineSteps(PipelineStages):
     declared_parts = (PipelinePart,)
 
     _warned_labels = False
+    #: The mesh groups a logged value may name as its ``sync_dist_group``, by name (see ``logs.share_logs``).
+    _log_groups: dict[str, Any] | None = None
 
     def _runner(self, batch_size: int, training: bool) -> pp.PipelineRunner:
         m = self.microbatches_for(batch_size, training)
@@ -123,8 +125,11 @@ class PipelineSteps(PipelineStages):
     def _share_logs(self, capture: LogCapture, loss: Tensor | None) -> Tensor | None:
         """Log on every rank what the loss stage's step logged (combined over micro-batches); return its loss."""
         group = self.process_group("pp")
-        mesh_groups = {name: self.process_group(name) for name in ("batch", "loss", "fsdp", "dp_shard", "cp", "tp")}
-        return share_logs(self.lightning_module, capture, loss, group, self.loss_stage, self.root_device, mesh_groups)
+        if self._log_groups is None:  # once: the mesh does not change between steps
+            names = ("batch", "loss", "fsdp", "dp_shard", "cp", "tp")
+            self._log_groups = {name: self.process_group(name) for name in names}
+        module, device = self.lightning_module, self.root_device
+        return share_logs(module, capture, loss, group, self.loss_stage, device, self._log_groups)
 
 
 def uneven_label_counts(labels: Any, n_microbatches: int, ignore_index: int = -100) -> list[int] | None:

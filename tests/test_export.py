@@ -128,12 +128,23 @@ def test_tied_weights_are_written_once_from_a_single_file_checkpoint(checkpoints
     _same_logits(exported, trained)
 
 
-def test_a_mixtral_exports_its_stacked_experts_and_loads_strictly(checkpoints, tmp_path):
+def test_a_mixtral_exports_per_expert_as_save_pretrained_writes_and_loads_strictly(checkpoints, tmp_path):
+    """The published layout by default (``block_sparse_moe.experts.N.w1``: the names and shapes ``save_pretrained``
+    writes, transformers' reverse conversion), the stacked one on request; both load strictly, with the logits."""
     path, trained = checkpoints["mixtral"]
-    export_checkpoint(path, tmp_path / "out", max_shard_size=50_000)
+    report = export_checkpoint(path, tmp_path / "out", max_shard_size=50_000)
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
-    assert "model.layers.0.mlp.experts.gate_up_proj" in index["weight_map"]
+    tiny_hf_causal_lm("mixtral").save_pretrained(tmp_path / "saved", max_shard_size="50KB")  # the same config
+    saved = json.loads((tmp_path / "saved" / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(saved["weight_map"])
+    assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in index["weight_map"]
+    assert index["metadata"] == saved["metadata"] == {"total_parameters": 59808, "total_size": 239232}
+    assert report.total_bytes == 239232
     _same_logits(_load_hf(tmp_path / "out"), trained)
+    export_checkpoint(path, tmp_path / "stacked", max_shard_size=50_000, stacked_experts=True)
+    index = json.loads((tmp_path / "stacked" / "model.safetensors.index.json").read_text())
+    assert "model.layers.0.mlp.experts.gate_up_proj" in index["weight_map"]
+    _same_logits(_load_hf(tmp_path / "stacked"), trained)
 
 
 def test_a_litgpt_gpt_exports_as_a_litgpt_folder(checkpoints, tmp_path):

@@ -25,7 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from lightning_dist.checkpoint.errors import CheckpointError
-from lightning_dist.checkpoint.layout import COMPLETE_MARKER, DCP_INDEX, METADATA_FILENAME, PROVENANCE_KEY, file_size
+from lightning_dist.checkpoint.layout import (
+    COMPLETE_MARKER,
+    DCP_INDEX,
+    METADATA_FILENAME,
+    PROVENANCE_KEY,
+    TMP_INFIX,
+    file_size,
+)
 from lightning_dist.checkpoint.safe_load import probe_entries
 
 #: The entry of our provenance that marks a ``torch.save`` export: ``{"tool": "consolidate"}``.
@@ -43,15 +50,20 @@ _RULE = (
 
 
 def check_export_target(
-    out: str | os.PathLike, source: str | os.PathLike | None = None, command: str | None = None
+    out: str | os.PathLike, source: str | os.PathLike | None = None, command: str | None = None, fmt: str | None = None
 ) -> Path:
     """Raise :class:`CheckpointError`, before anything is written, unless an export may write ``out`` (see the module
     docstring); ``source``: the checkpoint the export reads; ``command``: the ``lightning-dist`` command writing, whose
-    usage the message recalls when ``out`` is a training checkpoint (swapped arguments). Returns ``out`` as a path."""
+    usage the message recalls when ``out`` is a training checkpoint (swapped arguments); ``fmt``: the format of the
+    folder an export writes (``None``: one file, as ``consolidate`` writes). Outputs never replace each other: a
+    file only replaces a file of ``consolidate``'s, a folder only an export folder of the same format, and nothing is
+    written inside an export folder. Returns ``out`` as a path."""
     out = Path(out)
     problem = _reading(out, Path(source)) if source is not None else None
+    if problem is None:
+        problem = _inside_export_folder(out)
     if problem is None and (out.exists() or out.is_symlink()):
-        problem = what_is_there(out)
+        problem = what_is_there(out) or _other_kind(out, fmt)
     if problem is not None:
         hint = ""
         if command is not None and "training checkpoint" in problem:
@@ -102,6 +114,65 @@ def what_is_there(path: Path) -> str | None:
     if "loops" in entries:
         return "it is a training checkpoint (a single file with Lightning's loop state)"
     return f"it is a file that is not an export of lightning_dist ({file_size(path)})"
+
+
+def _inside_export_folder(path: Path) -> str | None:
+    """Why ``path`` may not be written: it is in a folder an export wrote (the folder would then hold a file it does
+    not list, or one replaced by another tool's)."""
+    parent = path.absolute().parent
+    if is_own_export_folder(parent):
+        return f"it is inside the export folder {str(parent)!r} (written by `lightning-dist export`)"
+    return None
+
+
+def _other_kind(path: Path, fmt: str | None) -> str | None:
+    """Why the earlier export at ``path`` is not one this output may replace: another tool's, or another format's."""
+    if path.is_dir():
+        written = export_folder_format(path)
+        if fmt is None:
+            return (
+                f"it is an export folder (--format {written}) written by `lightning-dist export`; this writes one file"
+            )
+        if written != fmt:
+            what = {"hf": "a Hugging Face model folder", "peft": "a PEFT adapter folder", "litgpt": "a litgpt folder"}
+            return (
+                f"it is an export of another format ({what.get(written, written)}, --format {written}); an export"
+                f" replaces only its own earlier output of the same format (--format {fmt})"
+            )
+        return None
+    if fmt is not None:
+        return "it is a file written by `lightning-dist consolidate`; an export writes a folder"
+    return None
+
+
+def export_folder_format(path: Path) -> str:
+    """The format the export folder at ``path`` was written in (``"hf"`` for one written before formats were
+    recorded)."""
+    try:
+        marker = json.loads((path / EXPORT_FOLDER_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "hf"
+    fmt = marker.get("format") if isinstance(marker, dict) else None
+    return fmt if isinstance(fmt, str) else "hf"
+
+
+def is_export_leftover(path: Path) -> bool:
+    """Whether the hidden leftover ``path`` (``.OUT.tmp-*``, ``.OUT.old-*``) is an export's: a complete export
+    folder, or a temporary one holding no training checkpoint and only the kinds of files an export writes (a
+    safetensors file cut short by the kill carries no mark yet)."""
+    if path.is_symlink() or not path.is_dir() or _training_folder_signs(path):
+        return False
+    if is_own_export_folder(path):
+        return True
+    if TMP_INFIX not in path.name:
+        return False
+    return all(
+        entry.is_file() and not entry.is_symlink() and entry.suffix in _EXPORT_SUFFIXES for entry in path.iterdir()
+    )
+
+
+#: The kinds of files an export writes.
+_EXPORT_SUFFIXES = (".safetensors", ".json", ".yaml", ".pth", ".txt", ".model", ".jinja")
 
 
 def mark_export_folder(folder: Path, files: list[str], fmt: str) -> None:

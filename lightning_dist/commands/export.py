@@ -1,11 +1,13 @@
-"""``lightning-dist export CKPT OUT --format hf|litgpt``: a Hugging Face or litgpt model folder from any of our
-checkpoints, in one process, without a GPU, one shard in memory at a time."""
+"""``lightning-dist export CKPT OUT --format hf|peft|litgpt``: a Hugging Face model folder (LoRA adapters merged), a
+PEFT adapter folder or a litgpt folder from any of our checkpoints, in one process, without a GPU, one shard in memory
+at a time."""
 
 from __future__ import annotations
 
 import argparse
 
 from lightning_dist.checkpoint.export import FORMATS, export_checkpoint
+from lightning_dist.checkpoint.export.dtype import DTYPES
 from lightning_dist.commands import add_trust_code_argument
 
 
@@ -13,13 +15,44 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="lightning-dist export",
         description="Write the model of a checkpoint (a sharded folder or a single file) as a folder that"
-        " transformers' from_pretrained (--format hf) or litgpt's GPT (--format litgpt) loads.",
+        " transformers' from_pretrained (--format hf; a LoRA model's adapters merged), PEFT's"
+        " PeftModel.from_pretrained (--format peft: the adapter alone) or litgpt's GPT (--format litgpt) loads.",
     )
     parser.add_argument("checkpoint", help="sharded checkpoint folder or single-file checkpoint")
     parser.add_argument(
         "out", help="output folder: a new path, or an earlier export of lightning_dist (never anything else)"
     )
-    parser.add_argument("--format", choices=FORMATS, required=True, help="hf: Hugging Face folder; litgpt")
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        required=True,
+        help="hf: Hugging Face model folder (LoRA merged); peft: LoRA adapter folder; litgpt: litgpt folder",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="write every floating-point tensor in this dtype (default: as trained; bfloat16 halves a model trained"
+        " in float32)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="folder to copy the tokenizer files and generation config from (hf, peft; default: the initial_weights"
+        " folder the checkpoint records)",
+    )
+    parser.add_argument(
+        "--base-model",
+        default=None,
+        help="the base model adapter_config.json names (peft; default: the initial_weights folder the checkpoint"
+        " records)",
+    )
+    parser.add_argument(
+        "--stacked-experts",
+        action="store_true",
+        help="hf: keep a mixture-of-experts model's experts stacked as transformers 5 holds them (default: one tensor"
+        " per expert, the layout of published checkpoints)",
+    )
     parser.add_argument(
         "--max-shard-size",
         default="5GB",
@@ -48,9 +81,18 @@ def main(argv: list[str]) -> None:
         prefix=args.prefix,
         config=args.config,
         weights_only=not args.trust_code,
+        dtype=args.dtype,
+        tokenizer=args.tokenizer,
+        base_model=args.base_model,
+        stacked_experts=args.stacked_experts,
     )
+    for line in report.tidied:
+        print(line)
+    merged = f"; {report.merged} LoRA layers merged" if report.merged else ""
     print(
         f"wrote {report.out} ({report.format}: {report.tensors} tensors, {report.total_bytes / 2**20:.1f} MiB in"
-        f" {', '.join(report.files)}; model prefix {report.prefix!r}; at most"
+        f" {', '.join(report.files)}; model prefix {report.prefix!r}{merged}; at most"
         f" {report.peak_tensor_bytes / 2**20:.1f} MiB of tensors held at once)"
     )
+    if report.tokenizer:
+        print(report.tokenizer)

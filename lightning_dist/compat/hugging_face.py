@@ -213,3 +213,12 @@ def checkpoint_conversions(module: Any) -> tuple[list[tuple[str, str]], list[tup
                 elif kinds == [(MergeModulelist, 0), (Concatenate, 1)]:
                     stackings.append((tuple(sources), targets[0], True))
     return renamings, stackings
+
+
+def saved_layout(model: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+    """``tensors`` (named as ``model``'s parameters) under the names and in the layout ``save_pretrained`` writes:
+    transformers' own reverse conversion (``revert_weight_conversion``: stacked experts split per expert, renamed
+    modules named as on disk); meta tensors give the names and shapes alone."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return dict(revert_weight_conversion(model, dict(tensors)))

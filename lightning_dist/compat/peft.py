@@ -9,6 +9,7 @@ are looked up in ``sys.modules``. Everything read is PEFT's public layer API (``
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 
@@ -90,3 +91,110 @@ def why_adapter_is_whole(module: nn.Module) -> str | None:
 def lora_base(module: nn.Module) -> nn.Module | None:
     """The wrapped layer of a LoRA-wrapped linear layer (``None`` for anything else)."""
     return getattr(module, BASE_LAYER) if lora_linear(module) is not None else None
+
+
+#: ``init_lora_weights`` values whose adapters do not depend on the base weights (PEFT's default, its Gaussian
+#: variant, and ``False``: the adapter layers' own ``nn.Linear`` init).
+_INITS_WITHOUT_BASE = (True, False, "gaussian")
+
+
+def adapter_configs(model: nn.Module) -> dict[str, object]:
+    """Adapter name → its PEFT config, from the ``peft_config`` of the PEFT models (or tuners) inside ``model``."""
+    found: dict[str, object] = {}
+    for module in model.modules():
+        configs = getattr(module, "peft_config", None)
+        if isinstance(configs, dict) and type(module).__module__.startswith("peft."):
+            found.update(configs)
+    return found
+
+
+def is_peft_model(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``peft.PeftModel`` (what ``get_peft_model`` returns)."""
+    peft_model = _peft_class("peft", "PeftModel") or _peft_class("peft.peft_model", "PeftModel")
+    return peft_model is not None and isinstance(module, peft_model)
+
+
+def why_not_read_into(module: nn.Module, model: nn.Module) -> str | None:
+    """Why pretrained weights read after the model was built cannot give the adapter layer ``module`` (inside
+    ``model``) what ``get_peft_model`` on the pretrained model would (``None`` when they can, or when it is no
+    adapter layer): its method, or its init, depends on the base weights."""
+    if not is_adapter_layer(module):
+        return None
+    lora = _peft_class("peft.tuners.lora", "Linear")
+    if lora is None or type(module) is not lora:
+        return (
+            f"a PEFT {type(module).__name__} layer ({type(module).__module__}): initial_weights reads pretrained"
+            " weights under LoRA's Linear layers (peft.tuners.lora.Linear) only"
+        )
+    if getattr(module, "lora_variant", None) or len(getattr(module, "lora_magnitude_vector", ())):
+        return (
+            "a LoRA variant (DoRA or another `lora_variant`): its magnitude is computed from the base weight when"
+            " get_peft_model runs, before initial_weights are read"
+        )
+    configs = adapter_configs(model)
+    for adapter in sorted(getattr(module, LORA_A).keys()):
+        init = getattr(configs.get(adapter), "init_lora_weights", True)
+        if not any(init is allowed or init == allowed for allowed in _INITS_WITHOUT_BASE):
+            return (
+                f"LoRA init_lora_weights={init!r} (adapter {adapter!r}) computes the adapters from the base weights"
+                " when get_peft_model runs, before initial_weights are read"
+            )
+    return None
+
+
+def initialize_lora_adapters(model: nn.Module) -> int:
+    """Give every LoRA adapter of ``model`` PEFT's own initialization again (``reset_lora_parameters``: ``lora_A``
+    Kaiming-uniform or Gaussian, ``lora_B`` zero), after a meta-device model was materialized and its modules'
+    ``reset_parameters`` and the transformers init drew other values into them. Returns how many adapters."""
+    configs = adapter_configs(model)
+    count = 0
+    for module in model.modules():
+        if lora_linear(module) is None:
+            continue
+        for adapter in sorted(getattr(module, LORA_A).keys()):
+            init = getattr(configs.get(adapter), "init_lora_weights", True)
+            if init is False:  # PEFT leaves the adapter layers' own nn.Linear init
+                getattr(module, LORA_A)[adapter].reset_parameters()
+                getattr(module, LORA_B)[adapter].reset_parameters()
+            else:
+                module.reset_lora_parameters(adapter, init)
+            count += 1
+    return count
+
+
+def peft_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The ``peft.PeftModel``s inside ``module`` (itself included), by qualified name."""
+    return [(name, sub) for name, sub in module.named_modules() if is_peft_model(sub)]
+
+
+def lora_record(name: str, model: nn.Module) -> dict[str, object]:
+    """What an export needs of the PEFT model ``model`` (at ``name`` in the module), as plain data: its active
+    adapter, the adapter's config as ``adapter_config.json`` holds it, and each LoRA layer's ``scaling`` and
+    ``fan_in_fan_out`` (by name under the base model), the factors PEFT's merge multiplies ``lora_B @ lora_A`` by.
+    ``{"format": "peft", "prefix": "model.", "base_prefix": "model.base_model.model.", "adapter": "default",
+    "config": {...}, "layers": {"model.layers.0.self_attn.q_proj": [2.0, False], ...}}``"""
+    prefix = f"{name}." if name else ""
+    adapter = model.active_adapter  # type: ignore[attr-defined]
+    base = "base_model.model."  # PeftModel.base_model (the tuner) .model (the wrapped model)
+    layers: dict[str, list[object]] = {}
+    for layer_name, layer in model.named_modules():
+        if lora_linear(layer) is not None and adapter in getattr(layer, LORA_A):
+            relative = layer_name.removeprefix(base)
+            layers[relative] = [float(layer.scaling[adapter]), bool(getattr(layer, "fan_in_fan_out", False))]
+    config = model.peft_config[adapter].to_dict()  # type: ignore[attr-defined,index]
+    return {
+        "format": "peft",
+        "class": type(model).__name__,
+        "prefix": prefix,
+        "base_prefix": prefix + base,
+        "adapter": adapter,
+        "config": json.loads(json.dumps(config, default=_plain)),
+        "layers": layers,
+    }
+
+
+def _plain(value: object) -> object:
+    """JSON for what a PEFT config's ``to_dict`` holds beside plain data: sets (target modules) and enums."""
+    if isinstance(value, (set, frozenset, tuple)):
+        return sorted(value, key=str)
+    return str(getattr(value, "value", value))

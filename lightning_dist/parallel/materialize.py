@@ -12,7 +12,9 @@
    constructor does after building the modules and as ``from_pretrained`` does for weights a checkpoint lacks. It
    covers modules without ``reset_parameters``: RMSNorm weights (ones), GPT-2's ``Conv1D``, MoE experts and routers,
    and the rotary ``inv_freq``, a non-persistent buffer (in no checkpoint) recomputed from the config;
-5. embedding padding rows are zeroed on the rank that holds them (``weight[padding_idx].zero_()``, what
+5. every PEFT LoRA adapter gets PEFT's own initialization again (``lora_B`` zero: the wrapped model computes what
+   the model it wraps does), since steps 3 and 4 drew into its ``lora_A`` and ``lora_B`` as into any linear layer;
+6. embedding padding rows are zeroed on the rank that holds them (``weight[padding_idx].zero_()``, what
    ``nn.Embedding`` and transformers both do, writes into a copy when the weight is a sharded DTensor).
 
 What each rank then holds: values that do not depend on random draws (norm weights, biases, ``inv_freq``, padding
@@ -39,6 +41,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_dist.compat import is_fake_tensor, non_persistent_buffer_names
 from lightning_dist.compat.hugging_face import initialize_pretrained_weights, pretrained_models
+from lightning_dist.compat.peft import initialize_lora_adapters
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ def materialize(model: nn.Module, device: torch.device, rank: int = 0) -> Materi
             pretrained = pretrained_models(model)
             for pretrained_model in pretrained:
                 initialize_pretrained_weights(pretrained_model)
+            initialize_lora_adapters(model)  # after the model's init, which drew into the adapters' linears too
         _tie_again(ties)  # a model's init may have re-tied on its own: keep the first holder's tensor
         _zero_padding_rows(model)
     uninitialized, lost, classes = _still_nan(model)

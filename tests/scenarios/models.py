@@ -591,3 +591,42 @@ def save_litgpt_folder(folder: Path) -> None:
     folder.mkdir(parents=True)
     torch.save(GPT(config).to(torch.bfloat16).state_dict(), folder / "lit_model.pth")
     save_config(config, folder)
+
+
+class PretrainedLoraLM(PretrainedCausalLM):
+    """LoRA fine-tuning of a Hugging Face folder as users write it: PEFT's ``get_peft_model(model, LoraConfig(r=4,
+    target_modules=["q_proj", "v_proj"]))`` over the model built in ``dtype`` from the folder's config (the strategy's
+    ``initial_weights`` then reads the base weights), or over ``from_pretrained`` (the one-process reference); AdamW
+    over the adapters."""
+
+    def __init__(self, folder: str, from_pretrained: bool = False, lr: float = 1e-2, dtype: str = "float64") -> None:
+        L.LightningModule.__init__(self)
+        import transformers as tf
+        from peft import LoraConfig, get_peft_model
+
+        if from_pretrained:
+            base = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+        else:  # from_config builds in the config's dtype (the folder's bf16) unless told
+            base = tf.AutoModelForCausalLM.from_config(
+                tf.AutoConfig.from_pretrained(folder), dtype=getattr(torch, dtype)
+            )
+        self.model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        self.lr = lr
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+
+def save_tiny_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer of :data:`VOCAB` tokens (``<s>`` 0, ``</s>`` 1, ``<pad>`` 2, ``<unk>`` 3) with a chat
+    template, saved as transformers saves one (``tokenizer.json``, ``tokenizer_config.json``, ...)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<s>", "</s>", "<pad>", "<unk>", *[chr(ord("a") + i) for i in range(26)], *map(str, range(VOCAB - 30))]
+    tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")  # fmt: skip
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+    fast.save_pretrained(folder)

@@ -1,9 +1,11 @@
 """A Hugging Face model folder from a checkpoint: ``config.json``, safetensors shards of at most a given size with
-their index, the names of the model itself (the LightningModule prefix removed) and tied weights written once.
+their index (``huggingface_hub``'s shard planner and the index metadata ``save_pretrained`` writes), the names of the
+model itself (the LightningModule prefix removed) and tied weights written once.
 
-transformers 5 keeps a MoE layer's experts stacked (``mlp.experts.gate_up_proj``, ``down_proj``); ``from_pretrained``
-loads those names strictly (checked with a stock Mixtral, transformers 5.24), so they are written as they are, not in
-the per-expert layout (``block_sparse_moe.experts.N.w1``) that ``save_pretrained`` converts them back to.
+transformers 5 keeps a MoE layer's experts stacked (``mlp.experts.gate_up_proj``, ``down_proj``); ``save_pretrained``
+converts them back to the per-expert layout of the published checkpoints (``block_sparse_moe.experts.N.w1``), which
+serving tools read, and so does an export by default, with transformers' own reverse conversion. ``from_pretrained``
+loads both layouts strictly (checked with a stock Mixtral, transformers 5.24): the stacked one is kept on request.
 """
 
 from __future__ import annotations
@@ -17,14 +19,13 @@ import torch
 from lightning_dist.checkpoint.errors import CheckpointError
 from lightning_dist.checkpoint.export.names import find_prefix, map_names
 from lightning_dist.checkpoint.export.report import ExportReport
-from lightning_dist.checkpoint.export.shards import INDEX_FILE, plan_shards, shard_file_names, shard_index
-from lightning_dist.checkpoint.export.source import CheckpointTensors
+from lightning_dist.checkpoint.export.shards import INDEX_FILE, SHARD_PATTERN
+from lightning_dist.checkpoint.export.source import TensorSource
 from lightning_dist.checkpoint.export_target import SAFETENSORS_MARKER
+from lightning_dist.compat.hugging_face import saved_layout
 
 
-def plan_hf(
-    source: CheckpointTensors, record: dict[str, Any], report: ExportReport
-) -> tuple[Any, type, dict[str, str]]:
+def plan_hf(source: TensorSource, record: dict[str, Any], report: ExportReport) -> tuple[Any, type, dict[str, str]]:
     """The transformers config, the model class and ``{name in the folder: name in the checkpoint}`` (in the model's
     order, tied copies left out where equal to what they are tied to)."""
     config, cls = _config_and_class(record)
@@ -54,30 +55,66 @@ def plan_hf(
 
 
 def write_hf(
-    folder: Path, source: CheckpointTensors, config: Any, model: Any, names: dict[str, str], max_bytes: int,
-    report: ExportReport,
+    folder: Path, source: TensorSource, config: Any, model: Any, names: dict[str, str], max_bytes: int,
+    report: ExportReport, per_expert: bool = True,
 ) -> list[str]:  # fmt: skip
-    """Write the folder's files into ``folder``, one shard's tensors in memory at a time; returns their names."""
+    """Write the folder's files into ``folder``, one shard's tensors in memory at a time; returns their names.
+    ``per_expert``: a mixture-of-experts layer's stacked experts written one tensor per expert and projection, as
+    the published checkpoints and ``save_pretrained`` hold them (transformers' own reverse conversion)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
-    shards = plan_shards([(out, name, source.nbytes(name)) for out, name in names.items()], max_bytes)
-    files = shard_file_names(len(shards))
+    layout = _disk_layout(model, names, source, per_expert)
+    meta = {out: torch.empty(shape, dtype=dtype, device="meta") for out, (_, shape, dtype) in layout.items()}
+    split = split_torch_state_dict_into_shards(meta, filename_pattern=SHARD_PATTERN, max_shard_size=max_bytes)
     metadata = {"format": "pt", SAFETENSORS_MARKER: "exported"}
-    for shard, file in zip(shards, files):
-        tensors = source.read([name for _, name in shard.entries])
-        report.held(sum(t.nbytes for t in tensors.values()))
-        save_file({out: tensors[name].contiguous() for out, name in shard.entries}, str(folder / file), metadata)
-        del tensors
-    if len(shards) > 1:
-        (folder / INDEX_FILE).write_text(json.dumps(shard_index(shards, files), indent=2) + "\n", encoding="utf-8")
+    for file, outputs in split.filename_to_tensors.items():
+        sources = list(dict.fromkeys(layout[out][0] for out in outputs))
+        values = source.read([names[name] for name in sources])
+        report.held(sum(t.nbytes for t in values.values()))
+        written: dict[str, torch.Tensor] = {}
+        for name in sources:
+            converted = (
+                saved_layout(model, {name: values.pop(names[name])}) if per_expert else {name: values.pop(names[name])}
+            )
+            written.update({out: value for out, value in converted.items() if out in outputs})
+        # a stacked tensor's experts are views of one storage, which safetensors refuses to write as such
+        save_file(
+            {out: written[out].clone(memory_format=torch.contiguous_format) for out in outputs},
+            str(folder / file),
+            metadata,
+        )
+        del values, written
+    files = list(split.filename_to_tensors)
+    if split.is_sharded:  # the index save_pretrained writes
+        index = {
+            "metadata": {"total_parameters": model.num_parameters(), **split.metadata},
+            "weight_map": split.tensor_to_filename,
+        }
+        (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         files.append(INDEX_FILE)
     config.to_json_file(str(folder / "config.json"))
     files.append("config.json")
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.to_json_file(str(folder / "generation_config.json"))
         files.append("generation_config.json")
-    report.tensors, report.total_bytes = len(names), sum(s.nbytes for s in shards)
+    report.tensors, report.total_bytes = len(layout), int(split.metadata["total_size"])
     return files
+
+
+def _disk_layout(
+    model: Any, names: dict[str, str], source: TensorSource, per_expert: bool
+) -> dict[str, tuple[str, torch.Size, torch.dtype]]:
+    """Each tensor to write: ``{name in the folder: (the model's name it comes from, shape, dtype)}``."""
+    layout = {}
+    for name, key in names.items():
+        shape, dtype = source.specs[key]
+        if not per_expert:
+            layout[name] = (name, shape, dtype)
+            continue
+        for out, value in saved_layout(model, {name: torch.empty(shape, dtype=dtype, device="meta")}).items():
+            layout[out] = (name, value.shape, value.dtype)
+    return layout
 
 
 def _config_and_class(record: dict[str, Any]) -> tuple[Any, type]:

@@ -2,7 +2,8 @@
 write them back (``config.json`` of a Hugging Face model, ``model_config.yaml`` of a litgpt ``GPT``).
 
 Each record is plain data, so weights-only unpickling reads it: ``{"format": "hf" | "litgpt", "class": class name,
-"prefix": the module's attribute path with a trailing dot ("model.", "" for the module itself), "config": dict}``.
+"prefix": the module's attribute path with a trailing dot ("model.", "" for the module itself), "config": dict}``,
+and for a PEFT model one of :func:`~lightning_dist.compat.peft.lora_record`'s (``"format": "peft"``).
 """
 
 from __future__ import annotations
@@ -18,15 +19,25 @@ import yaml
 from torch import nn
 
 from lightning_dist.checkpoint.errors import CheckpointError
+from lightning_dist.compat.peft import lora_record, peft_models
 
 #: The key of the records in our provenance entry.
 PRETRAINED_CONFIGS_KEY = "pretrained_configs"
+#: The key of the folder the trained weights came from (``initial_weights``), where an export finds the tokenizer.
+WEIGHTS_ORIGIN_KEY = "initial_weights"
+
+
+def weights_origin(initial_weights: str | os.PathLike | None) -> str | None:
+    """The absolute path of ``initial_weights`` as a checkpoint records it (its folder for a single file)."""
+    if initial_weights is None:
+        return None
+    return str(Path(initial_weights).expanduser().absolute())
 
 
 def pretrained_configs(module: nn.Module) -> list[dict[str, Any]]:
     """A record for every outermost Hugging Face ``PreTrainedModel`` and litgpt ``GPT`` in ``module``. Imports neither
     library: a model of one can only exist when it was imported."""
-    records: list[dict[str, Any]] = []
+    records: list[dict[str, Any]] = [lora_record(name, model) for name, model in peft_models(module)]
     taken: list[str] = []
     for name, submodule in module.named_modules():
         if any(name.startswith(outer) for outer in taken):
@@ -46,7 +57,8 @@ def _record(module: nn.Module) -> dict[str, Any] | None:
         return {"format": "hf", "class": type(module).__name__, "config": config}
     if _is_litgpt_gpt(module):
         config = json.loads(json.dumps(dataclasses.asdict(module.config)))  # type: ignore[arg-type]
-        return {"format": "litgpt", "class": type(module).__name__, "config": config}
+        # the module tells litgpt's LoRA GPT (litgpt.lora) from its plain one (litgpt.model)
+        return {"format": "litgpt", "class": type(module).__name__, "module": type(module).__module__, "config": config}
     return None
 
 

@@ -7,7 +7,7 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -20,6 +20,20 @@ from lightning_dist.checkpoint.safe_load import dcp_load_planner, dcp_reader, re
 from lightning_dist.checkpoint.validation import validate_checkpoint
 
 _STATE = "state_dict"
+
+
+class TensorSource(Protocol):
+    """What an export reads tensors from: a checkpoint, or a view of one (merged adapters, another dtype)."""
+
+    path: Path
+    specs: dict[str, tuple[torch.Size, torch.dtype]]
+
+    @property
+    def provenance(self) -> dict[str, Any]: ...
+
+    def nbytes(self, name: str) -> int: ...
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]: ...
 
 
 class CheckpointTensors:

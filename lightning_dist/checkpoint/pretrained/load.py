@@ -29,8 +29,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.futures import Future
 
 from lightning_dist.checkpoint.errors import CheckpointError
+from lightning_dist.checkpoint.pretrained.adapters import AdapterLayout, adapter_layout, unsupported_adapters
 from lightning_dist.checkpoint.pretrained.files import PretrainedFiles, read_pretrained_files
-from lightning_dist.checkpoint.pretrained.matching import KeyMatch, match_keys, refuse_problems
+from lightning_dist.checkpoint.pretrained.matching import SHOWN, KeyMatch, match_keys, refuse_problems
 from lightning_dist.checkpoint.pretrained.stacked import read_stacked
 from lightning_dist.compat import local_region, non_persistent_buffer_names
 from lightning_dist.compat.hugging_face import checkpoint_conversions
@@ -40,13 +41,15 @@ from lightning_dist.compat.torchao import plain_state
 @dataclass(frozen=True)
 class PretrainedLoad:
     """What :func:`load_pretrained` did: the prefix of the pretrained submodule, how many tensors this rank loaded,
-    the tied names loaded through another name, and the model's state outside the prefix that it left as it was."""
+    the tied names loaded through another name, the model's state outside the prefix that it left as it was, and the
+    LoRA adapters' own tensors, which keep their initialization."""
 
     path: Path
     prefix: str
     loaded: int
     tied: dict[str, tuple[str, ...]]
     outside_prefix: tuple[str, ...]
+    adapters: tuple[str, ...] = ()
 
 
 def load_pretrained(
@@ -57,18 +60,23 @@ def load_pretrained(
 ) -> PretrainedLoad:
     """Load the weights at ``path`` (a Hugging Face folder, one ``*.safetensors`` file, a litgpt folder's
     ``lit_model.pth`` or another ``torch.save`` state dict) into ``model``'s
-    parameters and persistent buffers in place, DTensor shards included. ``prefix``: the name of the submodule that
+    parameters and persistent buffers in place, DTensor shards included; a LoRA-wrapped layer's base weight is read
+    under the unwrapped layer's name, and the adapters keep their own values (:mod:`.adapters`). ``prefix``: the name of the submodule that
     holds the pretrained model, with its dot (``"model."``); found from the names when ``None``. ``aliases``: state key
     → other names the file may hold the same weight under (a pipeline stage's copy of a tied weight).
 
     Raises :class:`~lightning_dist.checkpoint.CheckpointError` on every rank before reading any tensor when the
     files do not fit the model; the model must be materialized (no meta tensors)."""
     files = read_pretrained_files(path)
-    state = plain_state(get_model_state_dict(model))
+    refuse_unsupported_adapters(model, files)
+    layout = adapter_layout(model)
+    full_state = plain_state(get_model_state_dict(model))
+    state = layout.unwrapped(full_state)  # a LoRA-wrapped layer's base weight under the unwrapped model's name
     renamings, stackings = checkpoint_conversions(model)
     match = match_keys(
-        state, files, prefix, aliases, transient_names(model), tied_names(model), False, renamings, stackings
-    )
+        state, files, prefix, _unwrapped_aliases(aliases or {}, layout), _unwrapped_names(transient_names(model), layout),
+        [[layout.split(name)[0] for name in names] for names in tied_names(model)], False, renamings, stackings,
+    )  # fmt: skip
     distributed = dist.is_available() and dist.is_initialized()
     refuse_problems(files, _all_ranks(match) if distributed else [match])
     if files.mapped is None:
@@ -80,9 +88,10 @@ def load_pretrained(
         read_stacked(state[key], source, files)
     for key, file_key in match.copies.items():
         _copy_value(state[key], match.targets[file_key])
-    set_model_state_dict(model, state, options=StateDictOptions(strict=True))
+    set_model_state_dict(model, full_state, options=StateDictOptions(strict=True))
     loaded = len(match.targets) + len(match.stacked)
-    return PretrainedLoad(files.path, match.prefix, loaded, match.tied, match.outside_prefix)
+    adapters = tuple(layout.adapter_names(full_state))
+    return PretrainedLoad(files.path, match.prefix, loaded, match.tied, match.outside_prefix, adapters)
 
 
 def check_pretrained_fit(model: nn.Module, path: str | os.PathLike, prefix: str | None = None) -> str:
@@ -90,13 +99,32 @@ def check_pretrained_fit(model: nn.Module, path: str | os.PathLike, prefix: str 
     :class:`~lightning_dist.checkpoint.CheckpointError` that :func:`load_pretrained` would, reading headers only.
     Returns the prefix found."""
     files = read_pretrained_files(path)
+    refuse_unsupported_adapters(model, files)
+    layout = adapter_layout(model)
     renamings, stackings = checkpoint_conversions(model)
-    state = model.state_dict()
+    state = layout.unwrapped(model.state_dict())
     match = match_keys(
-        state, files, prefix, None, transient_names(model), tied_names(model), True, renamings, stackings
-    )
+        state, files, prefix, None, _unwrapped_names(transient_names(model), layout),
+        [[layout.split(name)[0] for name in names] for names in tied_names(model)], True, renamings, stackings,
+    )  # fmt: skip
     refuse_problems(files, [match])
     return match.prefix
+
+
+def refuse_unsupported_adapters(model: nn.Module, files: PretrainedFiles) -> None:
+    """Raise a :class:`CheckpointError` naming the adapter layers of ``model`` that pretrained weights read after
+    the model was built cannot serve (:func:`~.adapters.unsupported_adapters`)."""
+    lines = unsupported_adapters(model)
+    if lines:
+        raise CheckpointError(
+            f"Pretrained weights {str(files.path)!r} cannot be read into this model after it was built:"
+            f" {len(lines)} adapter layers depend on the base weights or are not LoRA's:\n- "
+            + "\n- ".join(lines[:SHOWN])
+            + (f"\n- (and {len(lines) - SHOWN} more)" if len(lines) > SHOWN else "")
+            + "\nUse plain LoRA (peft.LoraConfig with the default init_lora_weights, no DoRA, no modules_to_save),"
+            " or build the model with from_pretrained and then get_peft_model in the module's __init__ (without"
+            " initial_weights)."
+        )
 
 
 def transient_names(model: nn.Module) -> set[str]:
@@ -115,6 +143,14 @@ def tied_names(model: nn.Module) -> list[list[str]]:
     for name, tensor in named:
         by_tensor.setdefault(id(tensor), []).append(name)
     return [names for names in by_tensor.values() if len(names) > 1]
+
+
+def _unwrapped_names(names: set[str], layout: AdapterLayout) -> set[str]:
+    return set(layout.file_names(names).values())
+
+
+def _unwrapped_aliases(aliases: Mapping[str, Sequence[str]], layout: AdapterLayout) -> dict[str, tuple[str, ...]]:
+    return {layout.split(key)[0]: tuple(layout.split(name)[0] for name in names) for key, names in aliases.items()}
 
 
 def _all_ranks(match: KeyMatch) -> list[KeyMatch]:

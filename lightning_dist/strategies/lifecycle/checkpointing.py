@@ -25,7 +25,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dist.checkpoint import model_state as states
-from lightning_dist.checkpoint.export.model_configs import PRETRAINED_CONFIGS_KEY, pretrained_configs
+from lightning_dist.checkpoint.export.model_configs import (
+    PRETRAINED_CONFIGS_KEY,
+    WEIGHTS_ORIGIN_KEY,
+    pretrained_configs,
+    weights_origin,
+)
 from lightning_dist.checkpoint.layout import PROVENANCE_KEY
 from lightning_dist.checkpoint.safe_load import resolve_weights_only
 from lightning_dist.checkpoint.state_paths import StatePath
@@ -121,10 +126,24 @@ class ShardedCheckpointing:
             "format": "full" if self.checkpoint_io.full_state else "sharded",
             "version": __version__,
         }
+        origin = weights_origin(self.initial_weights) or getattr(self, "_weights_origin", None)
+        if origin is not None:  # where an export finds the tokenizer of the model trained
+            provenance[WEIGHTS_ORIGIN_KEY] = origin
         configs = pretrained_configs(self.lightning_module) if self.lightning_module is not None else []
+        if self.parallel_dims.pp > 1:  # each stage holds its own LoRA layers: the record lists every stage's
+            configs = self._with_every_stage_lora_layers(configs)
         if configs:  # what `lightning-dist export` writes config.json / model_config.yaml from
             provenance[PRETRAINED_CONFIGS_KEY] = configs
         return provenance
+
+    def _with_every_stage_lora_layers(self, configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, [r.get("layers") for r in configs if r.get("format") == "peft"])
+        joined = [r for r in configs if r.get("format") == "peft"]
+        for layers in gathered:
+            for record, more in zip(joined, layers):
+                record["layers"] = {**more, **record["layers"]}
+        return configs
 
     @override
     def load_checkpoint(self, checkpoint_path: StrOrPath, weights_only: bool | None = None) -> dict[str, Any]:
@@ -156,7 +175,10 @@ class ShardedCheckpointing:
         )
         metadata = self.with_live_states(metadata, targets)
         self.hand_over_swa_schedulers(metadata)
-        recorded = metadata.get(PROVENANCE_KEY, {}).get("data_position")
+        provenance = metadata.get(PROVENANCE_KEY, {})
+        recorded = provenance.get("data_position") if isinstance(provenance, dict) else None
+        if isinstance(provenance, dict) and isinstance(provenance.get(WEIGHTS_ORIGIN_KEY), str):
+            self._weights_origin = provenance[WEIGHTS_ORIGIN_KEY]  # a resumed run came from the same weights
         self._resume_position = resume_position(metadata, recorded) if fitting else None
         self._resume_loader_index = 0
         return metadata

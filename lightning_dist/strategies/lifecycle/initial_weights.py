@@ -103,6 +103,9 @@ class InitialWeightsSetup(_Base):
             f"initial_weights: {report.loaded} tensors{stage} of {str(report.path)!r} loaded{where}, each rank reading"
             f" only the slices it holds, in {time.perf_counter() - start:.1f} s"
         )
+        adapters = _on_every_rank(report.adapters)
+        if adapters:
+            self.log_decision(adapters_kept_message(adapters))
         left = _on_every_rank(report.outside_prefix)
         if left:
             rank_zero_warn(left_at_init_message(str(report.path), report.prefix, left))
@@ -115,6 +118,15 @@ def _on_every_rank(names: tuple[str, ...]) -> list[str]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, list(names))
     return sorted({name for part in gathered for name in part})
+
+
+def adapters_kept_message(names: list[str]) -> str:
+    """The log line for the LoRA adapters' own tensors, which no pretrained file holds."""
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (
+        f"initial_weights: {len(names)} LoRA adapter tensors keep their own initialization (lora_B zero: training"
+        f" starts from the pretrained model's outputs): {shown}"
+    )
 
 
 def left_at_init_message(path: str, prefix: str, names: list[str]) -> str:

@@ -8,7 +8,7 @@ Importing the package registers its strategy names with ``lightning.pytorch``'s 
     trainer = L.Trainer(strategy="fsdp2", devices=4)
 """
 
-from lightning_dist.callbacks import MeshThroughputMonitor
+from lightning_dist.callbacks import ExportAtFitEnd, MeshThroughputMonitor
 from lightning_dist.compat import warn_if_untested_torch
 from lightning_dist.plugins import (
     AsyncDistributedCheckpointIO,
@@ -35,6 +35,7 @@ __all__ = [
     "CheckpointError",
     "ContextParallelStrategy",
     "DistributedCheckpointIO",
+    "ExportAtFitEnd",
     "FSDP2Precision",
     "FSDP2Strategy",
     "FullStateCheckpointIO",

@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("commands",),  # its tools
     (PACKAGE_ROOM,),  # the package itself: registers the strategy names, exports the public classes and verify()
     ("verification", "dryrun"),  # verify's runs; the dry run (one rank's Trainer at a time, on fake collectives)
-    ("lightning_cli", "callbacks"),  # the LightningCLI class (fit and verify's runs), the throughput callback
+    ("lightning_cli", "callbacks"),  # the LightningCLI class (fit and verify's runs), the callbacks
     ("strategies",),
     ("plugins",),
     ("profiling",),  # FLOPs per token read off the planner's model facts

@@ -88,7 +88,7 @@ def test_lora_from_initial_weights_starts_from_the_pretrained_model_and_trains_a
     assert len(fp64["losses"]) == STEPS
     gap = max(abs(a - b) for a, b in zip(fp64["losses"], references["fp64"]))
     assert gap <= FP64_TOL, (fp64["losses"], references["fp64"])
-    loaded, kept = fp64["log"]
+    loaded, kept = [line for line in fp64["log"] if ": initial_weights: " in line]
     assert "loaded into model.base_model.model" in loaded
     assert "8 LoRA adapter tensors keep their own initialization (lora_B zero" in kept, kept
     assert "q_proj.lora_A.default.weight" in kept
@@ -152,3 +152,20 @@ def test_each_checkpoint_exports_a_merged_model_and_an_adapter_that_give_the_tra
         chat, tokenize=False
     )
     assert AutoTokenizer.from_pretrained(tmp_path / "peft")(text)["input_ids"] == source(text)["input_ids"]
+
+
+@pytest.mark.slow
+def test_export_at_fit_end_writes_the_folder_the_offline_export_writes(runs, workdir, tmp_path):
+    """fsdp2 (2 ranks) with ``ExportAtFitEnd``: the folder equals ``export`` of the checkpoint saved after the same fit,
+    tensor by tensor, with the same files."""
+    from safetensors.torch import load_file
+
+    run = runs["fsdp2_fp64"]
+    offline = tmp_path / "offline"
+    export_checkpoint(run["checkpoint"], offline, format="hf")
+    at_end = workdir / "at_fit_end"
+    assert sorted(p.name for p in at_end.iterdir()) == sorted(p.name for p in offline.iterdir())
+    mine, theirs = load_file(at_end / "model.safetensors"), load_file(offline / "model.safetensors")
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert run["at_fit_end"]["seconds"] > 0 and run["at_fit_end"]["peak_bytes"] > 0
+    assert not [p.name for p in workdir.iterdir() if p.name.startswith(".at_fit_end")]  # its temporary checkpoint

@@ -282,9 +282,10 @@ def _zip_records(file: Path) -> list[_ZipRecord]:
 
 
 # ---------------------------------------------------------------------------------------------------- full checks
-def verify_checksums(path: Path, weights_only: bool = True) -> IntegrityReport:
+def verify_checksums(path: Path, weights_only: bool = True, alone: bool = False) -> IntegrityReport:
     """Compare every recorded checksum with the bytes on disk (after :func:`check_structure`). When a process group
-    is initialized the files are split over the ranks and every rank raises the same error. Collective then."""
+    is initialized the files are split over the ranks and every rank raises the same error. Collective then, unless
+    ``alone`` (one process reads everything: an export run by one rank of a job)."""
     checks: list[tuple[str, Any]]
     if path.is_dir():
         records = read_marker(path) or {}
@@ -294,7 +295,7 @@ def verify_checksums(path: Path, weights_only: bool = True) -> IntegrityReport:
         # A record without a CRC was written with torch's crc32 option off: nothing to compare.
         checks = [(r.name, r) for r in _zip_records(path) if r.crc32 != 0 or r.size == 0]
         files = 1
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() and not alone else (0, 1)
     problem: str | None = None
     for name, record in checks[rank::world]:
         try:

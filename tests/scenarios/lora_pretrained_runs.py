@@ -7,7 +7,8 @@ strategy given ``initial_weights``. Layouts: ``tp`` (tensor_parallel tp2), ``fsd
 - ``<layout>_fp32``: one step in fp32: its loss (the test compares it with one process's ``from_pretrained`` then
   ``get_peft_model``: ``lora_B`` is zero, so the first loss is the pretrained model's);
 - ``<layout>_fp64``: 3 steps in fp64, the adapters first set to the reference's (``<workdir>/adapters.pt``: its
-  ``lora_A`` draws), then a checkpoint saved at ``<workdir>/lora_<layout>`` for the test to export.
+  ``lora_A`` draws), then a checkpoint saved at ``<workdir>/lora_<layout>`` for the test to export; ``fsdp2_fp64``
+  also writes the merged folder when fit ends (``ExportAtFitEnd`` at ``<workdir>/at_fit_end``).
 
 python tests/scenarios/lora_pretrained_runs.py --devices 2 --out r.json --workdir DIR --scenarios tp_fp64,fsdp2_fp64
 """
@@ -24,7 +25,7 @@ from models import PretrainedLoraLM  # type: ignore[import-not-found]
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from examples.data import TextDataModule
-from lightning_dist import FSDP2Strategy, Hybrid3DStrategy, PipelineStrategy, TensorParallelStrategy
+from lightning_dist import ExportAtFitEnd, FSDP2Strategy, Hybrid3DStrategy, PipelineStrategy, TensorParallelStrategy
 
 GLOBAL_BATCH, STEPS = 4, 3
 
@@ -72,6 +73,8 @@ def _run(devices: int, workdir: str, layout: str, fp64: bool) -> dict:
     steps, log = StepRecorder(), LogLines("initial_weights")
     adapters = AdaptersFrom(Path(workdir) / "adapters.pt")
     callbacks = [steps, adapters] if fp64 else [steps]
+    at_end = ExportAtFitEnd(str(Path(workdir) / "at_fit_end")) if fp64 and layout == "fsdp2" else None
+    callbacks += [at_end] if at_end is not None else []
     trainer = L.Trainer(**trainer_kwargs(devices, strategy=strategy, precision="64-true" if fp64 else "32-true",
                                          limit_val_batches=0, callbacks=callbacks, max_steps=STEPS if fp64 else 1))  # fmt: skip
     with trainer.init_module(empty_init=True):
@@ -81,7 +84,11 @@ def _run(devices: int, workdir: str, layout: str, fp64: bool) -> dict:
     checkpoint = Path(workdir) / f"lora_{layout}"
     if fp64:
         trainer.save_checkpoint(checkpoint)
-    return {"losses": steps.losses, "log": log.lines, "adapters_set": adapters.set, "checkpoint": str(checkpoint)}
+    export = (
+        {"seconds": at_end.seconds, "peak_bytes": at_end.report.peak_tensor_bytes} if at_end and at_end.report else {}
+    )
+    return {"losses": steps.losses, "log": log.lines, "adapters_set": adapters.set, "checkpoint": str(checkpoint),
+            "at_fit_end": export}  # fmt: skip
 
 
 SCENARIOS = {

@@ -43,7 +43,7 @@ class CheckpointTensors:
     def __init__(self, path: str | os.PathLike, weights_only: bool = True) -> None:
         self.path = validate_checkpoint(path, weights_only)
         self.weights_only = weights_only
-        verify_checksums(self.path, weights_only)
+        verify_checksums(self.path, weights_only, alone=True)  # exports run in one process, maybe one rank of a job
         self.sharded = is_sharded_checkpoint(self.path)
         if self.sharded:
             self.metadata = read_metadata(self.path, weights_only)

@@ -144,6 +144,25 @@ def _lora_llama(targets: list[str]) -> _HFCausalLM:
     return _HFCausalLM(get_peft_model(_llama(2).model, LoraConfig(r=8, target_modules=targets)))
 
 
+def _peft_from_initial_weights(config: str) -> Callable[[Path], None]:
+    """A fit whose module wraps the Llama with PEFT's ``config`` (``dora``: LoRA with ``use_dora=True``; ``ia3``;
+    ``pissa``: LoRA initialized from the base weights) and whose strategy reads ``initial_weights``."""
+
+    def attempt(tmp_path: Path) -> None:
+        from peft import IA3Config, LoraConfig, get_peft_model
+
+        model = _llama(2).model
+        model.save_pretrained(tmp_path / "llama")
+        peft_config = {
+            "dora": lambda: LoraConfig(r=4, target_modules=["q_proj"], use_dora=True),
+            "ia3": lambda: IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]),
+            "pissa": lambda: LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights="pissa"),
+        }[config]()
+        _fit(FSDP2Strategy(initial_weights=str(tmp_path / "llama")), _HFCausalLM(get_peft_model(model, peft_config)))
+
+    return attempt
+
+
 def _router_loss_without_experts() -> _HFCausalLM:
     """A Llama whose config asks for the router's auxiliary loss (a flag copied from a MoE config): no experts."""
     model = _llama(2)
@@ -531,6 +550,17 @@ ROWS: list[BadInput] = [
              CheckpointError, _DAMAGED_FILE + r"its entry for tensor 'b' has no shape"),
     BadInput("initial_weights: a safetensors header that is a JSON list", _damaged_safetensors("list"),
              CheckpointError, _DAMAGED_FILE + r"its header is a JSON list, not an object of tensors"),
+    BadInput("initial_weights into a model wrapped with PEFT's DoRA (LoRA with use_dora=True)", _peft_from_initial_weights("dora"),
+             CheckpointError, r"cannot be read into this model after it was built: 2 adapter layers depend on the base weights"
+             r".*q_proj: a LoRA variant \(DoRA.*its magnitude is computed from the base weight when get_peft_model runs.*"
+             r"Use plain LoRA"),
+    BadInput("initial_weights into a model wrapped with PEFT's IA3", _peft_from_initial_weights("ia3"),
+             CheckpointError, r"k_proj: a PEFT Linear layer \(peft\.tuners\.ia3\.layer\): initial_weights reads pretrained"
+             r" weights under LoRA's Linear layers \(peft\.tuners\.lora\.Linear\) only"),
+    BadInput("initial_weights into LoRA initialized from the base weights (init_lora_weights='pissa')",
+             _peft_from_initial_weights("pissa"),
+             CheckpointError, r"q_proj: LoRA init_lora_weights='pissa' \(adapter 'default'\) computes the adapters from the base"
+             r" weights when get_peft_model runs, before initial_weights are read"),
     BadInput("initial_weights: a model.safetensors that is a folder", _damaged_safetensors("folder"),
              CheckpointError, r"Pretrained weights: '<dir>/model\.safetensors' is a folder, not a safetensors file"),
 ]  # fmt: skip

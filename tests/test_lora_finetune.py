@@ -15,6 +15,7 @@ import pytest
 import torch
 from launch import run_scenarios
 
+from lightning_dist.checkpoint import CheckpointError
 from lightning_dist.checkpoint.export import export_checkpoint
 
 LAYOUTS = {"tp": 2, "fsdp2": 2, "pp": 2, "hybrid": 4}
@@ -169,3 +170,24 @@ def test_export_at_fit_end_writes_the_folder_the_offline_export_writes(runs, wor
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     assert run["at_fit_end"]["seconds"] > 0 and run["at_fit_end"]["peak_bytes"] > 0
     assert not [p.name for p in workdir.iterdir() if p.name.startswith(".at_fit_end")]  # its temporary checkpoint
+
+
+@pytest.mark.slow
+def test_lora_exports_refuse_a_base_without_config_and_an_adapter_over_a_model(runs, tmp_path):
+    from lightning_dist.cli import main as cli_main
+
+    checkpoint = runs["fsdp2_fp64"]["checkpoint"]
+    single = tmp_path / "single.ckpt"
+    cli_main(["consolidate", checkpoint, str(single)])
+    state = torch.load(single, weights_only=True)
+    records = state["lightning_dist"]["pretrained_configs"]
+    state["lightning_dist"]["pretrained_configs"] = [r for r in records if r["format"] != "hf"]  # the base's config
+    torch.save(state, tmp_path / "no_config.ckpt")
+    with pytest.raises(CheckpointError, match="holds no config of a Hugging Face PreTrainedModel.*--config PATH"):
+        export_checkpoint(tmp_path / "no_config.ckpt", tmp_path / "out", format="hf")
+    assert not (tmp_path / "out").exists()
+    export_checkpoint(checkpoint, tmp_path / "model", format="hf")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir()}
+    with pytest.raises(CheckpointError, match=r"an export of another format \(a Hugging Face model folder"):
+        export_checkpoint(checkpoint, tmp_path / "model", format="peft")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir()} == before

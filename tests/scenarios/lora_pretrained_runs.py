@@ -6,9 +6,11 @@ strategy given ``initial_weights``. Layouts: ``tp`` (tensor_parallel tp2), ``fsd
 
 - ``<layout>_fp32``: one step in fp32: its loss (the test compares it with one process's ``from_pretrained`` then
   ``get_peft_model``: ``lora_B`` is zero, so the first loss is the pretrained model's);
-- ``<layout>_fp64``: 3 steps in fp64, the adapters first set to the reference's (``<workdir>/adapters.pt``: its
-  ``lora_A`` draws), then a checkpoint saved at ``<workdir>/lora_<layout>`` for the test to export; ``fsdp2_fp64``
-  also writes the merged folder when fit ends (``ExportAtFitEnd`` at ``<workdir>/at_fit_end``).
+- ``<layout>_fp64``: 3 steps in fp64, the adapters first set to the reference's (its ``lora_A`` draws:
+  ``<workdir>/llama_adapters.pt``), then a checkpoint saved at ``<workdir>/lora_<layout>_llama`` for the test to
+  export; ``fsdp2_fp64``
+  also writes the merged folder when fit ends (``ExportAtFitEnd`` at ``<workdir>/at_fit_end``);
+- ``litgpt_fsdp2_fp64``: litgpt's LoRA ``GPT`` from a litgpt folder (``<workdir>/litgpt``), fsdp2 dp2, as ``fsdp2_fp64``.
 
 python tests/scenarios/lora_pretrained_runs.py --devices 2 --out r.json --workdir DIR --scenarios tp_fp64,fsdp2_fp64
 """
@@ -21,7 +23,7 @@ from typing import Any
 import lightning as L
 import torch
 from common import SEQ_LEN, LogLines, StepRecorder, run_scenario_script, trainer_kwargs  # type: ignore[import-not-found]
-from models import PretrainedLoraLM  # type: ignore[import-not-found]
+from models import PretrainedLitLoRA, PretrainedLoraLM  # type: ignore[import-not-found]
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from examples.data import TextDataModule
@@ -65,23 +67,29 @@ def _strategy(layout: str, folder: str) -> tuple[Any, int]:
     return strategy, 1
 
 
-def _run(devices: int, workdir: str, layout: str, fp64: bool) -> dict:
-    folder = str(Path(workdir) / "llama")
+def _run(devices: int, workdir: str, layout: str, fp64: bool, kind: str = "llama") -> dict:
+    folder = str(Path(workdir) / kind)
     strategy, dp = _strategy(layout, folder)
     L.seed_everything(1234, verbose=False)
     data = TextDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, train_samples=64, val_samples=4)
     steps, log = StepRecorder(), LogLines("initial_weights")
-    adapters = AdaptersFrom(Path(workdir) / "adapters.pt")
+    adapters = AdaptersFrom(Path(workdir) / f"{kind}_adapters.pt")
     callbacks = [steps, adapters] if fp64 else [steps]
-    at_end = ExportAtFitEnd(str(Path(workdir) / "at_fit_end")) if fp64 and layout == "fsdp2" else None
+    at_end = (
+        ExportAtFitEnd(str(Path(workdir) / "at_fit_end")) if fp64 and layout == "fsdp2" and kind == "llama" else None
+    )
     callbacks += [at_end] if at_end is not None else []
     trainer = L.Trainer(**trainer_kwargs(devices, strategy=strategy, precision="64-true" if fp64 else "32-true",
                                          limit_val_batches=0, callbacks=callbacks, max_steps=STEPS if fp64 else 1))  # fmt: skip
     with trainer.init_module(empty_init=True):
-        module = PretrainedLoraLM(folder, dtype="float64" if fp64 else "float32")
+        module = (
+            PretrainedLoraLM(folder, dtype="float64" if fp64 else "float32")
+            if kind == "llama"
+            else PretrainedLitLoRA(folder)
+        )
     trainer.fit(module, data)
     log.close()
-    checkpoint = Path(workdir) / f"lora_{layout}"
+    checkpoint = Path(workdir) / f"lora_{layout}_{kind}"
     if fp64:
         trainer.save_checkpoint(checkpoint)
     export = (
@@ -96,6 +104,7 @@ SCENARIOS = {
     for layout in ("tp", "fsdp2", "pp", "hybrid")
     for precision in ("fp32", "fp64")
 }
+SCENARIOS["litgpt_fsdp2_fp64"] = lambda d, w: _run(d, w, "fsdp2", True, "litgpt")
 
 if __name__ == "__main__":
     run_scenario_script(SCENARIOS)

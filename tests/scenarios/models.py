@@ -630,3 +630,28 @@ def save_tiny_tokenizer(folder: Path) -> None:
                                    unk_token="<unk>")  # fmt: skip
     fast.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
     fast.save_pretrained(folder)
+
+
+class PretrainedLitLoRA(PretrainedLitGPT):
+    """litgpt's LoRA ``GPT`` (``litgpt.lora``: r=4 on the query and value rows of the fused ``qkv``) over a litgpt
+    folder's config, only the adapters trainable, as litgpt's ``finetune lora`` builds it; ``from_pretrained``: the
+    base weights loaded in fp64 as that script loads them (``load_state_dict(strict=False)``)."""
+
+    def __init__(self, folder: str, from_pretrained: bool = False, lr: float = 1e-2) -> None:
+        L.LightningModule.__init__(self)
+        from dataclasses import asdict
+
+        from litgpt import lora
+        from litgpt.config import Config
+
+        base = asdict(Config.from_file(Path(folder) / "model_config.yaml"))
+        config = lora.Config(**base, lora_r=4, lora_alpha=8, lora_query=True, lora_value=True)
+        self.model = lora.GPT(config)
+        if from_pretrained:
+            state = torch.load(Path(folder) / "lit_model.pth", weights_only=True)
+            self.model.to(torch.float64).load_state_dict(state, strict=False)
+        lora.mark_only_lora_as_trainable(self.model)
+        self.lr = lr
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)

@@ -481,6 +481,23 @@ def test_checkpoint_integrity_benchmark_times_both_sides() -> None:
     assert result["load_ratio"] == result["load_verified_s"] / result["load_plain_s"]
 
 
+def test_lora_finetune_benchmark_runs_the_loop_and_loads_every_folder(tmp_path: Path) -> None:
+    """A smoke run of ``python -m benchmarks.lora_finetune`` (one layer): every step timed, its peak measured, the
+    bf16 export half the fp32 one."""
+    from benchmarks.studies import run_lora_finetune
+
+    out = tmp_path / "lora.json"
+    assert (
+        run_lora_finetune(["--layers", "1", "--hidden", "64", "--vocab", "200", "--steps", "1", "--json", str(out)])
+        == 0
+    )
+    result = json.loads(out.read_text())
+    assert len(result["steps"]) == 4 and all(s["seconds"] > 0 and s["peak_bytes"] > 0 for s in result["steps"].values())
+    sizes = result["bytes"]
+    assert sizes["merged --dtype bfloat16"] * 2 == sizes["merged (as trained, fp32)"] > 0
+    assert result["initial_weights_seconds"] is not None and result["export_at_fit_end_seconds"] is not None
+
+
 # ---------------------------------------------------------------------------------------------------------- pipeline
 
 

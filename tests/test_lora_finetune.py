@@ -219,3 +219,66 @@ def test_litgpt_lora_from_a_litgpt_folder_trains_as_one_process_and_exports_merg
     model.load_state_dict(torch.load(tmp_path / "lit" / "lit_model.pth", weights_only=True), strict=True)
     with torch.no_grad():
         assert (model.eval()(PROBE) - references["litgpt_logits"]).abs().max() <= 1e-9
+
+
+@pytest.mark.slow
+def test_the_lora_yaml_trains_from_a_published_folder_to_a_folder_a_server_loads(workdir, tmp_path):
+    """``configs/finetune_lora.yaml`` as a user runs it (``lightning-dist fit --config``, 2 processes), pointed at the
+    published-style folder: the run ends with a merged bf16 folder, with the tokenizer, that loads strictly."""
+    import subprocess
+    import sys
+
+    import yaml
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    repo = Path(__file__).resolve().parents[1]
+    config = yaml.safe_load((repo / "configs" / "finetune_lora.yaml").read_text())
+    config["trainer"].update({"max_steps": 2, "default_root_dir": str(tmp_path)})
+    config["trainer"]["strategy"]["init_args"]["initial_weights"] = str(workdir / "llama")
+    config["trainer"]["callbacks"][0]["init_args"]["dirpath"] = str(tmp_path / "served")
+    config["model"]["init_args"]["folder"] = str(workdir / "llama")
+    config["data"]["init_args"].update({"seq_len": 16, "vocab_size": 64, "samples": 16})
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "lightning_dist.cli", "fit", "--config", str(tmp_path / "run.yaml")]
+    done = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ExportAtFitEnd: wrote" in done.stdout + done.stderr
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "served", output_loading_info=True)
+    assert not any(info.values()) and {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    text = "a b 7"
+    assert AutoTokenizer.from_pretrained(tmp_path / "served")(text) == AutoTokenizer.from_pretrained(workdir / "llama")(
+        text
+    )
+
+
+def test_adapters_fully_sharded_one_by_one_keep_peft_init(tmp_path):
+    """A one-layer Llama under fsdp2: no repeated block, so the plan shards every leaf, LoRA's ``lora_A`` and
+    ``lora_B`` too, whose classes FSDP2 swaps (``FSDPLinear``). They are still recognized: ``lora_B`` is zero after
+    materializing and the first loss is the pretrained model's (one process, fp32)."""
+    import transformers
+
+    from benchmarks.common import save_published_folder
+    from examples.lora import LoraFineTune
+    from lightning_dist import FSDP2Strategy
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    torch.manual_seed(0)
+    save_published_folder(transformers.LlamaForCausalLM(config), tmp_path / "one_layer")
+    folder = str(tmp_path / "one_layer")
+    batch = {"input_ids": PROBE[:, :-1], "labels": PROBE[:, 1:]}
+
+    class FirstLoss(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.loss = float(outputs["loss"])
+            self.lora_b = [float(p.full_tensor().abs().max()) for n, p in pl_module.named_parameters() if "lora_B" in n]
+
+    first = FirstLoss()
+    trainer = L.Trainer(strategy=FSDP2Strategy(initial_weights=folder), accelerator="cpu", devices=1, max_steps=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, callbacks=[first])  # fmt: skip
+    with trainer.init_module(empty_init=True):
+        module = LoraFineTune(folder, r=4, lr=0.0)
+    trainer.fit(module, torch.utils.data.DataLoader([batch], batch_size=None))
+    reference = LoraFineTune(folder, r=4, from_pretrained=True)
+    assert first.lora_b == [0.0, 0.0]
+    assert abs(first.loss - float(reference.training_step(batch, 0))) <= 1e-6

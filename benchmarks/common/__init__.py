@@ -1,7 +1,8 @@
 """What every family shares: the one process launcher (:mod:`~benchmarks.common.launch`, with the scenario
 convention in :mod:`~benchmarks.common.scenarios` and the process layout in :mod:`~benchmarks.common.layout`), step
 timing and memory / communication measuring (:mod:`~benchmarks.common.measure`), the example GPT's sizes
-(:mod:`~benchmarks.common.models`) and tokens/s, MFU and device peaks (:mod:`~benchmarks.common.hardware`)."""
+(:mod:`~benchmarks.common.models`), tokens/s, MFU and device peaks (:mod:`~benchmarks.common.hardware`) and folders
+laid out as published models (:mod:`~benchmarks.common.published`)."""
 
 from benchmarks.common.hardware import compute_dtype, flops_per_token, lookup_peak, throughput
 from benchmarks.common.launch import (
@@ -29,6 +30,7 @@ from benchmarks.common.measure import (
     spread,
 )
 from benchmarks.common.models import SIZES, ModelSize, gpt_parameter_count
+from benchmarks.common.published import save_published_folder, save_word_tokenizer
 from benchmarks.common.scenarios import run_scenarios, scenario_command
 
 __all__ = [
@@ -55,6 +57,8 @@ __all__ = [
     "run_ranks",
     "run_scenarios",
     "run_torchrun_nodes",
+    "save_published_folder",
+    "save_word_tokenizer",
     "scenario_command",
     "spread",
     "start_ranks",

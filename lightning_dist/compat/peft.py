@@ -40,6 +40,12 @@ class LoraLinear:
     adapters: tuple[tuple[str, str, str], ...]
 
 
+def own_class(module: nn.Module) -> type:
+    """The module's own class: FSDP2's ``fully_shard`` swaps a module's class for a subclass made on the fly
+    (``FSDPLinear``), which no ``type(module) is`` test recognizes."""
+    return next(c for c in type(module).__mro__ if not c.__module__.startswith("torch.distributed"))
+
+
 def _peft_class(module: str, name: str) -> type | None:
     loaded = sys.modules.get(module)
     found = getattr(loaded, name, None) if loaded is not None else None
@@ -69,11 +75,12 @@ def why_adapter_is_whole(module: nn.Module) -> str | None:
     no adapter layer)."""
     if not is_adapter_layer(module):
         return None
-    kind = type(module).__name__
+    cls = own_class(module)
+    kind = cls.__name__
     lora = _peft_class("peft.tuners.lora", "Linear")
-    if lora is None or type(module) is not lora:
+    if lora is None or cls is not lora:
         return (
-            f"a PEFT {kind} adapter layer ({type(module).__module__}); only LoRA's Linear (peft.tuners.lora.Linear)"
+            f"a PEFT {kind} adapter layer ({cls.__module__}); only LoRA's Linear (peft.tuners.lora.Linear)"
             " is sharded like its base layer"
         )
     if getattr(module, "lora_variant", None) or len(getattr(module, "lora_magnitude_vector", ())):
@@ -83,7 +90,7 @@ def why_adapter_is_whole(module: nn.Module) -> str | None:
         )
     a, b = getattr(module, LORA_A), getattr(module, LORA_B)
     pairs = sorted(a.keys()) == sorted(b.keys())
-    if not pairs or any(type(m) is not nn.Linear for m in (*a.values(), *b.values())):
+    if not pairs or any(own_class(m) is not nn.Linear for m in (*a.values(), *b.values())):
         return "a LoRA layer whose lora_A/lora_B are not pairs of nn.Linear"
     return None
 
@@ -103,7 +110,7 @@ def adapter_configs(model: nn.Module) -> dict[str, object]:
     found: dict[str, object] = {}
     for module in model.modules():
         configs = getattr(module, "peft_config", None)
-        if isinstance(configs, dict) and type(module).__module__.startswith("peft."):
+        if isinstance(configs, dict) and own_class(module).__module__.startswith("peft."):
             found.update(configs)
     return found
 
@@ -121,9 +128,10 @@ def why_not_read_into(module: nn.Module, model: nn.Module) -> str | None:
     if not is_adapter_layer(module):
         return None
     lora = _peft_class("peft.tuners.lora", "Linear")
-    if lora is None or type(module) is not lora:
+    cls = own_class(module)
+    if lora is None or cls is not lora:
         return (
-            f"a PEFT {type(module).__name__} layer ({type(module).__module__}): initial_weights reads pretrained"
+            f"a PEFT {cls.__name__} layer ({cls.__module__}): initial_weights reads pretrained"
             " weights under LoRA's Linear layers (peft.tuners.lora.Linear) only"
         )
     if getattr(module, "lora_variant", None) or len(getattr(module, "lora_magnitude_vector", ())):

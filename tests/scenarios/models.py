@@ -618,18 +618,10 @@ class PretrainedLoraLM(PretrainedCausalLM):
 
 
 def save_tiny_tokenizer(folder: Path) -> None:
-    """A word-level tokenizer of :data:`VOCAB` tokens (``<s>`` 0, ``</s>`` 1, ``<pad>`` 2, ``<unk>`` 3) with a chat
-    template, saved as transformers saves one (``tokenizer.json``, ``tokenizer_config.json``, ...)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """A word-level tokenizer of :data:`VOCAB` tokens with a chat template, as a published folder holds one."""
+    from benchmarks.common import save_word_tokenizer
 
-    words = ["<s>", "</s>", "<pad>", "<unk>", *[chr(ord("a") + i) for i in range(26)], *map(str, range(VOCAB - 30))]
-    tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>")  # fmt: skip
-    fast.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
-    fast.save_pretrained(folder)
+    save_word_tokenizer(folder, VOCAB)
 
 
 class PretrainedLitLoRA(PretrainedLitGPT):

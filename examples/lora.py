@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-import torch.nn.functional as F
+
+from examples.causal_lm import CausalLM
 
 
-class LoraFineTune(L.LightningModule):
+class LoraFineTune(CausalLM):
     """PEFT LoRA (``r``, ``lora_alpha`` on ``target_modules``) over ``AutoModelForCausalLM`` of ``folder``.
 
     Args:
@@ -34,7 +35,7 @@ class LoraFineTune(L.LightningModule):
         dtype: str = "float32",
         from_pretrained: bool = False,
     ) -> None:
-        super().__init__()
+        L.LightningModule.__init__(self)  # the model is not CausalLM's: only its training step is shared
         import transformers
         from peft import LoraConfig, get_peft_model
 
@@ -49,12 +50,6 @@ class LoraFineTune(L.LightningModule):
         config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=target_modules or ["q_proj", "v_proj"])
         self.model = get_peft_model(base, config)
         self.lr = lr
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        logits = self.model(input_ids=batch["input_ids"]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
-        self.log("train_loss", loss, sync_dist=True)
-        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)

@@ -1,8 +1,8 @@
 """The fine-tuning loop end to end (issue 54): PEFT LoRA on a stock Llama started from a published-style folder (bf16,
-3 shards, a tokenizer) with ``initial_weights`` under tensor_parallel (tp2), fsdp2 (dp2), pipeline (pp2) and hybrid3d
-(pp2 × tp2), against one process that called ``from_pretrained`` then ``get_peft_model``; then each run's checkpoint
-exported as a merged Hugging Face folder, a PEFT adapter folder and in bfloat16, loaded by transformers and PEFT
-themselves. The runs: ``tests/scenarios/lora_pretrained_runs.py`` (one launch of 2 processes, one of 4)."""
+3 shards, a tokenizer) with ``initial_weights`` under tensor_parallel (tp2), fsdp2 (dp2), zeropp (dp2, quantization
+off), pipeline (pp2) and hybrid3d (pp2 × tp2), against one process that called ``from_pretrained`` then
+``get_peft_model``; then each run's checkpoint exported as a merged Hugging Face folder, a PEFT adapter folder and in
+bfloat16, loaded by transformers and PEFT themselves. The runs: ``tests/scenarios/lora_pretrained_runs.py`` (one launch of 2 processes, one of 4)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from launch import run_scenarios
 from lightning_dist.checkpoint import CheckpointError
 from lightning_dist.checkpoint.export import export_checkpoint
 
-LAYOUTS = {"tp": 2, "fsdp2": 2, "pp": 2, "hybrid": 4}
+LAYOUTS = {"tp": 2, "fsdp2": 2, "zeropp": 2, "pp": 2, "hybrid": 4}
 FP32_FIRST_LOSS_TOL = 1e-5  # the issue's bar; measured below
 FP64_TOL = 1e-10
 STEPS, GLOBAL_BATCH = 3, 4
@@ -76,7 +76,8 @@ def references(workdir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(workdir: Path, references: dict) -> dict:
-    two = [f"{layout}_{p}" for layout in ("tp", "fsdp2", "pp") for p in ("fp32", "fp64")] + ["litgpt_fsdp2_fp64"]
+    two = [f"{layout}_{p}" for layout in ("tp", "fsdp2", "zeropp", "pp") for p in ("fp32", "fp64")]
+    two.append("litgpt_fsdp2_fp64")
     found = run_scenarios("lora_pretrained_runs.py", 2, workdir, two, timeout=900)
     found.update(run_scenarios("lora_pretrained_runs.py", 4, workdir, ["hybrid_fp32", "hybrid_fp64"], timeout=900))
     return found

@@ -75,15 +75,13 @@ def why_adapter_is_whole(module: nn.Module) -> str | None:
     no adapter layer)."""
     if not is_adapter_layer(module):
         return None
-    cls = own_class(module)
-    kind = cls.__name__
-    lora = _peft_class("peft.tuners.lora", "Linear")
-    if lora is None or cls is not lora:
+    cls, kind = own_class(module), _not_plain_lora(module)
+    if kind == "method":
         return (
-            f"a PEFT {kind} adapter layer ({cls.__module__}); only LoRA's Linear (peft.tuners.lora.Linear)"
+            f"a PEFT {cls.__name__} adapter layer ({cls.__module__}); only LoRA's Linear (peft.tuners.lora.Linear)"
             " is sharded like its base layer"
         )
-    if getattr(module, "lora_variant", None) or len(getattr(module, "lora_magnitude_vector", ())):
+    if kind == "variant":
         return (
             "a LoRA variant (DoRA or another `lora_variant`): its adapter is not a plain low-rank product that the"
             " base layer's split applies to"
@@ -92,6 +90,17 @@ def why_adapter_is_whole(module: nn.Module) -> str | None:
     pairs = sorted(a.keys()) == sorted(b.keys())
     if not pairs or any(own_class(m) is not nn.Linear for m in (*a.values(), *b.values())):
         return "a LoRA layer whose lora_A/lora_B are not pairs of nn.Linear"
+    return None
+
+
+def _not_plain_lora(module: nn.Module) -> str | None:
+    """``"method"`` when the adapter layer ``module`` is not LoRA's Linear, ``"variant"`` when it is a LoRA variant
+    (DoRA), else ``None``."""
+    lora = _peft_class("peft.tuners.lora", "Linear")
+    if lora is None or own_class(module) is not lora:
+        return "method"
+    if getattr(module, "lora_variant", None) or len(getattr(module, "lora_magnitude_vector", ())):
+        return "variant"
     return None
 
 
@@ -127,14 +136,13 @@ def why_not_read_into(module: nn.Module, model: nn.Module) -> str | None:
     adapter layer): its method, or its init, depends on the base weights."""
     if not is_adapter_layer(module):
         return None
-    lora = _peft_class("peft.tuners.lora", "Linear")
-    cls = own_class(module)
-    if lora is None or cls is not lora:
+    cls, kind = own_class(module), _not_plain_lora(module)
+    if kind == "method":
         return (
             f"a PEFT {cls.__name__} layer ({cls.__module__}): initial_weights reads pretrained"
             " weights under LoRA's Linear layers (peft.tuners.lora.Linear) only"
         )
-    if getattr(module, "lora_variant", None) or len(getattr(module, "lora_magnitude_vector", ())):
+    if kind == "variant":
         return (
             "a LoRA variant (DoRA or another `lora_variant`): its magnitude is computed from the base weight when"
             " get_peft_model runs, before initial_weights are read"

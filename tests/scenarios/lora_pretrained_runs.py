@@ -1,8 +1,8 @@
 """PEFT LoRA fine-tuning from pretrained weights (issue 54): a stock ``LlamaForCausalLM`` saved in bf16 in 3 shards
 with a tokenizer (``<workdir>/llama``), a LightningModule holding ``get_peft_model(from_config(...),
 LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))`` built under ``trainer.init_module(empty_init=True)``, the
-strategy given ``initial_weights``. Layouts: ``tp`` (tensor_parallel tp2), ``fsdp2`` (dp2), ``pp`` (pipeline pp2) at
-2 processes, ``hybrid`` (hybrid3d pp2 × tp2) at 4.
+strategy given ``initial_weights``. Layouts: ``tp`` (tensor_parallel tp2), ``fsdp2`` (dp2), ``zeropp`` (dp2,
+quantization off), ``pp`` (pipeline pp2) at 2 processes, ``hybrid`` (hybrid3d pp2 × tp2) at 4.
 
 - ``<layout>_fp32``: one step in fp32: its loss (the test compares it with one process's ``from_pretrained`` then
   ``get_peft_model``: ``lora_B`` is zero, so the first loss is the pretrained model's);
@@ -27,7 +27,14 @@ from models import PretrainedLitLoRA, PretrainedLoraLM  # type: ignore[import-no
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from examples.data import TextDataModule
-from lightning_dist import ExportAtFitEnd, FSDP2Strategy, Hybrid3DStrategy, PipelineStrategy, TensorParallelStrategy
+from lightning_dist import (
+    ExportAtFitEnd,
+    FSDP2Strategy,
+    Hybrid3DStrategy,
+    PipelineStrategy,
+    TensorParallelStrategy,
+    ZeroPPStrategy,
+)
 
 GLOBAL_BATCH, STEPS = 4, 3
 
@@ -60,6 +67,8 @@ def _strategy(layout: str, folder: str) -> tuple[Any, int]:
         return TensorParallelStrategy(tensor_parallel_size=2, data_parallel_shard_size=1, initial_weights=folder), 1
     if layout == "fsdp2":
         return FSDP2Strategy(initial_weights=folder), 2
+    if layout == "zeropp":  # quantization off: exact
+        return ZeroPPStrategy(quantized_weights=False, quantized_gradients=False, initial_weights=folder), 2
     if layout == "pp":
         return PipelineStrategy(pipeline_parallel_size=2, initial_weights=folder), 1
     strategy = Hybrid3DStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_shard_size=1,
@@ -101,7 +110,7 @@ def _run(devices: int, workdir: str, layout: str, fp64: bool, kind: str = "llama
 
 SCENARIOS = {
     f"{layout}_{precision}": (lambda d, w, layout=layout, fp64=precision == "fp64": _run(d, w, layout, fp64))
-    for layout in ("tp", "fsdp2", "pp", "hybrid")
+    for layout in ("tp", "fsdp2", "zeropp", "pp", "hybrid")
     for precision in ("fp32", "fp64")
 }
 SCENARIOS["litgpt_fsdp2_fp64"] = lambda d, w: _run(d, w, "fsdp2", True, "litgpt")

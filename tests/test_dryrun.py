@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -135,7 +136,9 @@ def test_a_broken_configuration_at_scale_is_refused_before_any_rank_runs_with_th
     seconds = time.monotonic() - start
     text = done.stdout + done.stderr
     assert done.returncode == 2 and "lightning-dist dryrun: error:" in done.stderr, text
-    assert seconds < 60 and "memory:" not in text and "collectives:" not in text and not (tmp_path / "dry.json").exists()
+    assert (
+        seconds < 60 and "memory:" not in text and "collectives:" not in text and not (tmp_path / "dry.json").exists()
+    )
     assert all(word in text for word in named), text
     assert text.count(named[0]) == 1, text  # one line for every layer with the same cause
 
@@ -157,6 +160,10 @@ def test_mesh_auto_is_planned_as_fit_plans_it_and_every_rank_runs_that_mesh(tmp_
     report = json.loads((tmp_path / "dry.json").read_text())
     assert report["agree"] and report["passed"] and all(r["error"] is None for r in report["ranks"])
     assert f"mesh='auto': the planner chose {report['mesh']}, as fit would" in done.stdout
+    ranks = len(report["ranks"])  # progress on stderr, a plain line per update into a pipe, ending with all done
+    assert re.search(rf"^dryrun: {ranks:,} ranks of {ranks:,} ranks \(100%\), \d+ s$", done.stderr, re.MULTILINE), (
+        done.stderr
+    )
 
 
 def test_a_report_whose_ranks_failed_claims_nothing_they_did_not_show():

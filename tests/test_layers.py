@@ -36,7 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("planning",),
     ("parallel",),
     ("checkpoint",),
-    ("compat", "version"),  # `__version__` (also written into each checkpoint's provenance)
+    ("compat", "version", "progress"),  # `__version__` (also in each checkpoint's provenance); progress display
 )
 #: Pure PyTorch: no module these rooms import, directly or through another, may import Lightning.
 PURE_PYTORCH = ("parallel", "checkpoint", "profiling", "planning")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import lightning as L
@@ -244,6 +245,8 @@ def test_the_lora_yaml_trains_from_a_published_folder_to_a_folder_a_server_loads
     done = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "ExportAtFitEnd: wrote" in done.stdout + done.stderr
+    # rank 0 shows the bytes it reads, a plain line per update into a pipe (the Trainer's progress bar is on)
+    assert re.search(r"^initial_weights: [\d.]+ MiB of [\d.]+ MiB \(100%\), \d+ s$", done.stderr, re.MULTILINE)
     model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "served", output_loading_info=True)
     assert not any(info.values()) and {p.dtype for p in model.parameters()} == {torch.bfloat16}
     text = "a b 7"

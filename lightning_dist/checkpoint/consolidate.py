@@ -3,6 +3,7 @@ out as one file (``torch.save`` or safetensors) for export."""
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,6 +31,7 @@ from lightning_dist.checkpoint.save_failures import save_failure
 from lightning_dist.checkpoint.state_paths import get_path, saved_state_paths, set_path
 from lightning_dist.checkpoint.validation import validate_checkpoint
 from lightning_dist.compat import load_dcp_without_process_group
+from lightning_dist.progress import Progress
 
 #: The tool recorded in the export mark of what this module writes.
 EXPORT_TOOL = "consolidate"
@@ -65,15 +67,49 @@ def weights_only(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in checkpoint.items() if k in WEIGHTS_ONLY_KEYS}
 
 
-def save_torch(checkpoint: dict[str, Any], out: str | os.PathLike, source: str | os.PathLike | None = None) -> Path:
+def save_torch(
+    checkpoint: dict[str, Any], out: str | os.PathLike, source: str | os.PathLike | None = None, progress: bool = False
+) -> Path:
     """``torch.save`` ``checkpoint`` to ``out`` atomically (temporary file, then rename), marked as an export. ``out``
     must be free or an earlier export (:func:`~lightning_dist.checkpoint.export_target.check_export_target`; ``source``:
-    the checkpoint it was read from, which it may not replace)."""
+    the checkpoint it was read from, which it may not replace); ``progress``: show the bytes written on stderr."""
     out = check_export_target(out, source)
+    total = sum(value.nbytes for value in _tensors(checkpoint))
     # a Python file, not a path: torch's own writer hides the operating system's reason for a failed write
-    with _written_atomically(out) as tmp, crc32_enabled(), open(tmp, "wb") as file:
-        torch.save(mark_export(checkpoint, EXPORT_TOOL), file)
+    shown = Progress(total, "consolidate", quiet=not progress)
+    with _written_atomically(out) as tmp, crc32_enabled(), open(tmp, "wb") as file, shown:
+        torch.save(mark_export(checkpoint, EXPORT_TOOL), _CountedWrites(file, shown))
     return out
+
+
+class _CountedWrites(io.RawIOBase):
+    """A file that tells ``progress`` how many bytes each write wrote (``torch.save`` writes through it)."""
+
+    def __init__(self, file: Any, progress: Progress) -> None:
+        super().__init__()
+        self.file, self.progress = file, progress
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        written = self.file.write(data)
+        self.progress.update(min(len(data), max(self.progress.total - self.progress.done, 0)))
+        return written
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """Every tensor in a nested checkpoint dict (what its file mostly holds)."""
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors(item)]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
 
 
 def save_safetensors(

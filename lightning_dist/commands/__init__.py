@@ -54,6 +54,11 @@ def end_on_closed_pipe() -> None:
     sys.exit(0)
 
 
+def add_quiet_argument(parser: argparse.ArgumentParser) -> None:
+    """``--quiet``: no progress and no summary; errors still go to stderr."""
+    parser.add_argument("--quiet", action="store_true", help="print nothing but errors (no progress, no summary)")
+
+
 def add_trust_code_argument(parser: argparse.ArgumentParser) -> None:
     """``--trust-code``: Lightning's ``weights_only=False`` for a tool that reads a checkpoint."""
     parser.add_argument(

@@ -6,7 +6,7 @@ import argparse
 
 from lightning_dist.checkpoint.consolidate import load_full_checkpoint, save_safetensors, save_torch, weights_only
 from lightning_dist.checkpoint.export_target import check_export_target
-from lightning_dist.commands import add_trust_code_argument
+from lightning_dist.commands import add_quiet_argument, add_trust_code_argument
 
 
 def main(argv: list[str]) -> None:
@@ -33,6 +33,7 @@ def main(argv: list[str]) -> None:
         " the weights only",
     )
     add_trust_code_argument(parser)
+    add_quiet_argument(parser)
     args = parser.parse_args(argv)
     fmt = args.format or ("safetensors" if args.out.endswith(".safetensors") else "torch")
     check_export_target(args.out, args.checkpoint, command="consolidate")  # before the (long) read
@@ -40,7 +41,10 @@ def main(argv: list[str]) -> None:
     if fmt == "safetensors":
         out = save_safetensors(checkpoint, args.out, source=args.checkpoint)
     else:
-        out = save_torch(weights_only(checkpoint) if args.weights_only else checkpoint, args.out, args.checkpoint)
+        state = weights_only(checkpoint) if args.weights_only else checkpoint
+        out = save_torch(state, args.out, args.checkpoint, progress=not args.quiet)
+    if args.quiet:
+        return
     tensors = len(checkpoint["state_dict"])
     print(
         f"wrote {out} ({fmt}, {tensors} model tensors{', weights only' if args.weights_only or fmt != 'torch' else ''})"

@@ -41,6 +41,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--all-ranks", action="store_true", help="run every rank (small worlds)")
     p.add_argument("--device-memory", type=memory_size, help="memory of one device (80GiB): a rank above fails")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
+    p.add_argument("--quiet", action="store_true", help="print nothing but errors (the exit status and --json tell)")
     return p
 
 
@@ -50,10 +51,12 @@ def main(argv: list[str]) -> None:
 
     args, fit_args = parser().parse_known_args(argv)
     try:
-        report = dry_run(fit_args, args.world_size, args.num_nodes, args.ranks, args.device_memory, args.all_ranks)
+        report = dry_run(fit_args, args.world_size, args.num_nodes, args.ranks, args.device_memory, args.all_ranks,
+                         progress=not args.quiet)  # fmt: skip
     except DryRunError as error:
         raise CommandError(str(error)) from None
-    print(report.table())
+    if not args.quiet:
+        print(report.table())
     if args.json:
         Path(args.json).write_text(json.dumps(report.to_json(), indent=1))
     sys.exit(0 if report.passed else 1)

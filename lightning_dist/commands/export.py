@@ -8,7 +8,7 @@ import argparse
 
 from lightning_dist.checkpoint.export import FORMATS, export_checkpoint
 from lightning_dist.checkpoint.export.dtype import DTYPES
-from lightning_dist.commands import add_trust_code_argument
+from lightning_dist.commands import add_quiet_argument, add_trust_code_argument
 
 
 def main(argv: list[str]) -> None:
@@ -71,6 +71,7 @@ def main(argv: list[str]) -> None:
         " checkpoint saved without one",
     )
     add_trust_code_argument(parser)
+    add_quiet_argument(parser)
     args = parser.parse_args(argv)
     size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
     report = export_checkpoint(
@@ -85,7 +86,10 @@ def main(argv: list[str]) -> None:
         tokenizer=args.tokenizer,
         base_model=args.base_model,
         stacked_experts=args.stacked_experts,
+        progress=not args.quiet,
     )
+    if args.quiet:
+        return
     for line in report.tidied:
         print(line)
     merged = f"; {report.merged} LoRA layers merged" if report.merged else ""

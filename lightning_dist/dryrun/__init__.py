@@ -108,6 +108,7 @@ def dry_run(
     ranks: Iterable[int] = (),
     device_memory: int | None = None,
     all_ranks: bool = False,
+    progress: bool = False,
 ) -> DryRunReport:
     """Dry-run the configuration of ``cli_args`` (``lightning-dist fit``'s arguments) on ``world_size`` ranks.
 
@@ -118,6 +119,7 @@ def dry_run(
         ranks: Ranks to run besides the default roles.
         device_memory: Bytes each rank may use; a rank whose step peaks above fails the report.
         all_ranks: Run every rank (small worlds: what the truth checks compare with a real run).
+        progress: Show the ranks done and the time left on stderr (:mod:`lightning_dist.progress`).
     """
     start = time.perf_counter()
     checked = checked_configuration(cli_args, world_size, num_nodes)
@@ -132,7 +134,7 @@ def dry_run(
                    "log": os.path.join(mailbox, f"rank{rank}.log"), "result": os.path.join(mailbox, f"rank{rank}.json")}
                   for rank in batch] for batch in batches]  # fmt: skip
         workers = [len(batch) if pipelined else max(1, min(len(batch), os.cpu_count() or 1)) for batch in batches]
-        ranked = run_ranks(tasks, workers, _python_path())
+        ranked = run_ranks(tasks, workers, _python_path(), progress)
     ranked.sort(key=lambda record: record.rank)
     return DryRunReport(world_size, num_nodes, str(dims), ranked, disagreements(ranked), device_memory,
                         time.perf_counter() - start, dims, checked.planned)  # fmt: skip

@@ -18,22 +18,39 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from lightning_dist.dryrun.fake_world import fake_rank
 from lightning_dist.dryrun.rank_run import RankRecord, build_trainer, quiet, run_rank
+from lightning_dist.progress import Progress
 
+_POLL_SECONDS = 0.25  # how often the ranks done are counted
 #: What the server imports before it forks (a module the configuration needs beyond these, each rank imports).
 PRELOAD = ("lightning_dist.dryrun.rank_run", "lightning_dist.strategies")
 
 
-def run_ranks(batches: list[list[dict[str, Any]]], workers: list[int], python_path: str) -> list[RankRecord]:
+def run_ranks(
+    batches: list[list[dict[str, Any]]], workers: list[int], python_path: str, progress: bool = False
+) -> list[RankRecord]:
     """Run each task (:func:`run_task`'s argument) in a process of its own: the batches one after another, the
-    tasks of batch ``i`` ``workers[i]`` at a time."""
-    done = subprocess.run([sys.executable, "-m", "lightning_dist.dryrun.rank_process"],
-                          input=json.dumps({"batches": batches, "workers": workers}), text=True, capture_output=True,
-                          check=False, env={**os.environ, "PYTHONPATH": python_path})  # fmt: skip
+    tasks of batch ``i`` ``workers[i]`` at a time; ``progress``: show the ranks done on stderr."""
+    results = [Path(task["result"]) for batch in batches for task in batch]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        server = subprocess.Popen([sys.executable, "-m", "lightning_dist.dryrun.rank_process"], stdin=subprocess.PIPE,
+                                  stdout=out, stderr=err, text=True, env={**os.environ, "PYTHONPATH": python_path})  # fmt: skip
+        assert server.stdin is not None
+        server.stdin.write(json.dumps({"batches": batches, "workers": workers}))
+        server.stdin.close()
+        with Progress(len(results), "dryrun", unit="ranks", quiet=not progress) as shown:
+            while server.poll() is None:
+                time.sleep(_POLL_SECONDS)
+                shown.update(sum(result.exists() for result in results) - shown.done)
+            shown.update(sum(result.exists() for result in results) - shown.done)
+        err.seek(0)
+        done = subprocess.CompletedProcess(server.args, server.returncode, "", err.read())
     records = []
     for task in (task for batch in batches for task in batch):
         result = Path(task["result"])

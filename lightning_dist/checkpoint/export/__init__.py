@@ -19,6 +19,7 @@ from lightning_dist.checkpoint.export.shards import parse_size
 from lightning_dist.checkpoint.export.source import CheckpointTensors, TensorSource
 from lightning_dist.checkpoint.export.tokenizer import copy_tokenizer_files, tokenizer_source
 from lightning_dist.checkpoint.export_target import check_export_target
+from lightning_dist.progress import Progress
 
 #: The formats of :func:`export_checkpoint`.
 FORMATS = ("hf", "peft", "litgpt")
@@ -36,6 +37,7 @@ def export_checkpoint(
     tokenizer: str | os.PathLike | None = None,
     base_model: str | None = None,
     stacked_experts: bool = False,
+    progress: bool = False,
 ) -> ExportReport:
     """Write the model of ``checkpoint`` as a folder at ``out`` in ``format``: ``hf`` (a Hugging Face model folder, a
     LoRA model's adapters merged), ``peft`` (a LoRA model's adapter folder) or ``litgpt``.
@@ -47,8 +49,9 @@ def export_checkpoint(
     as trained); ``tokenizer``: the folder to copy the tokenizer files from (default: the ``initial_weights`` folder
     the checkpoint records; ``hf`` and ``peft``); ``base_model``: the base model ``adapter_config.json`` names
     (``peft``; default: that folder); ``stacked_experts``: keep a mixture-of-experts model's experts stacked as
-    transformers 5 holds them, not per expert as published checkpoints do (``hf``). ``out`` must be free or an
-    earlier export of the same format; nothing is written before the checks pass."""
+    transformers 5 holds them, not per expert as published checkpoints do (``hf``); ``progress``: show the bytes
+    written on stderr (:mod:`lightning_dist.progress`). ``out`` must be free or an earlier export of the same format;
+    nothing is written before the checks pass."""
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
     max_bytes, cast = parse_size(max_shard_size), export_dtype(dtype)
@@ -78,7 +81,7 @@ def export_checkpoint(
         hf_config, model, names = plan_hf(source, record, report)
 
         def write(folder: Path) -> list[str]:
-            return write_hf(folder, source, hf_config, model, names, max_bytes, report, not stacked_experts)
+            return write_hf(folder, source, hf_config, model, names, max_bytes, report, not stacked_experts, progress)
     else:
         record = find_config(source.provenance, format, prefix, config)
         if prefix is not None:
@@ -91,7 +94,12 @@ def export_checkpoint(
     tokens_from, report.tokenizer = tokenizer_source(origin, tokenizer) if format != "litgpt" else (None, "")
 
     def write_and_record(folder: Path) -> list[str]:
-        files = write(folder)
+        if format == "hf":
+            files = write(folder)
+        else:  # one weights file: done when it is written
+            with Progress(1, "export", unit="files", quiet=not progress) as shown:
+                files = write(folder)
+                shown.update(1)
         copied = copy_tokenizer_files(tokens_from, folder)
         report.files = sorted(set(files) | set(copied))
         return report.files

@@ -23,6 +23,7 @@ from lightning_dist.checkpoint.export.shards import INDEX_FILE, SHARD_PATTERN
 from lightning_dist.checkpoint.export.source import TensorSource
 from lightning_dist.checkpoint.export_target import SAFETENSORS_MARKER
 from lightning_dist.compat.hugging_face import saved_layout
+from lightning_dist.progress import Progress
 
 
 def plan_hf(source: TensorSource, record: dict[str, Any], report: ExportReport) -> tuple[Any, type, dict[str, str]]:
@@ -56,7 +57,7 @@ def plan_hf(source: TensorSource, record: dict[str, Any], report: ExportReport) 
 
 def write_hf(
     folder: Path, source: TensorSource, config: Any, model: Any, names: dict[str, str], max_bytes: int,
-    report: ExportReport, per_expert: bool = True,
+    report: ExportReport, per_expert: bool = True, progress: bool = False,
 ) -> list[str]:  # fmt: skip
     """Write the folder's files into ``folder``, one shard's tensors in memory at a time; returns their names.
     ``per_expert``: a mixture-of-experts layer's stacked experts written one tensor per expert and projection, as
@@ -68,6 +69,7 @@ def write_hf(
     meta = {out: torch.empty(shape, dtype=dtype, device="meta") for out, (_, shape, dtype) in layout.items()}
     split = split_torch_state_dict_into_shards(meta, filename_pattern=SHARD_PATTERN, max_shard_size=max_bytes)
     metadata = {"format": "pt", SAFETENSORS_MARKER: "exported"}
+    shown = Progress(int(split.metadata["total_size"]), "export", quiet=not progress)
     for file, outputs in split.filename_to_tensors.items():
         sources = list(dict.fromkeys(layout[out][0] for out in outputs))
         values = source.read([names[name] for name in sources])
@@ -84,7 +86,9 @@ def write_hf(
             str(folder / file),
             metadata,
         )
+        shown.update(sum(meta[out].nbytes for out in outputs))
         del values, written
+    shown.close()
     files = list(split.filename_to_tensors)
     if split.is_sharded:  # the index save_pretrained writes
         index = {

@@ -36,6 +36,7 @@ from lightning_dist.checkpoint.pretrained.stacked import read_stacked
 from lightning_dist.compat import local_region, non_persistent_buffer_names
 from lightning_dist.compat.hugging_face import checkpoint_conversions
 from lightning_dist.compat.torchao import plain_state
+from lightning_dist.progress import Progress
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,13 @@ def load_pretrained(
     path: str | os.PathLike,
     prefix: str | None = None,
     aliases: Mapping[str, Sequence[str]] | None = None,
+    progress: bool = False,
 ) -> PretrainedLoad:
     """Load the weights at ``path`` (a Hugging Face folder, one ``*.safetensors`` file, a litgpt folder's
     ``lit_model.pth`` or another ``torch.save`` state dict) into ``model``'s
     parameters and persistent buffers in place, DTensor shards included; a LoRA-wrapped layer's base weight is read
-    under the unwrapped layer's name, and the adapters keep their own values (:mod:`.adapters`). ``prefix``: the name of the submodule that
+    under the unwrapped layer's name, and the adapters keep their own values (:mod:`.adapters`). ``progress``: show
+    the bytes this rank reads on stderr (:mod:`lightning_dist.progress`; rank 0's, as the strategies show it). ``prefix``: the name of the submodule that
     holds the pretrained model, with its dot (``"model."``); found from the names when ``None``. ``aliases``: state key
     → other names the file may hold the same weight under (a pipeline stage's copy of a tied weight).
 
@@ -79,11 +82,14 @@ def load_pretrained(
     )  # fmt: skip
     distributed = dist.is_available() and dist.is_initialized()
     refuse_problems(files, _all_ranks(match) if distributed else [match])
-    if files.mapped is None:
-        load(dict(match.targets), storage_reader=_reader(files), no_dist=not distributed)
-    else:  # a torch.save file, memory-mapped: each rank copies its slices, touching only their pages
-        for key, target in match.targets.items():
-            _copy_value(target, files.mapped[key])
+    total = sum(_local(target).numel() * files.tensors[key].dtype.itemsize for key, target in match.targets.items())
+    with Progress(total, "initial_weights", quiet=not progress) as shown:
+        if files.mapped is None:
+            load(dict(match.targets), storage_reader=_reader(files, shown), no_dist=not distributed)
+        else:  # a torch.save file, memory-mapped: each rank copies its slices, touching only their pages
+            for key, target in match.targets.items():
+                _copy_value(target, files.mapped[key])
+                shown.update(_local(target).numel() * files.tensors[key].dtype.itemsize)
     for key, source in match.stacked.items():  # stacked experts: each rank reads its experts' pieces itself
         read_stacked(state[key], source, files)
     for key, file_key in match.copies.items():
@@ -181,8 +187,12 @@ def _copy_value(target: torch.Tensor, source: torch.Tensor) -> None:
         target.to_local().copy_(block)
 
 
-def _reader(files: PretrainedFiles) -> HuggingFaceStorageReader:
-    return _ListedFilesReader(files.path if files.path.is_dir() else files.path.parent, files.files)
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _reader(files: PretrainedFiles, progress: Progress) -> HuggingFaceStorageReader:
+    return _ListedFilesReader(files.path if files.path.is_dir() else files.path.parent, files.files, progress)
 
 
 class _ListedFiles(FileSystem):
@@ -202,9 +212,10 @@ class _ListedFilesReader(HuggingFaceStorageReader):
     while it serves all of a rank's reads from it, and every page touched stays resident until then (0.15 GiB of a
     4-rank load of a 2 GB model; up to the rank's share of a whole 5 GB shard)."""
 
-    def __init__(self, folder: Path, files: tuple[Path, ...]) -> None:
+    def __init__(self, folder: Path, files: tuple[Path, ...], progress: Progress) -> None:
         super().__init__(str(folder))
         self.fs = _ListedFiles(files)
+        self.progress = progress
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         from safetensors import safe_open
@@ -221,6 +232,7 @@ class _ListedFilesReader(HuggingFaceStorageReader):
                     )
                 target.copy_(values)
                 planner.commit_tensor(item, target)
+                self.progress.update(values.nbytes)
         done: Future[None] = Future()
         done.set_result(None)
         return done

@@ -96,7 +96,9 @@ class InitialWeightsSetup(_Base):
         for part in self.step_parts():  # pipeline: a weight tied across stages has a copy per stage
             aliases.update(part.weight_aliases())
         start = time.perf_counter()
-        report = load_pretrained(self.model, self.initial_weights, aliases=aliases)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        shown = self.global_rank == 0 and getattr(trainer, "progress_bar_callback", None) is not None
+        report = load_pretrained(self.model, self.initial_weights, aliases=aliases, progress=shown)
         where = f" into {report.prefix.rstrip('.')}" if report.prefix else ""
         stage = " (the first stage's)" if self.parallel_dims.pp > 1 else ""
         self.log_decision(

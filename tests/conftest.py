@@ -28,3 +28,18 @@ def no_launcher_state_left_behind():
         dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(scope="session")
+def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A stock Llama (tiny config) trained two steps under fsdp2 in one process, saved as a sharded folder: the
+    input of the export and progress tests, which only read it."""
+    import torch
+
+    from tests.scenarios.models import tiny_hf_causal_lm
+    from tests.test_export import _trained
+
+    root = tmp_path_factory.mktemp("llama_checkpoint")
+    torch.manual_seed(0)
+    _trained(tiny_hf_causal_lm("llama"), root / "llama")
+    return root / "llama"

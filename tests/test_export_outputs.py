@@ -12,24 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from lightning_dist.checkpoint.errors import CheckpointError
 from lightning_dist.checkpoint.export import export_checkpoint
 from lightning_dist.checkpoint.export_target import is_own_export_folder
 from lightning_dist.cli import main as cli_main
-from tests.scenarios.models import tiny_hf_causal_lm
-from tests.test_export import _trained
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("export_outputs")
-    torch.manual_seed(0)
-    _trained(tiny_hf_causal_lm("llama"), root / "llama")
-    return root / "llama"
 
 
 def _refused(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
@@ -40,31 +29,31 @@ def _refused(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
     return capsys.readouterr().err
 
 
-def test_consolidate_and_export_refuse_each_others_outputs(checkpoint, tmp_path, capsys):
+def test_consolidate_and_export_refuse_each_others_outputs(llama_checkpoint, tmp_path, capsys):
     folder, file = tmp_path / "exp", tmp_path / "c.ckpt"
-    export_checkpoint(checkpoint, folder, format="hf")
-    cli_main(["consolidate", str(checkpoint), str(file)])
+    export_checkpoint(llama_checkpoint, folder, format="hf")
+    cli_main(["consolidate", str(llama_checkpoint), str(file)])
     before = {p: p.read_bytes() for p in [file, *folder.iterdir()]}
-    message = _refused(capsys, ["consolidate", str(checkpoint), str(folder)])
+    message = _refused(capsys, ["consolidate", str(llama_checkpoint), str(folder)])
     assert "it is an export folder (--format hf) written by `lightning-dist export`; this writes one file" in message
     with pytest.raises(CheckpointError, match="it is a file written by `lightning-dist consolidate`; an export write"):
-        export_checkpoint(checkpoint, file, format="hf")
+        export_checkpoint(llama_checkpoint, file, format="hf")
     for inside in ("model.safetensors", "new.safetensors"):
         assert "it is inside the export folder" in _refused(
-            capsys, ["consolidate", str(checkpoint), str(folder / inside)]
+            capsys, ["consolidate", str(llama_checkpoint), str(folder / inside)]
         )
     assert "it is a file written by `lightning-dist consolidate`" in _refused(
-        capsys, ["export", str(checkpoint), str(file), "--format", "hf"]
+        capsys, ["export", str(llama_checkpoint), str(file), "--format", "hf"]
     )
     assert {p: p.read_bytes() for p in [file, *folder.iterdir()]} == before
-    cli_main(["consolidate", str(checkpoint), str(file)])  # each replaces its own earlier output
-    export_checkpoint(checkpoint, folder, format="hf")
+    cli_main(["consolidate", str(llama_checkpoint), str(file)])  # each replaces its own earlier output
+    export_checkpoint(llama_checkpoint, folder, format="hf")
 
 
-def test_an_export_replaces_only_an_export_of_its_own_format(checkpoint, tmp_path):
-    export_checkpoint(checkpoint, tmp_path / "hf", format="hf")
+def test_an_export_replaces_only_an_export_of_its_own_format(llama_checkpoint, tmp_path):
+    export_checkpoint(llama_checkpoint, tmp_path / "hf", format="hf")
     with pytest.raises(CheckpointError, match=r"export of another format \(a Hugging Face model folder, --format hf"):
-        export_checkpoint(checkpoint, tmp_path / "hf", format="litgpt", config=None)
+        export_checkpoint(llama_checkpoint, tmp_path / "hf", format="litgpt", config=None)
     assert is_own_export_folder(tmp_path / "hf") and (tmp_path / "hf" / "config.json").exists()
 
 
@@ -99,23 +88,25 @@ export_checkpoint(sys.argv[1], sys.argv[2], format="hf", max_shard_size="20KB")
 
 
 @pytest.mark.parametrize("point", ["writing", "marked", "between_renames", "before_discard"])
-def test_a_killed_export_is_finished_or_cleaned_up_by_a_re_run(checkpoint, tmp_path, point):
+def test_a_killed_export_is_finished_or_cleaned_up_by_a_re_run(llama_checkpoint, tmp_path, point):
     out = tmp_path / "out"
-    export_checkpoint(checkpoint, out, format="hf")  # an earlier export, one file
+    export_checkpoint(llama_checkpoint, out, format="hf")  # an earlier export, one file
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-c", _KILLER, str(checkpoint), str(out), point]
+    command = [sys.executable, "-c", _KILLER, str(llama_checkpoint), str(out), point]
     killed = subprocess.run(command, env=env, cwd=tmp_path, check=False, capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     hidden = [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")]
     assert hidden, "the kill left nothing to finish"
     assert out.exists() == (point != "between_renames")
-    report = export_checkpoint(checkpoint, out, format="hf", max_shard_size="20KB")
+    report = export_checkpoint(llama_checkpoint, out, format="hf", max_shard_size="20KB")
     assert report.tidied and all(".out." in line for line in report.tidied), report.tidied
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
     assert is_own_export_folder(out) and "model.safetensors.index.json" in report.files
 
 
-def test_an_adapter_export_of_a_model_without_adapters_is_refused_before_anything_is_written(checkpoint, tmp_path):
+def test_an_adapter_export_of_a_model_without_adapters_is_refused_before_anything_is_written(
+    llama_checkpoint, tmp_path
+):
     with pytest.raises(CheckpointError, match="--format peft writes a PEFT adapter, and the checkpoint holds no PEFT"):
-        export_checkpoint(checkpoint, tmp_path / "adapter", format="peft")
+        export_checkpoint(llama_checkpoint, tmp_path / "adapter", format="peft")
     assert list(tmp_path.iterdir()) == []

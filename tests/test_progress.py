@@ -12,31 +12,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
-
 from lightning_dist.progress import Progress
-from tests.scenarios.models import tiny_hf_causal_lm
-from tests.test_export import _trained
 
 REPO = Path(__file__).resolve().parents[1]
 LINE = re.compile(r"^export: \d+\.\d MiB of \d+\.\d MiB \(\d+%\), \d+ s(, about \d+ s left)?$")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("progress")
-    torch.manual_seed(0)
-    _trained(tiny_hf_causal_lm("llama"), root / "llama")
-    return root / "llama"
 
 
 def _command(*args: str) -> list[str]:
     return [sys.executable, "-m", "lightning_dist.cli", *args]
 
 
-def test_into_a_pipe_each_update_is_a_plain_line_ending_at_all_written(checkpoint, tmp_path):
-    done = subprocess.run(_command("export", str(checkpoint), str(tmp_path / "out"), "--format", "hf"), cwd=REPO,
+def test_into_a_pipe_each_update_is_a_plain_line_ending_at_all_written(llama_checkpoint, tmp_path):
+    done = subprocess.run(_command("export", str(llama_checkpoint), str(tmp_path / "out"), "--format", "hf"), cwd=REPO,
                           capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     lines = [line for line in done.stderr.splitlines() if line.startswith("export:")]
@@ -45,9 +32,9 @@ def test_into_a_pipe_each_update_is_a_plain_line_ending_at_all_written(checkpoin
     assert done.stdout.startswith(f"wrote {tmp_path / 'out'} (hf:")  # the result stays on stdout
 
 
-def test_on_a_terminal_it_is_a_bar(checkpoint, tmp_path):
+def test_on_a_terminal_it_is_a_bar(llama_checkpoint, tmp_path):
     leader, follower = pty.openpty()
-    process = subprocess.Popen(_command("consolidate", str(checkpoint), str(tmp_path / "one.ckpt")), cwd=REPO,
+    process = subprocess.Popen(_command("consolidate", str(llama_checkpoint), str(tmp_path / "one.ckpt")), cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=follower, env={**os.environ, "COLUMNS": "100"})  # fmt: skip
     os.close(follower)
     shown = b""
@@ -65,14 +52,14 @@ def test_on_a_terminal_it_is_a_bar(checkpoint, tmp_path):
     assert not re.search(r"^consolidate: .* MiB of", text, re.MULTILINE)  # not the plain lines of a pipe
 
 
-def test_quiet_prints_nothing_but_errors(checkpoint, tmp_path):
-    for args in (["export", str(checkpoint), str(tmp_path / "out"), "--format", "hf"],
-                 ["consolidate", str(checkpoint), str(tmp_path / "one.ckpt")]):  # fmt: skip
+def test_quiet_prints_nothing_but_errors(llama_checkpoint, tmp_path):
+    for args in (["export", str(llama_checkpoint), str(tmp_path / "out"), "--format", "hf"],
+                 ["consolidate", str(llama_checkpoint), str(tmp_path / "one.ckpt")]):  # fmt: skip
         done = subprocess.run(_command(*args, "--quiet"), cwd=REPO, capture_output=True, text=True, timeout=300,
                               check=False)  # fmt: skip
         assert done.returncode == 0 and Path(args[2]).exists(), done.stderr[-2000:]
         assert done.stdout == "" and f"{args[0]}:" not in done.stderr and "wrote" not in done.stderr
-    refused = subprocess.run(_command("consolidate", str(checkpoint), str(checkpoint), "--quiet"), cwd=REPO,
+    refused = subprocess.run(_command("consolidate", str(llama_checkpoint), str(llama_checkpoint), "--quiet"), cwd=REPO,
                              capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
     assert refused.returncode == 2 and "Refusing to write" in refused.stderr and refused.stdout == ""
 

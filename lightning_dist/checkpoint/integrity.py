@@ -12,7 +12,8 @@ Two levels of checks, both raising :class:`CheckpointError` naming the file and 
 * :func:`check_structure` (cheap, before launch): every file exists with its recorded size, the small ones
   (``meta.pt``, the DCP index) match their checksums, the DCP index reads, a single file is a complete zip.
 * :func:`verify_checksums` (reads every byte once, split over the ranks): every file, or zip record, matches its
-  recorded checksum.
+  recorded checksum; :func:`checksums_verified_while_read` does it beside DCP's load, which reads the same bytes
+  (a resume: one pass over the disk, refused before anything loaded is used).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from lightning_dist.checkpoint.contained_paths import check_contained, checkpoint_file
@@ -286,30 +287,75 @@ def verify_checksums(path: Path, weights_only: bool = True, alone: bool = False)
     """Compare every recorded checksum with the bytes on disk (after :func:`check_structure`). When a process group
     is initialized the files are split over the ranks and every rank raises the same error. Collective then, unless
     ``alone`` (one process reads everything: an export run by one rank of a job)."""
-    checks: list[tuple[str, Any]]
+    checks, files = _checks(path, weights_only)
+    rank, world = _share(alone)
+    _raise_on_every_rank(_first_problem(path, checks[rank::world]), world)
+    return IntegrityReport(files=files, checksums=len(checks))
+
+
+@contextmanager
+def checksums_verified_while_read(path: Path, weights_only: bool = True) -> Iterator[None]:
+    """:func:`verify_checksums` of the sharded folder ``path``, in a thread beside the block, which reads the same
+    files (DCP's load): the bytes come from the disk once, and the checksums cost what the block leaves of the
+    processors (``zlib.crc32`` releases the GIL). Every rank raises the same error when the block ends, before the
+    caller uses anything it loaded; when the block itself fails, a damaged file this rank found is the error.
+    Collective."""
+    checks, _ = _checks(path, weights_only)
+    rank, world = _share(False)
+    found: list[str | None] = [None]
+
+    def verify() -> None:
+        try:
+            found[0] = _first_problem(path, checks[rank::world])
+        except Exception as error:  # noqa: BLE001 (reported as the checkpoint's problem when the block ends)
+            found[0] = f"Could not verify the checksums of {str(path)!r}: {error}"
+
+    thread = threading.Thread(target=verify, name="lightning_dist-checksums", daemon=True)
+    thread.start()
+    try:
+        yield
+    except BaseException as error:
+        thread.join()
+        if isinstance(error, CheckpointException):  # DCP raised it on every rank: they can agree on the cause
+            _raise_on_every_rank(found[0], world)
+        if found[0] is not None:  # the read failed on a damaged file: that is the cause to report
+            raise CheckpointError(found[0]) from None
+        raise
+    thread.join()
+    _raise_on_every_rank(found[0], world)
+
+
+def _checks(path: Path, weights_only: bool) -> tuple[list[tuple[str, Any]], int]:
+    """The checksums to compare (``(file or record name, record)``) and how many files the checkpoint has."""
     if path.is_dir():
         records = read_marker(path) or {}
-        checks = [(name, record) for name, record in sorted(records.items())]
         files = len(set(records) | set(_index_extents(path, weights_only)) | {METADATA_FILENAME})
-    else:
-        # A record without a CRC was written with torch's crc32 option off: nothing to compare.
-        checks = [(r.name, r) for r in _zip_records(path) if r.crc32 != 0 or r.size == 0]
-        files = 1
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() and not alone else (0, 1)
-    problem: str | None = None
-    for name, record in checks[rank::world]:
+        return [(name, record) for name, record in sorted(records.items())], files
+    # A record without a CRC was written with torch's crc32 option off: nothing to compare.
+    return [(r.name, r) for r in _zip_records(path) if r.crc32 != 0 or r.size == 0], 1
+
+
+def _share(alone: bool) -> tuple[int, int]:
+    """This rank's place among the ranks that split the files (``(0, 1)``: one process reads them all)."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() and not alone else (0, 1)
+
+
+def _first_problem(path: Path, checks: list[tuple[str, Any]]) -> str | None:
+    for name, record in checks:
         try:
             _compare(path, name, record) if path.is_dir() else _compare_zip_record(path, record)
         except CheckpointError as err:
-            problem = str(err)
-            break
+            return str(err)
+    return None
+
+
+def _raise_on_every_rank(problem: str | None, world: int) -> None:
     problems = [problem]
     if world > 1:
         problems = [None] * world
         dist.all_gather_object(problems, problem)
     if first := next((p for p in problems if p), None):
         raise CheckpointError(first)
-    return IntegrityReport(files=files, checksums=len(checks))
 
 
 def _compare(folder: Path, name: str, record: FileRecord) -> None:

@@ -28,7 +28,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_dist.checkpoint.empty_param_groups import empty_groups_set_aside, holds_parameters, share_group_options
-from lightning_dist.checkpoint.integrity import verify_checksums
+from lightning_dist.checkpoint.integrity import checksums_verified_while_read, verify_checksums
 from lightning_dist.checkpoint.layout import (
     PROVENANCE_KEY,
     CheckpointError,
@@ -144,14 +144,17 @@ def load_checkpoint_into(
     states the checkpoint holds (:mod:`~lightning_dist.checkpoint.state_paths`), says which module loads which
     (weight averaging's copies); by default ``model`` loads ``state_dict``. Collective (the ranks share the checksum
     verification)."""
-    path = validate_checkpoint(path, weights_only)
-    verify_checksums(path, weights_only)  # before DCP or torch.load read the bytes
+    path = validate_checkpoint(path, weights_only)  # structure, sizes and the small files' checksums
     choose = targets or (lambda _: {MODEL_STATE: model})
     if is_sharded_checkpoint(path):
         meta = read_metadata(path, weights_only)  # before any shard is read: a refused meta.pt loads nothing
         chosen = choose(saved_state_paths(meta.get(PROVENANCE_KEY, {})))
-        load_sharded(path, model, optimizers, strict, stages, weights_only, chosen)
+        # the shards' checksums while DCP reads them (one pass over the disk); a damaged one is refused on every
+        # rank before the step that would use what was loaded
+        with checksums_verified_while_read(path, weights_only):
+            load_sharded(path, model, optimizers, strict, stages, weights_only, chosen)
         return meta
+    verify_checksums(path, weights_only)  # before torch.load reads the bytes
     full = read_checkpoint_file(path, weights_only)  # read once, used twice
     load_full(full, model, optimizers, strict, repr(str(path)), stages, choose(model_state_paths(full)))
     return without_model_states(full)

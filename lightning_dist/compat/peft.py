@@ -75,17 +75,8 @@ def why_adapter_is_whole(module: nn.Module) -> str | None:
     no adapter layer)."""
     if not is_adapter_layer(module):
         return None
-    cls, kind = own_class(module), _not_plain_lora(module)
-    if kind == "method":
-        return (
-            f"a PEFT {cls.__name__} adapter layer ({cls.__module__}); only LoRA's Linear (peft.tuners.lora.Linear)"
-            " is sharded like its base layer"
-        )
-    if kind == "variant":
-        return (
-            "a LoRA variant (DoRA or another `lora_variant`): its adapter is not a plain low-rank product that the"
-            " base layer's split applies to"
-        )
+    if (why := _not_plain_lora(module, _UNSHARDABLE)) is not None:
+        return why
     a, b = getattr(module, LORA_A), getattr(module, LORA_B)
     pairs = sorted(a.keys()) == sorted(b.keys())
     if not pairs or any(own_class(m) is not nn.Linear for m in (*a.values(), *b.values())):
@@ -93,15 +84,33 @@ def why_adapter_is_whole(module: nn.Module) -> str | None:
     return None
 
 
-def _not_plain_lora(module: nn.Module) -> str | None:
-    """``"method"`` when the adapter layer ``module`` is not LoRA's Linear, ``"variant"`` when it is a LoRA variant
-    (DoRA), else ``None``."""
+#: Why an adapter layer is not plain LoRA, for the tensor-parallel plan and for ``initial_weights``: when it is not
+#: LoRA's Linear (``{name}``, ``{module}``: its class), when it is a LoRA variant (DoRA).
+_UNSHARDABLE = {
+    "method": "a PEFT {name} adapter layer ({module}); only LoRA's Linear (peft.tuners.lora.Linear) is sharded like"
+    " its base layer",
+    "variant": "a LoRA variant (DoRA or another `lora_variant`): its adapter is not a plain low-rank product that the"
+    " base layer's split applies to",
+}
+_UNREADABLE = {
+    "method": "a PEFT {name} layer ({module}): initial_weights reads pretrained weights under LoRA's Linear layers"
+    " (peft.tuners.lora.Linear) only",
+    "variant": "a LoRA variant (DoRA or another `lora_variant`): its magnitude is computed from the base weight when"
+    " get_peft_model runs, before initial_weights are read",
+}
+
+
+def _not_plain_lora(module: nn.Module, reasons: dict[str, str]) -> str | None:
+    """The reason (of ``reasons``) the adapter layer ``module`` is not LoRA's plain Linear, or ``None``."""
+    cls = own_class(module)
     lora = _peft_class("peft.tuners.lora", "Linear")
-    if lora is None or own_class(module) is not lora:
-        return "method"
-    if getattr(module, "lora_variant", None) or len(getattr(module, "lora_magnitude_vector", ())):
-        return "variant"
-    return None
+    if lora is None or cls is not lora:
+        kind = "method"
+    elif getattr(module, "lora_variant", None) or len(getattr(module, "lora_magnitude_vector", ())):
+        kind = "variant"
+    else:
+        return None
+    return reasons[kind].format(name=cls.__name__, module=cls.__module__)
 
 
 def lora_base(module: nn.Module) -> nn.Module | None:
@@ -136,17 +145,8 @@ def why_not_read_into(module: nn.Module, model: nn.Module) -> str | None:
     adapter layer): its method, or its init, depends on the base weights."""
     if not is_adapter_layer(module):
         return None
-    cls, kind = own_class(module), _not_plain_lora(module)
-    if kind == "method":
-        return (
-            f"a PEFT {cls.__name__} layer ({cls.__module__}): initial_weights reads pretrained"
-            " weights under LoRA's Linear layers (peft.tuners.lora.Linear) only"
-        )
-    if kind == "variant":
-        return (
-            "a LoRA variant (DoRA or another `lora_variant`): its magnitude is computed from the base weight when"
-            " get_peft_model runs, before initial_weights are read"
-        )
+    if (why := _not_plain_lora(module, _UNREADABLE)) is not None:
+        return why
     configs = adapter_configs(model)
     for adapter in sorted(getattr(module, LORA_A).keys()):
         init = getattr(configs.get(adapter), "init_lora_weights", True)

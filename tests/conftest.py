@@ -22,24 +22,34 @@ def no_launcher_state_left_behind():
     cores). Each test module ends with the environment it started with and no process group."""
     saved = dict(os.environ)
     yield
+    _restore(saved)
+
+
+def _restore(environment: dict[str, str]) -> None:
+    """No process group, and ``os.environ`` as it was."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     os.environ.clear()
-    os.environ.update(saved)
+    os.environ.update(environment)
 
 
 @pytest.fixture(scope="session")
 def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A stock Llama (tiny config) trained two steps under fsdp2 in one process, saved as a sharded folder: the
-    input of the export and progress tests, which only read it."""
+    input of the export and progress tests, which only read it. Made before any module's own fixtures, so it leaves
+    the environment and process groups as it found them itself."""
     import torch
 
     from tests.scenarios.models import tiny_hf_causal_lm
     from tests.test_export import _trained
 
     root = tmp_path_factory.mktemp("llama_checkpoint")
-    torch.manual_seed(0)
-    _trained(tiny_hf_causal_lm("llama"), root / "llama")
+    saved = dict(os.environ)
+    try:
+        torch.manual_seed(0)
+        _trained(tiny_hf_causal_lm("llama"), root / "llama")
+    finally:
+        _restore(saved)
     return root / "llama"

@@ -196,6 +196,8 @@ def test_lora_exports_refuse_a_base_without_config_and_an_adapter_over_a_model(r
     torch.save(state, tmp_path / "no_config.ckpt")
     with pytest.raises(CheckpointError, match="holds no config of a Hugging Face PreTrainedModel.*--config PATH"):
         export_checkpoint(tmp_path / "no_config.ckpt", tmp_path / "out", format="hf")
+    with pytest.raises(FileNotFoundError, match="--tokenizer '.*/nowhere': no such folder"):
+        export_checkpoint(checkpoint, tmp_path / "out", format="hf", tokenizer=tmp_path / "nowhere")
     assert not (tmp_path / "out").exists()
     export_checkpoint(checkpoint, tmp_path / "model", format="hf")
     before = {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir()}

@@ -19,6 +19,7 @@ from typing_extensions import override
 from lightning_dist.checkpoint.export import export_checkpoint
 from lightning_dist.checkpoint.export.dtype import export_dtype
 from lightning_dist.checkpoint.export.shards import parse_size
+from lightning_dist.checkpoint.export.tokenizer import tokenizer_source
 from lightning_dist.checkpoint.export_target import check_export_target
 from lightning_dist.checkpoint.layout import discard, new_token
 
@@ -70,8 +71,10 @@ class ExportAtFitEnd(Callback):
                 f"ExportAtFitEnd needs one of lightning_dist's strategies (fsdp2, zeropp, tensor_parallel, ...), not"
                 f" {type(trainer.strategy).__name__}: their checkpoints record the model's config and adapters."
             )
-        if stage == "fit":
+        if stage == "fit":  # a wrong path fails before training, not after
             check_export_target(self.dirpath, command="export", fmt=self.format)
+            if self.tokenizer is not None:
+                tokenizer_source(None, self.tokenizer)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -56,6 +56,8 @@ def export_checkpoint(
         raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
     max_bytes, cast = parse_size(max_shard_size), export_dtype(dtype)
     check_export_target(out, checkpoint, command="export", fmt=format)  # before the (long) read
+    if tokenizer is not None and format != "litgpt":
+        tokenizer_source(None, tokenizer)  # a folder that is not there fails before the read too
     tidied = finish_interrupted_export(Path(out))
     source: TensorSource = CheckpointTensors(checkpoint, weights_only)
     origin = source.provenance.get(WEIGHTS_ORIGIN_KEY)

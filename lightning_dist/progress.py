@@ -41,7 +41,7 @@ class Progress:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
-        self.close(finished=kind is None)
+        self.close()
 
     def update(self, amount: int) -> None:
         """``amount`` more done."""
@@ -65,7 +65,7 @@ class Progress:
         amount = f"{_amount(self.done, self.unit)} of {_amount(self.total, self.unit)}"
         return f"{self.description}: {amount} ({share:.0%}), {elapsed:.0f} s{left}"
 
-    def close(self, finished: bool = True) -> None:
+    def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None

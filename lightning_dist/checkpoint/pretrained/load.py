@@ -78,7 +78,7 @@ def load_pretrained(
     renamings, stackings = checkpoint_conversions(model)
     match = match_keys(
         state, files, prefix, _unwrapped_aliases(aliases or {}, layout), _unwrapped_names(transient_names(model), layout),
-        [[layout.split(name)[0] for name in names] for names in tied_names(model)], False, renamings, stackings,
+        _unwrapped_ties(model, layout), False, renamings, stackings,
     )  # fmt: skip
     distributed = dist.is_available() and dist.is_initialized()
     refuse_problems(files, _all_ranks(match) if distributed else [match])
@@ -111,7 +111,7 @@ def check_pretrained_fit(model: nn.Module, path: str | os.PathLike, prefix: str 
     state = layout.unwrapped(model.state_dict())
     match = match_keys(
         state, files, prefix, None, _unwrapped_names(transient_names(model), layout),
-        [[layout.split(name)[0] for name in names] for names in tied_names(model)], True, renamings, stackings,
+        _unwrapped_ties(model, layout), True, renamings, stackings,
     )  # fmt: skip
     refuse_problems(files, [match])
     return match.prefix
@@ -153,6 +153,10 @@ def tied_names(model: nn.Module) -> list[list[str]]:
 
 def _unwrapped_names(names: set[str], layout: AdapterLayout) -> set[str]:
     return set(layout.file_names(names).values())
+
+
+def _unwrapped_ties(model: nn.Module, layout: AdapterLayout) -> list[list[str]]:
+    return [[layout.split(name)[0] for name in names] for names in tied_names(model)]
 
 
 def _unwrapped_aliases(aliases: Mapping[str, Sequence[str]], layout: AdapterLayout) -> dict[str, tuple[str, ...]]:

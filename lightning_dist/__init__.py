@@ -1,6 +1,7 @@
 """lightning_dist: parallelism strategies for PyTorch Lightning that need no model changes.
 
-Importing the package registers its strategy names with ``lightning.pytorch``'s ``StrategyRegistry``::
+Importing the package registers its strategy names with ``lightning.pytorch``'s ``StrategyRegistry`` and with
+Fabric's (:mod:`lightning_dist.fabric`)::
 
     import lightning as L
     import lightning_dist  # noqa: F401  (registers "fsdp2", ...)
@@ -10,6 +11,7 @@ Importing the package registers its strategy names with ``lightning.pytorch``'s 
 
 from lightning_dist.callbacks import ExportAtFitEnd, MeshThroughputMonitor
 from lightning_dist.compat import warn_if_untested_torch
+from lightning_dist.fabric import register_fabric_strategies
 from lightning_dist.plugins import (
     AsyncDistributedCheckpointIO,
     CheckpointError,
@@ -52,6 +54,7 @@ __all__ = [
 ]
 
 register_strategies()
+register_fabric_strategies()
 warn_if_untested_torch()
 
 

@@ -44,6 +44,7 @@ from lightning_dist import (
     TensorParallelStrategy,
     ZeroPPStrategy,
 )
+from lightning_dist import fabric as fabric_strategies
 from lightning_dist.parallel.pipeline import StageCutError
 
 CONSTRUCTION = "construction"
@@ -563,6 +564,21 @@ ROWS: list[BadInput] = [
              r" weights when get_peft_model runs, before initial_weights are read"),
     BadInput("initial_weights: a model.safetensors that is a folder", _damaged_safetensors("folder"),
              CheckpointError, r"Pretrained weights: '<dir>/model\.safetensors' is a folder, not a safetensors file"),
+    # --- Lightning Fabric (docs/fabric.md)
+    BadInput("A pipeline strategy name in L.Fabric", lambda t: _fabric("pipeline"),
+             ValueError, r"The pipeline strategies need the Trainer: a pipeline schedule runs forward and backward",
+             CONSTRUCTION),
+    BadInput("A pipeline axis in a Fabric hybrid3d mesh",
+             lambda t: _fabric(fabric_strategies.Hybrid3DStrategy(pipeline_parallel_size=2, data_parallel_shard_size=1)),
+             ValueError, r"Hybrid3DStrategy: the mesh has a pipeline axis \(pp=2\), which a Fabric loop cannot drive",
+             CONSTRUCTION),
+    BadInput("An option of the Trainer's loop in a Fabric strategy",
+             lambda t: fabric_strategies.FSDP2Strategy(on_nonfinite="skip"),
+             ValueError, r"FSDP2Strategy\(on_nonfinite='skip'\) is a Trainer option here: the Trainer's loop skips",
+             CONSTRUCTION),
+    BadInput("mesh='auto' in a Fabric hybrid3d strategy", lambda t: fabric_strategies.Hybrid3DStrategy(mesh="auto"),
+             ValueError, r"Hybrid3DStrategy\(mesh='auto'\) under Fabric: the mesh is built at fabric\.launch\(\)",
+             CONSTRUCTION),
 ]  # fmt: skip
 
 
@@ -614,6 +630,12 @@ def _deepspeed_precision() -> None:
     from lightning.pytorch.plugins.precision import DeepSpeedPrecision
 
     Trainer(strategy="fsdp2", accelerator="cpu", devices=2, plugins=[DeepSpeedPrecision("16-mixed")])
+
+
+def _fabric(strategy: Any) -> None:
+    from lightning.fabric import Fabric
+
+    Fabric(strategy=strategy, accelerator="cpu", devices=2)
 
 
 def forbid_launch() -> Callable[[], None]:

@@ -30,6 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (PACKAGE_ROOM,),  # the package itself: registers the strategy names, exports the public classes and verify()
     ("verification", "dryrun"),  # verify's runs; the dry run (one rank's Trainer at a time, on fake collectives)
     ("lightning_cli", "callbacks"),  # the LightningCLI class (fit and verify's runs), the callbacks
+    ("fabric",),  # the Fabric strategies, adapters over the Trainer strategies
     ("strategies",),
     ("plugins",),
     ("profiling",),  # FLOPs per token read off the planner's model facts

@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 
 from lightning_dist.checkpoint.empty_param_groups import empty_groups_set_aside, holds_parameters, share_group_options
 from lightning_dist.checkpoint.integrity import checksums_verified_while_read, verify_checksums
+from lightning_dist.checkpoint.key_prefix import aligned_module
 from lightning_dist.checkpoint.layout import (
     PROVENANCE_KEY,
     CheckpointError,
@@ -173,6 +174,9 @@ def load_sharded(
     maps the model states to load to their modules (default: ``state_dict`` into ``model``). Collective."""
     targets = targets or {MODEL_STATE: model}
     index = dcp_reader(path, weights_only).read_metadata().state_dict_metadata
+    if targets.get(MODEL_STATE) is model:  # saved by a Fabric loop for a LightningModule holding the model, or back
+        model = aligned_module(model, _checkpoint_shapes(index, ".".join(MODEL_STATE) + "."))
+        targets = {**targets, MODEL_STATE: model}
     # DCP loads into these tensors in place; unwrapped from torchao's FP8 wrappers, they share the weights' storage.
     state: dict[str, Any] = {}
     for state_path, module in targets.items():
@@ -252,7 +256,11 @@ def load_full(
     ``targets`` maps the model states to load to their modules (default: ``state_dict`` into ``model``)."""
     # Outside a process group there is nothing to distribute: the full state is the local state.
     options = StateDictOptions(full_state_dict=dist.is_initialized(), strict=strict)
-    for state_path, module in (targets or {MODEL_STATE: model}).items():
+    targets = targets or {MODEL_STATE: model}
+    if targets.get(MODEL_STATE) is model and isinstance(checkpoint.get(MODEL_STATE[0]), dict):
+        model = aligned_module(model, checkpoint[MODEL_STATE[0]])  # see load_sharded
+        targets = {**targets, MODEL_STATE: model}
+    for state_path, module in targets.items():
         full = get_path(checkpoint, state_path)
         shapes = _tensor_shapes(get_model_state_dict(module))
         all_keys = _keys_of_all_stages(shapes, stages)

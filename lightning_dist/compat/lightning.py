@@ -44,6 +44,11 @@ PRIVATE_LIGHTNING_NAMES: dict[str, tuple[str, str]] = {
         "strategies/lifecycle/preflight.py: base of the launcher that checks before launch",
     ),
     "_SubprocessScriptLauncher": ("Lightning 2.6.6", "strategies/lifecycle/preflight.py: the devices=N launcher"),
+    "_BackwardSyncControl": ("Lightning 2.6.6", "fabric/strategy.py: fabric.no_backward_sync over FSDP2 units"),
+    "_lightning_module": (
+        "Lightning 2.6.6",
+        "fabric/strategy.py: the module a Trainer strategy used by a Fabric strategy finds submodules in",
+    ),
     "_SIGNUM": ("Lightning 2.6.6", "strategies/lifecycle/preflight.py: the signal type of Launcher.kill"),
     "_skip_backward": (
         "Lightning 2.6.6",
@@ -114,6 +119,16 @@ _LAZY_TYPES = {
         "_SubprocessScriptLauncher",
         "the launcher of devices=N (the script started again per rank)",
     ),
+    "FabricSubprocessScriptLauncher": (
+        "lightning.fabric.strategies.launchers.subprocess_script",
+        "_SubprocessScriptLauncher",
+        "Fabric's launcher of devices=N (the script started again per rank)",
+    ),
+    "BackwardSyncControl": (
+        "lightning.fabric.strategies.strategy",
+        "_BackwardSyncControl",
+        "what a Fabric strategy's no_backward_sync answers with",
+    ),
     "SignalNumber": ("lightning.pytorch.trainer.connectors.signal_connector", "_SIGNUM", "a launcher's kill signal"),
     "DefaultDtype": ("lightning.fabric.plugins.precision.utils", "_DtypeContextManager", "a default dtype within it"),
     "ModelInstantiator": ("lightning.pytorch.cli", "_InstantiatorFn", "LightningCLI's instantiator of model and data"),
@@ -179,6 +194,12 @@ def forward_redirection(strategy: Any) -> Any:
     return strategy._forward_redirection
 
 
+def set_strategy_module(strategy: Any, module: Any) -> None:
+    """Make ``module`` (a plain ``nn.Module`` in a Fabric loop) what a Trainer strategy's ``lightning_module`` returns,
+    without a Trainer connecting it."""
+    strategy._lightning_module = module
+
+
 def set_device_mesh(lightning_module: Any, mesh: Any) -> None:
     """What ``LightningModule.device_mesh`` returns (the property has no setter)."""
     lightning_module._device_mesh = mesh
@@ -204,6 +225,8 @@ def restores_a_checkpoint(trainer: Any, ckpt_path: Any) -> bool:
     from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
     from lightning.pytorch.trainer.states import TrainerFn
 
+    if trainer is None:  # a Fabric loop: it restores what it loads itself
+        return False
     on_exception = [cb for cb in trainer.callbacks if isinstance(cb, OnExceptionCheckpoint)]
     if ckpt_path is None and on_exception and trainer.state.fn == TrainerFn.FITTING:
         ckpt_path = "last"

@@ -160,6 +160,17 @@ def non_persistent_buffer_names(module: torch.nn.Module) -> set[str]:
     return set(module._non_persistent_buffers_set)
 
 
+def state_tensors(root: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``root``'s parameters and persistent buffers under their state-dict keys, read off the registries (a state
+    dict would run its hooks: tensor parallel's reorder of fused projections)."""
+    found: list[tuple[str, torch.Tensor]] = list(root.named_parameters(remove_duplicate=False))
+    for module_name, module in root.named_modules():
+        skipped = non_persistent_buffer_names(module)
+        prefix = f"{module_name}." if module_name else ""
+        found += [(prefix + name, b) for name, b in module.named_buffers(recurse=False) if name not in skipped]
+    return found
+
+
 def child_module_registry(module: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
     """``module``'s direct children by name, the dict itself (``nn.Module._modules``)."""
     return module._modules

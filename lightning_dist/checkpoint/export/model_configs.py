@@ -19,7 +19,7 @@ import yaml
 from torch import nn
 
 from lightning_dist.checkpoint.errors import CheckpointError
-from lightning_dist.compat.peft import lora_record, peft_models
+from lightning_dist.compat.peft import lora_record, own_class, peft_models
 
 #: The key of the records in our provenance entry.
 PRETRAINED_CONFIGS_KEY = "pretrained_configs"
@@ -54,16 +54,17 @@ def _record(module: nn.Module) -> dict[str, Any] | None:
     transformers = sys.modules.get("transformers")
     if transformers is not None and isinstance(module, transformers.PreTrainedModel):
         config = json.loads(module.config.to_json_string(use_diff=False))
-        return {"format": "hf", "class": type(module).__name__, "config": config}
+        return {"format": "hf", "class": own_class(module).__name__, "config": config}
     if _is_litgpt_gpt(module):
         config = json.loads(json.dumps(dataclasses.asdict(module.config)))  # type: ignore[arg-type]
         # the module tells litgpt's LoRA GPT (litgpt.lora) from its plain one (litgpt.model)
-        return {"format": "litgpt", "class": type(module).__name__, "module": type(module).__module__, "config": config}
+        cls = own_class(module)  # not FSDP2's swapped class: the model is the root a Fabric loop shards
+        return {"format": "litgpt", "class": cls.__name__, "module": cls.__module__, "config": config}
     return None
 
 
 def _is_litgpt_gpt(module: nn.Module) -> bool:
-    cls = type(module)
+    cls = own_class(module)
     config = getattr(module, "config", None)
     return cls.__module__.split(".")[0] == "litgpt" and cls.__name__ == "GPT" and dataclasses.is_dataclass(config)
 

@@ -176,7 +176,29 @@ def fill_positions(
     return hook
 
 
-def gather_outputs(output: Any, seq_len: int, cp: int, group: dist.ProcessGroup, layout: str) -> Any:
-    """Step outputs with every tensor whose dim 1 holds a shard (``seq_len / cp``) gathered back to ``seq_len``."""
+def gather_outputs(
+    output: Any, seq_len: int, cp: int, group: dist.ProcessGroup, layout: str, for_loss: bool = False
+) -> Any:
+    """Step outputs with every tensor whose dim 1 holds a shard (``seq_len / cp``) gathered back to ``seq_len``.
+
+    ``for_loss``: through autograd, for a loss every cp rank computes alike from the whole sequence (a Fabric loop
+    that shifts its labels itself): backward hands each rank its shard's gradient times ``cp``, so that averaging
+    gradients over cp (as FSDP2 does over ``dp_shard × cp``) gives the whole sequence's."""
     names = {path_name(p) for p, t in batch_tensors(output) if t.dim() >= 2 and t.shape[1] == seq_len // cp}
+    if for_loss:
+        return _map(output, (), lambda _, t: _WholeSequence.apply(t, group, layout), names)
     return _map(output, (), lambda _, t: gather_sequence(t, group, layout, dim=1), names)
+
+
+class _WholeSequence(torch.autograd.Function):
+    """:func:`gather_sequence` on dim 1 whose backward is this rank's shard of the gradient times cp."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Tensor, group: dist.ProcessGroup, layout: str) -> Tensor:
+        ctx.group, ctx.layout = group, layout
+        return gather_sequence(local, group, layout, dim=1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        cp, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return shard_sequence(grad, cp, rank, ctx.layout, dim=1) * cp, None, None

@@ -28,7 +28,7 @@ from lightning_dist.checkpoint.layout import DCP_INDEX, METADATA_FILENAME
 from lightning_dist.checkpoint.model_state import load_checkpoint_into
 from lightning_dist.checkpoint.pretrained import check_pretrained_fit, load_pretrained, read_pretrained_files
 from lightning_dist.checkpoint.validation import validate_checkpoint
-from lightning_dist.compat.lightning import restores_a_checkpoint
+from lightning_dist.compat.lightning import attached_trainer, restores_a_checkpoint
 
 if TYPE_CHECKING:
     from lightning_dist.strategies.base import MeshParallelStrategy
@@ -96,8 +96,8 @@ class InitialWeightsSetup(_Base):
         for part in self.step_parts():  # pipeline: a weight tied across stages has a copy per stage
             aliases.update(part.weight_aliases())
         start = time.perf_counter()
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        shown = self.global_rank == 0 and getattr(trainer, "progress_bar_callback", None) is not None
+        trainer = attached_trainer(self.lightning_module)  # none in a Fabric loop: progress shown on rank 0
+        shown = self.global_rank == 0 and (trainer is None or getattr(trainer, "progress_bar_callback", None) is not None)
         report = load_pretrained(self.model, self.initial_weights, aliases=aliases, progress=shown)
         where = f" into {report.prefix.rstrip('.')}" if report.prefix else ""
         stage = " (the first stage's)" if self.parallel_dims.pp > 1 else ""

@@ -65,28 +65,10 @@ class ModelSetup(_Base):
             part.before_setup(trainer)
         self.accelerator.setup(trainer)
         if getattr(self.model, PARALLELIZED, None) is None:
-            self.model = self.precision_plugin.convert_module(self.model)
-            self._adopt_user_compiled(self.model)
-            self.convert_float8(self.model)  # before any parallelism (torchtitan's order)
-            self.model = self.parallelize(self.model)
-            object.__setattr__(self.model, PARALLELIZED, parallel_settings(self))
-            # Meta-initialized (empty_init) state is created where it will live: the CPU under offload.
-            device = torch.device("cpu") if self.offloads_parameters else self.root_device
-            self._report_materialized(materialize(self.model, device, self.global_rank), device)
-            self.model_to_device()
-            mark_held_experts(self.model)  # materializing and moving made new parameter objects, without marks
-            self.load_initial_weights()  # each rank its own slices, into the sharded, materialized model
-            self._make_replicas_equal()
+            self.prepare_model()
         self._turn_off_generation_cache_in_training(trainer)
         self.shard_averaged_copies(trainer)  # WeightAveraging/SWA copied the model before it was parallelized
-        if not is_fully_sharded(self.model):  # no FSDP2 policy to cast parameters: mixed precision is autocast
-            self.precision_plugin.use_autocast(self.root_device.type)
-        self._reduce_router_statistics()
-        for part in parts:  # tensor parallel: the parameters whose gradients are made consistent over tp
-            part.after_parallelize()
-        self._root_parameters = root_parameters(self.model)  # manual optimization: see run_manual_backward
-        # Each pipeline stage holds different parameters: the norm to clip by sums over the stages.
-        self.precision_plugin.stage_group = self.process_group("pp") if self.parallel_dims.pp > 1 else None
+        self.finish_model_setup()
         # DTensor/FSDP2 parameters cannot be used under inference_mode (their version counters); Lightning only
         # falls back to no_grad for its own FSDP strategy and gloo, so say it for every backend.
         for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
@@ -100,6 +82,37 @@ class ModelSetup(_Base):
             optimizers_to_device(self.optimizers, self.root_device)  # offloaded optimizer state stays on the CPU
         for part in parts:  # tensor parallel: an earlier Trainer's plan; pipeline: Lightning's backward skipped
             part.after_setup(trainer)
+
+    def prepare_model(self) -> None:
+        """Parallelize :attr:`model` as this strategy's options say: precision conversion, a user's compilation
+        adopted, float8, :meth:`parallelize`, meta-device materialization, placement, ``initial_weights`` and equal
+        replicated copies. The Trainer's set-up and a Fabric strategy (:mod:`lightning_dist.fabric`) both call it."""
+        assert self.model is not None
+        self.model = self.precision_plugin.convert_module(self.model)
+        self._adopt_user_compiled(self.model)
+        self.convert_float8(self.model)  # before any parallelism (torchtitan's order)
+        self.model = self.parallelize(self.model)
+        object.__setattr__(self.model, PARALLELIZED, parallel_settings(self))
+        # Meta-initialized (empty_init) state is created where it will live: the CPU under offload.
+        device = torch.device("cpu") if self.offloads_parameters else self.root_device
+        self._report_materialized(materialize(self.model, device, self.global_rank), device)
+        self.model_to_device()
+        mark_held_experts(self.model)  # materializing and moving made new parameter objects, without marks
+        self.load_initial_weights()  # each rank its own slices, into the sharded, materialized model
+        self._make_replicas_equal()
+
+    def finish_model_setup(self) -> None:
+        """After :meth:`prepare_model` (or on a model an earlier run prepared): autocast where no FSDP2 policy casts,
+        MoE router statistics over the batch, each step part's view of the parameters, and the clipping group."""
+        assert self.model is not None
+        if not is_fully_sharded(self.model):  # no FSDP2 policy to cast parameters: mixed precision is autocast
+            self.precision_plugin.use_autocast(self.root_device.type)
+        self._reduce_router_statistics()
+        for part in self.step_parts():  # tensor parallel: the parameters whose gradients are made consistent over tp
+            part.after_parallelize()
+        self._root_parameters = root_parameters(self.model)  # manual optimization: see run_manual_backward
+        # Each pipeline stage holds different parameters: the norm to clip by sums over the stages.
+        self.precision_plugin.stage_group = self.process_group("pp") if self.parallel_dims.pp > 1 else None
 
     def _report_materialized(self, materialized: Materialized | None, device: torch.device) -> None:
         """What materializing a meta-device model (``Trainer.init_module(empty_init=True)``) initialized, agreed on

@@ -97,6 +97,15 @@ class ProcessSetup(_Base):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        self.start_processes()
+        assert self.lightning_module is not None
+        if is_overridden("configure_model", self.lightning_module, pl.LightningModule):
+            name_lightning_mesh_dims(self._mesh.world)  # a configure_model written for ModelParallelStrategy
+        set_device_mesh(self.lightning_module, self._mesh.world)
+
+    def start_processes(self) -> None:
+        """The process group (gloo on CPU, NCCL on CUDA), the shared random state, the failure watchdog and the mesh;
+        the Trainer's set-up and a Fabric strategy (:mod:`lightning_dist.fabric`) both call it."""
         self.set_world_ranks()  # also validates the mesh sizes, before any process group exists
         self._process_group_backend = self._process_group_backend or default_process_group_backend(self.root_device)
         assert self.cluster_environment is not None
@@ -118,10 +127,6 @@ class ProcessSetup(_Base):
         if self._mesh is None:  # fit → test on one Trainer reuses the mesh (and its process groups)
             self._mesh = dims.build_mesh(self.root_device.type)
             self.log_decision(f"mesh {dims} over {self.world_size} processes ({self._process_group_backend})")
-        assert self.lightning_module is not None
-        if is_overridden("configure_model", self.lightning_module, pl.LightningModule):
-            name_lightning_mesh_dims(self._mesh.world)  # a configure_model written for ModelParallelStrategy
-        set_device_mesh(self.lightning_module, self._mesh.world)
 
     # ------------------------------------------------------------------ teardown
     @override

@@ -29,13 +29,17 @@ LITGPT_TOL = 1e-4  # litgpt prints losses to 3 decimals; its logged fp32 losses 
 TWO_RANKS = [
     "fsdp2_litgpt", "zeropp_litgpt", "tp_litgpt", "cp_litgpt", "fsdp2_litgpt_fp32", "tp_litgpt_fp32", "fsdp2_llama",
     "tp_llama", "cp_llama", "save_fsdp2", "resume_fsdp2", "resume_tp", "trainer_and_fabric", "fsdp2_litgpt_bf16_mixed",
-    "tp_litgpt_float8",
+    "tp_litgpt_float8", "one_file", "initial_weights",
 ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from scenarios.models import tiny_hf_causal_lm
+
     workdir = tmp_path_factory.mktemp("fabric")
+    torch.manual_seed(0)
+    tiny_hf_causal_lm("llama").to(torch.bfloat16).save_pretrained(workdir / "llama_folder")  # for initial_weights
     results = run_scenarios("fabric_runs.py", 1, workdir, ["reference_litgpt", "reference_llama", "reference_litgpt_fp32"])
     results.update(run_scenarios("fabric_runs.py", 2, workdir, TWO_RANKS))
     results.update(run_scenarios("fabric_runs.py", 4, workdir, ["tp2d_litgpt", "cp_tp_litgpt"]))
@@ -80,6 +84,20 @@ def test_fabric_save_and_load_continue_exactly(runs: dict[str, Any]) -> None:
     assert uninterrupted == runs["fsdp2_litgpt"]["losses"]
     assert runs["resume_fsdp2"]["losses"] == uninterrupted[4:]
     assert max_abs_diff(runs["resume_tp"]["losses"], uninterrupted[4:]) <= FP64_TOL
+
+
+def test_a_one_file_checkpoint_holds_the_model_under_its_key_and_resumes_elsewhere(runs: dict[str, Any]) -> None:
+    """FullStateCheckpointIO: ``torch.load(path)["model"]`` is the model state (what litgpt's tools read), the same
+    tensors as ``state_dict``; ``fabric.load`` under tensor_parallel continues the fsdp2 run."""
+    result = runs["one_file"]
+    assert result["keys"]
+    assert result["trained"] == runs["fsdp2_litgpt"]["losses"][:4]
+    assert max_abs_diff(result["resumed"], runs["fsdp2_litgpt"]["losses"][4:]) <= FP64_TOL
+
+
+def test_initial_weights_in_a_fabric_loop(runs: dict[str, Any]) -> None:
+    """A Llama built on the meta device, its published weights read after sharding: equal to from_pretrained's."""
+    assert runs["initial_weights"] == {"fsdp2": 0.0, "tensor_parallel": 0.0}
 
 
 def test_trainer_and_fabric_checkpoints_load_into_each_other(runs: dict[str, Any]) -> None:

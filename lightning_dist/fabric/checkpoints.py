@@ -2,7 +2,8 @@
 
 A Fabric state (``{"model": model, "optimizer": optimizer, "step": 4, ...}``) is written as the Trainer writes its
 checkpoint: the model's state under ``state_dict``, each optimizer's under ``optimizer_<i>`` (DCP shards, or one
-file with :class:`~lightning_dist.plugins.FullStateCheckpointIO`), everything else in ``meta.pt`` with the
+file with :class:`~lightning_dist.plugins.FullStateCheckpointIO`, where the model's state is also under its own key,
+``"model"``, as Fabric's own one-file checkpoints hold it), everything else in ``meta.pt`` with the
 provenance, the checksums and the atomic publish of the checkpoint IO plugin. The provenance records which state
 keys held the model and the optimizers. So a Fabric checkpoint resumes on any mesh and strategy, loads into a
 Trainer's model (and back: the model's keys may differ by the LightningModule's attribute prefix), and is read with
@@ -50,6 +51,8 @@ def save_state(
     checkpoint["optimizer_states"] = [
         states.optimizer_state(model, state[key], full=full, stages=stages) for key in optimizer_keys
     ]
+    if full:  # one file: the model also under its own key, as Fabric writes it (litgpt reads `["model"]`), no copy
+        checkpoint[model_key] = checkpoint["state_dict"]
     provenance = engine._checkpoint_provenance()
     provenance[FABRIC_STATE_KEY] = {"model": model_key, "optimizers": optimizer_keys}
     checkpoint[PROVENANCE_KEY] = provenance
@@ -79,7 +82,10 @@ def load_state(
     metadata = states.load_checkpoint_into(
         path, model, optimizers, strict, engine.stage_layout, weights_only=resolve_weights_only(weights_only)
     )
-    metadata.pop(PROVENANCE_KEY, None)
+    provenance = metadata.pop(PROVENANCE_KEY, None)
+    recorded = provenance.get(FABRIC_STATE_KEY) if isinstance(provenance, dict) else None
+    if isinstance(recorded, dict) and isinstance(metadata.get(recorded.get("model")), dict):
+        metadata.pop(recorded["model"])  # the one-file format's second name of the model state
     missing = [key for key in requested if key not in metadata]
     if strict and missing:
         raise KeyError(

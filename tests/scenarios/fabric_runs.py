@@ -138,6 +138,38 @@ def trainer_and_fabric(devices: int, workdir: str | None) -> dict[str, float]:
     return {"trainer_to_fabric": _gap(trained, in_fabric), "fabric_to_trainer": _gap(trained, _weights(again.gpt))}
 
 
+def one_file(devices: int, workdir: str | None) -> dict[str, Any]:
+    """``fabric.save`` with FullStateCheckpointIO: one file that litgpt's tools read (``torch.load(...)["model"]``)
+    and that ``fabric.load`` restores under another strategy."""
+    folder = _workdir(workdir)
+    trained = train(ld_fabric.FSDP2Strategy(checkpoint_io=lightning_dist.FullStateCheckpointIO()), devices, steps=4,
+                    save_at=str(folder / "one_file.pth"))  # fmt: skip
+    resumed = train("tensor_parallel", devices, load_from=str(folder / "one_file.pth"))
+    saved = torch.load(folder / "one_file.pth", weights_only=True)
+    same = all(torch.equal(saved["model"][k], saved["state_dict"][k]) for k in saved["state_dict"])
+    return {"keys": sorted(saved["model"]) == sorted(saved["state_dict"]) and same, "trained": trained["losses"],
+            "resumed": resumed["losses"]}  # fmt: skip
+
+
+def initial_weights(devices: int, workdir: str | None) -> dict[str, float]:
+    """A Llama built on the meta device from a published folder's config, its weights read by ``initial_weights``
+    after sharding (each rank its slices), against ``from_pretrained``; under fsdp2 and tensor_parallel."""
+    import transformers as tf
+
+    folder = _workdir(workdir) / "llama_folder"  # written by the test before launch
+    expected = tf.LlamaForCausalLM.from_pretrained(folder).state_dict()
+    gaps = {}
+    for name, strategy_class in (("fsdp2", ld_fabric.FSDP2Strategy), ("tensor_parallel", ld_fabric.TensorParallelStrategy)):
+        fabric = L.Fabric(accelerator="cpu", devices=devices, strategy=strategy_class(initial_weights=str(folder)))
+        fabric.launch()
+        with fabric.init_module(empty_init=True):
+            model = tf.LlamaForCausalLM(tf.LlamaConfig.from_pretrained(folder))
+        model = fabric.setup(model)
+        loaded = _weights(model.module)
+        gaps[name] = max(float((torch.tensor(loaded[k]) - expected[k]).abs().max()) for k in loaded)
+    return gaps
+
+
 def _workdir(workdir: str | None) -> Path:
     assert workdir is not None
     return Path(workdir)
@@ -175,6 +207,8 @@ SCENARIOS = {
     "save_fsdp2": lambda devices, workdir: train("fsdp2", devices, save_at=str(_workdir(workdir) / "fabric.ckpt")),
     "resume_fsdp2": lambda devices, workdir: train("fsdp2", devices, load_from=str(_workdir(workdir) / "fabric.ckpt")),
     "trainer_and_fabric": trainer_and_fabric,
+    "one_file": one_file,
+    "initial_weights": initial_weights,
     "resume_tp": lambda devices, workdir: train(
         "tensor_parallel", devices, load_from=str(_workdir(workdir) / "fabric.ckpt")
     ),

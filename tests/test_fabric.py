@@ -1,6 +1,6 @@
 """The Fabric strategies (issue 56): a loop written as litgpt's scripts write theirs gives one process's losses under
-fsdp2, zeropp (quantization off), tensor_parallel (tp2), tensor_parallel_2d (dp2 × tp2), context_parallel (cp2) and
-hybrid3d (cp2 × tp2), by name and by class, for litgpt's ``GPT`` and a stock HF Llama; ``fabric.save`` at step 4 and
+fsdp2, fsdp2 hybrid (2 × 2), zeropp (quantization off), tensor_parallel (tp2), tensor_parallel_2d (dp2 × tp2),
+context_parallel (cp2), hybrid3d (cp2 × tp2) and expert_parallel (a litgpt MoE), by name and by class, for litgpt's ``GPT`` and a stock HF Llama; ``fabric.save`` at step 4 and
 ``fabric.load`` into a new run continue exactly, on the same mesh and on another (fsdp2 → tensor_parallel); Trainer
 and Fabric checkpoints load into each other's model; litgpt's own ``finetune lora`` script runs with its strategy line
 changed. Runs: ``tests/scenarios/fabric_runs.py`` and ``tests/scenarios/litgpt_finetune_runs.py``."""
@@ -29,7 +29,7 @@ LITGPT_TOL = 1e-4  # litgpt prints losses to 3 decimals; its logged fp32 losses 
 TWO_RANKS = [
     "fsdp2_litgpt", "zeropp_litgpt", "tp_litgpt", "cp_litgpt", "fsdp2_litgpt_fp32", "tp_litgpt_fp32", "fsdp2_llama",
     "tp_llama", "cp_llama", "save_fsdp2", "resume_fsdp2", "resume_tp", "trainer_and_fabric", "fsdp2_litgpt_bf16_mixed",
-    "tp_litgpt_float8", "one_file", "initial_weights",
+    "tp_litgpt_float8", "one_file", "initial_weights", "ep_litgpt_moe",
 ]  # fmt: skip
 
 
@@ -40,9 +40,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     workdir = tmp_path_factory.mktemp("fabric")
     torch.manual_seed(0)
     tiny_hf_causal_lm("llama").to(torch.bfloat16).save_pretrained(workdir / "llama_folder")  # for initial_weights
-    results = run_scenarios("fabric_runs.py", 1, workdir, ["reference_litgpt", "reference_llama", "reference_litgpt_fp32"])
+    references = ["reference_litgpt", "reference_llama", "reference_litgpt_fp32", "reference_litgpt_moe"]
+    results = run_scenarios("fabric_runs.py", 1, workdir, references)
     results.update(run_scenarios("fabric_runs.py", 2, workdir, TWO_RANKS))
-    results.update(run_scenarios("fabric_runs.py", 4, workdir, ["tp2d_litgpt", "cp_tp_litgpt"]))
+    results.update(run_scenarios("fabric_runs.py", 4, workdir, ["tp2d_litgpt", "cp_tp_litgpt", "hsdp_litgpt"]))
     results["workdir"] = workdir
     return results
 
@@ -54,6 +55,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ("zeropp_litgpt", "reference_litgpt", FP64_TOL),
         ("tp_litgpt", "reference_litgpt", FP64_TOL),
         ("tp2d_litgpt", "reference_litgpt", FP64_TOL),
+        ("hsdp_litgpt", "reference_litgpt", FP64_TOL),
+        ("ep_litgpt_moe", "reference_litgpt_moe", FP64_TOL),
         ("cp_litgpt", "reference_litgpt", FP64_TOL),
         ("cp_tp_litgpt", "reference_litgpt", FP64_TOL),
         ("fsdp2_litgpt_fp32", "reference_litgpt_fp32", FP32_TOL),
@@ -229,3 +232,18 @@ def test_fp16_loss_scaling_skips_a_non_finite_step() -> None:
     before = layer.bias.detach().clone()
     precision.optimizer_step(optimizer)
     assert torch.equal(layer.bias.detach(), before) and precision.policy.scaler.scale_value == 2.0
+
+
+def test_a_state_saved_under_a_prefix_loads_through_a_view() -> None:
+    """The view :func:`aligned_module` gives: the model held under the saved prefix, the submodule below the model's
+    own prefix, or the model itself when the keys overlap or differ otherwise."""
+    from lightning_dist.checkpoint.key_prefix import aligned_module
+
+    inner = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    outer = torch.nn.Module()
+    outer.gpt = inner
+    held = aligned_module(inner, ["gpt.0.weight", "gpt.0.bias"])
+    assert list(held.state_dict()) == ["gpt.0.weight", "gpt.0.bias"] and held.gpt is inner
+    assert aligned_module(outer, ["0.weight", "0.bias"]) is inner
+    assert aligned_module(inner, ["0.weight", "other.bias"]) is inner
+    assert aligned_module(inner, ["x.1.weight"]) is inner

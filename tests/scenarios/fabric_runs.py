@@ -39,7 +39,20 @@ def _llama() -> torch.nn.Module:
     return tf.LlamaForCausalLM(config)
 
 
-MODELS = {"litgpt": lambda: litgpt_model(SEQ_LEN), "llama": _llama}
+def _litgpt_moe() -> torch.nn.Module:
+    """litgpt's ``GPT`` with ``LLaMAMoE`` blocks: 4 experts, 2 per token."""
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    config = Config(
+        block_size=SEQ_LEN, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=2, n_head=4, n_query_groups=2,
+        n_embd=32, bias=False, norm_class_name="LayerNorm", mlp_class_name="LLaMAMoE", intermediate_size=64,
+        n_expert=4, n_expert_per_token=2, rotary_percentage=1.0, parallel_residual=False,
+    )  # fmt: skip
+    return GPT(config)
+
+
+MODELS = {"litgpt": lambda: litgpt_model(SEQ_LEN), "llama": _llama, "litgpt_moe": _litgpt_moe}
 
 
 def _logits(output: Any) -> torch.Tensor:
@@ -179,6 +192,7 @@ SCENARIOS = {
     "reference_litgpt": lambda devices, workdir: train("auto", 1),
     "reference_llama": lambda devices, workdir: train("auto", 1, model_kind="llama"),
     "reference_litgpt_fp32": lambda devices, workdir: train("auto", 1, dtype=torch.float32),
+    "reference_litgpt_moe": lambda devices, workdir: train("auto", 1, model_kind="litgpt_moe"),
     # selected by name, as L.Fabric(strategy="...") after `import lightning_dist`
     "fsdp2_litgpt": lambda devices, workdir: train("fsdp2", devices),
     "zeropp_litgpt": lambda devices, workdir: train(
@@ -187,6 +201,10 @@ SCENARIOS = {
     ),
     "tp_litgpt": lambda devices, workdir: train("tensor_parallel", devices),
     "tp2d_litgpt": lambda devices, workdir: train("tensor_parallel_2d", devices),
+    "hsdp_litgpt": lambda devices, workdir: train(
+        ld_fabric.FSDP2Strategy(sharding="hybrid", data_parallel_replicate_size=2), devices
+    ),
+    "ep_litgpt_moe": lambda devices, workdir: train("expert_parallel", devices, model_kind="litgpt_moe"),
     "cp_litgpt": lambda devices, workdir: train("context_parallel", devices),
     "cp_tp_litgpt": lambda devices, workdir: train(
         ld_fabric.Hybrid3DStrategy(context_parallel_size=2, tensor_parallel_size=2), devices

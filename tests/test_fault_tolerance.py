@@ -127,6 +127,7 @@ def test_with_gradient_accumulation_groups_equal_hsdp_and_commit_once_per_optimi
     hsdp = run_scenarios(SCRIPT, 4, tmp_path, ["hsdp_accumulated"])["hsdp_accumulated"]
     steps = EQUAL_STEPS // 2
     assert [(g["committed"], g["skipped"]) for g in groups] == [(steps, 0)] * 2
+    assert all(g["reduced_in_backward"] for g in groups)  # FSDP2's all-reduce hook, not a pass after backward
     losses = [(a + b) / 2 for a, b in zip(groups[0]["losses"], groups[1]["losses"])]
     assert len(losses) == len(hsdp["losses"]) == EQUAL_STEPS  # one per micro-batch
     assert max(abs(a - b) for a, b in zip(losses, hsdp["losses"])) <= FP64_TOL

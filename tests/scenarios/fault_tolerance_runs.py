@@ -40,6 +40,9 @@ CLIP = 0.5  # below the gradient norms of the first steps: clipping acts (over t
 SAMPLES = 64  # one epoch = 8 steps of the global batch
 # vocab 66 (the text uses 65 tokens): divisible by tp=2 for the hybrid3d variant
 MODEL: dict[str, Any] = {"vocab_size": 66, "seq_len": 16, "d_model": 32, "n_layer": 2, "n_head": 4, "lr": 1e-2}
+# the timed runs' model and steps (benchmarks/studies/fault_tolerance_overhead.py)
+TIMED_MODEL = {**MODEL, **json.loads(os.environ.get("FT_TIMED_MODEL", "{}"))}
+TIMED_STEPS = int(os.environ.get("FT_TIMED_STEPS", "12"))
 
 
 class IndexedWindows(TokenWindows):
@@ -71,10 +74,10 @@ class IndexedGPT(OwnSamplerGPT):
         return super().training_step(batch, batch_idx)
 
 
-def _model(step_sleep: float = 0.0, alone_sleep: float = 0.0) -> IndexedGPT:
+def _model(step_sleep: float = 0.0, alone_sleep: float = 0.0, model: dict[str, Any] = MODEL) -> IndexedGPT:
     L.seed_everything(1234, verbose=False)
     return IndexedGPT(
-        global_batch=GLOBAL_BATCH, train_samples=SAMPLES, step_sleep=step_sleep, alone_sleep=alone_sleep, **MODEL
+        global_batch=GLOBAL_BATCH, train_samples=SAMPLES, step_sleep=step_sleep, alone_sleep=alone_sleep, **model
     )
 
 
@@ -157,9 +160,10 @@ def _fit(
     alone_sleep: float = 0.0,
     snapshot: Path | None = None,
     checkpoints: Path | None = None,
+    model_options: dict[str, Any] = MODEL,
     **kwargs: Any,
 ) -> tuple[Any, ...]:
-    model = _model(step_sleep, alone_sleep)
+    model = _model(step_sleep, alone_sleep, model_options)
     log = StepLog()
     callbacks: list[Callback] = [log]
     if snapshot is not None:
@@ -216,7 +220,30 @@ def accumulated(devices: int, workdir: str) -> dict[str, Any]:
     steps = SAMPLES // GLOBAL_BATCH // ACCUMULATE
     model, trainer, log = _fit(FSDP2Strategy(**options), devices, steps, accumulate_grad_batches=ACCUMULATE)
     summary = trainer.strategy.fault_tolerance_summary
-    return {**_trained(model, log), "committed": summary["committed"], "skipped": summary["skipped"]}
+    return {**_trained(model, log), "committed": summary["committed"], "skipped": summary["skipped"],
+            "reduced_in_backward": summary["reduced_in_backward"]}  # fmt: skip
+
+
+def timed_hsdp(devices: int, workdir: str) -> dict[str, Any]:
+    """The step times of HSDP on ``devices`` processes (2 replicas), the timed model, no fault tolerance."""
+    strategy = FSDP2Strategy(sharding="hybrid", data_parallel_replicate_size=2, data_parallel_shard_size=devices // 2)
+    _, _, log = _fit(strategy, devices, TIMED_STEPS, model_options=TIMED_MODEL)
+    return {"seconds": [r["seconds"] for r in log.rows]}
+
+
+def timed_groups(devices: int, workdir: str) -> dict[str, Any]:
+    """This job is one of 2 replica groups: the step times of the timed model. ``FT_AFTER_BACKWARD=1`` averages the
+    gradients across groups after the backward, in one flat buffer (what every mesh without FSDP2 does), instead of
+    in FSDP2's all-reduce hook during it."""
+    if os.environ.get("FT_AFTER_BACKWARD") == "1":
+        from lightning_dist.parallel.fault_tolerance import ReplicaGroups
+
+        ReplicaGroups.reduce_in_backward = lambda self, model: False  # type: ignore[method-assign]
+    strategy = FSDP2Strategy(fault_tolerance={"quorum_timeout": 60.0, "timeout": 60.0})
+    _, trainer, log = _fit(strategy, devices, TIMED_STEPS, model_options=TIMED_MODEL)
+    summary = trainer.strategy.fault_tolerance_summary
+    return {"seconds": [r["seconds"] for r in log.rows], "reduced_in_backward": summary["reduced_in_backward"],
+            "committed": summary["committed"]}  # fmt: skip
 
 
 CHAOS_STEPS = int(os.environ.get("CHAOS_STEPS", "30"))
@@ -275,5 +302,6 @@ def chaos(devices: int, workdir: str) -> dict[str, Any]:
 
 if __name__ == "__main__":
     run_scenario_script(
-        {"hsdp": hsdp, "chaos": chaos, "hsdp_accumulated": hsdp_accumulated, "accumulated": accumulated}
+        {"hsdp": hsdp, "chaos": chaos, "hsdp_accumulated": hsdp_accumulated, "accumulated": accumulated,
+         "timed_hsdp": timed_hsdp, "timed_groups": timed_groups}  # fmt: skip
     )

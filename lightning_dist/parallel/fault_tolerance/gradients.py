@@ -1,10 +1,19 @@
 """The gradient all-reduce across replica groups: each rank's gradient shards averaged with the same rank of every
-other live group, through torchft's reconfigurable process group (one flat buffer per dtype and device)."""
+other live group, through torchft's reconfigurable process group.
+
+Under FSDP2 it runs during backward (:func:`reduce_in_backward`): each unit's reduce-scatter output goes through
+torchft's all-reduce in FSDP2's all-reduce hook, where HSDP would all-reduce it over its replicate group, while
+autograd goes on with the units before it; no copy of the gradients is made. Otherwise (no FSDP2 unit holds the
+parameters: pure tensor or pipeline parallel groups) one flat buffer per dtype and device is all-reduced after the
+backward (:func:`allreduce_gradients`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
+
+from torch.distributed.fsdp import FSDPModule
+from torch.nn import Module
 
 import torch
 from torch import Tensor
@@ -54,3 +63,37 @@ def allreduce_gradients(manager: Any, parameters: Iterable[Tensor]) -> int:
                     else shaped
                 )
     return sent
+
+
+class BackwardReduce:
+    """The all-reduce hook of every FSDP2 unit of a model: the unit's reduced gradient shards averaged over the
+    groups of the current quorum, in place, before FSDP2 hands them to the parameters. ``sent`` counts the bytes.
+
+    A failure (a group died mid-collective) is not raised: torchft records it and the step's commit says no."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+        self.sent = 0
+
+    def __call__(self, reduce_output: Tensor) -> None:
+        self.manager.allreduce(reduce_output).wait()
+        self.sent += reduce_output.numel() * reduce_output.element_size()
+
+
+def reduce_in_backward(manager: Any, model: Module) -> BackwardReduce | None:
+    """Install :class:`BackwardReduce` as the all-reduce hook of every FSDP2 unit of ``model``, when those units hold
+    every trainable parameter; ``None`` (nothing installed) otherwise, or where FSDP2 refuses a hook (a unit with
+    several parameter groups)."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not units or not all(isinstance(p, DTensor) for p in trainable):
+        return None
+    hook = BackwardReduce(manager)
+    try:
+        for unit in units:
+            unit.set_all_reduce_hook(hook)
+    except ValueError:  # FSDP2: "not supported with multiple param groups"
+        for unit in units:
+            unit.set_all_reduce_hook(None)  # type: ignore[arg-type]
+        return None
+    return hook

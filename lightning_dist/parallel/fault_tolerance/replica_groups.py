@@ -2,8 +2,8 @@
 healing from a live group), the gradient all-reduce across groups, and counts of what happened.
 
 A step, in order: :meth:`ReplicaGroups.start_step` before the forward (the quorum, synchronous, so that a group that
-must heal copies the live state before it computes anything), :meth:`ReplicaGroups.average_gradients` after the
-backward, then :meth:`ReplicaGroups.commit`: the optimizer step is applied only if it returns ``True`` (on every
+must heal copies the live state before it computes anything), the gradients averaged across groups during the
+backward (:meth:`ReplicaGroups.reduce_in_backward`, FSDP2) or after it (:meth:`ReplicaGroups.average_gradients`), then :meth:`ReplicaGroups.commit`: the optimizer step is applied only if it returns ``True`` (on every
 group that took part, or on none: a failure during the step makes every live group discard it).
 """
 
@@ -17,9 +17,15 @@ from datetime import timedelta
 import torch
 from torch import Tensor
 from torch.distributed import ReduceOp
+from torch.nn import Module
 
 from lightning_dist.compat.torchft import manager_class, reconfigurable_process_group
-from lightning_dist.parallel.fault_tolerance.gradients import allreduce_gradients, local_tensor
+from lightning_dist.parallel.fault_tolerance.gradients import (
+    BackwardReduce,
+    allreduce_gradients,
+    local_tensor,
+    reduce_in_backward,
+)
 from lightning_dist.parallel.fault_tolerance.lighthouse import LighthouseUnreachableError, unreachable_message
 from lightning_dist.parallel.fault_tolerance.options import FaultToleranceOptions
 from lightning_dist.parallel.fault_tolerance.state import ReplicaState
@@ -64,6 +70,7 @@ class ReplicaGroups:
                 unreachable_message(str(options.lighthouse), options.connect_timeout, err)
             ) from err
         self._step_open = False
+        self._backward_reduce: BackwardReduce | None = None
         #: The groups in the current step's quorum, steps skipped (not committed) and committed, in this process.
         self.quorum_size = 0
         self.skipped_steps = 0
@@ -130,6 +137,17 @@ class ReplicaGroups:
         all-reduced. A group that died meanwhile makes the commit say no rather than raising here."""
         self.start_step()
         return allreduce_gradients(self.manager, parameters)
+
+    def reduce_in_backward(self, model: Module) -> bool:
+        """Average each FSDP2 unit's gradients over the quorum during backward (FSDP2's all-reduce hook), if FSDP2
+        units hold every trainable parameter of ``model``; then :meth:`average_gradients` is not needed. Returns
+        whether it does."""
+        self._backward_reduce = reduce_in_backward(self.manager, model)
+        return self._backward_reduce is not None
+
+    @property
+    def reduces_in_backward(self) -> bool:
+        return self._backward_reduce is not None
 
     def commit(self) -> bool:
         """Whether this step's optimizer update is applied (every rank of the group gets the same answer)."""

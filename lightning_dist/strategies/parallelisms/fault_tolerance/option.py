@@ -95,6 +95,11 @@ class FaultToleranceOption(_Base):
             self._healing_at_setup = False
         self._refuse_a_restart_from_scratch(trainer)
         groups.check_same_start()
+        if groups.reduce_in_backward(self.model):
+            self.log_decision(
+                "gradients averaged across replica groups during backward: each FSDP2 unit's reduced shards through"
+                " torchft's process group (FSDP2's all-reduce hook, where HSDP all-reduces)"
+            )
         joined = f"replica group {options.replica_group_id} of {options.num_replica_groups}"
         if state.heals:
             self.log_decision(
@@ -243,7 +248,8 @@ class FaultToleranceOption(_Base):
     @property
     def fault_tolerance_summary(self) -> dict[str, Any]:
         """What happened to this group in the last ``fit``: committed and skipped steps, heals and the bytes the
-        last one received, the last quorum's size and torchft's step."""
+        last one received, the last quorum's size, torchft's step, and whether gradients were averaged across
+        groups during the backward (FSDP2) rather than after it."""
         groups = self._replica_groups
         if groups is None:
             return dict(self._summary)
@@ -254,6 +260,7 @@ class FaultToleranceOption(_Base):
             "received_bytes": groups.state.received_bytes,
             "quorum_size": groups.quorum_size,
             "step": groups.step,
+            "reduced_in_backward": groups.reduces_in_backward,
         }
 
     @override

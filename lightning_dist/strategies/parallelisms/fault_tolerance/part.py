@@ -1,5 +1,5 @@
 """The step part of ``fault_tolerance``: the quorum before each batch, the gradient average across replica groups
-after the backward, and the commit of each step (see the step protocol's order)."""
+(during the backward under FSDP2, else after it), and the commit of each step (see the step protocol's order)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ class FaultTolerancePart(StepPart):
 
     def after_backward(self) -> None:
         groups = self.strategy.replica_groups
-        if groups is not None:
+        if groups is not None and not groups.reduces_in_backward:  # else averaged during the backward
             parameters = [p for p in self.strategy.model.parameters() if p.requires_grad]
             groups.average_gradients(parameters)
 

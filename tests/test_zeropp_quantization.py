@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -63,3 +65,37 @@ def test_bits_and_block_size_are_checked():
         check_bits(3)
     with pytest.raises(ValueError, match="block_size"):
         pack(torch.ones(1, 4), 8, 3)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_rounding_sends_the_eager_bytes(bits, dtype):
+    """``torch.compile`` of the rounding (dynamic shapes, one graph for every size) gives exactly the eager kernels'
+    bytes, for sizes that are and are not multiples of the block, and values over six orders of magnitude."""
+    torch.manual_seed(bits)
+    for rows, numel in ((1, 1), (3, 1031), (8, 4096), (2, 70001)):
+        x = (torch.randn(rows, numel) * torch.logspace(-3, 3, rows).unsqueeze(1)).to(dtype)
+        compiled, eager = pack(x, bits, 256, compiled=True), pack(x, bits, 256, compiled=False)
+        assert torch.equal(compiled, eager), (rows, numel)
+        assert torch.equal(unpack(compiled, numel, bits, 256, dtype), unpack(eager, numel, bits, 256, dtype))
+
+
+def test_a_failed_compilation_warns_once_and_computes_eagerly(monkeypatch):
+    from lightning_dist.parallel import quantization
+
+    def broken(fn, **options):
+        def run(*args):
+            raise RuntimeError("no C++ compiler found")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    compiled = quantization._CompiledOn(quantization.quantize_blockwise, ("cpu",))
+    x = torch.randn(2, 300)
+    with pytest.warns(UserWarning, match="quantization runs eagerly: torch.compile of quantize_blockwise failed"):
+        first = compiled(x, 8, 256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning: eager from now on
+        second = compiled(x, 8, 256)
+    expected = quantize_blockwise(x, 8, 256)
+    assert all(torch.equal(a, b) for a, b in zip((*first, *second), (*expected, *expected)))

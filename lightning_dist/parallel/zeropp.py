@@ -39,11 +39,12 @@ from lightning_dist.parallel.quantization import check_bits, check_block_size, p
 class _Quantized:
     """What both quantized collectives share: the checked quantization settings and FSDP2's buffer allocation."""
 
-    def __init__(self, bits: int, block_size: int) -> None:
+    def __init__(self, bits: int, block_size: int, compiled: bool = False) -> None:
         check_bits(bits)
         check_block_size(block_size)
         self.bits = bits
         self.block_size = block_size
+        self.compiled = compiled
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -57,10 +58,12 @@ class QuantizedAllGather(_Quantized, AllGather):
             inside a node) move the already dequantized values unchanged.
         bits: 8 (ZeRO++'s choice for weights) or 4.
         block_size: Elements per quantization block (one fp32 scale each).
+        compiled: The quantization through ``torch.compile`` (:func:`~lightning_dist.parallel.quantization.pack`):
+            the same bytes, fewer kernels.
     """
 
-    def __init__(self, group_size: int, bits: int = 8, block_size: int = 256) -> None:
-        super().__init__(bits, block_size)
+    def __init__(self, group_size: int, bits: int = 8, block_size: int = 256, compiled: bool = False) -> None:
+        super().__init__(bits, block_size, compiled)
         self.group_size = group_size
 
     def __call__(
@@ -70,10 +73,10 @@ class QuantizedAllGather(_Quantized, AllGather):
             return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
         world, numel = group.size(), input_tensor.numel()
         # The input is a view into the output (this rank's slot): quantize it before anything is written there.
-        send = pack(input_tensor.view(1, -1), self.bits, self.block_size)
+        send = pack(input_tensor.view(1, -1), self.bits, self.block_size, self.compiled)
         recv = torch.empty(world * send.shape[1], dtype=torch.uint8, device=send.device)
         dist.all_gather_single(recv, send.view(-1), group=group)
-        values = unpack(recv.view(world, -1), numel, self.bits, self.block_size, output_tensor.dtype)
+        values = unpack(recv.view(world, -1), numel, self.bits, self.block_size, output_tensor.dtype, self.compiled)
         output_tensor.view(world, numel).copy_(values)
         return None  # done synchronously: the dequantization needs the bytes
 
@@ -138,10 +141,11 @@ class QuantizedReduceScatter(_Quantized, ReduceScatter):
         groups: The node groups of the sharding group (:func:`new_node_groups`).
         bits: 4 (ZeRO++'s choice for gradients) or 8.
         block_size: Elements per quantization block.
+        compiled: The quantization through ``torch.compile``, as for :class:`QuantizedAllGather`.
     """
 
-    def __init__(self, groups: NodeGroups, bits: int = 4, block_size: int = 256) -> None:
-        super().__init__(bits, block_size)
+    def __init__(self, groups: NodeGroups, bits: int = 4, block_size: int = 256, compiled: bool = False) -> None:
+        super().__init__(bits, block_size, compiled)
         self.groups = groups
 
     def __call__(
@@ -183,10 +187,10 @@ class QuantizedReduceScatter(_Quantized, ReduceScatter):
         if group is None:  # a group of one: nothing to send
             return rows.to(torch.float32).sum(dim=0)
         numel = rows.shape[1]
-        send = pack(rows, self.bits, self.block_size)
+        send = pack(rows, self.bits, self.block_size, self.compiled)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group)
-        return unpack(recv, numel, self.bits, self.block_size, torch.float32).sum(dim=0)
+        return unpack(recv, numel, self.bits, self.block_size, torch.float32, self.compiled).sum(dim=0)
 
 
 def reduce_scatter_nbytes(numel: int, groups: NodeGroups, bits: int, block_size: int) -> dict[str, int]:

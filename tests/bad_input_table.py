@@ -721,7 +721,10 @@ def damaged_row(case: Any, text: str) -> str:
 MACHINE_DEPENDENT: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"\b(CRC-32|recorded|checksum|SHA-256|sha256|digest)( of)? [0-9a-f]{8,64}\b"), r"\1\2 <checksum>"),
     (re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{16,64}\b"), "<checksum>"),
-    (re.compile(r"\b(127\.0\.0\.1|localhost|\[::1?\]):(?:102[4-9]|10[3-9]\d|1[1-9]\d\d|[2-9]\d{3}|\d{5})\b"), r"\1:<port>"),
+    (
+        re.compile(r"\b(127\.0\.0\.1|localhost|\[::1?\]):(?:102[4-9]|10[3-9]\d|1[1-9]\d\d|[2-9]\d{3}|\d{5})\b"),
+        r"\1:<port>",
+    ),
     (re.compile(r"\b(pid|PID|process) \d{2,}\b"), r"\1 <pid>"),
     (re.compile(r"\b\d+\.\d+ ?(s|ms|seconds)\b"), r"<seconds> \1"),
 ]
@@ -731,7 +734,11 @@ def stable_text(text: str) -> str:
     """``text`` with what depends on the machine (:data:`MACHINE_DEPENDENT`, the paths of this checkout, of the
     installed packages and of the temporary folder) replaced by placeholders."""
     installed = str(Path(torch.__file__).resolve().parents[1])  # where this Python's packages are
-    for path, placeholder in ((str(REPO_ROOT), "<repo>"), (installed, "<site-packages>"), (tempfile.gettempdir(), "<tmp>")):
+    for path, placeholder in (
+        (str(REPO_ROOT), "<repo>"),
+        (installed, "<site-packages>"),
+        (tempfile.gettempdir(), "<tmp>"),
+    ):
         text = text.replace(path, placeholder)
     for pattern, placeholder in MACHINE_DEPENDENT:
         text = pattern.sub(placeholder, text)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -95,6 +96,27 @@ def test_a_sharded_bf16_folder_loads_as_from_pretrained_does(folders):
         assert state[name].dtype == torch.float32 and torch.equal(state[name], value), name
     for name, value in _file_tensors(folders / "llama").items():
         assert torch.equal(state[name], value.float()), name
+
+
+def test_reads_in_threads_load_the_same_values_within_the_largest_reads_bytes(folders, monkeypatch):
+    """4 threads read the tensors of a sharded folder: the same values as one thread, never more bytes in flight
+    than the largest single read (the memory bound of one serial read), and reads did overlap."""
+    from lightning_dist.checkpoint.pretrained import load as loading
+
+    in_flight: list[tuple[int, int, int]] = []  # bytes in flight once a read is admitted, its own bytes, the limit
+    acquire = loading._ByteBudget.acquire
+
+    def recorded(self: Any, size: int) -> None:
+        acquire(self, size)
+        in_flight.append((self.in_flight, size, self.limit))
+
+    monkeypatch.setattr(loading._ByteBudget, "acquire", recorded)
+    serial, threaded = tiny_llama(), tiny_llama()
+    load_pretrained(serial, folders / "llama", threads=1)
+    load_pretrained(threaded, folders / "llama", threads=4)
+    assert all(torch.equal(a, b) for a, b in zip(serial.state_dict().values(), threaded.state_dict().values()))
+    assert in_flight and all(used <= limit for used, _, limit in in_flight)
+    assert any(used > size for used, size, _ in in_flight)  # another read was in flight
 
 
 def test_the_pretrained_model_is_found_under_a_prefix_and_the_rest_is_left_alone(folders):

@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| {r['model']}, {r['steps']} steps, median step (first {WARMUP} left out) | seconds | / HSDP |")
     print("|---|---|---|")
     print(f"| HSDP, 2 replicas × 2 shards, 4 processes | {r['hsdp_s']:.4f} | 1.00 |")
-    print(f"| 2 groups × 2, averaged during backward (FSDP2 hook) | {r['during_backward_s']:.4f} | {r['during_ratio']:.2f} |")
-    print(f"| 2 groups × 2, averaged after backward (flat buffer) | {r['after_backward_s']:.4f} | {r['after_ratio']:.2f} |")
+    print(
+        f"| 2 groups × 2, averaged during backward (FSDP2 hook) | {r['during_backward_s']:.4f} | {r['during_ratio']:.2f} |"
+    )
+    print(
+        f"| 2 groups × 2, averaged after backward (flat buffer) | {r['after_backward_s']:.4f} | {r['after_ratio']:.2f} |"
+    )
     return 0

@@ -129,6 +129,7 @@ def summarize(records: list[dict[str, Any]], wall: float) -> dict[str, Any]:
         "own_peak_vm_hwm": largest(lambda r: r["peak_kib"]["vm_hwm"]),
         "rss_at_train_start": largest(lambda r: r["stages_kib"]["train_start"]["vm_rss"]),
         "load_s": max(r["load_s"] for r in records),
+        "read_s": max(r["read_s"] for r in records),
         "fit_to_train_start_s": max(r["fit_to_train_start_s"] for r in records),
         "launch_wall_s": wall,
         "elements_checked": sum(r["check"]["elements"] for r in records),
@@ -169,6 +170,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         ("the process's own peak (`VmHWM`), GiB", "own_peak_vm_hwm", gib),
         ("resident at `on_train_start` (`VmRSS`), GiB", "rss_at_train_start", gib),
         ("building the module + the fit's setup, s", "load_s", lambda s: f"{s:.1f}"),
+        ("the read alone (`load_pretrained`; the `from_pretrained` call), s", "read_s", lambda s: f"{s:.1f}"),
     ]
     lines = [
         f"# Pretrained load: host memory per rank ({RANKS} CPU processes, fsdp2, `32-true`)",
@@ -216,6 +218,10 @@ def to_markdown(result: dict[str, Any]) -> str:
                      s["train_start"]["ru_maxrss"], r["peak_kib"]["vm_hwm"]]  # fmt: skip
             shown = " | ".join(gib(c * KIB) for c in cells)
             lines.append(f"| `{way}` | {r['rank']} | {shown} | {r['load_s']:.1f} |")
+    alone = result.get("read_in_one_process", {})
+    if alone:
+        cells = ", ".join(f"{k.split('_')[1]} thread(s): {v:.2f} s" for k, v in alone.items())
+        lines += ["", f"The whole model read by one process, no strategy (`load_pretrained(..., threads=)`): {cells}."]
     lines += [
         "",
         (
@@ -224,6 +230,30 @@ def to_markdown(result: dict[str, Any]) -> str:
         ),
     ]
     return "\n".join(lines) + "\n"
+
+
+def read_with_threads(folder: Path, repeats: int = 3) -> dict[str, float]:
+    """One process, no strategy: the whole fp32 model's ``load_pretrained`` with 1 thread and with one per core
+    (``read_threads(1)``), interleaved, the page cache warm; median seconds of each."""
+    import statistics
+
+    import torch
+    import transformers
+
+    from lightning_dist.checkpoint.pretrained import load_pretrained, read_threads
+
+    config = transformers.LlamaConfig(**LLAMA)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    model.to_empty(device="cpu")
+    many = read_threads(1)
+    times: dict[int, list[float]] = {1: [], many: []}
+    for _ in range(repeats):
+        for threads in times:
+            start = time.perf_counter()
+            load_pretrained(model, folder, threads=threads)
+            times[threads].append(time.perf_counter() - start)
+    return {f"threads_{t}_s": statistics.median(v) for t, v in times.items()}
 
 
 def measure(workdir: Path, timeout: float) -> dict[str, Any]:
@@ -236,6 +266,7 @@ def measure(workdir: Path, timeout: float) -> dict[str, Any]:
         ranks[way], wall = launch(way, folder, workdir / "records", timeout)
         ways[way] = summarize(ranks[way], wall)
     return {
+        "read_in_one_process": read_with_threads(folder),
         "model": {**model, "config": LLAMA, "saved_dtype": "bfloat16", "max_shard_size": SHARD_SIZE},
         "ranks_per_way": RANKS,
         "ways": ways,

@@ -109,7 +109,27 @@ def file_slices_equal(module: CausalLM, folder: str) -> dict[str, int]:
     return {"tensors": tensors, "elements": compared, "differ": differ}
 
 
+READ_S: list[float] = []  # the seconds of initial_weights's read, recorded by the wrapper below
+
+
+def _timed_reads() -> None:
+    """Time each ``load_pretrained`` the strategy calls (the read alone, without the module's set-up)."""
+    from lightning_dist.strategies.lifecycle import initial_weights as setup
+
+    load = setup.load_pretrained
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return load(*args, **kwargs)
+        finally:
+            READ_S.append(time.perf_counter() - start)
+
+    setup.load_pretrained = timed
+
+
 def run(way: str, folder: str, out: Path) -> None:
+    _timed_reads()
     L.seed_everything(0, verbose=False)
     recorder = SetupRecorder()
     strategy = FSDP2Strategy(initial_weights=folder) if way == "initial_weights" else FSDP2Strategy()
@@ -140,6 +160,9 @@ def run(way: str, folder: str, out: Path) -> None:
         "build_s": fit_at - built_at,
         "fit_to_train_start_s": stages["train_start"]["at_s"] - fit_at,
         "load_s": stages["train_start"]["at_s"] - built_at,  # building the module and the fit's setup
+        # the read alone: initial_weights's load_pretrained; from_pretrained's call (its read, the module built on
+        # the meta device by transformers)
+        "read_s": sum(READ_S) if way == "initial_weights" else fit_at - built_at,
         "strategy_setup_s": stages["strategy_setup"]["at_s"] - stages["process_group"]["at_s"],
         "check": check,
     }

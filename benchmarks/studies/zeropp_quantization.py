@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     r = measure(args.d_model, args.layers, args.ranks, args.repeats)
     where = "CUDA" if torch.cuda.is_available() else "CPU"
-    print(f"| {r['parameters'] / 1e6:.0f}M parameters over {r['ranks']} ranks, one step on {where} | eager | compiled |")
+    print(
+        f"| {r['parameters'] / 1e6:.0f}M parameters over {r['ranks']} ranks, one step on {where} | eager | compiled |"
+    )
     print("|---|---|---|")
     print(f"| quantize + dequantize per step | {r['eager_s']:.4f} s | {r['compiled_s']:.4f} s ({r['speedup']}x) |")
     print(f"| wire bytes per step | {r['wire_bytes_eager']:,} | {r['wire_bytes_compiled']:,} |")

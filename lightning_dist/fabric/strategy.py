@@ -242,8 +242,8 @@ class MeshFabricStrategy(ParallelStrategy):
         self,
         module: Module,
         optimizer: Optimizer,
-        max_norm: float | int,
-        norm_type: float | int = 2.0,
+        max_norm: float,
+        norm_type: float = 2.0,
         error_if_nonfinite: bool = True,
     ) -> Tensor:
         self.finish_gradients()
@@ -257,14 +257,16 @@ class MeshFabricStrategy(ParallelStrategy):
         return norm
 
     @override
-    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float) -> None:
         self.finish_gradients()
         self.precision.unscale_gradients(optimizer)
         clip_grad_value_(self.precision.main_params(optimizer), clip_val)
 
     # ------------------------------------------------------------------ collectives
     @override
-    def all_reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+    def all_reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Any:
         """Over the data-parallel ranks that hold different samples (× cp) by default: tensor-parallel peers hold
         the same loss and are not counted twice."""
         return self.engine.reduce(tensor, group=group, reduce_op=reduce_op)

@@ -18,9 +18,8 @@ from common import SEQ_LEN, in_checkpoint_order, run_scenario_script, trainer_kw
 from models import VOCAB, LitGPTLM, litgpt_model  # type: ignore[import-not-found]
 from torch.utils.data import DataLoader, TensorDataset
 
+import lightning_dist
 from examples.data import TextDataModule
-
-import lightning_dist  # noqa: F401  (registers the strategy names with Fabric)
 from lightning_dist import fabric as ld_fabric
 
 GLOBAL_BATCH = 8
@@ -172,7 +171,10 @@ def initial_weights(devices: int, workdir: str | None) -> dict[str, float]:
     folder = _workdir(workdir) / "llama_folder"  # written by the test before launch
     expected = tf.LlamaForCausalLM.from_pretrained(folder).state_dict()
     gaps = {}
-    for name, strategy_class in (("fsdp2", ld_fabric.FSDP2Strategy), ("tensor_parallel", ld_fabric.TensorParallelStrategy)):
+    for name, strategy_class in (
+        ("fsdp2", ld_fabric.FSDP2Strategy),
+        ("tensor_parallel", ld_fabric.TensorParallelStrategy),
+    ):
         fabric = L.Fabric(accelerator="cpu", devices=devices, strategy=strategy_class(initial_weights=str(folder)))
         fabric.launch()
         with fabric.init_module(empty_init=True):
@@ -213,8 +215,9 @@ SCENARIOS = {
     "tp_litgpt_fp32": lambda devices, workdir: train(
         ld_fabric.TensorParallelStrategy(tensor_parallel_size=devices), devices, dtype=torch.float32
     ),
-    "fsdp2_litgpt_bf16_mixed": lambda devices, workdir: train("fsdp2", devices, dtype=torch.float32,
-                                                             precision="bf16-mixed"),
+    "fsdp2_litgpt_bf16_mixed": lambda devices, workdir: train(
+        "fsdp2", devices, dtype=torch.float32, precision="bf16-mixed"
+    ),
     "tp_litgpt_float8": lambda devices, workdir: train(
         ld_fabric.TensorParallelStrategy(float8="rowwise"), devices, dtype=torch.float32
     ),

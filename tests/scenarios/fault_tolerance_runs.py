@@ -302,6 +302,12 @@ def chaos(devices: int, workdir: str) -> dict[str, Any]:
 
 if __name__ == "__main__":
     run_scenario_script(
-        {"hsdp": hsdp, "chaos": chaos, "hsdp_accumulated": hsdp_accumulated, "accumulated": accumulated,
-         "timed_hsdp": timed_hsdp, "timed_groups": timed_groups}  # fmt: skip
+        {
+            "hsdp": hsdp,
+            "chaos": chaos,
+            "hsdp_accumulated": hsdp_accumulated,
+            "accumulated": accumulated,
+            "timed_hsdp": timed_hsdp,
+            "timed_groups": timed_groups,
+        }  # fmt: skip
     )

@@ -76,9 +76,16 @@ def finetune(devices: int, workdir: str | None, strategy: str) -> dict[str, Any]
         data=JSON(json_path=data, val_split_fraction=0.25, num_workers=0),
         # litgpt counts every device as data parallel (global = devices × micro × accumulation): under tp2 each
         # step's batch of 2 is "global_batch_size=4"; under fsdp2 at dp2 it is 2 micro-batches of 1
-        train=TrainArgs(save_interval=None, log_interval=1, global_batch_size=GLOBAL[strategy] * devices // (2 if
-                        strategy == "fsdp2" else 1), micro_batch_size=MICRO[strategy], lr_warmup_steps=1, epochs=100,
-                        max_steps=STEPS, max_seq_length=32),  # fmt: skip
+        train=TrainArgs(
+            save_interval=None,
+            log_interval=1,
+            global_batch_size=GLOBAL[strategy] * devices // (2 if strategy == "fsdp2" else 1),
+            micro_batch_size=MICRO[strategy],
+            lr_warmup_steps=1,
+            epochs=100,
+            max_steps=STEPS,
+            max_seq_length=32,
+        ),  # fmt: skip
         eval=EvalArgs(interval=1000, max_new_tokens=100, max_iters=2, final_validation=True),
         optimizer={"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-2}},
         logger_name="csv",

@@ -12,8 +12,11 @@ stages each hold part of the keys) and all raise the same error. Every rank of t
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +62,7 @@ def load_pretrained(
     prefix: str | None = None,
     aliases: Mapping[str, Sequence[str]] | None = None,
     progress: bool = False,
+    threads: int | None = None,
 ) -> PretrainedLoad:
     """Load the weights at ``path`` (a Hugging Face folder, one ``*.safetensors`` file, a litgpt folder's
     ``lit_model.pth`` or another ``torch.save`` state dict) into ``model``'s
@@ -66,7 +70,9 @@ def load_pretrained(
     under the unwrapped layer's name, and the adapters keep their own values (:mod:`.adapters`). ``progress``: show
     the bytes this rank reads on stderr (:mod:`lightning_dist.progress`; rank 0's, as the strategies show it). ``prefix``: the name of the submodule that
     holds the pretrained model, with its dot (``"model."``); found from the names when ``None``. ``aliases``: state key
-    → other names the file may hold the same weight under (a pipeline stage's copy of a tied weight).
+    → other names the file may hold the same weight under (a pipeline stage's copy of a tied weight). ``threads``:
+    how many tensors of a safetensors folder are read at once (:func:`read_threads` when ``None``), within the
+    memory of one read of the largest.
 
     Raises :class:`~lightning_dist.checkpoint.CheckpointError` on every rank before reading any tensor when the
     files do not fit the model; the model must be materialized (no meta tensors)."""
@@ -85,7 +91,8 @@ def load_pretrained(
     total = sum(_local(target).numel() * files.tensors[key].dtype.itemsize for key, target in match.targets.items())
     with Progress(total, "initial_weights", quiet=not progress) as shown:
         if files.mapped is None:
-            load(dict(match.targets), storage_reader=_reader(files, shown), no_dist=not distributed)
+            reader = _reader(files, shown, threads if threads is not None else read_threads())
+            load(dict(match.targets), storage_reader=reader, no_dist=not distributed)
         else:  # a torch.save file, memory-mapped: each rank copies its slices, touching only their pages
             for key, target in match.targets.items():
                 _copy_value(target, files.mapped[key])
@@ -195,8 +202,9 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _reader(files: PretrainedFiles, progress: Progress) -> HuggingFaceStorageReader:
-    return _ListedFilesReader(files.path if files.path.is_dir() else files.path.parent, files.files, progress)
+def _reader(files: PretrainedFiles, progress: Progress, threads: int) -> HuggingFaceStorageReader:
+    folder = files.path if files.path.is_dir() else files.path.parent
+    return _ListedFilesReader(folder, files.files, progress, threads)
 
 
 class _ListedFiles(FileSystem):
@@ -214,29 +222,91 @@ class _ListedFilesReader(HuggingFaceStorageReader):
     """``HuggingFaceStorageReader`` reading only the files of the index (or the one file given), not every
     ``*.safetensors`` file beside them, and mapping a file for one tensor at a time: torch's keeps a file mapped
     while it serves all of a rank's reads from it, and every page touched stays resident until then (0.15 GiB of a
-    4-rank load of a 2 GB model; up to the rank's share of a whole 5 GB shard)."""
+    4-rank load of a 2 GB model; up to the rank's share of a whole 5 GB shard).
 
-    def __init__(self, folder: Path, files: tuple[Path, ...], progress: Progress) -> None:
+    Several tensors are read at once (``threads``: :func:`read_threads`), within a budget of bytes in flight equal to the
+    largest single read: many small tensors overlap their reads, the largest is read alone, and the rank never holds
+    more transient bytes than one serial read of its largest tensor did (the memory bound of docs/pretrained.md)."""
+
+    def __init__(self, folder: Path, files: tuple[Path, ...], progress: Progress, threads: int = 1) -> None:
         super().__init__(str(folder))
         self.fs = _ListedFiles(files)
         self.progress = progress
+        self.threads = threads
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        from safetensors import safe_open
-
-        for item in plan.items:
-            with safe_open(self.storage_data[item.storage_index].relative_path, framework="pt") as file:
-                values = file.get_slice(item.storage_index.fqn)[
-                    tuple(slice(offset, offset + size) for offset, size in zip(item.storage_offsets, item.lengths))
-                ]
-                target = planner.resolve_tensor(item).detach()
-                if target.size() != values.size():
-                    raise CheckpointError(
-                        f"{item.storage_index.fqn}: read {list(values.size())} for a slot of {list(target.size())}"
-                    )
-                target.copy_(values)
-                planner.commit_tensor(item, target)
-                self.progress.update(values.nbytes)
+        sizes = [self._read_bytes(item, planner) for item in plan.items]
+        budget = _ByteBudget(max(sizes, default=0))
+        threads = self.threads
+        if threads == 1 or len(plan.items) < 2:
+            for item in plan.items:
+                self._read(item, planner)
+        else:
+            with ThreadPoolExecutor(threads, thread_name_prefix="lightning_dist-initial_weights") as pool:
+                futures = []
+                for item, size in zip(plan.items, sizes):
+                    budget.acquire(size)
+                    futures.append(pool.submit(self._read_within, item, planner, budget, size))
+                for future in futures:
+                    future.result()  # the first failure, raised here
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def _read_bytes(self, item: Any, planner: LoadPlanner) -> int:
+        return planner.resolve_tensor(item).numel() * planner.resolve_tensor(item).element_size()
+
+    def _read_within(self, item: Any, planner: LoadPlanner, budget: _ByteBudget, size: int) -> None:
+        try:
+            self._read(item, planner)
+        finally:
+            budget.release(size)
+
+    def _read(self, item: Any, planner: LoadPlanner) -> None:
+        from safetensors import safe_open
+
+        with safe_open(self.storage_data[item.storage_index].relative_path, framework="pt") as file:
+            values = file.get_slice(item.storage_index.fqn)[
+                tuple(slice(offset, offset + size) for offset, size in zip(item.storage_offsets, item.lengths))
+            ]
+            target = planner.resolve_tensor(item).detach()
+            if target.size() != values.size():
+                raise CheckpointError(
+                    f"{item.storage_index.fqn}: read {list(values.size())} for a slot of {list(target.size())}"
+                )
+            target.copy_(values)
+            with self._lock:  # DCP's planner and the progress display are not made for threads
+                planner.commit_tensor(item, target)
+                self.progress.update(values.nbytes)
+
+    @functools.cached_property
+    def _lock(self) -> threading.Lock:
+        return threading.Lock()
+
+
+class _ByteBudget:
+    """At most ``limit`` bytes of reads in flight; a read larger than the limit waits until nothing else is read."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight = 0
+        self._changed = threading.Condition()
+
+    def acquire(self, size: int) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self.in_flight == 0 or self.in_flight + size <= self.limit)
+            self.in_flight += size
+
+    def release(self, size: int) -> None:
+        with self._changed:
+            self.in_flight -= size
+            self._changed.notify_all()
+
+
+def read_threads(local_ranks: int | None = None) -> int:
+    """Threads reading pretrained tensors on this rank: the processors this process may use shared by the ranks on
+    its node (``local_ranks``, else torchrun's ``LOCAL_WORLD_SIZE``, else 1), at most 8, at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if local_ranks is None:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, min(8, cores // max(local_ranks, 1)))

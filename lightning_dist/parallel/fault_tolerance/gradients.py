@@ -12,12 +12,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from torch.distributed.fsdp import FSDPModule
-from torch.nn import Module
-
 import torch
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.nn import Module
 
 
 def local_tensor(tensor: Tensor) -> Tensor:

@@ -26,7 +26,12 @@ from torch.nn import Module
 
 from lightning_dist.checkpoint.layout import DCP_INDEX, METADATA_FILENAME
 from lightning_dist.checkpoint.model_state import load_checkpoint_into
-from lightning_dist.checkpoint.pretrained import check_pretrained_fit, load_pretrained, read_pretrained_files
+from lightning_dist.checkpoint.pretrained import (
+    check_pretrained_fit,
+    load_pretrained,
+    read_pretrained_files,
+    read_threads,
+)
 from lightning_dist.checkpoint.validation import validate_checkpoint
 from lightning_dist.compat.lightning import attached_trainer, restores_a_checkpoint
 
@@ -97,8 +102,11 @@ class InitialWeightsSetup(_Base):
             aliases.update(part.weight_aliases())
         start = time.perf_counter()
         trainer = attached_trainer(self.lightning_module)  # none in a Fabric loop: progress shown on rank 0
-        shown = self.global_rank == 0 and (trainer is None or getattr(trainer, "progress_bar_callback", None) is not None)
-        report = load_pretrained(self.model, self.initial_weights, aliases=aliases, progress=shown)
+        shown = self.global_rank == 0 and (
+            trainer is None or getattr(trainer, "progress_bar_callback", None) is not None
+        )
+        threads = read_threads(self.num_processes)  # the node's cores shared by its ranks
+        report = load_pretrained(self.model, self.initial_weights, aliases=aliases, progress=shown, threads=threads)
         where = f" into {report.prefix.rstrip('.')}" if report.prefix else ""
         stage = " (the first stage's)" if self.parallel_dims.pp > 1 else ""
         self.log_decision(

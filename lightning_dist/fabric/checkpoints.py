@@ -53,7 +53,7 @@ def save_state(
     ]
     if full:  # one file: the model also under its own key, as Fabric writes it (litgpt reads `["model"]`), no copy
         checkpoint[model_key] = checkpoint["state_dict"]
-    provenance = engine._checkpoint_provenance()
+    provenance = engine.checkpoint_provenance()
     provenance[FABRIC_STATE_KEY] = {"model": model_key, "optimizers": optimizer_keys}
     checkpoint[PROVENANCE_KEY] = provenance
     engine.checkpoint_io.save_checkpoint(checkpoint, path)

@@ -40,7 +40,7 @@ class FabricSequenceShards:
         self.root = root
         self._step: ExitStack | None = None
         self._step_length: int | None = None
-        engine._causal_lm = None  # the loop computes the loss from the gathered logits; `labels` are refused
+        engine.leave_labels_to_the_loop()  # the loop computes the loss from the gathered logits; `labels` are refused
         self._handles: list[RemovableHandle] = [
             root.register_forward_pre_hook(self._shard, with_kwargs=True, prepend=True),
             root.register_forward_hook(self._gather, with_kwargs=True),

@@ -318,10 +318,7 @@ class MeshFabricStrategy(ParallelStrategy):
         engine = self.engine
         if self._sequence_shards is not None:
             self._sequence_shards.remove()
-        if engine._watchdog is not None:
-            engine._watchdog.stop()
-            engine._watchdog.finish()
-            engine._watchdog = None
+        engine.finish_watchdog()
         try:
             engine.checkpoint_io.teardown()  # a save still in flight is awaited, and its failure raised
         finally:

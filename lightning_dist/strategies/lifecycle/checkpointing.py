@@ -111,14 +111,16 @@ class ShardedCheckpointing:
         path = Path(self.broadcast(str(filepath)))
         full, stages = self.checkpoint_io.full_state, self.stage_layout
         self.averaged_states_into(checkpoint, lambda module: states.model_state(module, full=full, stages=stages))
-        checkpoint[PROVENANCE_KEY] = self._checkpoint_provenance()
+        checkpoint[PROVENANCE_KEY] = self.checkpoint_provenance()
         trainer = self.lightning_module.trainer
         if trainer.state.fn == TrainerFn.FITTING:
             batch_replicas = self.distributed_sampler_kwargs["num_replicas"]  # across replica groups too
             checkpoint[PROVENANCE_KEY]["data_position"] = training_position(trainer, checkpoint, batch_replicas)
         self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
-    def _checkpoint_provenance(self) -> dict[str, Any]:
+    def checkpoint_provenance(self) -> dict[str, Any]:
+        """What a checkpoint records of the run that saved it (``meta.pt``'s provenance entry): strategy, world size,
+        mesh, format, version, where the weights came from and the pretrained models' configs."""
         provenance = {
             "strategy": type(self).__name__,
             "world_size": self.world_size,

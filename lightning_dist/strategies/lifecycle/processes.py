@@ -133,16 +133,20 @@ class ProcessSetup(_Base):
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
         self._close_train_context()
-        if self._watchdog is not None:  # a normal end: stop watching, and rank 0 keeps the store until all have
-            self._watchdog.stop()
-            self._watchdog.finish()
-            self._watchdog = None
+        self.finish_watchdog()
         try:
             self.checkpoint_io.teardown()  # first: a save still in flight is awaited, and its failure raised
         finally:
             self.cluster_environment.teardown()
             self.precision_plugin.teardown()
             self.accelerator.teardown()
+
+    def finish_watchdog(self) -> None:
+        """A normal end: stop watching for failed ranks; rank 0 keeps the store until every rank has finished."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog.finish()
+            self._watchdog = None
 
     @override
     def on_exception(self, exception: BaseException) -> None:

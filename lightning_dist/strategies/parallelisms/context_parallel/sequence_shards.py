@@ -151,6 +151,10 @@ class ContextParallelSteps(_Base):
             )
         self._recognize_causal_lm(model)
 
+    def leave_labels_to_the_loop(self) -> None:
+        """A loop that computes its loss from the gathered logits (Fabric): no label shifting for a causal LM."""
+        self._causal_lm = None
+
     def _recognize_causal_lm(self, model: Module, log: bool = True) -> None:
         self._causal_lm = find_causal_lm(model)
         if self._causal_lm is None:

@@ -229,8 +229,8 @@ class FaultToleranceOption(_Base):
             super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
-    def _checkpoint_provenance(self) -> dict[str, Any]:
-        provenance = super()._checkpoint_provenance()
+    def checkpoint_provenance(self) -> dict[str, Any]:
+        provenance = super().checkpoint_provenance()
         options, groups = self.fault_tolerance, self._replica_groups
         if options is not None:  # which group wrote it, and torchft's step then
             provenance["fault_tolerance"] = {

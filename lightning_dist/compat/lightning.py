@@ -44,7 +44,7 @@ PRIVATE_LIGHTNING_NAMES: dict[str, tuple[str, str]] = {
         "strategies/lifecycle/preflight.py: base of the launcher that checks before launch",
     ),
     "_SubprocessScriptLauncher": ("Lightning 2.6.6", "strategies/lifecycle/preflight.py: the devices=N launcher"),
-    "_BackwardSyncControl": ("Lightning 2.6.6", "fabric/strategy.py: fabric.no_backward_sync over FSDP2 units"),
+    "_BackwardSyncControl": ("Lightning 2.6.6", "fabric/no_sync.py: fabric.no_backward_sync over FSDP2 units"),
     "_lightning_module": (
         "Lightning 2.6.6",
         "fabric/strategy.py: the module a Trainer strategy used by a Fabric strategy finds submodules in",

@@ -123,3 +123,15 @@ def precision_flag(plugin: Precision) -> str:
         f"The precision plugin {type(plugin).__name__} (precision={flag or '?'!r}) cannot be used with the"
         f" lightning_dist Fabric strategies. Pass Fabric(precision=...) with one of: {', '.join(SUPPORTED_PRECISION)}."
     )
+
+
+def engine_precision_plugin(flag: str, given: Precision) -> Any:
+    """The plugin the engine converts into its dtype policy: the user's policy object itself, or Lightning's generic
+    plugin for the flag (the Trainer's route, so ZeRO++ makes its own policy of it)."""
+    from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
+
+    if isinstance(given, FSDP2Precision):
+        return given
+    generic = TrainerPrecision()
+    generic.precision = flag  # type: ignore[assignment]
+    return generic

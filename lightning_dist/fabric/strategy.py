@@ -8,13 +8,13 @@ parallelization at ``fabric.setup`` (:meth:`~lightning_dist.strategies.lifecycle
 reductions over the mesh's groups, gradients made what one process computes before clipping and stepping, and
 checkpoints in the Trainer's format (:mod:`.checkpoints`).
 
-What only the Trainer's loop can drive is refused by name when the strategy is built (:data:`TRAINER_ONLY`), and so
+What only the Trainer's loop can drive is refused by name when the strategy is built (:mod:`.refusals`), and so
 is a pipeline axis: Fabric has no step structure for a schedule to run.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -25,39 +25,21 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor
-from torch.distributed.fsdp import FSDPModule
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dist.compat.lightning import BackwardSyncControl, FabricSubprocessScriptLauncher, set_strategy_module
+from lightning_dist.compat.lightning import FabricSubprocessScriptLauncher, set_strategy_module
 from lightning_dist.fabric.checkpoints import load_state, save_state
-from lightning_dist.fabric.precision import FabricMeshPrecision, precision_flag
+from lightning_dist.fabric.no_sync import ShardedNoSync
+from lightning_dist.fabric.precision import FabricMeshPrecision, engine_precision_plugin, precision_flag
+from lightning_dist.fabric.refusals import refuse_pipeline, refuse_trainer_only
 from lightning_dist.fabric.sequence_shards import FabricSequenceShards
 from lightning_dist.parallel.fsdp import is_fully_sharded
 from lightning_dist.parallel.full_tensor_loading import accept_full_tensors
 from lightning_dist.parallel.grad_clip import clip_grad_norm_, clip_grad_value_
 from lightning_dist.strategies.base import MeshParallelStrategy
 from lightning_dist.strategies.lifecycle.preflight import PARALLELIZED
-
-#: Options of the Trainer strategies that act through the Trainer's loop, with what to do instead under Fabric
-#: (refused only when set to something other than their default).
-TRAINER_ONLY: dict[str, tuple[Any, str]] = {
-    "on_nonfinite": (
-        "ignore",
-        "the Trainer's loop skips or stops on a non-finite loss; in a Fabric loop check torch.isfinite(loss) yourself",
-    ),
-    "accumulation_sync": (
-        "every",
-        "a Fabric loop chooses when gradients are reduced: wrap the accumulating steps in fabric.no_backward_sync",
-    ),
-    "fault_tolerance": (None, "fault tolerance restarts the Trainer's loop; train with the Trainer"),
-    "log_expert_load": (False, "it logs through the LightningModule; compute the load from your loop"),
-    "loss_parallel": (
-        False,
-        "the loop computes the loss outside the model, from logits that are whole on every tensor-parallel rank",
-    ),
-}
 
 
 class MeshFabricStrategy(ParallelStrategy):
@@ -83,7 +65,7 @@ class MeshFabricStrategy(ParallelStrategy):
         precision: Precision | None = None,
         **options: Any,
     ) -> None:
-        _refuse_trainer_only(type(self).__name__, options)
+        refuse_trainer_only(type(self).__name__, options)
         #: The Trainer strategy doing the work (see the module docstring).
         self.engine: MeshParallelStrategy = self.engine_class(checkpoint_io=checkpoint_io, **options)  # type: ignore[arg-type]
         super().__init__(accelerator=accelerator)
@@ -91,7 +73,7 @@ class MeshFabricStrategy(ParallelStrategy):
         self.cluster_environment = cluster_environment
         if precision is not None:
             self.precision = precision
-        self._backward_sync_control = _ShardedNoSync()
+        self._backward_sync_control = ShardedNoSync()
         self._sequence_shards: FabricSequenceShards | None = None
         self._gradients_pending = False
 
@@ -150,7 +132,7 @@ class MeshFabricStrategy(ParallelStrategy):
         if precision is None:
             self._precision = None
             return
-        self.engine.precision_plugin = _flag_plugin(precision_flag(precision), precision)
+        self.engine.precision_plugin = engine_precision_plugin(precision_flag(precision), precision)
         self._precision = FabricMeshPrecision(self.engine.precision_plugin)
 
     @property
@@ -173,7 +155,7 @@ class MeshFabricStrategy(ParallelStrategy):
     def _set_world_ranks(self) -> None:
         self.engine.set_world_ranks()  # the mesh sizes checked, before any process is launched
         if self.engine.num_processes and self.engine.mesh_is_known():
-            _refuse_pipeline(type(self).__name__, self.engine.parallel_dims.pp)
+            refuse_pipeline(type(self).__name__, self.engine.parallel_dims.pp)
 
     @override
     def _configure_launcher(self) -> None:
@@ -327,56 +309,3 @@ class MeshFabricStrategy(ParallelStrategy):
             self.precision.teardown()
             if self.accelerator is not None:
                 self.accelerator.teardown()
-
-
-class _ShardedNoSync(BackwardSyncControl):
-    """``fabric.no_backward_sync(model)``: FSDP2 units keep their gradients unreduced until the last micro-batch."""
-
-    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
-        units = [m for m in module.modules() if isinstance(m, FSDPModule)]
-        if not enabled or not units:
-            return nullcontext()
-        return _GradientSyncOff(units)
-
-
-class _GradientSyncOff(AbstractContextManager):
-    def __init__(self, units: list[FSDPModule]) -> None:
-        self.units = units
-
-    def __enter__(self) -> None:
-        for unit in self.units:
-            unit.set_requires_gradient_sync(False, recurse=False)
-
-    def __exit__(self, *exc: object) -> None:
-        for unit in self.units:
-            unit.set_requires_gradient_sync(True, recurse=False)
-
-
-def _flag_plugin(flag: str, given: Precision) -> Any:
-    """The plugin the engine converts into its dtype policy: the user's policy object itself, or Lightning's generic
-    plugin for the flag (the Trainer's route, so ZeRO++ makes its own policy of it)."""
-    from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
-
-    from lightning_dist.plugins.precision import FSDP2Precision
-
-    if isinstance(given, FSDP2Precision):
-        return given
-    generic = TrainerPrecision()
-    generic.precision = flag  # type: ignore[assignment]
-    return generic
-
-
-def _refuse_trainer_only(name: str, options: dict[str, Any]) -> None:
-    for option, (default, instead) in TRAINER_ONLY.items():
-        if option in options and options[option] != default:
-            raise ValueError(f"{name}({option}={options[option]!r}) is a Trainer option here: {instead}.")
-
-
-def _refuse_pipeline(name: str, pp: int) -> None:
-    if pp > 1:
-        raise ValueError(
-            f"{name}: the mesh has a pipeline axis (pp={pp}), which a Fabric loop cannot drive: a pipeline schedule"
-            " runs forward and backward of every micro-batch itself, and Fabric has no training step to hand it."
-            " Keep pipeline_parallel_size=1 under Fabric (fsdp2, tensor_parallel and context_parallel axes all work),"
-            " or train with the Trainer's pipeline or hybrid3d strategy."
-        )

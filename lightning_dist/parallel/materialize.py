@@ -34,8 +34,10 @@ import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -96,6 +98,22 @@ def materialize(model: nn.Module, device: torch.device, rank: int = 0) -> Materi
         lost_buffers=lost,
         classes=classes,
     )
+
+
+def on_every_rank(materialized: Materialized) -> Materialized:
+    """``materialized`` with what nothing initialized joined over every rank (each checked its own shards and
+    stages), names sorted. Collective when a process group of more than one rank exists."""
+    lost, uninitialized = set(materialized.lost_buffers), set(materialized.uninitialized)
+    classes = dict(materialized.classes)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        reports: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, (materialized.lost_buffers, materialized.uninitialized, materialized.classes))
+        for rank_lost, rank_uninitialized, rank_classes in reports:
+            lost.update(rank_lost)
+            uninitialized.update(rank_uninitialized)
+            classes.update(rank_classes)
+    return Materialized(materialized.reset_modules, materialized.pretrained, tuple(sorted(uninitialized)),
+                        tuple(sorted(lost)), classes)  # fmt: skip
 
 
 def never_initialized_buffers(model: nn.Module) -> dict[str, str]:

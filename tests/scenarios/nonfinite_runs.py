@@ -77,7 +77,9 @@ def stop(devices: int, workdir: str) -> dict[str, Any]:
         _fit(devices, "stop", [])
     except NonFiniteError as err:
         message = str(err)
-    Path(workdir, f"stop_rank{rank}.json").write_text(json.dumps({"message": message}))
+    mine = Path(workdir, f"stop_rank{rank}.json")  # written whole, then renamed: a peer never reads it half written
+    mine.with_suffix(".partial").write_text(json.dumps({"message": message}))
+    mine.with_suffix(".partial").replace(mine)
     seconds = time.monotonic() - start
     files = [Path(workdir, f"stop_rank{r}.json") for r in range(devices)]
     while not all(f.exists() for f in files) and time.monotonic() - start < 60:

@@ -30,6 +30,7 @@ from lightning_dist.parallel.materialize import (
     materialize,
     never_initialized_buffers,
     never_initialized_message,
+    on_every_rank,
     uninitialized_message,
 )
 from lightning_dist.parallel.placement import place_model
@@ -120,22 +121,11 @@ class ModelSetup(_Base):
         are refused (no checkpoint holds them), parameters nothing initialized are warned about."""
         if materialized is None:
             return
-        lost, uninitialized, classes = set(materialized.lost_buffers), set(materialized.uninitialized), {}
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            reports: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(
-                reports, (materialized.lost_buffers, materialized.uninitialized, materialized.classes)
-            )
-            for rank_lost, rank_uninitialized, rank_classes in reports:
-                lost.update(rank_lost)
-                uninitialized.update(rank_uninitialized)
-                classes.update(rank_classes)
-        else:
-            classes = dict(materialized.classes)
-        if lost:
-            raise RuntimeError(never_initialized_message(sorted(lost), classes))
-        if uninitialized:
-            rank_zero_warn(uninitialized_message(sorted(uninitialized), classes), category=UserWarning)
+        agreed = on_every_rank(materialized)
+        if agreed.lost_buffers:
+            raise RuntimeError(never_initialized_message(agreed.lost_buffers, agreed.classes))
+        if agreed.uninitialized:
+            rank_zero_warn(uninitialized_message(agreed.uninitialized, agreed.classes), category=UserWarning)
         how = f"reset_parameters() of {materialized.reset_modules} modules"
         if materialized.pretrained:
             how += f", then the own weight init of {', '.join(materialized.pretrained)} (transformers)"

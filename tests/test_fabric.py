@@ -247,3 +247,12 @@ def test_a_state_saved_under_a_prefix_loads_through_a_view() -> None:
     assert aligned_module(outer, ["0.weight", "0.bias"]) is inner
     assert aligned_module(inner, ["0.weight", "other.bias"]) is inner
     assert aligned_module(inner, ["x.1.weight"]) is inner
+
+
+def test_an_optimizer_made_before_the_model_is_set_up_is_refused() -> None:
+    """``fabric.setup(model, optimizer)``: sharding replaces the parameters the optimizer holds; refused before any
+    of it happens, saying the order that works."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match=r"Set the model up first, then make the optimizer"):
+        ld_fabric.FSDP2Strategy().setup_module_and_optimizers(model, [optimizer])

@@ -176,6 +176,19 @@ class MeshFabricStrategy(ParallelStrategy):
         return self.engine.tensor_init_context(empty_init)
 
     @override
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[Module, list[Optimizer], Any | None]:
+        if optimizers:  # they hold the parameters that sharding is about to replace
+            raise RuntimeError(
+                f"{type(self).__name__} shards the model's parameters when it sets the model up, so an optimizer made"
+                " before would update parameters the model no longer uses. Set the model up first, then make the"
+                " optimizer from its parameters: `model = fabric.setup(model)`, then"
+                " `optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))`."
+            )
+        return super().setup_module_and_optimizers(module, optimizers, scheduler)
+
+    @override
     def setup_module(self, module: Module) -> Module:
         engine = self.engine
         engine.model = module

@@ -128,9 +128,12 @@ def test_a_fabric_checkpoint_exports_as_a_litgpt_folder(runs: dict[str, Any], tm
 def test_litgpt_finetune_lora_script_under_our_strategies(tmp_path: Path) -> None:
     """litgpt's ``finetune lora`` (its ``setup``, data, optimizer, LoRA save and merge) with only its strategy line
     changed: the same logged losses as its single-device run, and the merged model written."""
-    single = run_scenarios("litgpt_finetune_runs.py", 1, tmp_path, ["prepare", "single"])["single"]
-    fsdp2 = run_scenarios("litgpt_finetune_runs.py", 2, tmp_path, ["fsdp2"])["fsdp2"]
-    tensor_parallel = run_scenarios("litgpt_finetune_runs.py", 2, tmp_path, ["tensor_parallel"])["tensor_parallel"]
+    cpu = {"CUDA_VISIBLE_DEVICES": ""}  # litgpt's script builds L.Fabric(devices=N) with accelerator "auto"
+
+    def run(devices: int, names: list[str]) -> dict[str, Any]:
+        return run_scenarios("litgpt_finetune_runs.py", devices, tmp_path, names, env=cpu)[names[-1]]
+
+    single, fsdp2, tensor_parallel = run(1, ["prepare", "single"]), run(2, ["fsdp2"]), run(2, ["tensor_parallel"])
     assert single["steps"] == fsdp2["steps"] == tensor_parallel["steps"] == [1, 2, 3, 4]
     assert single["losses"][2] != single["losses"][0]  # the adapters trained
     assert max_abs_diff(fsdp2["losses"], single["losses"]) <= LITGPT_TOL

@@ -108,13 +108,10 @@ class FabricMeshPrecision(Precision):
 def precision_flag(plugin: Precision) -> str:
     """The precision flag of a plugin Fabric built from ``Fabric(precision=...)`` (or a policy the user passed),
     refusing plugins the strategies have no policy for."""
+    from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
+
     flag = str(getattr(plugin, "precision", ""))
-    generic = type(plugin).__module__.startswith("lightning.fabric.plugins.precision") and type(plugin).__name__ in (
-        "Precision",
-        "MixedPrecision",
-        "HalfPrecision",
-        "DoublePrecision",
-    )
+    generic = type(plugin) in (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
     if (generic or isinstance(plugin, FSDP2Precision)) and flag in SUPPORTED_PRECISION:
         return flag
     if generic or flag.startswith("transformer-engine"):

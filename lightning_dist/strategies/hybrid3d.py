@@ -262,8 +262,7 @@ class Hybrid3DStrategy(
     def _parallelize_config(self, blocks: list[tuple[str, Module]], plan: Any, feeds_loss: bool) -> ParallelizeConfig:
         config, fsdp = self.standard_parallelize_config(blocks, plan, feeds_loss), self.parallel_dims.fsdp
         if self.zeropp and fsdp > 1:
-            compiled = self.root_device.type == "cuda" or self.compile_options is not None  # as zeropp's
-            config.all_gather = QuantizedAllGather(fsdp, compiled=compiled)
+            config.all_gather = QuantizedAllGather(fsdp, compiled=self.compiles_quantization)
         return config
 
     @override

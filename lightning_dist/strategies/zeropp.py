@@ -206,13 +206,6 @@ class ZeroPPStrategy(FSDP2Strategy):
             )
         return config
 
-    @property
-    def compiles_quantization(self) -> bool:
-        """Whether the quantization kernels go through ``torch.compile``: on CUDA always (fewer kernel launches per
-        collective), on the CPU with the ``compile`` option (1.6× faster kernels there, for a few seconds of
-        compilation in every process)."""
-        return self.root_device.type == "cuda" or self.compile_options is not None
-
     @override
     def comms_log(self, record: ParallelizeRecord) -> list[str]:
         per_node = self.resolved_ranks_per_node

@@ -12,7 +12,6 @@ stages each hold part of the keys) and all raise the same error. Every rank of t
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -233,9 +232,10 @@ class _ListedFilesReader(HuggingFaceStorageReader):
         self.fs = _ListedFiles(files)
         self.progress = progress
         self.threads = threads
+        self._lock = threading.Lock()  # DCP's planner and the progress display are not made for threads
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        sizes = [self._read_bytes(item, planner) for item in plan.items]
+        sizes = [_nbytes(planner.resolve_tensor(item)) for item in plan.items]
         budget = _ByteBudget(max(sizes, default=0))
         threads = self.threads
         if threads == 1 or len(plan.items) < 2:
@@ -252,9 +252,6 @@ class _ListedFilesReader(HuggingFaceStorageReader):
         done: Future[None] = Future()
         done.set_result(None)
         return done
-
-    def _read_bytes(self, item: Any, planner: LoadPlanner) -> int:
-        return planner.resolve_tensor(item).numel() * planner.resolve_tensor(item).element_size()
 
     def _read_within(self, item: Any, planner: LoadPlanner, budget: _ByteBudget, size: int) -> None:
         try:
@@ -275,13 +272,9 @@ class _ListedFilesReader(HuggingFaceStorageReader):
                     f"{item.storage_index.fqn}: read {list(values.size())} for a slot of {list(target.size())}"
                 )
             target.copy_(values)
-            with self._lock:  # DCP's planner and the progress display are not made for threads
+            with self._lock:
                 planner.commit_tensor(item, target)
                 self.progress.update(values.nbytes)
-
-    @functools.cached_property
-    def _lock(self) -> threading.Lock:
-        return threading.Lock()
 
 
 class _ByteBudget:
@@ -301,6 +294,10 @@ class _ByteBudget:
         with self._changed:
             self.in_flight -= size
             self._changed.notify_all()
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def read_threads(local_ranks: int | None = None) -> int:

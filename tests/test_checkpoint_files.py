@@ -162,6 +162,52 @@ def test_an_optimizer_without_per_parameter_state_reads_back_from_shards():
     assert positions == {"state": {}, "param_groups": [{"params": [0, 1], "lr": 0.1}]}
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "one_file"])
+def test_a_checkpoint_before_the_first_step_leaves_the_optimizer_unstepped(tmp_path, full):
+    """torch's get/set_optimizer_state_dict step an optimizer without state with lr 0 (Adam: zero moments, step 1),
+    so a save before the first step (Lightning's lr_find saves and restores one) made the run's first real step
+    Adam's second. The optimizer stays unstepped, the checkpoint holds its param groups only, as
+    ``Optimizer.state_dict`` writes them, and a load of it leaves the loading optimizer unstepped too; the next step
+    equals one never checkpointed."""
+    model, reference = _model(), _model()
+    optimizer, reference_opt = (torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, reference))
+    state = model_state.optimizer_state(model, optimizer, full=full)
+    assert not optimizer.state and state["state"] == {} and state["param_groups"][0]["lr"] == 0.1
+    checkpoint = {"state_dict": model_state.model_state(model, full=full), "optimizer_states": [state]}
+    path = tmp_path / "before_first_step.ckpt"
+    (FullStateCheckpointIO() if full else DistributedCheckpointIO()).save_checkpoint(checkpoint, path)
+    resumed = _model()
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=0.1)
+    _trained_with(resumed, resumed_opt)  # a state the load must replace with none
+    model_state.load_checkpoint_into(path, resumed, [resumed_opt], strict=True)
+    assert not resumed_opt.state and resumed_opt.param_groups[0]["lr"] == 0.1
+    for m, opt in ((model, optimizer), (reference, reference_opt), (resumed, resumed_opt)):
+        _trained_with(m, opt)
+    for a, b, c in zip(model.parameters(), reference.parameters(), resumed.parameters()):
+        assert torch.equal(a, b) and torch.equal(c, b)
+
+
+def _trained_with(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    torch.manual_seed(1)
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_a_param_group_option_added_after_the_save_is_left_out_of_the_load(tmp_path):
+    """Lightning's lr_find saves, then its scheduler adds ``initial_lr`` to the param groups, then it restores the
+    checkpoint: the load asked DCP for ``param_groups.0.initial_lr`` and failed with "Missing key". The group is
+    loaded as saved, as ``Optimizer.load_state_dict`` does."""
+    path, model, _ = _save_sharded(tmp_path)
+    fresh = _model()
+    fresh_opt = torch.optim.AdamW([{"params": fresh[0].parameters()}, {"params": fresh[2].parameters(), "lr": 0.1}])
+    torch.optim.lr_scheduler.LinearLR(fresh_opt)  # sets initial_lr in every group
+    model_state.load_sharded(path, fresh, [fresh_opt], strict=True)
+    assert "initial_lr" not in fresh_opt.param_groups[0] and fresh_opt.param_groups[1]["lr"] == 0.1
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_an_empty_param_group_round_trips_through_a_state_keyed_per_parameter():
     """A pipeline stage's optimizer holds an empty param group where the group's parameters live on other stages.
     torch (2.13) reads a group's options from its first parameter when it loads a state keyed per parameter (what

@@ -43,6 +43,7 @@ from lightning_dist.checkpoint.optimizer_format import (
     names_to_positions,
     only_known_group_options,
     only_names,
+    only_saved_group_options,
     positions_to_names,
 )
 from lightning_dist.checkpoint.safe_load import dcp_load_planner, dcp_reader, shard_error
@@ -55,6 +56,7 @@ from lightning_dist.checkpoint.state_paths import (
     set_path,
     without_model_states,
 )
+from lightning_dist.checkpoint.unstepped_optimizer import left_unstepped, without_per_parameter_state
 from lightning_dist.checkpoint.validation import validate_checkpoint
 from lightning_dist.compat import gather_full_state
 from lightning_dist.compat.torchao import plain_state
@@ -92,6 +94,12 @@ def optimizer_state(
     """Name-keyed sharded optimizer state, or on rank 0 the full state keyed by position as ``Optimizer.state_dict``
     does (so a one-device run can resume from it). With pipeline ``stages`` the full state stays keyed by name
     (positions of one stage's optimizer mean nothing to another's): lightning_dist loads either. Collective."""
+    with left_unstepped(optimizer) as unstepped:  # saved before its first step: param groups only
+        state = _optimizer_state(model, optimizer, full, stages)
+    return without_per_parameter_state(state) if unstepped else state
+
+
+def _optimizer_state(model: Module, optimizer: Optimizer, full: bool, stages: StageLayout | None) -> dict[str, Any]:
     # A pipeline stage with nothing to optimize has no optimizer state (torch refuses to make an empty one).
     held = holds_parameters(optimizer)
     if not full:  # keyed per parameter under a pipeline: one shared `param_groups.N.params` list would keep one stage's
@@ -186,9 +194,12 @@ def load_sharded(
         options = _optimizer_options(flat[idx])
         with empty_groups_set_aside(optimizer):
             held = holds_parameters(optimizer)
-            state[f"optimizer_{idx}"] = (
-                plain_state(get_optimizer_state_dict(model, optimizer, options=options)) if held else {}
-            )
+            with left_unstepped(optimizer):  # the load below sets the state the checkpoint holds
+                requested = plain_state(get_optimizer_state_dict(model, optimizer, options=options)) if held else {}
+        prefix = f"optimizer_{idx}."
+        if not any(key.startswith(f"{prefix}state.") for key in index):  # saved before its first step
+            requested = without_per_parameter_state(requested)
+        state[prefix[:-1]] = only_saved_group_options(requested, index, prefix)
     for state_path in targets:
         shapes = _tensor_shapes(get_path(state, state_path))
         saved = _checkpoint_shapes(index, ".".join(state_path) + ".")
@@ -221,6 +232,8 @@ def _set_optimizer_state(
     with empty_groups_set_aside(optimizer):
         if holds_parameters(optimizer):
             set_optimizer_state_dict(model, optimizer, state, options=options)
+    if not any(key == "state" and value or key.startswith("state.") for key, value in state.items()):
+        optimizer.state.clear()  # saved before its first step: unstepped, as `Optimizer.load_state_dict` leaves it
     if stages is not None:
         share_group_options(optimizer, stages.group)
 

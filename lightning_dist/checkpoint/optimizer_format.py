@@ -8,6 +8,7 @@ single-file checkpoint written from a sharded run resumes in a one-device Lightn
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -71,3 +72,29 @@ def only_known_group_options(state: dict[str, Any], optimizer_groups: list[dict[
         for saved, current in zip(state["param_groups"], optimizer_groups)
     ]
     return {**state, "param_groups": groups}
+
+
+def only_saved_group_options(state: dict[str, Any], index: Iterable[str], prefix: str) -> dict[str, Any]:
+    """A DCP load request for an optimizer's state (under ``prefix`` in the checkpoint's ``index`` of keys), without
+    the param-group options the checkpoint does not hold for a group it holds: what a scheduler created after the
+    save adds, such as ``initial_lr`` (Lightning's learning-rate finder restoring its checkpoint, a scheduler added
+    to a resumed run). The loaded group is then the saved one, as ``Optimizer.load_state_dict`` leaves it. Both
+    layouts: groups as a list (``param_groups.0.lr``) or keyed per parameter (``param_groups.<name>.lr``)."""
+    saved = {key for key in index if key.startswith(f"{prefix}param_groups.")}
+    saved_groups = {key.rsplit(".", 1)[0] for key in saved}
+
+    def kept(group_key: str, option: str) -> bool:
+        key = f"{prefix}{group_key}.{option}"
+        return key in saved or f"{prefix}{group_key}" not in saved_groups
+
+    out = dict(state)
+    if isinstance(state.get("param_groups"), list):
+        out["param_groups"] = [
+            {k: v for k, v in group.items() if k == "params" or kept(f"param_groups.{i}", k)}
+            for i, group in enumerate(state["param_groups"])
+        ]
+    for key in [k for k in state if k.startswith("param_groups.")]:
+        group_key, option = key.rsplit(".", 1)
+        if not kept(group_key, option):
+            del out[key]
+    return out

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import yaml
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelPruning, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -532,6 +532,10 @@ ROWS: list[BadInput] = [
     BadInput("save_last='link' with the async checkpoint plugin",
              lambda t: _fit("fsdp2", plugins=[AsyncDistributedCheckpointIO()], callbacks=[ModelCheckpoint(save_last="link")]),
              ValueError, r"ModelCheckpoint\(save_last='link'\) cannot be combined with AsyncDistributedCheckpointIO"),
+    BadInput("Lightning's ModelPruning callback under fsdp2",
+             lambda t: _fit("fsdp2", callbacks=[ModelPruning("l1_unstructured", amount=0.5)]),
+             ValueError, r"ModelPruning cannot run under FSDP2Strategy: torch\.nn\.utils\.prune ranks whole weight tensors"
+             r".*Prune in one process or under strategy='ddp'.*lightning-dist consolidate"),
     BadInput("StochasticWeightAveraging in a test after fit, on the model fsdp2 sharded",
              lambda t: _trainer_with(StochasticWeightAveraging(swa_lrs=0.01)).test(_sharded_by_an_earlier_fit()),
              RuntimeError, r"StochasticWeightAveraging copies the LightningModule \(copy.deepcopy\) in its setup\(\) when"

@@ -36,11 +36,12 @@ from lightning_dist.parallel.materialize import (
 from lightning_dist.parallel.placement import place_model
 from lightning_dist.parallel.replicated_state import broadcast_replicated_state
 from lightning_dist.strategies.lifecycle.data_position import LIGHTNING_NOT_RESUMABLE_WARNING, skip_trained_batches
+from lightning_dist.strategies.lifecycle.finetuning_callbacks import compare_mixed_parameters
 from lightning_dist.strategies.lifecycle.interrupted_saves import recover_checkpoint_folders
 from lightning_dist.strategies.lifecycle.metric_sync import gather_over_data_parallel, use_metric_group
 from lightning_dist.strategies.lifecycle.preflight import (
     PARALLELIZED,
-    check_checkpoint_callbacks,
+    check_callbacks,
     check_ckpt_path,
     check_same_parallelism,
     parallel_settings,
@@ -68,6 +69,7 @@ class ModelSetup(_Base):
         if getattr(self.model, PARALLELIZED, None) is None:
             self.prepare_model()
         self._turn_off_generation_cache_in_training(trainer)
+        compare_mixed_parameters(trainer)  # BackboneFinetuning over DTensors and plain tensors (tensor parallel)
         self.shard_averaged_copies(trainer)  # WeightAveraging/SWA copied the model before it was parallelized
         self.finish_model_setup()
         # DTensor/FSDP2 parameters cannot be used under inference_mode (their version counters); Lightning only
@@ -172,7 +174,7 @@ class ModelSetup(_Base):
         parts = self.step_parts() if launching else []
         for part in parts:
             part.preflight_before_model(trainer, arguments)
-        check_checkpoint_callbacks(trainer)
+        check_callbacks(trainer)
         recover_checkpoint_folders(trainer, self.global_rank, arguments.get("ckpt_path"))
         self._requested_weights_only = arguments.get("weights_only")
         check_ckpt_path(arguments.get("ckpt_path"), self._requested_weights_only)

@@ -138,6 +138,28 @@ def check_ckpt_path(ckpt_path: Any, weights_only: bool | None = None) -> None:
     validate_checkpoint(Path(text), resolve_weights_only(weights_only))
 
 
+def check_callbacks(trainer: pl.Trainer) -> None:
+    """Refuse the callbacks that cannot work under the strategy, naming what works instead."""
+    check_checkpoint_callbacks(trainer)
+    check_pruning_callbacks(trainer)
+
+
+def check_pruning_callbacks(trainer: pl.Trainer) -> None:
+    """Refuse Lightning's ``ModelPruning``: ``torch.nn.utils.prune`` ranks whole weight tensors and moves each pruned
+    weight to ``<name>_orig`` behind a forward hook, while the strategy holds the weights as shards it gathers for
+    each forward (it failed at the first epoch's end with a DTensor error about redistributing a sharded dimension)."""
+    from lightning.pytorch.callbacks import ModelPruning
+
+    if any(isinstance(callback, ModelPruning) for callback in trainer.callbacks):
+        name = type(trainer.strategy).__name__
+        raise ValueError(
+            f"ModelPruning cannot run under {name}: torch.nn.utils.prune ranks whole weight tensors and re-registers"
+            f" each pruned weight as '<name>_orig' behind a forward hook, while {name} holds the weights as shards"
+            " that it gathers for every forward. Prune in one process or under strategy='ddp', or prune the trained"
+            " weights afterwards: `lightning-dist consolidate CHECKPOINT OUT.ckpt` writes them whole into one file."
+        )
+
+
 def check_checkpoint_callbacks(trainer: pl.Trainer) -> None:
     """Refuse ``ModelCheckpoint(save_last="link")`` with the async plugin: the link would point at a checkpoint still
     being written, and at nothing if that save fails."""

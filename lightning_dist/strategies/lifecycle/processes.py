@@ -24,6 +24,7 @@ from lightning_dist.strategies.lifecycle.failure_handling import (
     start_watchdog,
     stop_watchdogs,
 )
+from lightning_dist.strategies.lifecycle.finetuning_callbacks import restore_lightning_comparison
 from lightning_dist.strategies.lifecycle.preflight import PreflightLauncher, PreflightSubprocessLauncher
 
 if TYPE_CHECKING:
@@ -134,6 +135,7 @@ class ProcessSetup(_Base):
         assert self.cluster_environment is not None and self.accelerator is not None
         self._close_train_context()
         self.finish_watchdog()
+        restore_lightning_comparison()
         try:
             self.checkpoint_io.teardown()  # first: a save still in flight is awaited, and its failure raised
         finally:

@@ -1,0 +1,156 @@
+"""Lightning's own tools as users bring them, under the strategies against DDP and one process.
+
+- ``lr_find_*``: ``Tuner(trainer).lr_find(model)`` on a module whose ``configure_optimizers`` returns a bare
+  optimizer (the finder's own scheduler adds ``initial_lr`` to its param groups after the finder saved its
+  checkpoint), then ``trainer.fit`` with the suggested learning rate on the same Trainer.
+- ``callbacks_*``: one fit with ``BackboneFinetuning`` (a param group added when the backbone thaws),
+  ``GradientAccumulationScheduler``, ``ReduceLROnPlateau`` on the validation loss, ``EarlyStopping``,
+  ``LearningRateMonitor`` and ``ModelCheckpoint(monitor=..., save_top_k=2)``, then ``trainer.test(ckpt_path="best")``.
+
+python tests/scenarios/lightning_tools_runs.py --devices 2 --out r.json --workdir DIR --scenarios lr_find_fsdp2,lr_find_ddp
+python tests/scenarios/lightning_tools_runs.py --devices 1 --out ref.json --workdir DIR --scenarios lr_find_one_process
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+from common import StepRecorder, full_state, make_model_and_data, run_scenario_script, trainer_kwargs  # type: ignore[import-not-found]
+from lightning.pytorch.callbacks import (
+    BackboneFinetuning,
+    EarlyStopping,
+    GradientAccumulationScheduler,
+    LearningRateMonitor,
+    ModelCheckpoint,
+)
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.tuner import Tuner
+
+from examples.gpt import GPT
+from lightning_dist import FSDP2Strategy, TensorParallelStrategy, ZeroPPStrategy
+
+FIT_STEPS = 3
+FINDER_STEPS = 16
+
+
+class BareOptimizerGPT(GPT):
+    """The example GPT with the optimizer users write for ``lr_find``: no scheduler of its own."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+def _lr_find(devices: int, workdir: str, name: str, strategy: Any, dp: int) -> dict[str, Any]:
+    model, data = make_model_and_data(devices, dp_size=dp, vocab_size=64)
+    model = BareOptimizerGPT(**dict(model.hparams)).double()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    recorder = StepRecorder()
+    root = os.path.join(workdir, name)
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=strategy, precision="64-true"),
+        max_steps=FIT_STEPS,
+        callbacks=[recorder],
+        default_root_dir=root,
+    )
+    finder = Tuner(trainer).lr_find(
+        model, datamodule=data, min_lr=1e-5, max_lr=1.0, num_training=FINDER_STEPS, early_stop_threshold=None
+    )
+    restored = full_state(trainer.lightning_module)  # the finder restores the weights it started from
+    restored_gap = max(float((restored[k] - initial[k]).abs().max()) for k in restored)
+    left_behind = [f for f in os.listdir(root) if f.startswith(".lr_find")] if os.path.isdir(root) else []
+    trainer.fit(model, datamodule=data)
+    return {
+        "lrs": finder.results["lr"],
+        "losses": finder.results["loss"],
+        "suggestion": finder.suggestion(),
+        "hparams_lr": float(model.hparams.lr),
+        "restored_gap": restored_gap,
+        "left_behind": left_behind,
+        "fit_losses": recorder.losses,
+    }
+
+
+class FinetuningGPT(GPT):
+    """The example GPT as a BackboneFinetuning user writes it: a ``backbone``, an optimizer over what is trainable
+    and a plateau scheduler on the validation loss (its threshold makes it halve the rates at every epoch's end)."""
+
+    @property
+    def backbone(self) -> torch.nn.Module:
+        return self.blocks
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0, threshold=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "val_loss"}}
+
+
+def _callbacks(devices: int, workdir: str, name: str, strategy: Any, dp: int) -> dict[str, Any]:
+    model, data = make_model_and_data(devices, dp_size=dp, vocab_size=64)
+    model = FinetuningGPT(**dict(model.hparams)).double()
+    recorder = StepRecorder()
+    best = ModelCheckpoint(dirpath=os.path.join(workdir, name, "checkpoints"), monitor="val_loss", save_top_k=2)
+    trainer = L.Trainer(
+        **trainer_kwargs(
+            devices,
+            strategy=strategy,
+            precision="64-true",
+            enable_checkpointing=True,
+            logger=CSVLogger(os.path.join(workdir, name)),
+        ),
+        max_epochs=3,
+        limit_train_batches=4,
+        callbacks=[
+            recorder,
+            BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5),
+            GradientAccumulationScheduler({0: 1, 2: 2}),
+            EarlyStopping("val_loss", patience=5),
+            LearningRateMonitor(),
+            best,
+        ],
+    )
+    trainer.fit(model, datamodule=data)
+    optimizer = trainer.optimizers[0]
+    tested = trainer.test(model, datamodule=data, ckpt_path="best", verbose=False)
+    return {
+        "losses": recorder.losses,
+        "grad_norms": recorder.grad_norms,
+        "group_sizes": [len(group["params"]) for group in optimizer.param_groups],
+        "lrs": [float(group["lr"]) for group in optimizer.param_groups],
+        "best_score": float(best.best_model_score),
+        "best_name": os.path.basename(best.best_model_path),
+        "kept": sorted(os.listdir(best.dirpath)),
+        "test_loss": tested[0]["test_loss"],
+    }
+
+
+def _each(run: Callable[..., dict[str, Any]], kind: str) -> dict[str, Callable[[int, str], dict[str, Any]]]:
+    """``run`` under each strategy, as ``<kind>_<strategy>``."""
+    strategies: dict[str, tuple[Callable[[int], Any], bool]] = {  # (strategy for d devices, whether dp = d)
+        "fsdp2": (lambda d: FSDP2Strategy(), True),
+        "zeropp": (
+            lambda d: ZeroPPStrategy(quantized_weights=False, quantized_gradients=False, ranks_per_node=1),
+            True,
+        ),
+        "ddp": (lambda d: "ddp", True),
+        "tensor_parallel": (lambda d: TensorParallelStrategy(tensor_parallel_size=d), False),
+        "one_process": (lambda d: "auto", False),
+    }
+    return {
+        f"{kind}_{name}": (
+            lambda d, w, name=name, make=make, dp_all=dp_all: run(d, w, f"{kind}_{name}", make(d), d if dp_all else 1)
+        )
+        for name, (make, dp_all) in strategies.items()
+    }
+
+
+SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
+    **_each(_lr_find, "lr_find"),
+    **_each(_callbacks, "callbacks"),
+}
+
+if __name__ == "__main__":
+    run_scenario_script(SCENARIOS)

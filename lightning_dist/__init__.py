@@ -20,6 +20,7 @@ from lightning_dist.plugins import (
     FullStateCheckpointIO,
     ZeroPPPrecision,
 )
+from lightning_dist.plugins.folder_loading import register_folder_loading
 from lightning_dist.strategies import (
     ContextParallelStrategy,
     FSDP2Strategy,
@@ -55,6 +56,7 @@ __all__ = [
 
 register_strategies()
 register_fabric_strategies()
+register_folder_loading()
 warn_if_untested_torch()
 
 

@@ -78,7 +78,7 @@ def resumed(workdir, saved, crashed, four_ranks):
 
 @pytest.fixture(scope="module")
 def one_device(workdir, saved):
-    return run_scenarios(SCRIPT, 1, workdir, ["resume_full_fp32_one_device"])
+    return run_scenarios(SCRIPT, 1, workdir, ["resume_full_fp32_one_device", "resume_dcp_fp32_one_device"])
 
 
 def test_saving_does_not_change_training(saved):
@@ -147,11 +147,14 @@ def test_resume_under_another_strategy_or_world_size_continues_the_run(request, 
     assert max_abs_diff(run["losses"], saved["fit_fsdp2_fp64"]["losses"][SAVE_STEP:]) <= FP64_TOL
 
 
-def test_one_device_lightning_resumes_the_full_state_file(saved, one_device):
-    run = one_device["resume_full_fp32_one_device"]
+@pytest.mark.parametrize("plugin", ["full", "dcp"])
+def test_one_device_lightning_resumes_the_full_state_file_and_the_sharded_folder(saved, one_device, plugin):
+    """Saved at the epoch boundary (step 4) by 2 ranks, resumed by Lightning's own one-device strategy and
+    ``TorchCheckpointIO``: from the one-file checkpoint, and from the sharded folder itself (read as one file when
+    lightning_dist is imported; before, ``torch.load`` of the folder raised ``IsADirectoryError``)."""
+    run = one_device[f"resume_{plugin}_fp32_one_device"]
     assert run["global_step"] == 6
-    # saved at the epoch boundary (step 4) by 2 ranks, resumed by plain Lightning on one device
-    assert max_abs_diff(run["losses"], saved["fit_full_fp32"]["losses"][4:]) <= 1e-5
+    assert max_abs_diff(run["losses"], saved[f"fit_{plugin}_fp32"]["losses"][4:]) <= 1e-5
 
 
 def _probe(workdir: Path, name: str) -> torch.Tensor:
@@ -208,6 +211,15 @@ def test_consolidated_checkpoint_reproduces_the_forward_exactly(saved, workdir, 
     tensors = load_file(str(workdir / "model.safetensors"))
     assert tensors.keys() == checkpoint["state_dict"].keys()
     assert all(torch.equal(tensors[k], v) for k, v in checkpoint["state_dict"].items())
+
+
+def test_load_from_checkpoint_reads_the_sharded_folder(saved, workdir, scenario_imports):
+    """``GPT.load_from_checkpoint(folder)`` on the sharded checkpoint of a 2-rank run, in this process (no process
+    group): the forward equals the run's own, bitwise; ``map_location`` is honoured."""
+    folder = workdir / "dcp_fp32" / "step=6.ckpt"
+    assert folder.is_dir()
+    assert torch.equal(_forward(GPT.load_from_checkpoint(folder)), _probe(workdir, "dcp_fp32"))
+    assert torch.equal(_forward(GPT.load_from_checkpoint(str(folder), map_location="cpu")), _probe(workdir, "dcp_fp32"))
 
 
 def test_full_state_file_loads_in_one_process(saved, workdir, scenario_imports):

@@ -100,6 +100,23 @@ def test_loading_into_a_model_refuses_a_crafted_checkpoint_without_running_it(cr
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("name", [name for name in CRAFTED if name != "single file"])  # a file: torch.load's own
+def test_lightning_s_own_loaders_refuse_a_crafted_folder_without_running_it(name, tmp_path):
+    """``LightningModule.load_from_checkpoint`` and Lightning's ``TorchCheckpointIO`` read a sharded folder through
+    lightning_dist once it is imported (plugins/folder_loading.py), weights-only unless told otherwise."""
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    from examples.gpt import GPT
+
+    marker = tmp_path / "PAYLOAD_RAN"
+    path = CRAFTED[name](tmp_path / "evil.ckpt", marker)
+    assert path.is_dir()
+    for load in (lambda: GPT.load_from_checkpoint(path), lambda: TorchCheckpointIO().load_checkpoint(path)):
+        with pytest.raises(CheckpointError, match=r"builtins\.exec"):
+            load()
+    assert not marker.exists(), name
+
+
 def test_the_dcp_index_is_refused_before_launch(tmp_path):
     """``validate_checkpoint`` runs before any process is launched; a crafted index fails there, naming the type."""
     marker = tmp_path / "PAYLOAD_RAN"

@@ -103,6 +103,10 @@ PRIVATE_LIGHTNING_NAMES: dict[str, tuple[str, str]] = {
         "torchmetrics 1.9.0",
         "strategies/parallelisms/pipeline/logs.py: merge micro-batch states of a Metric",
     ),
+    "_load": (
+        "Lightning 2.6.6",
+        "plugins/folder_loading.py: the loader load_from_checkpoint and TorchCheckpointIO call (as pl_load)",
+    ),
     "_to_sync": (
         "torchmetrics 1.9.0",
         "strategies/parallelisms/pipeline/logs.py: compute a Metric without a collective",
@@ -246,6 +250,20 @@ def get_filesystem(path: Any) -> Any:
     from lightning.fabric.utilities.cloud_io import get_filesystem as lightning_filesystem
 
     return lightning_filesystem(path)
+
+
+#: The modules whose ``pl_load`` (Lightning's ``cloud_io._load``) reads a checkpoint path: ``LightningModule``'s and
+#: ``LightningDataModule``'s ``load_from_checkpoint``, and ``TorchCheckpointIO`` (Lightning's own strategies' resume).
+CHECKPOINT_LOADER_MODULES = ("lightning.pytorch.core.saving", "lightning.fabric.plugins.io.torch_io")
+
+
+def route_checkpoint_loading(wrap: Any) -> None:
+    """Replace ``pl_load`` in :data:`CHECKPOINT_LOADER_MODULES` with ``wrap(Lightning's loader)`` (once)."""
+    for name in CHECKPOINT_LOADER_MODULES:
+        module = importlib.import_module(name)
+        if not getattr(module.pl_load, "lightning_dist_routed", False):
+            module.pl_load = wrap(module.pl_load)
+            module.pl_load.lightning_dist_routed = True
 
 
 # ---------------------------------------------------------------------------------------------------- loops and data

@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -247,7 +246,9 @@ def _ckpt(workdir: str, name: str, step: int = SAVE_EVERY) -> str:
 
 SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     # fp32, same world size: exact resume for each plugin
-    "fit_dcp_fp32": partial(fit, name="dcp_fp32", precision="32-true", plugin="dcp"),
+    "fit_dcp_fp32": lambda d, w: fit(
+        d, w, "dcp_fp32", "32-true", plugin="dcp", extra_callbacks=[_epoch_end_checkpoint(f"{w}/dcp_fp32")]
+    ),
     "fit_async_fp32": async_ordering,  # also shows that training goes on while the first save is being written
     "fit_full_fp32": lambda d, w: fit(
         d, w, "full_fp32", "32-true", plugin="full", extra_callbacks=[_epoch_end_checkpoint(f"{w}/full_fp32")]
@@ -264,6 +265,16 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
         plugin=None,
         strategy="one_device",
         resume_from=f"{w}/full_fp32/epoch_end-step={STEPS_PER_EPOCH}.ckpt",
+    ),
+    # the same from the sharded folder itself: Lightning's TorchCheckpointIO reads it (plugins/folder_loading.py)
+    "resume_dcp_fp32_one_device": lambda d, w: fit(
+        d,
+        w,
+        "dcp_one_device",
+        "32-true",
+        plugin=None,
+        strategy="one_device",
+        resume_from=f"{w}/dcp_fp32/epoch_end-step={STEPS_PER_EPOCH}.ckpt",
     ),
 }
 for _p in PLUGINS:

@@ -55,3 +55,18 @@ def test_finetuning_callbacks_equal_one_process(tmp_path):
         assert run["group_sizes"] == one["group_sizes"] and _gap(run["lrs"], one["lrs"]) <= 1e-12, name
         assert abs(run["best_score"] - one["best_score"]) <= 1e-10 and run["kept"] == one["kept"], name
         assert abs(run["test_loss"] - one["test_loss"]) <= 1e-10, name
+
+
+def test_sync_batchnorm_reaches_the_model_over_the_ranks_that_split_the_batch(tmp_path):
+    """``Trainer(sync_batchnorm=True)``: before, the mesh strategies ignored it (Lightning applies its layer sync in
+    its DDP and FSDP strategies only), so BatchNorm normalized over each rank's part of the batch. Now every BatchNorm
+    is a SyncBatchNorm over the loss group (dp2 here) when the fit starts, under fsdp2 and zeropp. On the CPU the
+    first step then ends in torch's own refusal (SyncBatchNorm syncs on accelerators only), as DDP refuses the same
+    layer when it wraps the model; without the flag the layer stays a BatchNorm and trains."""
+    names = ["sync_batchnorm_fsdp2", "sync_batchnorm_zeropp", "sync_batchnorm_ddp", "batchnorm_fsdp2"]
+    runs = run_scenarios(TOOLS, 2, tmp_path, names)
+    assert runs["batchnorm_fsdp2"] == {"kinds": [["BatchNorm", 0]], "error": None}
+    assert runs["sync_batchnorm_ddp"]["error"] == "SyncBatchNorm layers only work with GPU modules"
+    for name in names[:2]:
+        assert runs[name]["kinds"] == [["SyncBatchNorm", 2]], name
+        assert runs[name]["error"].startswith("SyncBatchNorm expected input tensor to be on GPU"), name

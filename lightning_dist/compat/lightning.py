@@ -103,6 +103,10 @@ PRIVATE_LIGHTNING_NAMES: dict[str, tuple[str, str]] = {
         "torchmetrics 1.9.0",
         "strategies/parallelisms/pipeline/logs.py: merge micro-batch states of a Metric",
     ),
+    "_layer_sync": (
+        "Lightning 2.6.6",
+        "strategies/lifecycle/layer_sync.py: the plugin Trainer(sync_batchnorm=True) gives a parallel strategy",
+    ),
     "_load": (
         "Lightning 2.6.6",
         "plugins/folder_loading.py: the loader load_from_checkpoint and TorchCheckpointIO call (as pl_load)",
@@ -250,6 +254,11 @@ def get_filesystem(path: Any) -> Any:
     from lightning.fabric.utilities.cloud_io import get_filesystem as lightning_filesystem
 
     return lightning_filesystem(path)
+
+
+def layer_sync(strategy: Any) -> Any:
+    """The layer-sync plugin Lightning gave ``strategy`` (``Trainer(sync_batchnorm=True)``), or ``None``."""
+    return getattr(strategy, "_layer_sync", None)
 
 
 #: The modules whose ``pl_load`` (Lightning's ``cloud_io._load``) reads a checkpoint path: ``LightningModule``'s and

@@ -255,27 +255,21 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     ),
     "crash_during_save": crash_during_save,
     "resume_after_crash": lambda d, w: fit(d, w, "after_crash", "32-true", resume_from=f"{w}/crash/last.ckpt"),
-    # a plain one-device Lightning run (no lightning_dist strategy or plugin) resumes the consolidated file; at
-    # an epoch boundary, as Lightning itself restores no mid-epoch data position
-    "resume_full_fp32_one_device": lambda d, w: fit(
-        d,
-        w,
-        "full_one_device",
-        "32-true",
-        plugin=None,
-        strategy="one_device",
-        resume_from=f"{w}/full_fp32/epoch_end-step={STEPS_PER_EPOCH}.ckpt",
-    ),
-    # the same from the sharded folder itself: Lightning's TorchCheckpointIO reads it (plugins/folder_loading.py)
-    "resume_dcp_fp32_one_device": lambda d, w: fit(
-        d,
-        w,
-        "dcp_one_device",
-        "32-true",
-        plugin=None,
-        strategy="one_device",
-        resume_from=f"{w}/dcp_fp32/epoch_end-step={STEPS_PER_EPOCH}.ckpt",
-    ),
+    # a plain one-device Lightning run (no lightning_dist strategy or plugin) resumes the one-file checkpoint, and the
+    # sharded folder itself (Lightning's TorchCheckpointIO reads it: plugins/folder_loading.py); at an epoch
+    # boundary, as Lightning itself restores no mid-epoch data position
+    **{
+        f"resume_{p}_fp32_one_device": lambda d, w, p=p: fit(
+            d,
+            w,
+            f"{p}_one_device",
+            "32-true",
+            plugin=None,
+            strategy="one_device",
+            resume_from=f"{w}/{p}_fp32/epoch_end-step={STEPS_PER_EPOCH}.ckpt",
+        )
+        for p in ("full", "dcp")
+    },
 }
 for _p in PLUGINS:
     SCENARIOS[f"resume_{_p}_fp32"] = lambda d, w, p=_p: fit(

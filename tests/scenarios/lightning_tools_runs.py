@@ -6,6 +6,7 @@
 - ``callbacks_*``: one fit with ``BackboneFinetuning`` (a param group added when the backbone thaws),
   ``GradientAccumulationScheduler``, ``ReduceLROnPlateau`` on the validation loss, ``EarlyStopping``,
   ``LearningRateMonitor`` and ``ModelCheckpoint(monitor=..., save_top_k=2)``, then ``trainer.test(ckpt_path="best")``.
+- ``sync_batchnorm_*``: ``Trainer(sync_batchnorm=True)`` on a model with BatchNorm.
 
 python tests/scenarios/lightning_tools_runs.py --devices 2 --out r.json --workdir DIR --scenarios lr_find_fsdp2,lr_find_ddp
 python tests/scenarios/lightning_tools_runs.py --devices 1 --out ref.json --workdir DIR --scenarios lr_find_one_process
@@ -22,6 +23,7 @@ import torch
 from common import StepRecorder, full_state, make_model_and_data, run_scenario_script, trainer_kwargs  # type: ignore[import-not-found]
 from lightning.pytorch.callbacks import (
     BackboneFinetuning,
+    Callback,
     EarlyStopping,
     GradientAccumulationScheduler,
     LearningRateMonitor,
@@ -127,6 +129,58 @@ def _callbacks(devices: int, workdir: str, name: str, strategy: Any, dp: int) ->
     }
 
 
+class BatchNormNet(L.LightningModule):
+    """A small convolutional classifier with BatchNorm, as vision users write one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Conv1d(4, 8, 3, padding=1),
+            torch.nn.BatchNorm1d(8),
+            torch.nn.ReLU(),
+            torch.nn.Flatten(),
+            torch.nn.Linear(8 * 16, 3),
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class BatchNormKinds(Callback):
+    """The normalization layers (synced or not) and their process group's size when the fit starts."""
+
+    def __init__(self) -> None:
+        self.kinds: list[tuple[str, int]] = []
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for module in pl_module.modules():
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+                group = getattr(module, "process_group", None)
+                kind = "SyncBatchNorm" if isinstance(module, torch.nn.SyncBatchNorm) else "BatchNorm"
+                self.kinds.append((kind, group.size() if group is not None else 0))
+
+
+def _sync_batchnorm(devices: int, workdir: str, name: str, strategy: Any, dp: int, sync: bool = True) -> dict[str, Any]:
+    """``Trainer(sync_batchnorm=True)``: the layers the fit starts with, and how the first step ends. On the CPU,
+    torch's SyncBatchNorm refuses the forward (it syncs on accelerators only) under DDP and the mesh strategies alike."""
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4, 16), torch.randint(0, 3, (16,)))
+    kinds = BatchNormKinds()
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=strategy), sync_batchnorm=sync, max_steps=1, callbacks=[kinds]
+    )
+    try:
+        trainer.fit(BatchNormNet(), torch.utils.data.DataLoader(data, batch_size=4))
+        error = None
+    except ValueError as err:
+        error = str(err)
+    return {"kinds": kinds.kinds, "error": error}
+
+
 def _each(run: Callable[..., dict[str, Any]], kind: str) -> dict[str, Callable[[int, str], dict[str, Any]]]:
     """``run`` under each strategy, as ``<kind>_<strategy>``."""
     strategies: dict[str, tuple[Callable[[int], Any], bool]] = {  # (strategy for d devices, whether dp = d)
@@ -150,6 +204,8 @@ def _each(run: Callable[..., dict[str, Any]], kind: str) -> dict[str, Callable[[
 SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     **_each(_lr_find, "lr_find"),
     **_each(_callbacks, "callbacks"),
+    **{k: v for k, v in _each(_sync_batchnorm, "sync_batchnorm").items() if "tensor_parallel" not in k},
+    "batchnorm_fsdp2": lambda d, w: _sync_batchnorm(d, w, "batchnorm_fsdp2", FSDP2Strategy(), d, sync=False),
 }
 
 if __name__ == "__main__":

@@ -69,3 +69,39 @@ def test_a_second_trainer_reuses_or_refuses_the_model(tmp_path):
     to_grad_op = result["fsdp2_then_grad_op"]["errors"]
     assert to_grad_op[0] == to_grad_op[1] and "sharding: 'full' → 'grad_op'" in to_grad_op[0]
     assert result["fsdp2_then_fsdp2"]["errors"] == [None, None]
+
+
+PLAIN_FIT = """
+import sys
+import lightning as L
+import torch
+import lightning_dist
+
+class Plain(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).sum()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 8)), batch_size=4)
+trainer = L.Trainer(accelerator="cpu", devices=1, strategy="fsdp2", max_steps=1, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False)
+trainer.fit(Plain(), data)
+print("LOADED", "transformers.modeling_utils" in sys.modules, "torchao" in sys.modules)
+"""
+
+
+def test_a_module_of_the_user_s_own_loads_no_transformers_model_code():
+    """The checks before launch looked for transformers models with ``from transformers import PreTrainedModel``:
+    for a module that has none, that loaded transformers' model code (0.7 s) and, through it, torchao, which printed
+    its own warnings in every process. A fit of a plain module loads neither."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", PLAIN_FIT], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "LOADED False False" in proc.stdout, proc.stdout[-2000:]
+    assert "torchao" not in proc.stderr, proc.stderr[-2000:]

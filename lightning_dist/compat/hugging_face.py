@@ -93,15 +93,17 @@ def apply_experts_gate(experts: Any, gate_up_out: Any) -> Any:
 # ---------------------------------------------------------------------------------------------------- weight init
 def pretrained_models(module: Any) -> list[Any]:
     """The outermost transformers ``PreTrainedModel`` instances in ``module`` (``module`` itself, if it is one)."""
-    if "transformers" not in sys.modules:  # a module holding a transformers model would have imported it
+    # A transformers model's class would have loaded transformers' modeling module; importing it here for a model
+    # of the user's own would cost most of a second and load torchao, with its warnings, in every process.
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is None:
         return []
-    from transformers import PreTrainedModel
-
+    pretrained_model = modeling.PreTrainedModel
     found: list[Any] = []
     stack = [module]
     while stack:
         current = stack.pop()
-        if isinstance(current, PreTrainedModel):
+        if isinstance(current, pretrained_model):
             found.append(current)
         else:
             stack.extend(reversed(list(current.children())))

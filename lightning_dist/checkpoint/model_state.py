@@ -45,6 +45,7 @@ from lightning_dist.checkpoint.optimizer_format import (
     only_names,
     only_saved_group_options,
     positions_to_names,
+    unsaved_put_back,
 )
 from lightning_dist.checkpoint.safe_load import dcp_load_planner, dcp_reader, shard_error
 from lightning_dist.checkpoint.state_paths import (
@@ -190,6 +191,8 @@ def load_sharded(
     for state_path, module in targets.items():
         set_path(state, state_path, plain_state(get_model_state_dict(module)))
     flat = [_saved_flat(index, idx) for idx in range(len(optimizers))]
+    requests: list[dict[str, Any]] = []
+    stepped: list[bool] = []
     for idx, optimizer in enumerate(optimizers):
         options = _optimizer_options(flat[idx])
         with empty_groups_set_aside(optimizer):
@@ -197,9 +200,10 @@ def load_sharded(
             with left_unstepped(optimizer):  # the load below sets the state the checkpoint holds
                 requested = plain_state(get_optimizer_state_dict(model, optimizer, options=options)) if held else {}
         prefix = f"optimizer_{idx}."
-        if not any(key.startswith(f"{prefix}state.") for key in index):  # saved before its first step
-            requested = without_per_parameter_state(requested)
-        state[prefix[:-1]] = only_saved_group_options(requested, index, prefix)
+        requests.append(requested)
+        stepped.append(any(key.startswith(f"{prefix}state.") for key in index))  # else saved before its first step
+        asked = requested if stepped[-1] else without_per_parameter_state(requested)
+        state[prefix[:-1]] = only_saved_group_options(asked, index, prefix)
     for state_path in targets:
         shapes = _tensor_shapes(get_path(state, state_path))
         saved = _checkpoint_shapes(index, ".".join(state_path) + ".")
@@ -221,7 +225,15 @@ def load_sharded(
         if stages is not None and not flat[idx]:  # saved without stages: its param groups name every parameter
             local = {name for group in parameter_names(model, optimizer) for name in group}
             optimizer_state = only_names(optimizer_state, local)
+        unsaved: set[str] = set()
+        if flat[idx]:  # what the checkpoint lacks (no moments, lr_find's initial_lr): torch reads every entry
+            optimizer_state, unsaved = unsaved_put_back(requests[idx], optimizer_state)
         _set_optimizer_state(model, optimizer, optimizer_state, _optimizer_options(flat[idx]), stages)
+        for group in optimizer.param_groups:  # the groups as saved, as `Optimizer.load_state_dict` leaves them
+            for option in unsaved:
+                group.pop(option, None)
+        if not stepped[idx]:
+            optimizer.state.clear()
 
 
 def _set_optimizer_state(

@@ -98,3 +98,14 @@ def only_saved_group_options(state: dict[str, Any], index: Iterable[str], prefix
         if not kept(group_key, option):
             del out[key]
     return out
+
+
+def unsaved_put_back(requested: dict[str, Any], loaded: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    """``loaded`` (a state keyed per parameter, read without what the checkpoint lacks) with the entries it lacks put
+    back at their current values from ``requested``: torch's loader of that layout reads every state entry and group
+    option the optimizer has. Also the names of the group options to remove once it is loaded (those the checkpoint
+    holds for no parameter: a scheduler's ``initial_lr`` added after the save), as ``Optimizer.load_state_dict``
+    would leave the groups."""
+    missing = {key: value for key, value in requested.items() if key not in loaded}
+    saved = {key.rsplit(".", 1)[1] for key in loaded if key.startswith("param_groups.")}
+    return {**loaded, **missing}, {key.rsplit(".", 1)[1] for key in missing if key.startswith("param_groups.")} - saved

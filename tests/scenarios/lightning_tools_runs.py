@@ -33,7 +33,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.tuner import Tuner
 
 from examples.gpt import GPT
-from lightning_dist import FSDP2Strategy, TensorParallelStrategy, ZeroPPStrategy
+from lightning_dist import FSDP2Strategy, PipelineStrategy, TensorParallelStrategy, ZeroPPStrategy
 
 FIT_STEPS = 3
 FINDER_STEPS = 16
@@ -203,6 +203,7 @@ def _each(run: Callable[..., dict[str, Any]], kind: str) -> dict[str, Callable[[
 
 SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     **_each(_lr_find, "lr_find"),
+    "lr_find_pipeline": lambda d, w: _lr_find(d, w, "lr_find_pipeline", PipelineStrategy(pipeline_parallel_size=d), 1),
     **_each(_callbacks, "callbacks"),
     **{k: v for k, v in _each(_sync_batchnorm, "sync_batchnorm").items() if "tensor_parallel" not in k},
     "batchnorm_fsdp2": lambda d, w: _sync_batchnorm(d, w, "batchnorm_fsdp2", FSDP2Strategy(), d, sync=False),

@@ -181,9 +181,9 @@ def test_a_sampler_built_only_for_several_replicas_is_judged_on_the_samples_the_
     loader, which Lightning would shuffle. The reference now reads it as the user's code does (in order), so the
     module is EQUIVALENT under fsdp2 and tensor_parallel (before: NOT VERIFIED, "0 in common"); a module that
     leaves the sampler to Lightning is EQUIVALENT too, and both with a loss scaled by the rank are DIFFERENT on the
-    same samples. From the console script as well (fsdp2). Pipeline and hybrid3d pp2 × tp2, the console script
-    under tensor_parallel, pipeline and hybrid3d, and the plain loader's two checks: the full matrix (a plain loader
-    under fsdp2 is test_verify.py's example GPT)."""
+    same samples. Pipeline and hybrid3d pp2 × tp2, the console script (fsdp2, tensor_parallel, pipeline, hybrid3d),
+    and the plain loader's two checks: the full matrix (a plain loader under fsdp2 is test_verify.py's example GPT;
+    the console script with a module's own sampler, test_a_module_with_its_own_sampler_from_a_yaml...)."""
     strategies = ["fsdp2", "tensor_parallel", *(["pipeline", "hybrid3d"] if FULL_MATRIX else [])]
     loaders = OPTIONAL if FULL_MATRIX else OPTIONAL[:1]
     checks = [own_sampler_check(s, cls=OPTIONAL[0], name=f"optional {s}", lightning_sampler=True) for s in strategies]
@@ -199,7 +199,7 @@ def test_a_sampler_built_only_for_several_replicas_is_judged_on_the_samples_the_
         assert not scaled["passed"] and not scaled["failure"], scaled["summary"]
         assert (scaled["first_difference"]["quantity"], scaled["first_difference"]["when"]) == ("loss", "train batch 0")
         assert next(r for r in scaled["rows"] if r["quantity"] == "samples")["difference"] == 0
-    for strategy in ["fsdp2", *(["tensor_parallel", "pipeline", "hybrid3d"] if FULL_MATRIX else [])]:
+    for strategy in ["fsdp2", "tensor_parallel", "pipeline", "hybrid3d"] if FULL_MATRIX else []:
         folder = tmp_path / f"yaml_{strategy}"
         folder.mkdir()
         code, report, output = yaml_check(folder, strategy, OPTIONAL[0], lightning_sampler=True)

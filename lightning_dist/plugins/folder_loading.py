@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from lightning_dist.checkpoint.consolidate import load_full_checkpoint
 from lightning_dist.compat.lightning import route_checkpoint_loading
@@ -30,7 +31,7 @@ def read_folders_too(lightning_load: Callable[..., Any]) -> Callable[..., Any]:
             return lightning_load(path_or_url, map_location=map_location, weights_only=weights_only)
         checkpoint = load_full_checkpoint(path_or_url, weights_only=weights_only is not False)
         if isinstance(map_location, (str, torch.device)):  # the tensors were read onto the CPU
-            checkpoint = _to(checkpoint, torch.device(map_location))
+            checkpoint = move_data_to_device(checkpoint, torch.device(map_location))
         return checkpoint
 
     return load
@@ -43,13 +44,3 @@ def register_folder_loading() -> None:
 
 def _local_folder(path: Any) -> bool:
     return isinstance(path, (str, os.PathLike)) and "://" not in str(path) and os.path.isdir(path)
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {key: _to(item, device) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to(item, device) for item in value)
-    return value

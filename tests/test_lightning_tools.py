@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from launch import run_scenarios
+import time
+
+from launch import run_failing_scenario, run_scenarios
 
 TOOLS = "lightning_tools_runs.py"
 
@@ -72,3 +74,23 @@ def test_sync_batchnorm_reaches_the_model_over_the_ranks_that_split_the_batch(tm
     for name in names[:2]:
         assert runs[name]["kinds"] == [["SyncBatchNorm", 2]], name
         assert runs[name]["error"].startswith("SyncBatchNorm expected input tensor to be on GPU"), name
+
+
+def test_detect_anomaly_trains_as_one_process_and_names_the_nan(tmp_path):
+    """``Trainer(detect_anomaly=True)``, fp64. Before: tensor_parallel failed at the first backward ("Operator
+    aten._is_any_true.default does not have a sharding strategy registered": autograd tests every gradient for NaN,
+    and DTensor had no rule for that test), and pipeline at its first step with "Function 'LogSoftmaxBackward0'
+    returned nan values" (torch's pipelining infers stage shapes by running them on uninitialized tensors). Now
+    both train and their losses equal one process's; a backward that makes a NaN is named as on one device and
+    every rank ends soon after."""
+    runs = run_scenarios(TOOLS, 2, tmp_path, ["anomaly_tensor_parallel", "anomaly_pipeline"])
+    one = run_scenarios(TOOLS, 1, tmp_path, ["anomaly_one_process"])["anomaly_one_process"]
+    assert len(one["losses"]) == 3
+    for name, run in runs.items():
+        assert _gap(run["losses"], one["losses"]) <= 1e-10, name
+    for scenario in ("anomaly_nan_tensor_parallel", "anomaly_nan_pipeline"):
+        started = time.time()
+        proc = run_failing_scenario(TOOLS, 2, tmp_path, scenario, timeout=120)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and time.time() - started < 90, output[-3000:]
+        assert "Function 'SqrtBackward0' returned nan values in its 0th output" in output, output[-3000:]

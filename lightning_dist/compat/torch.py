@@ -101,6 +101,10 @@ PRIVATE_TORCH_NAMES: dict[str, tuple[str, str]] = {
     "_reshape_alias": ("torch 2.13", "dryrun: a reshape's view op (older decompositions)"),
     "_local_scalar_dense": ("torch 2.13", "dryrun: the op behind .item(), answered without data"),
     "_internal": ("torch 2.13", "dryrun: importing torch.testing._internal...fake_pg registers 'fake'"),
+    "_is_any_true": ("torch 2.13", "parallel/dtensor_checks.py: anomaly detection's NaN test, given a DTensor rule"),
+    "_is_all_true": ("torch 2.13", "parallel/dtensor_checks.py: torch._check's test, given a DTensor rule"),
+    "_prepare_forward_infra": ("torch 2.13", "parallel/pipeline/runner.py: a stage's shape inference (first step)"),
+    "_prepare_backward_infra": ("torch 2.13", "parallel/pipeline/runner.py: a stage's gradient shape inference"),
 }
 
 # Minor versions of torch the whole suite has passed on (CPU/gloo; CUDA where docs/testing.md or the GPU benchmark says so).
@@ -504,6 +508,30 @@ def view_ops() -> frozenset[Any]:
             aten.squeeze.dims,
         )
     )
+
+
+def truth_test_ops() -> list[Any]:
+    """``aten._is_any_true`` and ``aten._is_all_true``: one boolean for a whole tensor (anomaly detection's NaN test
+    of every gradient, ``torch._check``)."""
+    return [torch.ops.aten._is_any_true.default, torch.ops.aten._is_all_true.default]
+
+
+def infer_stage_shapes_without_anomaly_checks(stage: Any) -> None:
+    """Run a pipelining ``PipelineStage``'s shape inference (``_prepare_forward_infra``/``_prepare_backward_infra``,
+    the first step of a schedule) with anomaly detection off.
+
+    torch infers the shapes crossing stages by running each stage, forward and backward, on tensors made with
+    ``torch.empty`` from the received metadata: their values are whatever the memory held, so under
+    ``Trainer(detect_anomaly=True)`` the backward of that rehearsal reported NaN ("Function 'LogSoftmaxBackward0'
+    returned nan values") before any real step ran. The real steps keep the user's anomaly detection."""
+    for name in ("_prepare_forward_infra", "_prepare_backward_infra"):
+        infer = getattr(stage, name)
+
+        def without_checks(*args: Any, _infer: Callable[..., Any] = infer, **kwargs: Any) -> Any:
+            with torch.autograd.set_detect_anomaly(False):
+                return _infer(*args, **kwargs)
+
+        setattr(stage, name, without_checks)
 
 
 def real_tensors_temporarily() -> Any:

@@ -7,6 +7,8 @@
   ``GradientAccumulationScheduler``, ``ReduceLROnPlateau`` on the validation loss, ``EarlyStopping``,
   ``LearningRateMonitor`` and ``ModelCheckpoint(monitor=..., save_top_k=2)``, then ``trainer.test(ckpt_path="best")``.
 - ``sync_batchnorm_*``: ``Trainer(sync_batchnorm=True)`` on a model with BatchNorm.
+- ``anomaly_*``: ``Trainer(detect_anomaly=True)``, on the example GPT (``anomaly_<strategy>``) and on one whose
+  backward makes a NaN (``anomaly_nan_<strategy>``, run to its failure).
 
 python tests/scenarios/lightning_tools_runs.py --devices 2 --out r.json --workdir DIR --scenarios lr_find_fsdp2,lr_find_ddp
 python tests/scenarios/lightning_tools_runs.py --devices 1 --out ref.json --workdir DIR --scenarios lr_find_one_process
@@ -181,6 +183,30 @@ def _sync_batchnorm(devices: int, workdir: str, name: str, strategy: Any, dp: in
     return {"kinds": kinds.kinds, "error": error}
 
 
+class NaNBackwardGPT(GPT):
+    """The example GPT plus a term whose backward is NaN (``sqrt``'s at 0, times 0) and whose value is 0."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss + 0.0 * torch.sqrt(loss * 0.0)
+
+
+def _anomaly(devices: int, workdir: str, name: str, strategy: Any, dp: int, nan: bool = False) -> dict[str, Any]:
+    """``Trainer(detect_anomaly=True)``: three steps' losses, fp64 (``nan``: the module whose backward is NaN)."""
+    model, data = make_model_and_data(devices, dp_size=dp, vocab_size=64)
+    if nan:
+        model = NaNBackwardGPT(**dict(model.hparams))
+    recorder = StepRecorder()
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=strategy, precision="64-true"),
+        detect_anomaly=True,
+        max_steps=FIT_STEPS,
+        callbacks=[recorder],
+    )
+    trainer.fit(model.double(), datamodule=data)
+    return {"losses": recorder.losses}
+
+
 def _each(run: Callable[..., dict[str, Any]], kind: str) -> dict[str, Callable[[int, str], dict[str, Any]]]:
     """``run`` under each strategy, as ``<kind>_<strategy>``."""
     strategies: dict[str, tuple[Callable[[int], Any], bool]] = {  # (strategy for d devices, whether dp = d)
@@ -207,6 +233,14 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     **_each(_callbacks, "callbacks"),
     **{k: v for k, v in _each(_sync_batchnorm, "sync_batchnorm").items() if "tensor_parallel" not in k},
     "batchnorm_fsdp2": lambda d, w: _sync_batchnorm(d, w, "batchnorm_fsdp2", FSDP2Strategy(), d, sync=False),
+    **{k: v for k, v in _each(_anomaly, "anomaly").items() if k.endswith(("tensor_parallel", "one_process"))},
+    "anomaly_pipeline": lambda d, w: _anomaly(d, w, "anomaly_pipeline", PipelineStrategy(pipeline_parallel_size=d), 1),
+    "anomaly_nan_tensor_parallel": lambda d, w: _anomaly(
+        d, w, "anomaly_nan_tensor_parallel", TensorParallelStrategy(tensor_parallel_size=d), 1, nan=True
+    ),
+    "anomaly_nan_pipeline": lambda d, w: _anomaly(
+        d, w, "anomaly_nan_pipeline", PipelineStrategy(pipeline_parallel_size=d), 1, nan=True
+    ),
 }
 
 if __name__ == "__main__":

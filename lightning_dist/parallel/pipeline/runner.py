@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from lightning_dist.compat import infer_stage_shapes_without_anomaly_checks
 from lightning_dist.parallel.pipeline.forward_only import forward_only
 from lightning_dist.parallel.pipeline.outputs import rebuild_output
 from lightning_dist.parallel.pipeline.schedule import (
@@ -157,6 +158,8 @@ class PipelineRunner:
             PipelineStage(part, index, self.num_stages, self.device, group=self.group)
             for part, index in zip(self.parts, self.stage_ids)
         ]
+        for stage in stages:
+            infer_stage_shapes_without_anomaly_checks(stage)
         schedule = build_schedule(
             self.schedule_name,
             stages,

@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lightning_dist.parallel.dtensor_checks import register_truth_test_sharding
 from lightning_dist.parallel.model_structure import KV_HEAD_ATTRIBUTES, is_conv1d
 from lightning_dist.parallel.tensor_parallel.fused import (
     Conv1DParallel,
@@ -31,12 +32,12 @@ from lightning_dist.parallel.tensor_parallel.fused import (
     FusedGateUpParallel,
     layout_from_spec,
 )
+from lightning_dist.parallel.tensor_parallel.hugging_face import MODEL_PLAN, shipped_plan
 from lightning_dist.parallel.tensor_parallel.inference import infer_plan, resolve_explicit_plan
 from lightning_dist.parallel.tensor_parallel.kv_heads import ReplicatedKVHeadParallel
 from lightning_dist.parallel.tensor_parallel.lora import column_part_owner, sharded_dropout_style
 from lightning_dist.parallel.tensor_parallel.multihead import MultiheadAttentionParallel
 from lightning_dist.parallel.tensor_parallel.partial_gradients import mark_partial_over_tp
-from lightning_dist.parallel.tensor_parallel.hugging_face import MODEL_PLAN, shipped_plan
 from lightning_dist.parallel.tensor_parallel.plan import (
     TensorParallelPlan,
     TensorParallelPlanError,
@@ -175,6 +176,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
     """
     tp = tp_mesh.size()
     plan.validate(tp)
+    register_truth_test_sharding()  # anomaly detection's NaN test on tp-sharded gradients
     modules = dict(model.named_modules())
     tied = _tied_parameters(model)
     frozen = [name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad]

@@ -335,3 +335,21 @@ def test_plan_command_prints_the_stage_split(capsys):
     with pytest.raises(SystemExit) as ended:
         run_tool("plan", ["--model", "examples.gpt.GPT", "--strategy", "pipeline"])
     assert ended.value.code == 2 and "give --pipeline-parallel-size N" in capsys.readouterr().err
+
+
+def test_buffers_a_forward_updates_count_each_microbatch_once(tmp_path):
+    """BatchNorm under the pipeline, fp64: torch's stage shape inference ran each stage module once more before the
+    first step (later stages on uninitialized memory), so BatchNorm counted 9 batches for 8 micro-batches and the
+    second stage's running mean was 5.5e17. Now the weights and every buffer equal one process with
+    accumulate_grad_batches=4 over batches of 2 (what normalizing per micro-batch means) exactly, and the fit says
+    once that BatchNorm works per micro-batch."""
+    run = run_scenarios("pipeline_buffers_runs.py", 2, tmp_path, ["batch_norm_pipeline"])["batch_norm_pipeline"]
+    one = run_scenarios("pipeline_buffers_runs.py", 1, tmp_path, ["batch_norm_accumulated"])["batch_norm_accumulated"]
+    assert one["buffers"]["blocks.3.norm.num_batches_tracked"] == 8
+    assert run["buffers"].keys() == one["buffers"].keys() and run["state"].keys() == one["state"].keys()
+    for kind in ("buffers", "state"):
+        for name, value in one[kind].items():
+            gap = (torch.tensor(run[kind][name], dtype=torch.float64) - torch.tensor(value, dtype=torch.float64)).abs()
+            assert float(gap.max()) <= 1e-12, (kind, name)
+    assert len(run["warnings"]) == 1 and "accumulate_grad_batches=4 over batches of 2" in run["warnings"][0]
+    assert one["warnings"] == []

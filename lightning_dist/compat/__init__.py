@@ -44,7 +44,6 @@ from lightning_dist.compat.torch import (
     gather_full_state,
     grouped_mm,
     in_autograd_backward,
-    infer_stage_shapes_without_anomaly_checks,
     is_compiled_in_place,
     is_fake_tensor,
     is_higher_order_operator,
@@ -74,6 +73,7 @@ from lightning_dist.compat.torch import (
     untyped_storage_identity,
     view_ops,
     warn_if_untested_torch,
+    wrap_stage_shape_inference,
 )
 
 __all__ = [
@@ -108,7 +108,6 @@ __all__ = [
     "gather_full_state",
     "grouped_mm",
     "in_autograd_backward",
-    "infer_stage_shapes_without_anomaly_checks",
     "is_compiled_in_place",
     "is_fake_tensor",
     "is_higher_order_operator",
@@ -138,4 +137,5 @@ __all__ = [
     "untyped_storage_identity",
     "view_ops",
     "warn_if_untested_torch",
+    "wrap_stage_shape_inference",
 ]

@@ -14,7 +14,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from types import FrameType, ModuleType
 from typing import Any
 
@@ -516,22 +516,25 @@ def truth_test_ops() -> list[Any]:
     return [torch.ops.aten._is_any_true.default, torch.ops.aten._is_all_true.default]
 
 
-def infer_stage_shapes_without_anomaly_checks(stage: Any) -> None:
+def wrap_stage_shape_inference(stage: Any, context: Callable[[str], AbstractContextManager[Any]]) -> None:
     """Run a pipelining ``PipelineStage``'s shape inference (``_prepare_forward_infra``/``_prepare_backward_infra``,
-    the first step of a schedule) with anomaly detection off.
+    on the first step of a schedule) inside ``context(phase)``: ``"forward"`` (a backward inference follows),
+    ``"forward only"`` or ``"backward"``.
 
-    torch infers the shapes crossing stages by running each stage, forward and backward, on tensors made with
-    ``torch.empty`` from the received metadata: their values are whatever the memory held, so under
-    ``Trainer(detect_anomaly=True)`` the backward of that rehearsal reported NaN ("Function 'LogSoftmaxBackward0'
-    returned nan values") before any real step ran. The real steps keep the user's anomaly detection."""
-    for name in ("_prepare_forward_infra", "_prepare_backward_infra"):
-        infer = getattr(stage, name)
+    torch infers the shapes crossing stages by running each stage's module, forward and backward, once before the
+    schedule's real work: the first stage on the batch, later ones on tensors made with ``torch.empty`` from the
+    received metadata (whatever values the memory held)."""
+    forward, backward = stage._prepare_forward_infra, stage._prepare_backward_infra
 
-        def without_checks(*args: Any, _infer: Callable[..., Any] = infer, **kwargs: Any) -> Any:
-            with torch.autograd.set_detect_anomaly(False):
-                return _infer(*args, **kwargs)
+    def forward_inside(*args: Any, **kwargs: Any) -> Any:
+        with context("forward" if kwargs.get("has_backward", False) else "forward only"):
+            return forward(*args, **kwargs)
 
-        setattr(stage, name, without_checks)
+    def backward_inside(*args: Any, **kwargs: Any) -> Any:
+        with context("backward"):
+            return backward(*args, **kwargs)
+
+    stage._prepare_forward_infra, stage._prepare_backward_infra = forward_inside, backward_inside
 
 
 def real_tensors_temporarily() -> Any:

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from lightning_dist.compat import infer_stage_shapes_without_anomaly_checks
 from lightning_dist.parallel.pipeline.forward_only import forward_only
 from lightning_dist.parallel.pipeline.outputs import rebuild_output
 from lightning_dist.parallel.pipeline.schedule import (
@@ -25,6 +24,7 @@ from lightning_dist.parallel.pipeline.schedule import (
     schedule_info,
     validate_microbatching,
 )
+from lightning_dist.parallel.pipeline.shape_inference import isolate_shape_inference
 from lightning_dist.parallel.pipeline.split import stage_owner
 from lightning_dist.parallel.pipeline.stage import stage_runtime
 
@@ -158,8 +158,8 @@ class PipelineRunner:
             PipelineStage(part, index, self.num_stages, self.device, group=self.group)
             for part, index in zip(self.parts, self.stage_ids)
         ]
-        for stage in stages:
-            infer_stage_shapes_without_anomaly_checks(stage)
+        for stage, part in zip(stages, self.parts):
+            isolate_shape_inference(stage, part)
         schedule = build_schedule(
             self.schedule_name,
             stages,

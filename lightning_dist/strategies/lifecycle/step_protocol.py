@@ -66,6 +66,7 @@ from lightning_dist.parallel.fsdp import (
 )
 from lightning_dist.parallel.gradient_sync import AccumulationSync, deferred_gradient_sync
 from lightning_dist.strategies.lifecycle.nonfinite_guard import NonFiniteGuard
+from lightning_dist.strategies.lifecycle.peer_batches import PeerBatches
 from lightning_dist.strategies.lifecycle.step_part import StepPart, declared_step_parts
 
 #: The order in which the parallelisms' parts act in a step, outermost first, by their mesh axis (see the module
@@ -73,7 +74,7 @@ from lightning_dist.strategies.lifecycle.step_part import StepPart, declared_ste
 PART_ORDER: tuple[str, ...] = ("ep", "cp", "tp", "pp")
 
 
-class StepProtocol(NonFiniteGuard):
+class StepProtocol(NonFiniteGuard, PeerBatches):
     """Training, evaluation and optimizer steps of :class:`~lightning_dist.strategies.base.MeshParallelStrategy`."""
 
     _train_context: ExitStack | None = None

@@ -1,0 +1,99 @@
+"""Loaders that split data in ways tensor, context and pipeline peers must not see, as users write them.
+
+- ``rank_stream_<strategy>``: an ``IterableDataset`` that shards itself by ``torch.distributed.get_rank()`` /
+  ``get_world_size()`` (the usual recipe for streams), under a mesh with peers: refused at the first batch; under
+  fsdp2 (every rank a data-parallel rank) it trains.
+- ``worker_seeds_<strategy>``: ``seed_everything(0, workers=True)`` and a map-style dataset whose ``__getitem__``
+  draws a random shift in a worker process (a random augmentation), fp64: the losses, which one process gives too.
+
+python tests/scenarios/peer_batch_runs.py --devices 2 --out r.json --workdir DIR --scenarios rank_stream_tensor_parallel
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from common import StepRecorder, make_model_and_data, run_scenario_script, trainer_kwargs  # type: ignore[import-not-found]
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+
+from lightning_dist import ContextParallelStrategy, FSDP2Strategy, PipelineStrategy, TensorParallelStrategy
+from lightning_dist.strategies.lifecycle.peer_batches import PeerBatchMismatchError
+
+SEQ = 32
+STEPS = 3
+
+
+def _tokens(index: int) -> torch.Tensor:
+    return torch.randint(0, 64, (SEQ + 1,), generator=torch.Generator().manual_seed(index))
+
+
+class RankShardedStream(IterableDataset):
+    """Every ``world_size``-th sample from this rank's index, as stream recipes shard."""
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        for index in range(rank, 64, world):
+            tokens = _tokens(index)
+            yield {"input_ids": tokens[:-1], "labels": tokens[1:]}
+
+
+class RandomlyShifted(Dataset):
+    """Token sequences rolled by a random shift drawn in ``__getitem__`` (a random augmentation)."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        tokens = torch.roll(_tokens(index), int(torch.randint(0, SEQ, (1,))))
+        return {"input_ids": tokens[:-1], "labels": tokens[1:]}
+
+
+STRATEGIES: dict[str, Callable[[int], Any]] = {
+    "fsdp2": lambda d: FSDP2Strategy(),
+    "tensor_parallel": lambda d: TensorParallelStrategy(tensor_parallel_size=d),
+    "pipeline": lambda d: PipelineStrategy(pipeline_parallel_size=d),
+    "context_parallel": lambda d: ContextParallelStrategy(context_parallel_size=d),
+    "one_process": lambda d: "auto",
+}
+
+
+def _rank_stream(devices: int, workdir: str, strategy: str) -> dict[str, Any]:
+    model, _ = make_model_and_data(devices, dp_size=1, vocab_size=64)
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=STRATEGIES[strategy](devices), limit_val_batches=0), max_steps=STEPS
+    )
+    try:
+        trainer.fit(model, DataLoader(RankShardedStream(), batch_size=4))
+        return {"error": None, "steps": trainer.global_step}
+    except PeerBatchMismatchError as error:
+        return {"error": str(error), "steps": trainer.global_step}
+
+
+def _worker_seeds(devices: int, workdir: str, strategy: str) -> dict[str, Any]:
+    model, _ = make_model_and_data(devices, dp_size=1, vocab_size=64)
+    L.seed_everything(0, workers=True)
+    recorder = StepRecorder()
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=STRATEGIES[strategy](devices), limit_val_batches=0, precision="64-true"),
+        max_steps=STEPS,
+        callbacks=[recorder],
+    )
+    dataset = RandomlyShifted()
+    # one process: the order Lightning's DistributedSampler gives the tp run (it shuffles training data, seed 0)
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, seed=0) if devices == 1 else None
+    trainer.fit(model.double(), DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=1))
+    return {"losses": recorder.losses}
+
+
+SCENARIOS = {
+    **{f"rank_stream_{name}": lambda d, w, name=name: _rank_stream(d, w, name) for name in STRATEGIES},
+    **{f"worker_seeds_{name}": lambda d, w, name=name: _worker_seeds(d, w, name) for name in STRATEGIES},
+}
+
+if __name__ == "__main__":
+    run_scenario_script(SCENARIOS)

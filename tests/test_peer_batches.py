@@ -37,6 +37,16 @@ def test_seeded_workers_draw_the_same_random_transforms_on_peers(tmp_path):
     assert max(abs(a - b) for a, b in zip(run["losses"], one["losses"])) <= 1e-10
 
 
+def test_seeded_workers_draw_the_same_random_transforms_on_peers_in_a_fabric_loop(tmp_path):
+    """The same under Fabric, whose setup_dataloaders seeds workers from the global rank before the strategy sees the
+    loader: tensor-parallel peers read the same batches and the losses equal one process's (fp64)."""
+    name = "fabric_worker_seeds_tensor_parallel"
+    run = run_scenarios(SCRIPT, 2, tmp_path, [name])[name]
+    one = run_scenarios(SCRIPT, 1, tmp_path, ["fabric_worker_seeds_one_process"])["fabric_worker_seeds_one_process"]
+    assert run["digests"][0] == run["digests"][1] == one["digests"][0] and len(set(one["digests"][0])) == 3
+    assert max(abs(a - b) for a, b in zip(run["losses"], one["losses"])) <= 1e-10
+
+
 def test_the_batch_fingerprint_tells_batches_apart():
     batch = {"input_ids": torch.arange(6).view(2, 3), "names": ["a", "b"], "scale": 0.5}
     same = {"input_ids": torch.arange(6).view(2, 3), "names": ["a", "b"], "scale": 0.5}

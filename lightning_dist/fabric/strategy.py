@@ -39,6 +39,7 @@ from lightning_dist.parallel.fsdp import is_fully_sharded
 from lightning_dist.parallel.full_tensor_loading import accept_full_tensors
 from lightning_dist.parallel.grad_clip import clip_grad_norm_, clip_grad_value_
 from lightning_dist.strategies.base import MeshParallelStrategy
+from lightning_dist.strategies.lifecycle.peer_batches import seed_workers_by_data_parallel_rank
 from lightning_dist.strategies.lifecycle.preflight import PARALLELIZED
 
 
@@ -145,6 +146,12 @@ class MeshFabricStrategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Ranks that differ only in cp or tp get the same samples: replicas are the mesh's ``batch`` group."""
         return self.engine.distributed_sampler_kwargs
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Workers seeded by ``seed_everything(workers=True)`` draw alike on tensor and context peers."""
+        seed_workers_by_data_parallel_rank(dataloader, self.distributed_sampler_kwargs["rank"])
+        return dataloader
 
     @property
     def device_mesh(self) -> Any:

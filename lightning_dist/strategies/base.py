@@ -113,8 +113,8 @@ class MeshParallelStrategy(
             checkpointing, before FSDP2 shards them (torchtitan's order; names and checkpoint keys do not change).
             ``False``, ``True`` (torch.compile's defaults) or a dict of ``torch.compile`` keyword arguments
             such as ``{"mode": "max-autotune-no-cudagraphs"}``; ``None`` (default): off, except with ``float8`` on
-            CUDA (FP8 is only fast compiled). A model the user compiled with
-            ``torch.compile(model)`` is unwrapped first and compiled this way. Resolved in :attr:`compile_options`.
+            CUDA (FP8 is only fast compiled). A submodule the user wrapped in ``torch.compile(...)`` is unwrapped
+            first and compiled in place with the user's settings. Resolved in :attr:`compile_options`.
         reshard_after_forward: Whether FSDP2 frees a unit's gathered parameters after forward (and all-gathers them
             again in backward): ``True``, ``False``, or an int ``k`` that keeps a 1/k slice after forward so backward
             gathers stay within groups of k ranks. ``None`` (default): on (for ``fsdp2``, what ``sharding``

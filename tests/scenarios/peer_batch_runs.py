@@ -21,6 +21,7 @@ from common import StepRecorder, make_model_and_data, run_scenario_script, train
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from lightning_dist import ContextParallelStrategy, FSDP2Strategy, PipelineStrategy, TensorParallelStrategy
+from lightning_dist.parallel.batch_fingerprint import batch_fingerprint
 from lightning_dist.strategies.lifecycle.peer_batches import PeerBatchMismatchError
 
 SEQ = 32
@@ -90,7 +91,35 @@ def _worker_seeds(devices: int, workdir: str, strategy: str) -> dict[str, Any]:
     return {"losses": recorder.losses}
 
 
+def _fabric_worker_seeds(devices: int, workdir: str, strategy: str) -> dict[str, Any]:
+    """The same augmented loader in a Fabric loop (litgpt's style): the first batches' digests on every rank and the
+    losses, fp64 (the default dtype too: Fabric's own 64-true casts outputs to it)."""
+    torch.set_default_dtype(torch.float64)
+    fabric = L.Fabric(accelerator="cpu", devices=devices, strategy=strategy, precision="64-true")
+    fabric.launch()
+    model, _ = make_model_and_data(devices, dp_size=1, vocab_size=64)
+    fabric.seed_everything(0, workers=True)
+    model = fabric.setup(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    loader = fabric.setup_dataloaders(DataLoader(RandomlyShifted(), batch_size=4, num_workers=1))
+    losses, digests = [], []
+    for step, batch in enumerate(loader):
+        if step == STEPS:
+            break
+        digests.append(batch_fingerprint(batch))
+        logits = model(batch["input_ids"])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    ranks = fabric.all_gather(torch.tensor(digests)).tolist() if devices > 1 else [digests]
+    return {"losses": losses, "digests": ranks}
+
+
 SCENARIOS = {
+    "fabric_worker_seeds_tensor_parallel": lambda d, w: _fabric_worker_seeds(d, w, "tensor_parallel"),
+    "fabric_worker_seeds_one_process": lambda d, w: _fabric_worker_seeds(d, w, "auto"),
     **{f"rank_stream_{name}": lambda d, w, name=name: _rank_stream(d, w, name) for name in STRATEGIES},
     **{f"worker_seeds_{name}": lambda d, w, name=name: _worker_seeds(d, w, name) for name in STRATEGIES},
 }

@@ -41,10 +41,8 @@ class PeerBatches:
     @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
-        seeds_workers = int(os.environ.get("PL_SEED_WORKERS", "0"))  # seed_everything(workers=True)
-        if seeds_workers and getattr(dataloader, "worker_init_fn", False) is None and self._has_batch_peers():
-            rank = self.distributed_sampler_kwargs["rank"]  # type: ignore[attr-defined]
-            dataloader.worker_init_fn = partial(pl_worker_init_function, rank=rank)  # type: ignore[attr-defined]
+        if self._has_batch_peers():
+            seed_workers_by_data_parallel_rank(dataloader, self.distributed_sampler_kwargs["rank"])  # type: ignore[attr-defined]
         return dataloader
 
     @override
@@ -82,6 +80,16 @@ class PeerBatches:
             seen = first.setdefault(dp_rank, (rank, fingerprint))
             if seen[1] != fingerprint:
                 raise PeerBatchMismatchError(_mismatch_message(seen[0], rank, dp_rank, loop, mesh))
+
+
+def seed_workers_by_data_parallel_rank(dataloader: object, rank: int) -> None:
+    """Seed ``dataloader``'s workers as Lightning does under ``seed_everything(workers=True)``, from the data-parallel
+    ``rank`` instead of the global one: the Trainer adds its worker seeding after the strategy saw the loader (here
+    it is added first), Fabric before (here it is replaced). A ``worker_init_fn`` of the user's own is kept."""
+    current = getattr(dataloader, "worker_init_fn", False)
+    lightnings = isinstance(current, partial) and current.func is pl_worker_init_function
+    if lightnings or (current is None and int(os.environ.get("PL_SEED_WORKERS", "0"))):
+        dataloader.worker_init_fn = partial(pl_worker_init_function, rank=rank)  # type: ignore[attr-defined]
 
 
 _LOOP_NAMES = {"train": "training", "sanity_check": "sanity-check", "validate": "validation"}

@@ -34,7 +34,8 @@ class PipelineSteps(PipelineStages):
             self.log_decision(f"{m} micro-batches for a per-replica batch of {batch_size}")
             if training and m > 1 and not self._warned_batch_norm:
                 self._warned_batch_norm = True
-                warn_batch_norm_per_microbatch(self.lightning_module, m, batch_size)
+                accumulate = self.lightning_module.trainer.accumulate_grad_batches
+                warn_batch_norm_per_microbatch(self.lightning_module, m, batch_size, accumulate)
             self._runners[m] = pp.PipelineRunner(
                 self.model_parts, self._stage_ids, self._plan.num_stages, self.schedule, m,
                 lambda out, target: self._step_fn(out, target), group=self.process_group("pp"),
@@ -149,16 +150,20 @@ def uneven_label_counts(labels: Any, n_microbatches: int, ignore_index: int = -1
 _BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
 
 
-def warn_batch_norm_per_microbatch(model: torch.nn.Module, microbatches: int, batch_size: int) -> None:
-    """Say that BatchNorm layers normalize (and update their running statistics) per micro-batch."""
+def warn_batch_norm_per_microbatch(
+    model: torch.nn.Module, microbatches: int, batch_size: int, accumulate: int = 1
+) -> None:
+    """Say that BatchNorm layers normalize (and update their running statistics) per micro-batch (``batch_size``:
+    the per-replica batch; ``accumulate``: the Trainer's accumulate_grad_batches)."""
     names = [name for name, module in model.named_modules() if isinstance(module, _BATCH_NORMS) and module.training]
     if names:
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         rank_zero_warn(
             f"pipeline: BatchNorm ({shown}) normalizes each micro-batch of {batch_size // microbatches} samples on"
-            f" its own and updates its running statistics {microbatches} times per step: the run equals one process"
-            f" with accumulate_grad_batches={microbatches} over batches of {batch_size // microbatches}, not one"
-            f" over the whole batch of {batch_size}. Fewer micro-batches (n_microbatches=) make them larger;"
+            f" its own and updates its running statistics {microbatches} times per batch: it trains as one process"
+            f" with accumulate_grad_batches={microbatches * accumulate} over batches of {batch_size // microbatches}"
+            f" would, not as one over whole batches of {batch_size}. Fewer micro-batches (n_microbatches=) make them"
+            " larger;"
             " LayerNorm or GroupNorm do not depend on the batch."
         )
 

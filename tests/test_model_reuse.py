@@ -1,0 +1,20 @@
+"""A model handed from one Trainer to the next (scenarios in ``tests/scenarios/model_reuse_runs.py``)."""
+
+from __future__ import annotations
+
+from launch import run_scenarios
+
+SCRIPT = "model_reuse_runs.py"
+
+
+def test_a_model_trained_by_one_trainer_trains_and_tests_under_the_next(tmp_path):
+    """fit with one Trainer, fit again with a new Trainer (a new strategy, a fresh optimizer), then test with a third,
+    fp64: the losses and the test loss equal one process's under fsdp2, tensor_parallel and pipeline. Before: under
+    the pipeline the second Trainer failed ("'PipelineStrategy' object has no attribute '_stage_ids'"; test: "'NoneType'
+    object has no attribute '__dict__'"): the stages cut by the first strategy were known to it only."""
+    runs = run_scenarios(SCRIPT, 2, tmp_path, ["reuse_fsdp2", "reuse_tensor_parallel", "reuse_pipeline"])
+    one = run_scenarios(SCRIPT, 1, tmp_path, ["reuse_one_process"])["reuse_one_process"]
+    assert len(one["losses"]) == 4
+    for name, run in runs.items():
+        assert max(abs(a - b) for a, b in zip(run["losses"], one["losses"])) <= 1e-10, name
+        assert abs(run["test_loss"] - one["test_loss"]) <= 1e-10, name

@@ -101,6 +101,7 @@ class Hybrid3DStrategy(
     """
 
     log_name = "hybrid3d"
+    parallelized_state = ("_rope_in_parts",)  # see lifecycle/model_handover
 
     def __init__(
         self,

@@ -12,13 +12,21 @@ from typing import Any
 import lightning as L
 from common import StepRecorder, make_model_and_data, run_scenario_script, trainer_kwargs  # type: ignore[import-not-found]
 
-from lightning_dist import FSDP2Strategy, PipelineStrategy, TensorParallelStrategy
+from lightning_dist import (
+    ContextParallelStrategy,
+    FSDP2Strategy,
+    Hybrid3DStrategy,
+    PipelineStrategy,
+    TensorParallelStrategy,
+)
 
 STEPS = 2
 STRATEGIES: dict[str, tuple[Callable[[int], Any], bool]] = {  # (strategy for d devices, whether every rank is dp)
     "fsdp2": (lambda d: FSDP2Strategy(), True),
     "tensor_parallel": (lambda d: TensorParallelStrategy(tensor_parallel_size=d), False),
     "pipeline": (lambda d: PipelineStrategy(pipeline_parallel_size=d), False),
+    "context_parallel": (lambda d: ContextParallelStrategy(context_parallel_size=d), False),
+    "hybrid3d": (lambda d: Hybrid3DStrategy(pipeline_parallel_size=d), False),
     "one_process": (lambda d: "auto", False),
 }
 

@@ -38,8 +38,8 @@ from lightning_dist.parallel.replicated_state import broadcast_replicated_state
 from lightning_dist.strategies.lifecycle.data_position import LIGHTNING_NOT_RESUMABLE_WARNING, skip_trained_batches
 from lightning_dist.strategies.lifecycle.finetuning_callbacks import compare_mixed_parameters
 from lightning_dist.strategies.lifecycle.interrupted_saves import recover_checkpoint_folders
-from lightning_dist.strategies.lifecycle.layer_sync import apply_layer_sync
 from lightning_dist.strategies.lifecycle.metric_sync import gather_over_data_parallel, use_metric_group
+from lightning_dist.strategies.lifecycle.model_handover import parallelize_or_adopt
 from lightning_dist.strategies.lifecycle.preflight import (
     PARALLELIZED,
     check_callbacks,
@@ -67,9 +67,7 @@ class ModelSetup(_Base):
         for part in parts:  # pipeline: manual optimization refused
             part.before_setup(trainer)
         self.accelerator.setup(trainer)
-        if getattr(self.model, PARALLELIZED, None) is None:
-            apply_layer_sync(self, trainer)  # Trainer(sync_batchnorm=True)
-            self.prepare_model()
+        parallelize_or_adopt(self, trainer)  # or take over an earlier Trainer's parallelized model
         self._turn_off_generation_cache_in_training(trainer)
         compare_mixed_parameters(trainer)  # BackboneFinetuning over DTensors and plain tensors (tensor parallel)
         self.shard_averaged_copies(trainer)  # WeightAveraging/SWA copied the model before it was parallelized

@@ -59,7 +59,8 @@ def parallel_settings(strategy: MeshParallelStrategy) -> dict[str, str]:
         "precision": str(strategy.precision_plugin.precision),
     }
     for name in [*strategy_options(type(strategy), include_base=False), *PARALLELIZE_OPTIONS]:
-        settings.setdefault(name, repr(getattr(strategy, name, None)))
+        if name not in settings:  # hybrid3d's `mesh` option: in "mesh" already (its attribute is the DeviceMesh)
+            settings[name] = repr(getattr(strategy, name, None))
     return settings
 
 

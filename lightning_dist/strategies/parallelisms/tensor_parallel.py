@@ -38,8 +38,6 @@ from lightning_dist.parallel.validation import check_bool
 from lightning_dist.strategies.lifecycle.step_part import StepPart, StepRun
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
-
     from lightning_dist.strategies.base import MeshParallelStrategy
 
     _Base = MeshParallelStrategy
@@ -47,9 +45,6 @@ else:
     _Base = object
 
 PlanSpec = dict[str, str | dict[str, Any]] | Literal["model"]
-# The applied plan, kept on the model next to the base strategy's "parallelized" marker: a later Trainer reusing the
-# model skips `parallelize` and restores loss parallel and autocast from it.
-_TP_PLAN = "_lightning_dist_tp_plan"
 
 
 class TensorParallelPart(StepPart):
@@ -60,9 +55,6 @@ class TensorParallelPart(StepPart):
 
     def after_parallelize(self) -> None:
         self.strategy.find_tensor_parallel_gradients()
-
-    def after_setup(self, trainer: pl.Trainer) -> None:
-        self.strategy.restore_tensor_parallel_plan()
 
     def train_contexts(self) -> list[AbstractContextManager]:
         return [VocabParallelCrossEntropy()] if self.strategy.loss_parallel_head is not None else []
@@ -97,6 +89,9 @@ class TensorParallelSteps(_Base):
     """The tensor-parallel plan of a strategy and loss parallel around its training step."""
 
     declared_parts = (TensorParallelPart,)
+    #: The applied plan (loss parallel, autocast), taken over by a later Trainer's strategy with the model (see
+    #: ``lifecycle/model_handover``).
+    parallelized_state = ("_tp_plan",)
 
     def init_tensor_parallel(self, plan: PlanSpec | None, sequence_parallel: bool, loss_parallel: bool) -> None:
         """Check and keep the tensor-parallel options (called from the strategy's ``__init__``): a misspelt style
@@ -145,10 +140,9 @@ class TensorParallelSteps(_Base):
         return plan
 
     def log_tensor_parallel_plan(self, model: Module, plan: TensorParallelPlan, changed: dict[str, str]) -> None:
-        """Keep the applied plan (on the strategy and the model) and log it in one line."""
+        """Keep the applied plan and log it in one line."""
         if plan.loss_parallel_head is not None or self._tp_plan is None:
             self._tp_plan = plan
-        object.__setattr__(model, _TP_PLAN, self._tp_plan)
         if (message := plan.unplanned_message()) is not None:
             rank_zero_warn(message)
         extras = [
@@ -180,11 +174,6 @@ class TensorParallelSteps(_Base):
         partial = {id(p) for p in self._tp_partial}
         self._tp_replicated = [p for p in tp_replicated_parameters(self.model, self.mesh) if id(p) not in partial]
         self._tp_sharded = tp_sharded_parameters(self.model) if not is_fully_sharded(self.model) else []
-
-    def restore_tensor_parallel_plan(self) -> None:
-        """At setup, a model an earlier Trainer parallelized: loss parallel needs the plan kept on it."""
-        if self._tp_plan is None:
-            self._tp_plan = getattr(self.model, _TP_PLAN, None)
 
     @property
     def loss_parallel_head(self) -> str | None:

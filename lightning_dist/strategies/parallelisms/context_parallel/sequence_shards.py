@@ -51,6 +51,9 @@ class ContextParallelSteps(_Base):
     """Batches sharded on the sequence, global positions and context-parallel attention, when ``cp > 1``."""
 
     declared_parts = (ContextParallelPart,)
+    #: What parallelizing learns of the model, taken over by a later Trainer's strategy with the model (see
+    #: ``lifecycle/model_handover``): where the global positions go, the rotary tables, a causal LM's label shift.
+    parallelized_state = ("_positions", "_rope_tables", "_causal_lm", "_explicit_masks")
 
     def init_context_parallel(self, attention: str, load_balance: str, sequence_keys: list[str] | None) -> None:
         """Check and keep the context-parallel options (called from the strategy's ``__init__``)."""

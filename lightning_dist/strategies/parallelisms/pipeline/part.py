@@ -36,14 +36,12 @@ class PipelinePart(StepPart):
 
     def before_setup(self, trainer: pl.Trainer) -> None:
         self.strategy.refuse_manual_optimization()  # ranks that torchrun or SLURM started: no launching process
-        self.strategy.adopt_cut_from_model()  # a model an earlier Trainer's pipeline cut
 
     def wrap_optimizer_setup(self, setup: Callable[[], None]) -> Callable[[], None]:
         return functools.partial(self.strategy.setup_stage_optimizers, setup)
 
     def after_setup(self, trainer: pl.Trainer) -> None:
         self.strategy.let_the_schedule_run_backward(trainer)
-        self.strategy.keep_cut_on_model()
 
     def before_training_batch(self, trainer: pl.Trainer) -> None:
         # again: StochasticWeightAveraging turns Lightning's backward back on at every epoch end

@@ -34,22 +34,11 @@ else:
 Split = str | list[str] | list[list[str]]
 
 
-#: What a pipeline strategy's cut sets on it (hybrid3d: and the rope tables' place under cp), kept on the model.
-_CUT_STATE = (
-    "_module",
-    "_module_prefix",
-    "_plan",
-    "_ties",
-    "_tie_groups",
-    "_stage_ids",
-    "_model_parts",
-    "_rope_in_parts",
-)
-_CUT_ON_MODEL = "_lightning_dist_pipeline_cut"
-
-
 class PipelineStages(_Base):
     """Stage cutting and set-up of a pipeline strategy, when ``pp > 1``."""
+
+    #: What the cut sets, taken over by a later Trainer's strategy with the model (see ``lifecycle/model_handover``).
+    parallelized_state = ("_module", "_module_prefix", "_plan", "_ties", "_tie_groups", "_stage_ids", "_model_parts")
 
     def init_pipeline(
         self, schedule: str, n_microbatches: int | None, stages_per_rank: int | None, split: Split
@@ -72,20 +61,6 @@ class PipelineStages(_Base):
     @property
     def pipelined(self) -> bool:
         return self.parallel_dims.pp > 1
-
-    def keep_cut_on_model(self) -> None:
-        """After set-up: what the cut made (the stages, the plan, the ties) kept on the LightningModule, so that a
-        later Trainer given the same model (``Trainer(...).test(model)`` after ``fit``) runs its stages."""
-        state = {name: getattr(self, name) for name in _CUT_STATE if hasattr(self, name)}
-        object.__setattr__(self.model, _CUT_ON_MODEL, state)
-
-    def adopt_cut_from_model(self) -> None:
-        """At set-up, a model an earlier Trainer's pipeline strategy cut: take over its cut (the mesh is the same:
-        checked before launch)."""
-        state = getattr(self.model, _CUT_ON_MODEL, None)
-        if state is not None and getattr(self.model, PARALLELIZED, None) is not None and self._module is None:
-            for name, value in state.items():
-                setattr(self, name, value)
 
     @property
     def pipelined_module(self) -> Module | None:

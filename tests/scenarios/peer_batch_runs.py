@@ -106,7 +106,7 @@ def _fabric_worker_seeds(devices: int, workdir: str, strategy: str) -> dict[str,
     for step, batch in enumerate(loader):
         if step == STEPS:
             break
-        digests.append(batch_fingerprint(batch))
+        digests.append(batch_fingerprint(batch).exact)
         logits = model(batch["input_ids"])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
         fabric.backward(loss)

@@ -6,7 +6,7 @@ a loader that splits by ``torch.distributed.get_rank()`` / ``get_world_size()`` 
 a ``DistributedSampler`` built with ``num_replicas=trainer.world_size``) splits over the peers as well, and the run
 trained on mismatched halves without a word (tp peers summed partial results of different inputs; the pipeline's
 last stage scored one batch's outputs against another's labels). The first batch of each loop (training,
-validation, test, predict, sanity check) is compared between peers, one 8-byte digest per rank in one all-gather;
+validation, test, predict, sanity check) is compared between peers, a small fingerprint per rank in one all-gather;
 a difference stops every rank at once with what to change.
 
 ``seed_everything(seed, workers=True)`` seeds each dataloader worker from the global rank (Lightning's
@@ -20,13 +20,12 @@ import os
 from functools import partial
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import pl_worker_init_function
 from typing_extensions import override
 
 from lightning_dist.compat.lightning import attached_trainer
-from lightning_dist.parallel.batch_fingerprint import batch_fingerprint
+from lightning_dist.parallel.batch_fingerprint import BatchFingerprint, batch_fingerprint
 
 
 class PeerBatchMismatchError(RuntimeError):
@@ -67,18 +66,14 @@ class PeerBatches:
 
     def check_peer_batches(self, batch: Any, loop: str) -> None:
         """Raise :class:`PeerBatchMismatchError` on every rank when peers read different batches (collective)."""
-        mine = torch.tensor(
-            [self.distributed_sampler_kwargs["rank"], batch_fingerprint(batch)],  # type: ignore[attr-defined]
-            dtype=torch.int64,
-            device=self.root_device,  # type: ignore[attr-defined]
-        )
-        every = torch.empty(dist.get_world_size() * 2, dtype=torch.int64, device=mine.device)
-        dist.all_gather_into_tensor(every, mine)
+        mine = (self.distributed_sampler_kwargs["rank"], batch_fingerprint(batch))  # type: ignore[attr-defined]
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
         mesh = str(self.parallel_dims)  # type: ignore[attr-defined]
-        first: dict[int, tuple[int, int]] = {}
-        for rank, (dp_rank, fingerprint) in enumerate(every.view(-1, 2).tolist()):
+        first: dict[int, tuple[int, BatchFingerprint]] = {}
+        for rank, (dp_rank, fingerprint) in enumerate(every):
             seen = first.setdefault(dp_rank, (rank, fingerprint))
-            if seen[1] != fingerprint:
+            if not seen[1].same_batch(fingerprint):
                 raise PeerBatchMismatchError(_mismatch_message(seen[0], rank, dp_rank, loop, mesh))
 
 

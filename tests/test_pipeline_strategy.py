@@ -353,3 +353,17 @@ def test_buffers_a_forward_updates_count_each_microbatch_once(tmp_path):
             assert float(gap.max()) <= 1e-12, (kind, name)
     assert len(run["warnings"]) == 1 and "accumulate_grad_batches=4 over batches of 2" in run["warnings"][0]
     assert one["warnings"] == []
+
+
+def test_hugging_face_gradient_checkpointing_trains_as_one_process(tmp_path):
+    """A stock Llama with model.gradient_checkpointing_enable() (Hugging Face's own checkpointing), fp64: losses and
+    gradient norms equal one process under pipeline (pp2), fsdp2 and tensor_parallel. Before: the pipeline refused it
+    before launch ("Tensor.item() cannot be called on meta tensors ... Pass split= ..."): the stage rehearsal ran the
+    whole forward without autograd, where transformers keeps the key/value cache, and the stages with it, where its
+    checkpointing turns the cache off and the mask code reads tensor values, so the stages alone seemed to fail."""
+    runs = run_scenarios("hf_checkpointing_runs.py", 2, tmp_path, ["pipeline", "fsdp2", "tensor_parallel"])
+    one = run_scenarios("hf_checkpointing_runs.py", 1, tmp_path, ["one_process"])["one_process"]
+    assert len(one["losses"]) == len(one["grad_norms"]) == 3
+    for name, run in runs.items():
+        assert max_abs_diff(run["losses"], one["losses"]) <= 1e-10, name
+        assert max_abs_diff(run["grad_norms"], one["grad_norms"]) <= 1e-10, name

@@ -66,8 +66,11 @@ def rehearse_stages(model: nn.Module, plan: StagePlan, inputs: dict[str, Any] | 
 
 
 def _runs_whole(model: nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether the whole forward runs on the meta device, with autograd on as the stages run (a model may take
+    another path with it: transformers' gradient checkpointing turns the key/value cache off, and its mask code then
+    reads tensor values)."""
     try:
-        with on_meta():
+        with on_meta(grad=True):
             meta_twin(model)(**kwargs)
     except Exception:  # noqa: BLE001 (this forward cannot run on the meta device: nothing to compare with)
         return False

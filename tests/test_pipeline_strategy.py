@@ -11,7 +11,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from launch import FULL_MATRIX, max_abs_diff, run_scenarios
+from launch import FULL_MATRIX, max_abs_diff, run_failing_scenario, run_scenarios
 
 from lightning_dist import PipelineStrategy
 from lightning_dist.parallel.mesh import MeshConfigError, ParallelDims
@@ -367,3 +367,9 @@ def test_hugging_face_gradient_checkpointing_trains_as_one_process(tmp_path):
     for name, run in runs.items():
         assert max_abs_diff(run["losses"], one["losses"]) <= 1e-10, name
         assert max_abs_diff(run["grad_norms"], one["grad_norms"]) <= 1e-10, name
+
+    # use_reentrant=True cannot run in a stage (torch's schedule computes input gradients with autograd.grad): said
+    # with the fix, instead of torch's "incompatible with .grad()" about a call the user never made
+    failed = run_failing_scenario("hf_checkpointing_runs.py", 2, tmp_path, "pipeline_reentrant", timeout=120)
+    output = failed.stdout + failed.stderr
+    assert failed.returncode != 0 and "gradient_checkpointing_kwargs={'use_reentrant': False}" in output, output[-3000:]

@@ -30,6 +30,16 @@ from lightning_dist.parallel.pipeline.stage import stage_runtime
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
+_REENTRANT_CHECKPOINT = "When use_reentrant=True, torch.utils.checkpoint is incompatible with .grad()"
+REENTRANT_CHECKPOINT_MESSAGE = (
+    "The model uses torch.utils.checkpoint with use_reentrant=True (transformers:"
+    " gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': True}), or a checkpoint call in"
+    " its own forward), which cannot run in a pipeline stage: torch's schedule computes each stage's input gradients"
+    " with torch.autograd.grad, and reentrant checkpointing refuses that. Use use_reentrant=False (transformers:"
+    " gradient_checkpointing_kwargs={'use_reentrant': False}), or leave checkpointing to the strategy:"
+    " activation_checkpointing=True."
+)
+
 
 class PipelineRunner:
     """This rank's part of a pipeline: its stage modules, the schedule, and the loss on the last stage.
@@ -94,7 +104,12 @@ class PipelineRunner:
             losses: Receives the per-micro-batch losses on the last stage.
         """
         schedule = self._schedule_for(model_inputs)
-        schedule.step(target=target, losses=losses, return_outputs=False, **self._batched(model_inputs))
+        try:
+            schedule.step(target=target, losses=losses, return_outputs=False, **self._batched(model_inputs))
+        except RuntimeError as err:
+            if _REENTRANT_CHECKPOINT in str(err):
+                raise RuntimeError(REENTRANT_CHECKPOINT_MESSAGE) from err
+            raise
 
     def eval(self, model_inputs: dict[str, Any], target: Any = None, losses: list | None = None) -> None:
         """Forward only (:mod:`.forward_only`, any batch shape); ``loss_fn`` runs per micro-batch on the last stage

@@ -22,3 +22,12 @@ def test_a_model_trained_by_one_trainer_trains_and_tests_under_the_next(tmp_path
     for name, run in runs.items():
         assert max(abs(a - b) for a, b in zip(run["losses"], one["losses"])) <= 1e-10, name
         assert abs(run["test_loss"] - one["test_loss"]) <= 1e-10, name
+
+
+def test_rank_zero_alone_loads_the_checkpoint_folder_after_a_fit(tmp_path):
+    """``if trainer.is_global_zero: MyModule.load_from_checkpoint(best_folder)`` after a 2-rank fsdp2 fit, then a test
+    on every rank. Before: the folder's checksums were verified as a collective whenever a process group existed, so
+    rank 0 alone verified half the files and its all-gather met the other rank's next collective: the job hung. Now
+    the load verifies every file in the one process and uses no collective; the weights equal the trained ones."""
+    run = run_scenarios(SCRIPT, 2, tmp_path, ["load_on_rank_zero"], timeout=180)["load_on_rank_zero"]
+    assert run["gap"] == 0.0 and run["test_loss"] > 0

@@ -42,9 +42,11 @@ WEIGHTS_ONLY_KEYS = ("state_dict", "hyper_parameters", "hparams_name", "pytorch-
 def load_full_checkpoint(path: str | os.PathLike, weights_only: bool = True) -> dict[str, Any]:
     """The checkpoint at ``path`` as one dict in the format of a one-device Lightning checkpoint (full tensors,
     position-keyed ``optimizer_states``), whether it is a sharded folder or a single file, after verifying its
-    checksums. Needs no process group. ``weights_only=False`` trusts the files with full unpickling."""
+    checksums. Needs no process group, and uses none when one exists (``if trainer.is_global_zero:
+    MyModule.load_from_checkpoint(folder)`` after a distributed fit): this process verifies every file.
+    ``weights_only=False`` trusts the files with full unpickling."""
     path = validate_checkpoint(path, weights_only)
-    verify_checksums(path, weights_only)
+    verify_checksums(path, weights_only, alone=True)
     if not is_sharded_checkpoint(path):
         return read_checkpoint_file(path, weights_only, mmap=False)
     checkpoint = read_metadata(path, weights_only)

@@ -14,7 +14,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import all_ranks_state, run_scenario_script, trainer_kwargs  # type: ignore[import-not-found]
+from common import StepRecorder, all_ranks_state, run_scenario_script, trainer_kwargs  # type: ignore[import-not-found]
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -82,7 +82,49 @@ def _batch_norm(devices: int, workdir: str, batch_size: int, accumulate: int, st
     }
 
 
+class InterleavedLitGPT(L.LightningModule):
+    """litgpt's GPT with 4 layers (rotary cache buffers on the root, which every stage shell shares)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from litgpt.config import Config
+        from litgpt.model import GPT
+
+        torch.manual_seed(0)
+        config = Config(
+            block_size=16, vocab_size=64, padded_vocab_size=64, n_layer=4, n_head=4, n_query_groups=2, n_embd=32,
+            bias=False, norm_class_name="LayerNorm", mlp_class_name="LLaMAMLP", intermediate_size=64,
+        )  # fmt: skip
+        self.gpt = GPT(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        logits = self.gpt(tokens[:, :-1])
+        return nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _litgpt(devices: int, workdir: str, strategy: Any) -> dict[str, Any]:
+    """Two steps of litgpt's GPT, fp64: the losses (an interleaved schedule holds two stages per rank)."""
+    data = TensorDataset(torch.randint(0, 64, (32, 17), generator=torch.Generator().manual_seed(1)))
+    model = InterleavedLitGPT()
+    recorder = StepRecorder()
+    trainer = L.Trainer(
+        **trainer_kwargs(devices, strategy=strategy, use_distributed_sampler=False, precision="64-true"),
+        max_steps=STEPS,
+        callbacks=[recorder],
+    )
+    trainer.fit(model, DataLoader(data, batch_size=BATCH))
+    return {"losses": recorder.losses}
+
+
 SCENARIOS = {
+    "litgpt_interleaved": lambda d, w: _litgpt(
+        d, w, PipelineStrategy(pipeline_parallel_size=d, schedule="interleaved_1f1b", n_microbatches=MICROBATCHES)
+    ),
+    "litgpt_one_process": lambda d, w: _litgpt(d, w, "auto"),
     "batch_norm_pipeline": lambda d, w: _batch_norm(
         d, w, BATCH, 1, PipelineStrategy(pipeline_parallel_size=d, n_microbatches=MICROBATCHES)
     ),

@@ -26,7 +26,8 @@ from lightning_dist.compat import wrap_stage_shape_inference
 
 def isolate_shape_inference(stage: object, module: nn.Module) -> None:
     """Make ``stage``'s shape inference (a torch ``PipelineStage`` running ``module``) leave no trace: the buffers
-    are saved before its forward and put back after its backward (in between, autograd holds them)."""
+    are saved before its forward and those it changed put back after its backward (in between, autograd holds
+    them)."""
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @contextmanager
@@ -40,7 +41,19 @@ def isolate_shape_inference(stage: object, module: nn.Module) -> None:
             if phase != "forward":
                 with torch.no_grad():
                     for buffer, value in saved:
-                        buffer.copy_(value)
+                        if not _same(buffer, value):  # an unchanged buffer is left alone (see below)
+                            buffer.copy_(value)
                 saved.clear()
 
     wrap_stage_shape_inference(stage, without_traces)
+
+
+def _same(buffer: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``buffer`` still holds ``value`` (NaN where it held NaN). Writing it back anyway would bump its version:
+    stages on one rank share their root's buffers (litgpt's rotary cache), and under an interleaved schedule another
+    stage's rehearsal forward, whose backward is still to run, has saved them."""
+    if torch.equal(buffer, value):
+        return True
+    if not buffer.is_floating_point():
+        return False
+    return torch.equal(buffer.isnan(), value.isnan()) and torch.equal(buffer.nan_to_num(), value.nan_to_num())

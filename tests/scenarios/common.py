@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +32,30 @@ from torch.utils.data import DataLoader, DistributedSampler
 import lightning_dist  # noqa: F401
 from examples.data import TextDataModule
 from examples.gpt import GPT
+from lightning_dist import (
+    ContextParallelStrategy,
+    FSDP2Strategy,
+    Hybrid3DStrategy,
+    PipelineStrategy,
+    TensorParallelStrategy,
+)
 from lightning_dist.parallel.grad_clip import total_grad_norm
 from lightning_dist.parallel.tensor_parallel import permuted_parameters, to_checkpoint_order
 from lightning_dist.profiling import CommCounter, NodeTopology, attach_phase_hooks
 
 SEQ_LEN = 32
 GLOBAL_BATCH = 8  # samples per optimizer micro-step across all data-parallel ranks
+
+#: Each strategy over all ``d`` ranks of a run, and ``one_process`` (``"auto"``) for the reference:
+#: ``name -> (strategy for d ranks, whether every rank is data-parallel)``; the others split the model over them.
+ALL_RANKS: dict[str, tuple[Callable[[int], Any], bool]] = {
+    "fsdp2": (lambda d: FSDP2Strategy(), True),
+    "tensor_parallel": (lambda d: TensorParallelStrategy(tensor_parallel_size=d), False),
+    "pipeline": (lambda d: PipelineStrategy(pipeline_parallel_size=d), False),
+    "context_parallel": (lambda d: ContextParallelStrategy(context_parallel_size=d), False),
+    "hybrid3d": (lambda d: Hybrid3DStrategy(pipeline_parallel_size=d), False),
+    "one_process": (lambda d: "auto", False),
+}
 
 
 class StepRecorder(Callback):

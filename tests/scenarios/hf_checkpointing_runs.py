@@ -7,26 +7,17 @@ python tests/scenarios/hf_checkpointing_runs.py --devices 2 --out r.json --workd
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import lightning as L
-from common import AllStagesRecorder, make_model_and_data, run_scenario_script, trainer_kwargs  # type: ignore[import-not-found]
+from common import ALL_RANKS, AllStagesRecorder, make_model_and_data, run_scenario_script, trainer_kwargs  # type: ignore[import-not-found]
 from models import HFLlama  # type: ignore[import-not-found]
 
-from lightning_dist import FSDP2Strategy, PipelineStrategy, TensorParallelStrategy
-
 STEPS = 3
-STRATEGIES: dict[str, tuple[Callable[[int], Any], bool]] = {  # (strategy for d devices, whether every rank is dp)
-    "fsdp2": (lambda d: FSDP2Strategy(), True),
-    "tensor_parallel": (lambda d: TensorParallelStrategy(tensor_parallel_size=d), False),
-    "pipeline": (lambda d: PipelineStrategy(pipeline_parallel_size=d), False),
-    "one_process": (lambda d: "auto", False),
-}
 
 
 def _train(devices: int, workdir: str, name: str, reentrant: bool = False) -> dict[str, Any]:
-    make, every_rank_dp = STRATEGIES[name]
+    make, every_rank_dp = ALL_RANKS[name]
     _, data = make_model_and_data(devices, dp_size=devices if every_rank_dp else 1, vocab_size=64)
     L.seed_everything(0)
     model = HFLlama(64, logits_loss=True)
@@ -39,7 +30,9 @@ def _train(devices: int, workdir: str, name: str, reentrant: bool = False) -> di
     return {"losses": recorder.losses, "grad_norms": recorder.grad_norms}
 
 
-SCENARIOS = {name: lambda d, w, name=name: _train(d, w, name) for name in STRATEGIES}
+SCENARIOS = {
+    name: lambda d, w, name=name: _train(d, w, name) for name in ("fsdp2", "tensor_parallel", "pipeline", "one_process")
+}
 SCENARIOS["pipeline_reentrant"] = lambda d, w: _train(d, w, "pipeline", reentrant=True)
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import StepRecorder, full_state, make_model_and_data, run_scenario_script, trainer_kwargs  # type: ignore[import-not-found]
+from common import ALL_RANKS, StepRecorder, full_state, make_model_and_data, run_scenario_script, trainer_kwargs  # type: ignore[import-not-found]
 from lightning.pytorch.callbacks import (
     BackboneFinetuning,
     Callback,
@@ -210,14 +210,14 @@ def _anomaly(devices: int, workdir: str, name: str, strategy: Any, dp: int, nan:
 def _each(run: Callable[..., dict[str, Any]], kind: str) -> dict[str, Callable[[int, str], dict[str, Any]]]:
     """``run`` under each strategy, as ``<kind>_<strategy>``."""
     strategies: dict[str, tuple[Callable[[int], Any], bool]] = {  # (strategy for d devices, whether dp = d)
-        "fsdp2": (lambda d: FSDP2Strategy(), True),
+        "fsdp2": ALL_RANKS["fsdp2"],
         "zeropp": (
             lambda d: ZeroPPStrategy(quantized_weights=False, quantized_gradients=False, ranks_per_node=1),
             True,
         ),
         "ddp": (lambda d: "ddp", True),
-        "tensor_parallel": (lambda d: TensorParallelStrategy(tensor_parallel_size=d), False),
-        "one_process": (lambda d: "auto", False),
+        "tensor_parallel": ALL_RANKS["tensor_parallel"],
+        "one_process": ALL_RANKS["one_process"],
     }
     return {
         f"{kind}_{name}": (

@@ -8,11 +8,11 @@ python tests/scenarios/model_reuse_runs.py --devices 2 --out r.json --workdir DI
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 import lightning as L
 from common import (  # type: ignore[import-not-found]
+    ALL_RANKS,
     StepRecorder,
     full_state,
     make_model_and_data,
@@ -21,27 +21,13 @@ from common import (  # type: ignore[import-not-found]
 )
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_dist import (
-    ContextParallelStrategy,
-    FSDP2Strategy,
-    Hybrid3DStrategy,
-    PipelineStrategy,
-    TensorParallelStrategy,
-)
+from lightning_dist import FSDP2Strategy
 
 STEPS = 2
-STRATEGIES: dict[str, tuple[Callable[[int], Any], bool]] = {  # (strategy for d devices, whether every rank is dp)
-    "fsdp2": (lambda d: FSDP2Strategy(), True),
-    "tensor_parallel": (lambda d: TensorParallelStrategy(tensor_parallel_size=d), False),
-    "pipeline": (lambda d: PipelineStrategy(pipeline_parallel_size=d), False),
-    "context_parallel": (lambda d: ContextParallelStrategy(context_parallel_size=d), False),
-    "hybrid3d": (lambda d: Hybrid3DStrategy(pipeline_parallel_size=d), False),
-    "one_process": (lambda d: "auto", False),
-}
 
 
 def _reuse(devices: int, workdir: str, name: str) -> dict[str, Any]:
-    make, every_rank_dp = STRATEGIES[name]
+    make, every_rank_dp = ALL_RANKS[name]
     model, data = make_model_and_data(devices, dp_size=devices if every_rank_dp else 1, vocab_size=64)
     model = model.double()
     losses = []
@@ -78,7 +64,7 @@ def _load_on_rank_zero(devices: int, workdir: str) -> dict[str, Any]:
     return {"gap": gap, "test_loss": tester.test(model, datamodule=data, verbose=False)[0]["test_loss"]}
 
 
-SCENARIOS = {f"reuse_{name}": lambda d, w, name=name: _reuse(d, w, name) for name in STRATEGIES}
+SCENARIOS = {f"reuse_{name}": lambda d, w, name=name: _reuse(d, w, name) for name in ALL_RANKS}
 SCENARIOS["load_on_rank_zero"] = _load_on_rank_zero
 
 if __name__ == "__main__":

@@ -11,16 +11,15 @@ python tests/scenarios/peer_batch_runs.py --devices 2 --out r.json --workdir DIR
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
 import torch
 import torch.distributed as dist
-from common import StepRecorder, make_model_and_data, run_scenario_script, trainer_kwargs  # type: ignore[import-not-found]
+from common import ALL_RANKS, StepRecorder, make_model_and_data, run_scenario_script, trainer_kwargs  # type: ignore[import-not-found]
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
-from lightning_dist import ContextParallelStrategy, FSDP2Strategy, PipelineStrategy, TensorParallelStrategy
 from lightning_dist.parallel.batch_fingerprint import batch_fingerprint
 from lightning_dist.strategies.lifecycle.peer_batches import PeerBatchMismatchError
 
@@ -54,19 +53,10 @@ class RandomlyShifted(Dataset):
         return {"input_ids": tokens[:-1], "labels": tokens[1:]}
 
 
-STRATEGIES: dict[str, Callable[[int], Any]] = {
-    "fsdp2": lambda d: FSDP2Strategy(),
-    "tensor_parallel": lambda d: TensorParallelStrategy(tensor_parallel_size=d),
-    "pipeline": lambda d: PipelineStrategy(pipeline_parallel_size=d),
-    "context_parallel": lambda d: ContextParallelStrategy(context_parallel_size=d),
-    "one_process": lambda d: "auto",
-}
-
-
 def _rank_stream(devices: int, workdir: str, strategy: str) -> dict[str, Any]:
     model, _ = make_model_and_data(devices, dp_size=1, vocab_size=64)
     trainer = L.Trainer(
-        **trainer_kwargs(devices, strategy=STRATEGIES[strategy](devices), limit_val_batches=0), max_steps=STEPS
+        **trainer_kwargs(devices, strategy=ALL_RANKS[strategy][0](devices), limit_val_batches=0), max_steps=STEPS
     )
     try:
         trainer.fit(model, DataLoader(RankShardedStream(), batch_size=4))
@@ -80,7 +70,7 @@ def _worker_seeds(devices: int, workdir: str, strategy: str) -> dict[str, Any]:
     L.seed_everything(0, workers=True)
     recorder = StepRecorder()
     trainer = L.Trainer(
-        **trainer_kwargs(devices, strategy=STRATEGIES[strategy](devices), limit_val_batches=0, precision="64-true"),
+        **trainer_kwargs(devices, strategy=ALL_RANKS[strategy][0](devices), limit_val_batches=0, precision="64-true"),
         max_steps=STEPS,
         callbacks=[recorder],
     )
@@ -117,11 +107,13 @@ def _fabric_worker_seeds(devices: int, workdir: str, strategy: str) -> dict[str,
     return {"losses": losses, "digests": ranks}
 
 
+_NAMES = ("fsdp2", "tensor_parallel", "pipeline", "context_parallel", "one_process")
+
 SCENARIOS = {
     "fabric_worker_seeds_tensor_parallel": lambda d, w: _fabric_worker_seeds(d, w, "tensor_parallel"),
     "fabric_worker_seeds_one_process": lambda d, w: _fabric_worker_seeds(d, w, "auto"),
-    **{f"rank_stream_{name}": lambda d, w, name=name: _rank_stream(d, w, name) for name in STRATEGIES},
-    **{f"worker_seeds_{name}": lambda d, w, name=name: _worker_seeds(d, w, name) for name in STRATEGIES},
+    **{f"rank_stream_{name}": lambda d, w, name=name: _rank_stream(d, w, name) for name in _NAMES},
+    **{f"worker_seeds_{name}": lambda d, w, name=name: _worker_seeds(d, w, name) for name in _NAMES},
 }
 
 if __name__ == "__main__":

@@ -48,9 +48,10 @@ class PeerBatches:
     def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
         loop = self._current_loop()
-        if loop is not None and loop not in self._peer_checked_loops and self._has_batch_peers():
+        if loop is not None and loop not in self._peer_checked_loops:  # once per loop, then nothing per batch
             self._peer_checked_loops = self._peer_checked_loops | {loop}
-            self.check_peer_batches(batch, loop)
+            if self._has_batch_peers():
+                self.check_peer_batches(batch, loop)
         return batch
 
     def _current_loop(self) -> str | None:
@@ -91,8 +92,9 @@ _LOOP_NAMES = {"train": "training", "sanity_check": "sanity-check", "validate": 
 
 
 def _mismatch_message(first: int, other: int, dp_rank: int, loop: str, mesh: str) -> str:
+    step = _LOOP_NAMES.get(loop, loop)
     return (
-        f"Ranks {first} and {other} read different batches in their first {_LOOP_NAMES.get(loop, loop)} step, but they are tensor, context"
+        f"Ranks {first} and {other} read different batches in their first {step} step, but they are tensor, context"
         f" or pipeline peers (data-parallel rank {dp_rank} of the mesh {mesh}): they split one model, so each needs"
         " the same whole batch. Split the data over data-parallel ranks only: Lightning's DistributedSampler does"
         " (use_distributed_sampler=True, the default, with a map-style dataset); a sampler or an iterable dataset"

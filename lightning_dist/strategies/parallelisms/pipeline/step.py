@@ -163,8 +163,7 @@ def warn_batch_norm_per_microbatch(
             f" its own and updates its running statistics {microbatches} times per batch: it trains as one process"
             f" with accumulate_grad_batches={microbatches * accumulate} over batches of {batch_size // microbatches}"
             f" would, not as one over whole batches of {batch_size}. Fewer micro-batches (n_microbatches=) make them"
-            " larger;"
-            " LayerNorm or GroupNorm do not depend on the batch."
+            " larger; LayerNorm or GroupNorm do not depend on the batch."
         )
 
 
